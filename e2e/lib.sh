@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Shared by e2e/run.sh (the test suite) and e2e/local.sh (the main job): start and stop the
+# local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler), the fake
+# kubelet, and persistent-pod-state itself; install the CRD and register the webhook.
+#
+# Settings (environment):
+#   CLUSTER_DIR     state, logs, certificates and kubeconfig of this control plane
+#   ETCD_PORT       etcd client port (peer port is ETCD_PORT+1)
+#   APISERVER_PORT  kube-apiserver HTTPS port
+#   WEBHOOK_HOST    address the API server calls the webhook at (default 127.0.0.1)
+#   WEBHOOK_PORT    persistent-pod-state HTTPS port
+#   PROBE_PORT      persistent-pod-state probe port (127.0.0.1)
+#   PPS_CACHE       where the control plane binaries are cached (~/.cache/persistent-pod-state)
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${PPS_CACHE:-$HOME/.cache/persistent-pod-state}"
+KBIN="$CACHE/bin"
+PPS_BIN="${PPS_BIN:-$ROOT/target/debug/persistent-pod-state}"
+KUBELET_BIN="${KUBELET_BIN:-$ROOT/target/debug/fake-kubelet}"
+NODES=(node-a1=zone-a node-a2=zone-a node-b1=zone-b node-b2=zone-b)
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# wait_until DEADLINE_SECONDS DESCRIPTION COMMAND...: polls COMMAND until it succeeds.
+wait_until() {
+  local deadline=$(( $(date +%s) + $1 )) what=$2
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    if (( $(date +%s) >= deadline )); then
+      log "timed out waiting for $what"
+      return 1
+    fi
+    sleep 0.2
+  done
+}
+
+# start_bg NAME COMMAND...: runs COMMAND in the background, logging to $CLUSTER_DIR/logs/NAME.log.
+start_bg() {
+  local name=$1
+  shift
+  mkdir -p "$CLUSTER_DIR/logs"
+  "$@" >"$CLUSTER_DIR/logs/$name.log" 2>&1 &
+  echo $! >"$CLUSTER_DIR/$name.pid"
+}
+
+stop_bg() {
+  local pidfile="$CLUSTER_DIR/$1.pid"
+  [[ -f $pidfile ]] || return 0
+  local pid
+  pid=$(cat "$pidfile")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    local i
+    for i in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}
+
+install_packages() {
+  local missing=()
+  command -v curl >/dev/null || missing+=(curl)
+  command -v openssl >/dev/null || missing+=(openssl)
+  if ((${#missing[@]})); then
+    local sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+cluster_up() {
+  bash "$ROOT/e2e/build-control-plane.sh"
+  install_packages
+  mkdir -p "$CLUSTER_DIR"/{pki,etcd,logs}
+  local pki="$CLUSTER_DIR/pki"
+  "$PPS_BIN" certs --out-dir "$pki" --host 127.0.0.1 --host localhost --host kubernetes.default.svc 2>/dev/null
+  # Service account tokens are signed with their own key (SEC1 EC format, which v1.20 reads).
+  openssl ecparam -name prime256v1 -genkey -noout -out "$pki/sa.key" 2>/dev/null
+  local token
+  token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  echo "$token,admin,admin,system:masters" >"$pki/tokens.csv"
+  chmod 600 "$pki/tokens.csv"
+
+  log "starting etcd on 127.0.0.1:$ETCD_PORT"
+  start_bg etcd etcd --name default --data-dir "$CLUSTER_DIR/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-cluster "default=http://127.0.0.1:$((ETCD_PORT + 1))"
+  wait_until 30 etcd curl -sf "http://127.0.0.1:$ETCD_PORT/health"
+
+  log "starting kube-apiserver on 127.0.0.1:$APISERVER_PORT"
+  start_bg kube-apiserver "$KBIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
+    --tls-cert-file "$pki/tls.crt" --tls-private-key-file "$pki/tls.key" \
+    --token-auth-file "$pki/tokens.csv" --authorization-mode RBAC \
+    --service-account-issuer https://kubernetes.default.svc \
+    --service-account-key-file "$pki/sa.key" --service-account-signing-key-file "$pki/sa.key" \
+    --service-cluster-ip-range 10.96.0.0/16 --disable-admission-plugins ServiceAccount \
+    --allow-privileged=true
+
+  KUBECONFIG="$CLUSTER_DIR/kubeconfig"
+  export KUBECONFIG
+  cat >"$KUBECONFIG" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority: $pki/ca.crt
+users:
+- name: admin
+  user:
+    token: $token
+contexts:
+- name: local
+  context: {cluster: local, user: admin}
+current-context: local
+KC
+  chmod 600 "$KUBECONFIG"
+  wait_until 90 kube-apiserver kubectl get --raw /readyz
+
+  log "starting kube-controller-manager and kube-scheduler"
+  start_bg kube-controller-manager "$KBIN/kube-controller-manager" --kubeconfig "$KUBECONFIG" \
+    --leader-elect=false --port 0 --secure-port 0 --use-service-account-credentials=false \
+    --controllers '*,-nodelifecycle,-csrsigning,-nodeipam,-cloud-node-lifecycle' \
+    --root-ca-file "$pki/ca.crt" --service-account-private-key-file "$pki/sa.key"
+  start_bg kube-scheduler "$KBIN/kube-scheduler" --kubeconfig "$KUBECONFIG" \
+    --leader-elect=false --port 0 --secure-port 0
+}
+
+cluster_down() {
+  local c
+  for c in persistent-pod-state fake-kubelet kube-scheduler kube-controller-manager kube-apiserver etcd; do
+    stop_bg "$c"
+  done
+}
+
+nodes_up() {
+  local args=() n
+  for n in "${NODES[@]}"; do args+=(--node "$n"); done
+  log "starting the fake kubelet for ${NODES[*]}"
+  start_bg fake-kubelet "$KUBELET_BIN" "${args[@]}"
+  wait_until 60 "${#NODES[@]} ready nodes" bash -c \
+    "[[ \$(kubectl get nodes -o jsonpath='{range .items[*]}{.spec.taints}{\"|\"}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^|True$') -eq ${#NODES[@]} ]]"
+}
+
+install_crd() {
+  kubectl apply -f "$ROOT/manifests/crd.yaml" >/dev/null
+  kubectl wait --for condition=established --timeout=60s crd/persistentpodstates.apps.kruise.io >/dev/null
+}
+
+# webhook_certs: a CA and serving certificate for WEBHOOK_HOST in $CLUSTER_DIR/webhook-certs.
+webhook_certs() {
+  "$PPS_BIN" certs --out-dir "$CLUSTER_DIR/webhook-certs" --host "${WEBHOOK_HOST:-127.0.0.1}" --host localhost 2>/dev/null
+}
+
+# serve_up: `serve` in the background on WEBHOOK_PORT/PROBE_PORT, until ready.
+serve_up() {
+  webhook_certs
+  log "starting persistent-pod-state serve (webhook 127.0.0.1:$WEBHOOK_PORT, probes 127.0.0.1:$PROBE_PORT)"
+  start_bg persistent-pod-state env \
+    PPS_LISTEN="127.0.0.1:$WEBHOOK_PORT" PPS_PROBE_LISTEN="127.0.0.1:$PROBE_PORT" \
+    PPS_TLS_CERT="$CLUSTER_DIR/webhook-certs/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-certs/tls.key" \
+    PPS_SHUTDOWN_DELAY_SECONDS=0 \
+    "$PPS_BIN" serve
+  wait_until 60 "persistent-pod-state readiness" curl -sf "http://127.0.0.1:$PROBE_PORT/readyz"
+}
+
+# register_webhook: the MutatingWebhookConfiguration for pod CREATE, pointing at WEBHOOK_HOST.
+register_webhook() {
+  local ca
+  ca=$(base64 -w0 <"$CLUSTER_DIR/webhook-certs/ca.crt")
+  kubectl apply -f - >/dev/null <<YAML
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingWebhookConfiguration
+metadata:
+  name: persistent-pod-state
+webhooks:
+- name: mutate-pod.persistent-pod-state.apps.kruise.io
+  admissionReviewVersions: ["v1"]
+  clientConfig:
+    url: https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/mutate-pod
+    caBundle: $ca
+  failurePolicy: Fail
+  sideEffects: None
+  timeoutSeconds: 5
+  reinvocationPolicy: Never
+  rules:
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["pods"]
+    scope: Namespaced
+YAML
+}
+
+unregister_webhook() {
+  kubectl delete mutatingwebhookconfiguration persistent-pod-state --ignore-not-found >/dev/null 2>&1 || true
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs the end-to-end suite: builds what is needed (the control plane once, cached), starts a
+# fresh local control plane with 4 fake-kubelet nodes in 2 zones, the webhook server, registers
+# the webhook, runs `cargo test --features e2e --test e2e`, and tears everything down.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+export CLUSTER_DIR="${CLUSTER_DIR:-$(mktemp -d /tmp/pps-e2e.XXXXXX)}"
+export ETCD_PORT="${ETCD_PORT:-12379}" APISERVER_PORT="${APISERVER_PORT:-16443}"
+export WEBHOOK_PORT="${WEBHOOK_PORT:-19443}" PROBE_PORT="${PROBE_PORT:-18080}"
+
+cd "$ROOT"
+cargo build --locked --features e2e --bins
+
+on_exit() {
+  local rc=$?
+  if ((rc != 0)); then
+    for f in "$CLUSTER_DIR"/logs/persistent-pod-state.log "$CLUSTER_DIR"/logs/fake-kubelet.log; do
+      [[ -f $f ]] && { echo "--- last lines of $f"; tail -n 40 "$f"; }
+    done
+  fi
+  cluster_down
+  exit "$rc"
+}
+trap on_exit EXIT
+
+cluster_up
+nodes_up
+install_crd
+serve_up
+register_webhook
+log "control plane, fake kubelet and webhook are up; running the e2e suite"
+
+E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_PROBE_URL="http://127.0.0.1:$PROBE_PORT" \
+  E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
+  cargo test --locked --features e2e --test e2e -- --test-threads 1

@@ -1,0 +1,203 @@
+//! Retention of states on scale-in and workload deletion; generated versus hand-made
+//! PersistentPodStates.
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use persistent_pod_state::api::v1alpha1::PersistentPodState;
+use serde_json::json;
+
+use crate::support::*;
+
+const HOST: &str = "kubernetes.io/hostname";
+const GENERATE: [(&str, &str); 2] = [
+    ("kruise.io/auto-generate-persistent-pod-state", "true"),
+    ("kruise.io/preferred-persistent-topology", HOST),
+];
+
+fn hand_made(name: &str, target: &str, retention: Option<&str>) -> PersistentPodState {
+    serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1alpha1", "kind": "PersistentPodState",
+        "metadata": {"name": name},
+        "spec": {
+            "targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": target},
+            "preferredPersistentTopology": [{"weight": 100, "preference": {"nodeTopologyKeys": [HOST]}}],
+            "persistentPodStateRetentionPolicy": retention,
+        }
+    }))
+    .expect("pps")
+}
+
+async fn scale(c: &Client, ns: &str, name: &str, replicas: i32) {
+    Api::<StatefulSet>::namespaced(c.clone(), ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await
+        .expect("scale");
+}
+
+async fn set_annotations(c: &Client, ns: &str, name: &str, annotations: serde_json::Value) {
+    Api::<StatefulSet>::namespaced(c.clone(), ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
+        )
+        .await
+        .expect("annotate");
+}
+
+async fn wait_gone(c: &Client, ns: &str, name: &str) {
+    let api = pps_api(c, ns);
+    wait_for(
+        &format!("PersistentPodState {ns}/{name} to be deleted"),
+        TIMEOUT,
+        || async { api.get_opt(name).await.ok()?.is_none().then_some(()) },
+    )
+    .await;
+}
+
+/// 7e: scale 3 -> 1 leaves 1 state under WhenScaled and 3 under WhenDeleted; deleting the
+/// StatefulSets removes the generated PPS and leaves the hand-made one (its status cleared).
+#[tokio::test]
+async fn scale_in_prunes_under_when_scaled_only_and_deletion_removes_generated_pps_only() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-retention").await;
+    create_sts(c, &ns, &statefulset("scaled", 3, &GENERATE)).await;
+    pps_api(c, &ns)
+        .create(
+            &PostParams::default(),
+            &hand_made("kept", "kept", Some("WhenDeleted")),
+        )
+        .await
+        .expect("hand-made pps");
+    create_sts(c, &ns, &statefulset("kept", 3, &[])).await;
+    for sts in ["scaled", "kept"] {
+        wait_sts_rolled(c, &ns, sts, 3).await;
+        let before = placements(c, &ns, &pod_names(sts, 3)).await;
+        wait_states(c, &ns, sts, &before).await;
+    }
+
+    scale(c, &ns, "scaled", 1).await;
+    scale(c, &ns, "kept", 1).await;
+    wait_sts_rolled(c, &ns, "scaled", 1).await;
+    wait_sts_rolled(c, &ns, "kept", 1).await;
+    wait_state_names(c, &ns, "scaled", &["scaled-0"]).await;
+    // Both pod sets are gone and "scaled" was pruned from the same events: "kept" must not be.
+    let kept = pps_api(c, &ns).get("kept").await.expect("kept");
+    assert_eq!(
+        kept.status.expect("status").pod_states.len(),
+        3,
+        "WhenDeleted keeps every state"
+    );
+
+    let sts_api: Api<StatefulSet> = Api::namespaced(c.clone(), &ns);
+    sts_api
+        .delete("scaled", &DeleteParams::background())
+        .await
+        .expect("delete scaled");
+    sts_api
+        .delete("kept", &DeleteParams::background())
+        .await
+        .expect("delete kept");
+    wait_gone(c, &ns, "scaled").await;
+    wait_state_names(c, &ns, "kept", &[]).await;
+    assert!(
+        pps_api(c, &ns)
+            .get_opt("kept")
+            .await
+            .expect("get")
+            .is_some(),
+        "hand-made PPS stays"
+    );
+    delete_namespace(c, &ns).await;
+}
+
+/// Auto-generation follows the annotations; a hand-made PPS with the workload's name is never
+/// overwritten nor deleted.
+#[tokio::test]
+async fn generation_follows_annotations_and_never_touches_hand_made_pps() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-generation").await;
+    let api = pps_api(c, &ns);
+
+    create_sts(c, &ns, &statefulset("auto", 1, &GENERATE)).await;
+    wait_for("generated PPS", TIMEOUT, || async {
+        api.get_opt("auto").await.ok()?
+    })
+    .await;
+    set_annotations(
+        c,
+        &ns,
+        "auto",
+        json!({"kruise.io/required-persistent-topology": "topology.kubernetes.io/zone",
+        "kruise.io/persistent-pod-annotations": "io.kubernetes.cri/reserved-ip-duration"}),
+    )
+    .await;
+    wait_for(
+        "generated PPS to follow the new annotations",
+        TIMEOUT,
+        || async {
+            let spec = api.get_opt("auto").await.ok()??.spec;
+            (spec.required_keys() == ["topology.kubernetes.io/zone"]
+                && spec.persistent_pod_annotations.len() == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    set_annotations(
+        c,
+        &ns,
+        "auto",
+        json!({"kruise.io/auto-generate-persistent-pod-state": null}),
+    )
+    .await;
+    wait_gone(c, &ns, "auto").await;
+
+    let manual = hand_made("manual", "manual", None);
+    api.create(&PostParams::default(), &manual)
+        .await
+        .expect("hand-made pps");
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "manual",
+            1,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                (
+                    "kruise.io/required-persistent-topology",
+                    "topology.kubernetes.io/zone",
+                ),
+            ],
+        ),
+    )
+    .await;
+    wait_sts_rolled(c, &ns, "manual", 1).await;
+    let before = placements(c, &ns, &pod_names("manual", 1)).await;
+    // The controller has processed the workload once the hand-made PPS recorded its pod.
+    wait_states(c, &ns, "manual", &before).await;
+    set_annotations(
+        c,
+        &ns,
+        "manual",
+        json!({"kruise.io/auto-generate-persistent-pod-state": null}),
+    )
+    .await;
+    // Another workload's generation round trip shows the controller has caught up.
+    create_sts(c, &ns, &statefulset("probe", 1, &GENERATE)).await;
+    wait_for("probe PPS", TIMEOUT, || async {
+        api.get_opt("probe").await.ok()?
+    })
+    .await;
+    let now = api.get("manual").await.expect("hand-made PPS still exists");
+    assert_eq!(now.spec, manual.spec, "hand-made spec untouched");
+    assert!(now.metadata.owner_references.unwrap_or_default().is_empty());
+    delete_namespace(c, &ns).await;
+}

@@ -1,0 +1,13 @@
+//! End-to-end suite, against the local control plane started by e2e/run.sh: a real
+//! kube-apiserver, kube-controller-manager (StatefulSet and garbage collector controllers) and
+//! kube-scheduler, the fake kubelet's 4 nodes in 2 zones, and `persistent-pod-state serve`
+//! registered as the pod mutating webhook.
+//!
+//! Tests run one at a time (`--test-threads 1` is not needed for correctness of most, but the
+//! cordon test changes what the scheduler may pick): each uses its own namespace.
+
+mod lifecycle;
+mod passthrough;
+mod placement;
+mod server;
+mod support;

@@ -1,0 +1,175 @@
+//! The server's contract with clients: bad input, readiness, shutdown.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+fn review(object: Value) -> String {
+    json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "e2e-uid-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": "CREATE", "userInfo": {}, "namespace": "default", "name": "x-0",
+            "object": object
+        }
+    })
+    .to_string()
+}
+
+async fn post(env: &Env, body: &str) -> (u16, String) {
+    let ca = env.cluster_dir.join("webhook-certs/ca.crt");
+    let url = format!("{}/mutate-pod", env.webhook_url);
+    curl(&[
+        "-s",
+        "--cacert",
+        ca.to_str().expect("path"),
+        "-H",
+        "Content-Type: application/json",
+        "--data-binary",
+        body,
+        "-w",
+        "\n%{http_code}",
+        &url,
+    ])
+    .await
+}
+
+/// Bad input: 400 with a JSON message for non-reviews; a parsed review with an unreadable pod
+/// is answered with its uid, allowed, and counted; the server keeps serving.
+#[tokio::test]
+async fn malformed_requests_get_clear_answers_and_the_server_keeps_serving() {
+    let env = env().await;
+    let before = scrape(&env).await;
+    for body in [
+        "",
+        "{",
+        "[1,2]",
+        r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#,
+    ] {
+        let (code, text) = post(&env, body).await;
+        assert_eq!(code, 400, "{body:?}");
+        let msg: Value = serde_json::from_str(&text).expect("JSON error body");
+        assert!(
+            msg["error"].as_str().is_some_and(|m| !m.is_empty()),
+            "{text}"
+        );
+    }
+    for object in [
+        json!("not a pod"),
+        json!({"spec": {"containers": "nope"}}),
+        json!(42),
+    ] {
+        let (code, text) = post(&env, &review(object.clone())).await;
+        assert_eq!(code, 200, "{object}");
+        let answer: Value = serde_json::from_str(&text).expect("review");
+        assert_eq!(answer["response"]["uid"], "e2e-uid-1");
+        assert_eq!(answer["response"]["allowed"], true);
+        assert!(answer["response"].get("patch").is_none());
+    }
+    let after = scrape(&env).await;
+    let bad = r#"pps_admission_requests_total{endpoint="/mutate-pod",result="bad_request"}"#;
+    let invalid = r#"pps_admission_requests_total{endpoint="/mutate-pod",result="invalid_object"}"#;
+    assert!(metric(&after, bad) - metric(&before, bad) >= 4.0);
+    assert!(metric(&after, invalid) - metric(&before, invalid) >= 3.0);
+    let (code, _) = post(
+        &env,
+        &review(json!({"metadata": {"name": "x-0"}, "spec": {"containers": []}})),
+    )
+    .await;
+    assert_eq!(code, 200, "still serving");
+}
+
+struct Instance {
+    child: tokio::process::Child,
+    probe: String,
+}
+
+async fn start_instance(
+    env: &Env,
+    webhook_port: u16,
+    probe_port: u16,
+    kubeconfig: &std::path::Path,
+) -> Instance {
+    let certs = env.cluster_dir.join("webhook-certs");
+    let child = tokio::process::Command::new(&env.pps_bin)
+        .arg("serve")
+        .env("KUBECONFIG", kubeconfig)
+        .env("PPS_LISTEN", format!("127.0.0.1:{webhook_port}"))
+        .env("PPS_PROBE_LISTEN", format!("127.0.0.1:{probe_port}"))
+        .env("PPS_TLS_CERT", certs.join("tls.crt"))
+        .env("PPS_TLS_KEY", certs.join("tls.key"))
+        .env("PPS_SHUTDOWN_DELAY_SECONDS", "2")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve starts");
+    let probe = format!("http://127.0.0.1:{probe_port}");
+    wait_for("the instance's probe port", TIMEOUT, || async {
+        (http_get(&format!("{probe}/healthz")).await.0 == 200).then_some(())
+    })
+    .await;
+    Instance { child, probe }
+}
+
+/// 6: not ready and 503 on /mutate-pod while the caches cannot sync (API server unreachable).
+#[tokio::test]
+async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
+    let env = env().await;
+    let dead = env.cluster_dir.join("dead-kubeconfig");
+    std::fs::write(
+        &dead,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: d\n  cluster: {server: 'https://127.0.0.1:1'}\nusers:\n- name: u\n  user: {token: x}\ncontexts:\n- name: d\n  context: {cluster: d, user: u}\ncurrent-context: d\n",
+    )
+    .expect("write kubeconfig");
+    let instance = start_instance(&env, 19445, 18082, &dead).await;
+    assert_eq!(http_get(&format!("{}/readyz", instance.probe)).await.0, 503);
+    let ca = env.cluster_dir.join("webhook-certs/ca.crt");
+    let (code, body) = curl(&[
+        "-s",
+        "--cacert",
+        ca.to_str().expect("path"),
+        "--data-binary",
+        &review(json!({})),
+        "-w",
+        "\n%{http_code}",
+        "https://127.0.0.1:19445/mutate-pod",
+    ])
+    .await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("not synced"), "{body}");
+}
+
+/// 6: SIGTERM turns readiness off at once, then the process drains and exits 0.
+#[tokio::test]
+async fn sigterm_turns_readiness_off_then_exits_zero() {
+    let env = env().await;
+    let kubeconfig = env.cluster_dir.join("kubeconfig");
+    let mut instance = start_instance(&env, 19444, 18081, &kubeconfig).await;
+    let readyz = format!("{}/readyz", instance.probe);
+    wait_for("the second instance to be ready", TIMEOUT, || async {
+        (http_get(&readyz).await.0 == 200).then_some(())
+    })
+    .await;
+    let pid = instance.child.id().expect("running").to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    wait_for(
+        "readiness to fail after SIGTERM",
+        Duration::from_secs(2),
+        || async { (http_get(&readyz).await.0 == 503).then_some(()) },
+    )
+    .await;
+    let exit = tokio::time::timeout(Duration::from_secs(30), instance.child.wait())
+        .await
+        .expect("exits within the drain deadline")
+        .expect("exit status");
+    assert_eq!(exit.code(), Some(0), "clean exit");
+}

@@ -1,0 +1,340 @@
+//! Helpers of the e2e suite: the client of the local control plane, namespaces, workloads, and
+//! polling with deadlines (never sleeps as synchronisation).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use persistent_pod_state::api::PodState;
+use persistent_pod_state::api::v1alpha1::PersistentPodState;
+use serde_json::{Value, json};
+
+/// How the suite reaches the system under test; set by e2e/run.sh. Missing settings fail the
+/// test (never skip it).
+pub struct Env {
+    pub client: Client,
+    pub probe_url: String,
+    pub webhook_url: String,
+    pub pps_bin: PathBuf,
+    pub cluster_dir: PathBuf,
+}
+
+fn setting(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run the suite through e2e/run.sh (make test)")
+    })
+}
+
+pub async fn env() -> Env {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Env {
+        client: Client::try_default()
+            .await
+            .expect("KUBECONFIG of the local control plane"),
+        probe_url: setting("E2E_PROBE_URL"),
+        webhook_url: setting("E2E_WEBHOOK_URL"),
+        pps_bin: setting("E2E_PPS_BIN").into(),
+        cluster_dir: setting("E2E_CLUSTER_DIR").into(),
+    }
+}
+
+pub const TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Polls `probe` every 200 ms until it returns `Some`, failing the test after `timeout`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A fresh namespace (an old one of the same name is deleted first).
+pub async fn namespace(client: &Client, name: &str) -> String {
+    let api: Api<Namespace> = Api::all(client.clone());
+    if api.get_opt(name).await.expect("get namespace").is_some() {
+        let _ = api.delete(name, &DeleteParams::default()).await;
+        wait_for(&format!("old namespace {name} to go"), TIMEOUT, || async {
+            api.get_opt(name)
+                .await
+                .ok()
+                .and_then(|n| n.is_none().then_some(()))
+        })
+        .await;
+    }
+    let ns: Namespace =
+        serde_json::from_value(json!({"metadata": {"name": name}})).expect("namespace");
+    api.create(&PostParams::default(), &ns)
+        .await
+        .expect("create namespace");
+    name.to_owned()
+}
+
+/// A StatefulSet like the seeds' echoserver, with `annotations` on the workload.
+pub fn statefulset(name: &str, replicas: i32, annotations: &[(&str, &str)]) -> StatefulSet {
+    let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": name, "labels": {"app": name}, "annotations": annotations},
+        "spec": {
+            "serviceName": name, "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name},
+                             "annotations": {"io.kubernetes.cri/reserved-ip-duration": "10"}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{"name": "echoserver", "image": "cilium/echoserver:latest",
+                                    "imagePullPolicy": "IfNotPresent"}]
+                }
+            }
+        }
+    }))
+    .expect("statefulset")
+}
+
+pub async fn create_sts(client: &Client, ns: &str, sts: &StatefulSet) {
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), sts)
+        .await
+        .expect("create statefulset");
+}
+
+/// Waits until the StatefulSet has `replicas` Ready pods, all of its current revision.
+pub async fn wait_sts_rolled(client: &Client, ns: &str, name: &str, replicas: i32) {
+    let api: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
+    wait_for(
+        &format!("statefulset {ns}/{name} to have {replicas} ready pods of its revision"),
+        TIMEOUT,
+        || async {
+            let sts = api.get(name).await.ok()?;
+            let status = sts.status?;
+            let generation_seen = status.observed_generation == sts.metadata.generation;
+            let rolled = status.update_revision.is_some()
+                && status.current_revision == status.update_revision;
+            let counts = status.ready_replicas.unwrap_or(0) == replicas
+                && status.replicas == replicas
+                && status.updated_replicas.unwrap_or(0) == replicas;
+            (generation_seen && rolled && counts).then_some(())
+        },
+    )
+    .await;
+}
+
+/// Placement of a pod: node, IP and uid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub node: String,
+    pub ip: String,
+    pub uid: String,
+}
+
+pub fn placement(pod: &Pod) -> Option<Placement> {
+    Some(Placement {
+        node: pod.spec.as_ref()?.node_name.clone()?,
+        ip: pod.status.as_ref()?.pod_ip.clone()?,
+        uid: pod.uid()?,
+    })
+}
+
+/// Placements of the Running, Ready pods `names`, once all of them are.
+pub async fn placements(
+    client: &Client,
+    ns: &str,
+    names: &[String],
+) -> BTreeMap<String, Placement> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait_for(
+        &format!("pods {names:?} in {ns} to run"),
+        TIMEOUT,
+        || async {
+            let mut out = BTreeMap::new();
+            for name in names {
+                let pod = api.get_opt(name).await.ok()??;
+                if pod.metadata.deletion_timestamp.is_some()
+                    || !persistent_pod_state::controller::record::is_ready(&pod)
+                {
+                    return None;
+                }
+                out.insert(name.clone(), placement(&pod)?);
+            }
+            Some(out)
+        },
+    )
+    .await
+}
+
+pub fn pod_names(sts: &str, replicas: i32) -> Vec<String> {
+    (0..replicas).map(|i| format!("{sts}-{i}")).collect()
+}
+
+/// Deletes a pod and waits for its replacement (another uid) to run; returns it.
+pub async fn recreate_pod(client: &Client, ns: &str, name: &str) -> Pod {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let old_uid = api.get(name).await.expect("pod").uid();
+    api.delete(name, &DeleteParams::default())
+        .await
+        .expect("delete pod");
+    wait_for(
+        &format!("pod {ns}/{name} to be re-created and Ready"),
+        TIMEOUT,
+        || async {
+            let pod = api.get_opt(name).await.ok()??;
+            let fresh = pod.uid() != old_uid && pod.metadata.deletion_timestamp.is_none();
+            (fresh
+                && persistent_pod_state::controller::record::is_ready(&pod)
+                && placement(&pod).is_some())
+            .then_some(pod)
+        },
+    )
+    .await
+}
+
+pub fn pps_api(client: &Client, ns: &str) -> Api<PersistentPodState> {
+    Api::namespaced(client.clone(), ns)
+}
+
+/// Waits until the PersistentPodState `name` records exactly `expected` pods (by name), each on
+/// the node `placements` gives; returns its states.
+pub async fn wait_states(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    expected: &BTreeMap<String, Placement>,
+) -> BTreeMap<String, PodState> {
+    let api = pps_api(client, ns);
+    wait_for(
+        &format!(
+            "PersistentPodState {ns}/{name} to record {:?}",
+            expected.keys()
+        ),
+        TIMEOUT,
+        || async {
+            let pps = api.get_opt(name).await.ok()??;
+            let states = pps.status?.pod_states;
+            let matches = states.len() == expected.len()
+                && expected.iter().all(|(pod, p)| {
+                    states.get(pod).and_then(|s| s.node_name.as_deref()) == Some(p.node.as_str())
+                });
+            matches.then_some(states)
+        },
+    )
+    .await
+}
+
+/// Waits until the PersistentPodState `name` has exactly the pod states `names`.
+pub async fn wait_state_names(client: &Client, ns: &str, name: &str, names: &[&str]) {
+    let api = pps_api(client, ns);
+    let want: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    wait_for(
+        &format!("PersistentPodState {ns}/{name} to hold states {want:?}"),
+        TIMEOUT,
+        || async {
+            let pps = api.get_opt(name).await.ok()??;
+            let have: Vec<String> = pps
+                .status
+                .map(|s| s.pod_states.into_keys().collect())
+                .unwrap_or_default();
+            (have == want).then_some(())
+        },
+    )
+    .await;
+}
+
+pub async fn node_labels(client: &Client, node: &str) -> BTreeMap<String, String> {
+    Api::<Node>::all(client.clone())
+        .get(node)
+        .await
+        .expect("node")
+        .labels()
+        .clone()
+}
+
+pub async fn set_unschedulable(client: &Client, node: &str, unschedulable: bool) {
+    Api::<Node>::all(client.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"unschedulable": unschedulable}})),
+        )
+        .await
+        .expect("cordon/uncordon");
+}
+
+/// The preferred node affinity terms of a pod, as JSON.
+pub fn preferred_terms(pod: &Pod) -> Vec<Value> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|na| {
+            na.preferred_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|ts| {
+            ts.iter()
+                .filter_map(|t| serde_json::to_value(t).ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The value of a Prometheus sample line `name{labels} value` in `text` (0 if absent).
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+pub async fn scrape(env: &Env) -> String {
+    http_get(&format!("{}/metrics", env.probe_url)).await.1
+}
+
+/// A plain HTTP GET through curl: (status, body).
+pub async fn http_get(url: &str) -> (u16, String) {
+    curl(&["-s", "-w", "\n%{http_code}", url]).await
+}
+
+/// Runs curl with `args`, returning the status code (printed last by `-w`) and the body.
+pub async fn curl(args: &[&str]) -> (u16, String) {
+    let out = tokio::process::Command::new("curl")
+        .args(args)
+        .output()
+        .await
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", text.as_str()));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+/// Deletes a test's namespace (and so its pods), so later tests schedule onto empty nodes.
+pub async fn delete_namespace(client: &Client, name: &str) {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let _ = api.delete(name, &DeleteParams::default()).await;
+    wait_for(&format!("namespace {name} to go"), TIMEOUT, || async {
+        api.get_opt(name)
+            .await
+            .ok()
+            .and_then(|n| n.is_none().then_some(()))
+    })
+    .await;
+}

@@ -1,0 +1,181 @@
+//! The `apps.kruise.io` PersistentPodState API: the version-independent parts of the schema,
+//! the workload annotations, and the CustomResourceDefinition built from the Rust types.
+//!
+//! The versions differ only in the field that lists a topology term's label keys, so every
+//! other type lives here and each version module adds its own topology term and root type.
+
+pub mod v1alpha1;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of PersistentPodState and of Kruise's Advanced StatefulSet.
+pub const KRUISE_GROUP: &str = "apps.kruise.io";
+
+/// Workload annotation: `"true"` asks for a generated PersistentPodState.
+pub const AUTO_GENERATE_ANNOTATION: &str = "kruise.io/auto-generate-persistent-pod-state";
+/// Workload annotation: comma list of node label keys the pod must keep (required affinity).
+pub const REQUIRED_TOPOLOGY_ANNOTATION: &str = "kruise.io/required-persistent-topology";
+/// Workload annotation: comma list of node label keys the pod should keep (preferred, weight 100).
+pub const PREFERRED_TOPOLOGY_ANNOTATION: &str = "kruise.io/preferred-persistent-topology";
+/// Workload annotation: comma list of pod annotation keys to record and restore.
+pub const PERSISTENT_ANNOTATIONS_ANNOTATION: &str = "kruise.io/persistent-pod-annotations";
+/// Pod annotation set by the webhook: the name of the PersistentPodState that was injected.
+pub const INJECTED_ANNOTATION: &str = "kruise.io/injected-persistent-pod-state";
+
+/// The workload whose pods a PersistentPodState keeps in place.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TargetReference {
+    /// API version of the workload, e.g. `apps/v1`; only its group is matched.
+    #[schemars(length(min = 1))]
+    pub api_version: String,
+    /// Kind of the workload, e.g. `StatefulSet`.
+    #[schemars(length(min = 1))]
+    pub kind: String,
+    /// Name of the workload, in the PersistentPodState's namespace.
+    #[schemars(length(min = 1))]
+    pub name: String,
+}
+
+impl TargetReference {
+    /// The API group of `api_version` (empty for the core group).
+    pub fn group(&self) -> &str {
+        api_group(&self.api_version)
+    }
+}
+
+/// The group part of an `apiVersion` (`apps/v1` -> `apps`, `v1` -> ``).
+pub fn api_group(api_version: &str) -> &str {
+    api_version.rsplit_once('/').map_or("", |(group, _)| group)
+}
+
+/// A pod annotation whose value is recorded and given back to the re-created pod.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct PersistentPodAnnotation {
+    /// The annotation key.
+    #[schemars(length(min = 1))]
+    pub key: String,
+}
+
+/// When recorded states are dropped.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RetentionPolicy {
+    /// Drop the state of a pod once it is gone and its ordinal is no longer live (scale-in).
+    #[default]
+    WhenScaled,
+    /// Keep every state until the workload is deleted.
+    WhenDeleted,
+    /// A value this version does not know (stored by an older schema); treated as `WhenScaled`.
+    #[serde(other)]
+    #[schemars(skip)]
+    Unrecognized,
+}
+
+/// Status of a PersistentPodState: the recorded placement of each pod.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PersistentPodStateStatus {
+    /// The `metadata.generation` the status was computed from.
+    #[serde(default)]
+    pub observed_generation: i64,
+    /// Recorded state by pod name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pod_states: BTreeMap<String, PodState>,
+}
+
+/// Where a pod ran the last time it was Ready, and its persisted annotations.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodState {
+    /// The node the pod ran on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// That node's values of the required and preferred topology keys.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_topology_labels: BTreeMap<String, String>,
+    /// The pod's values of the persistent annotation keys.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// The CustomResourceDefinition for every served version.
+pub fn crd() -> CustomResourceDefinition {
+    v1alpha1::PersistentPodState::crd()
+}
+
+/// The CustomResourceDefinition as the YAML that `crd` prints and `manifests/` holds.
+pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&crd())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifests_hold_the_generated_crd() {
+        let committed = include_str!("../../manifests/crd.yaml");
+        let generated = crd_yaml().expect("serializes");
+        assert!(
+            committed == generated,
+            "manifests/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
+        );
+    }
+
+    #[test]
+    fn the_seeds_pps_yaml_parses() {
+        let seed = r#"
+apiVersion: apps.kruise.io/v1alpha1
+kind: PersistentPodState
+metadata:
+  name: echoserver
+  namespace: echoserver
+spec:
+  targetRef:
+    apiVersion: apps.kruise.io/v1beta1
+    kind: StatefulSet
+    name: echoserver
+  requiredPersistentTopology:
+    nodeTopologyKeys:
+      - failure-domain.beta.kubernetes.io/zone
+  preferredPersistentTopology:
+    - preference:
+        nodeTopologyKeys:
+          - kubernetes.io/hostname
+      weight: 100
+status:
+  podStates:
+    configserver-0:
+      nodeName: worker2
+      nodeTopologyLabels:
+        kubernetes.io/hostname: worker2
+"#;
+        let pps: v1alpha1::PersistentPodState = serde_yaml_ng::from_str(seed).expect("parses");
+        assert_eq!(pps.spec.target_ref.group(), "apps.kruise.io");
+        assert_eq!(
+            pps.spec.required_keys(),
+            ["failure-domain.beta.kubernetes.io/zone"]
+        );
+        assert_eq!(pps.spec.retention(), RetentionPolicy::WhenScaled);
+        let status = pps.status.expect("status");
+        assert_eq!(
+            status.pod_states["configserver-0"].node_name.as_deref(),
+            Some("worker2")
+        );
+    }
+
+    #[test]
+    fn unknown_retention_values_do_not_break_reading() {
+        let spec: v1alpha1::PersistentPodStateSpec = serde_json::from_value(serde_json::json!({
+            "targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "a"},
+            "persistentPodStateRetentionPolicy": "Sometimes"
+        }))
+        .expect("parses");
+        assert_eq!(spec.retention(), RetentionPolicy::WhenScaled);
+    }
+}

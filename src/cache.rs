@@ -1,0 +1,617 @@
+//! The shared caches: one watch per resource kind feeds a reflector store, the indexes the hot
+//! paths need, and the controllers' triggers. The webhook and the controllers read the same
+//! stores; nothing here is rebuilt per request.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use futures::TryStreamExt;
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Pod, PodSpec, PodStatus};
+use kube::api::{ApiResource, DynamicObject};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use tokio::task::JoinHandle;
+
+use crate::api::v1alpha1::PersistentPodState;
+use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+
+/// A secondary index of a store: objects grouped by the workload they belong to (a
+/// PersistentPodState by its target, a Pod by its controller). Kept current from the watch
+/// events, so a lookup is one hash probe.
+pub struct Index<K> {
+    key_of_object: fn(&K) -> Option<WorkloadRef>,
+    state: RwLock<IndexState>,
+}
+
+#[derive(Default)]
+struct IndexState {
+    /// Object names by workload (objects share the workload's namespace).
+    by_workload: HashMap<WorkloadRef, BTreeSet<String>>,
+    /// The workload of each object, keyed by (namespace, name), to move or drop it on change.
+    workload_of: HashMap<(String, String), WorkloadRef>,
+    /// The index being rebuilt during a relist.
+    relist: Option<Box<IndexState>>,
+}
+
+impl IndexState {
+    fn insert(&mut self, id: (String, String), key: Option<WorkloadRef>) {
+        self.remove(&id);
+        if let Some(key) = key {
+            self.by_workload
+                .entry(key.clone())
+                .or_default()
+                .insert(id.1.clone());
+            self.workload_of.insert(id, key);
+        }
+    }
+
+    fn remove(&mut self, id: &(String, String)) {
+        if let Some(old) = self.workload_of.remove(id)
+            && let Some(names) = self.by_workload.get_mut(&old)
+        {
+            names.remove(&id.1);
+            if names.is_empty() {
+                self.by_workload.remove(&old);
+            }
+        }
+    }
+}
+
+fn lock_read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn lock_write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl<K: Resource> Index<K> {
+    /// An empty index grouping objects by `key_of_object`.
+    pub fn new(key_of_object: fn(&K) -> Option<WorkloadRef>) -> Self {
+        Self {
+            key_of_object,
+            state: RwLock::default(),
+        }
+    }
+
+    fn id(obj: &K) -> (String, String) {
+        (obj.namespace().unwrap_or_default(), obj.name_any())
+    }
+
+    /// Applies one watch event.
+    pub fn apply(&self, event: &watcher::Event<K>) {
+        let mut state = lock_write(&self.state);
+        match event {
+            watcher::Event::Apply(obj) => state.insert(Self::id(obj), (self.key_of_object)(obj)),
+            watcher::Event::Delete(obj) => state.remove(&Self::id(obj)),
+            watcher::Event::Init => state.relist = Some(Box::default()),
+            watcher::Event::InitApply(obj) => {
+                let key = (self.key_of_object)(obj);
+                state
+                    .relist
+                    .get_or_insert_with(Box::default)
+                    .insert(Self::id(obj), key);
+            }
+            watcher::Event::InitDone => {
+                let fresh = state.relist.take().unwrap_or_default();
+                *state = *fresh;
+            }
+        }
+    }
+
+    /// Names of the objects that belong to `workload`, sorted.
+    pub fn get(&self, workload: &WorkloadRef) -> Vec<String> {
+        lock_read(&self.state)
+            .by_workload
+            .get(workload)
+            .map(|names| names.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The workload a PersistentPodState targets.
+pub fn pps_target(pps: &PersistentPodState) -> Option<WorkloadRef> {
+    let target = &pps.spec.target_ref;
+    Some(WorkloadRef {
+        namespace: pps.namespace()?,
+        kind: GroupKind::new(target.group(), &target.kind),
+        name: target.name.clone(),
+    })
+}
+
+fn pod_owner(pod: &Pod) -> Option<WorkloadRef> {
+    pod_workload(pod, &pod.namespace()?)
+}
+
+/// Where watch events send reconcile requests while a controller runs (only on the leader).
+#[derive(Default)]
+pub struct Triggers {
+    pps: Mutex<Option<UnboundedSender<ObjectRef<PersistentPodState>>>>,
+    workloads: Mutex<HashMap<GroupKind, UnboundedSender<ObjectRef<DynamicObject>>>>,
+}
+
+impl Triggers {
+    /// Starts delivering PersistentPodState reconcile requests to the returned stream.
+    pub fn subscribe_pps(&self) -> UnboundedReceiver<ObjectRef<PersistentPodState>> {
+        let (tx, rx) = unbounded();
+        *self.pps.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+        rx
+    }
+
+    /// Starts delivering reconcile requests for workloads of `kind` to the returned stream.
+    pub fn subscribe_workloads(
+        &self,
+        kind: &GroupKind,
+    ) -> UnboundedReceiver<ObjectRef<DynamicObject>> {
+        let (tx, rx) = unbounded();
+        self.workloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(kind.clone(), tx);
+        rx
+    }
+
+    fn pps(&self, refs: impl IntoIterator<Item = ObjectRef<PersistentPodState>>) {
+        if let Some(tx) = self
+            .pps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            for r in refs {
+                // A closed channel means the controller stopped; nothing is waiting for it.
+                let _ = tx.unbounded_send(r);
+            }
+        }
+    }
+
+    fn workload(&self, kind: &GroupKind, r: ObjectRef<DynamicObject>) {
+        if let Some(tx) = self
+            .workloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(kind)
+        {
+            let _ = tx.unbounded_send(r);
+        }
+    }
+}
+
+/// A workload kind's cache.
+#[derive(Clone)]
+pub struct WorkloadStore {
+    /// The resource watched.
+    pub resource: ApiResource,
+    /// Its objects (spec reduced to what recording needs).
+    pub store: Store<DynamicObject>,
+}
+
+/// What is known about a workload.
+pub enum WorkloadLookup {
+    /// The kind is watched and the object is in the cache.
+    Found(Arc<DynamicObject>),
+    /// The kind is watched and the object does not exist.
+    Absent,
+    /// The kind is not watched: whether it exists is unknown.
+    Unknown,
+}
+
+/// All caches of the process, shared by the webhook and the controllers.
+pub struct Caches {
+    /// PersistentPodState objects.
+    pub pps: Store<PersistentPodState>,
+    /// PersistentPodStates by target workload.
+    pub pps_by_target: Index<PersistentPodState>,
+    /// Pods (spec and status reduced to what recording needs).
+    pub pods: Store<Pod>,
+    /// Pods by controlling workload.
+    pub pods_by_workload: Index<Pod>,
+    /// Nodes (labels and spec).
+    pub nodes: Store<Node>,
+    /// Workload stores by kind.
+    pub workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
+    /// Reconcile requests to the controllers.
+    pub triggers: Triggers,
+    synced: AtomicBool,
+}
+
+impl Caches {
+    /// Starts one watch per kind (PersistentPodState, Pod, Node, and each workload kind) and
+    /// returns the caches with the tasks that feed them.
+    pub fn start(
+        client: &Client,
+        workload_kinds: &[ApiResource],
+    ) -> (Arc<Self>, Vec<JoinHandle<()>>) {
+        let (pps, pps_writer) = reflector::store();
+        let (pods, pods_writer) = reflector::store();
+        let (nodes, nodes_writer) = reflector::store();
+        let mut writers = Vec::new();
+        let mut workloads = HashMap::new();
+        for ar in workload_kinds {
+            let writer = reflector::store::Writer::new(ar.clone());
+            let store = writer.as_reader();
+            let kind = GroupKind::new(&ar.group, &ar.kind);
+            workloads.insert(
+                kind,
+                WorkloadStore {
+                    resource: ar.clone(),
+                    store,
+                },
+            );
+            writers.push((ar.clone(), writer));
+        }
+        let caches = Arc::new(Self {
+            pps,
+            pps_by_target: Index::new(pps_target),
+            pods,
+            pods_by_workload: Index::new(pod_owner),
+            nodes,
+            workloads: RwLock::new(workloads),
+            triggers: Triggers::default(),
+            synced: AtomicBool::new(false),
+        });
+
+        let mut tasks = Vec::new();
+        let c = caches.clone();
+        tasks.push(tokio::spawn(reflect(
+            "PersistentPodState".into(),
+            Api::<PersistentPodState>::all(client.clone()),
+            pps_writer,
+            strip_meta,
+            move |ev| c.on_pps_event(ev),
+        )));
+        let c = caches.clone();
+        tasks.push(tokio::spawn(reflect(
+            "Pod".into(),
+            Api::<Pod>::all(client.clone()),
+            pods_writer,
+            strip_pod,
+            move |ev| c.on_pod_event(ev),
+        )));
+        let c = caches.clone();
+        tasks.push(tokio::spawn(reflect(
+            "Node".into(),
+            Api::<Node>::all(client.clone()),
+            nodes_writer,
+            strip_node,
+            move |ev| c.on_node_event(ev),
+        )));
+        for (ar, writer) in writers {
+            let c = caches.clone();
+            let kind = GroupKind::new(&ar.group, &ar.kind);
+            tasks.push(tokio::spawn(reflect(
+                ar.kind.clone(),
+                Api::<DynamicObject>::all_with(client.clone(), &ar),
+                writer,
+                strip_workload,
+                move |ev| c.on_workload_event(&kind, ev),
+            )));
+        }
+        (caches, tasks)
+    }
+
+    /// Waits until every store has its first full list, then marks the caches synced.
+    pub async fn wait_synced(&self) {
+        let workload_stores: Vec<Store<DynamicObject>> = lock_read(&self.workloads)
+            .values()
+            .map(|w| w.store.clone())
+            .collect();
+        // A dropped writer means its task ended; the process is shutting down then.
+        let _ = self.pps.wait_until_ready().await;
+        let _ = self.pods.wait_until_ready().await;
+        let _ = self.nodes.wait_until_ready().await;
+        for store in workload_stores {
+            let _ = store.wait_until_ready().await;
+        }
+        self.synced.store(true, Ordering::Release);
+    }
+
+    /// Whether every cache has synced.
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// The PersistentPodState that targets `workload` (the first by name if several do).
+    pub fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+        self.pps_by_target
+            .get(workload)
+            .into_iter()
+            .find_map(|name| {
+                self.pps
+                    .get(&ObjectRef::new(&name).within(&workload.namespace))
+            })
+    }
+
+    /// The cached pods whose controller is `workload`.
+    pub fn pods_of(&self, workload: &WorkloadRef) -> Vec<Arc<Pod>> {
+        self.pods_by_workload
+            .get(workload)
+            .into_iter()
+            .filter_map(|name| {
+                self.pods
+                    .get(&ObjectRef::new(&name).within(&workload.namespace))
+            })
+            .collect()
+    }
+
+    /// Whether a pod of that name exists in `namespace`.
+    pub fn pod_exists(&self, namespace: &str, name: &str) -> bool {
+        self.pods
+            .get(&ObjectRef::new(name).within(namespace))
+            .is_some()
+    }
+
+    /// The cached node named `name`.
+    pub fn node(&self, name: &str) -> Option<Arc<Node>> {
+        self.nodes.get(&ObjectRef::new(name))
+    }
+
+    /// The store and resource of a workload kind, if it is watched.
+    pub fn workload_store(&self, kind: &GroupKind) -> Option<WorkloadStore> {
+        lock_read(&self.workloads).get(kind).cloned()
+    }
+
+    /// Looks a workload up in its kind's cache.
+    pub fn workload(&self, workload: &WorkloadRef) -> WorkloadLookup {
+        let Some(ws) = self.workload_store(&workload.kind) else {
+            return WorkloadLookup::Unknown;
+        };
+        let key =
+            ObjectRef::new_with(&workload.name, ws.resource.clone()).within(&workload.namespace);
+        match ws.store.get(&key) {
+            Some(obj) => WorkloadLookup::Found(obj),
+            None => WorkloadLookup::Absent,
+        }
+    }
+
+    /// Asks the running controllers to reconcile every PersistentPodState and workload.
+    pub fn resync(&self) {
+        self.triggers.pps(self.all_pps());
+        for (kind, ws) in lock_read(&self.workloads).iter() {
+            for obj in ws.store.state() {
+                self.triggers.workload(
+                    kind,
+                    ObjectRef::from_obj_with(obj.as_ref(), ws.resource.clone()),
+                );
+            }
+        }
+    }
+
+    /// Every cached PersistentPodState, as reconcile requests.
+    pub fn all_pps(&self) -> Vec<ObjectRef<PersistentPodState>> {
+        self.pps
+            .state()
+            .iter()
+            .map(|p| ObjectRef::from_obj(p.as_ref()))
+            .collect()
+    }
+
+    fn pps_targeting(&self, workload: Option<WorkloadRef>) -> Vec<ObjectRef<PersistentPodState>> {
+        workload.map_or_else(Vec::new, |w| {
+            self.pps_by_target
+                .get(&w)
+                .into_iter()
+                .map(|name| ObjectRef::new(&name).within(&w.namespace))
+                .collect()
+        })
+    }
+
+    fn on_pps_event(&self, ev: &watcher::Event<PersistentPodState>) {
+        self.pps_by_target.apply(ev);
+        match ev {
+            watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
+                self.triggers.pps([ObjectRef::from_obj(p)]);
+            }
+            // A workload may have waited for its generated PPS to go away.
+            watcher::Event::Delete(p) => {
+                if let Some(target) = pps_target(p) {
+                    self.trigger_workload(&target);
+                }
+            }
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
+
+    fn on_pod_event(&self, ev: &watcher::Event<Pod>) {
+        self.pods_by_workload.apply(ev);
+        match ev {
+            watcher::Event::Apply(p) | watcher::Event::Delete(p) => {
+                self.triggers.pps(self.pps_targeting(pod_owner(p)));
+            }
+            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+        }
+    }
+
+    fn on_node_event(&self, ev: &watcher::Event<Node>) {
+        if let watcher::Event::InitDone = ev {
+            self.triggers.pps(self.all_pps());
+        }
+    }
+
+    fn trigger_workload(&self, workload: &WorkloadRef) {
+        if let Some(ws) = self.workload_store(&workload.kind) {
+            self.triggers.workload(
+                &workload.kind,
+                ObjectRef::new_with(&workload.name, ws.resource).within(&workload.namespace),
+            );
+        }
+    }
+
+    fn on_workload_event(&self, kind: &GroupKind, ev: &watcher::Event<DynamicObject>) {
+        let key = |obj: &DynamicObject| {
+            Some(WorkloadRef {
+                namespace: obj.namespace()?,
+                kind: kind.clone(),
+                name: obj.name_any(),
+            })
+        };
+        match ev {
+            watcher::Event::Apply(w) | watcher::Event::InitApply(w) => {
+                self.triggers.pps(self.pps_targeting(key(w)));
+                if let Some(k) = key(w) {
+                    self.trigger_workload(&k);
+                }
+            }
+            watcher::Event::Delete(w) => self.triggers.pps(self.pps_targeting(key(w))),
+            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
+            watcher::Event::Init => {}
+        }
+    }
+}
+
+/// Runs one watch forever: each event updates the store first, then `on_event` (indexes and
+/// triggers). Watch errors are retried with backoff and logged.
+async fn reflect<K>(
+    kind: String,
+    api: Api<K>,
+    mut writer: reflector::store::Writer<K>,
+    strip: fn(&mut K),
+    on_event: impl Fn(&watcher::Event<K>),
+) where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    let events = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .modify(strip);
+    futures::pin_mut!(events);
+    loop {
+        match events.try_next().await {
+            Ok(Some(ev)) => {
+                writer.apply_watcher_event(&ev);
+                on_event(&ev);
+            }
+            Ok(None) => return,
+            Err(error) => tracing::warn!(%error, %kind, "watch failed; retrying"),
+        }
+    }
+}
+
+fn strip_meta<K: Resource>(obj: &mut K) {
+    obj.meta_mut().managed_fields = None;
+}
+
+/// Keeps of a pod only what recording needs: metadata, node name, phase, conditions, IPs.
+fn strip_pod(pod: &mut Pod) {
+    strip_meta(pod);
+    let node_name = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    pod.spec = Some(PodSpec {
+        node_name,
+        ..PodSpec::default()
+    });
+    pod.status = pod.status.take().map(|s| PodStatus {
+        phase: s.phase,
+        conditions: s.conditions,
+        pod_ip: s.pod_ip,
+        ..PodStatus::default()
+    });
+}
+
+/// Keeps of a node its metadata and spec (labels, taints, unschedulable) and its conditions.
+fn strip_node(node: &mut Node) {
+    strip_meta(node);
+    node.status = node.status.take().map(|s| NodeStatus {
+        conditions: s.conditions,
+        ..NodeStatus::default()
+    });
+}
+
+/// Keeps of a workload its metadata and the spec fields that decide its live ordinals.
+fn strip_workload(obj: &mut DynamicObject) {
+    strip_meta(obj);
+    let spec = obj.data.get("spec").map(|spec| {
+        let mut kept = serde_json::Map::new();
+        for field in ["replicas", "ordinals", "reserveOrdinals"] {
+            if let Some(v) = spec.get(field) {
+                kept.insert(field.to_owned(), v.clone());
+            }
+        }
+        serde_json::Value::Object(kept)
+    });
+    obj.data = serde_json::json!({ "spec": spec });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(name: &str, owner: Option<&str>) -> Pod {
+        let owners = owner.map(|o| {
+            json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": o, "uid": "u", "controller": true}])
+        });
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns", "ownerReferences": owners},
+        }))
+        .expect("pod")
+    }
+
+    fn sts(name: &str) -> WorkloadRef {
+        WorkloadRef {
+            namespace: "ns".into(),
+            kind: GroupKind::native_statefulset(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn index_follows_applies_moves_deletes_and_relists() {
+        let index = Index::new(pod_owner);
+        index.apply(&watcher::Event::Apply(pod("a-0", Some("a"))));
+        index.apply(&watcher::Event::Apply(pod("a-1", Some("a"))));
+        index.apply(&watcher::Event::Apply(pod("bare", None)));
+        assert_eq!(index.get(&sts("a")), vec!["a-0", "a-1"]);
+
+        // the owner changes: the pod moves
+        index.apply(&watcher::Event::Apply(pod("a-1", Some("b"))));
+        assert_eq!(index.get(&sts("a")), vec!["a-0"]);
+        assert_eq!(index.get(&sts("b")), vec!["a-1"]);
+
+        index.apply(&watcher::Event::Delete(pod("a-0", Some("a"))));
+        assert!(index.get(&sts("a")).is_empty());
+
+        // a relist replaces everything at InitDone, not before
+        index.apply(&watcher::Event::Init);
+        index.apply(&watcher::Event::InitApply(pod("c-0", Some("c"))));
+        assert_eq!(index.get(&sts("b")), vec!["a-1"]);
+        index.apply(&watcher::Event::InitDone);
+        assert!(index.get(&sts("b")).is_empty());
+        assert_eq!(index.get(&sts("c")), vec!["c-0"]);
+    }
+
+    #[test]
+    fn stripping_keeps_what_recording_needs() {
+        let mut p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "a-0", "managedFields": [{"manager": "x"}]},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "i"}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+                       "conditions": [{"type": "Ready", "status": "True"}],
+                       "containerStatuses": [{"name": "c", "image": "i", "imageID": "", "ready": true, "restartCount": 0}]}
+        }))
+        .expect("pod");
+        strip_pod(&mut p);
+        assert!(p.metadata.managed_fields.is_none());
+        let spec = p.spec.as_ref().expect("spec");
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        assert!(spec.containers.is_empty());
+        let status = p.status.as_ref().expect("status");
+        assert_eq!(status.pod_ip.as_deref(), Some("10.0.0.1"));
+        assert!(status.container_statuses.is_none());
+        assert_eq!(status.conditions.as_ref().map(Vec::len), Some(1));
+
+        let mut w: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "a"},
+            "spec": {"replicas": 3, "ordinals": {"start": 1}, "template": {"spec": {}}}
+        }))
+        .expect("workload");
+        strip_workload(&mut w);
+        assert_eq!(
+            w.data,
+            json!({"spec": {"replicas": 3, "ordinals": {"start": 1}}})
+        );
+    }
+}

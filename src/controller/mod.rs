@@ -1,0 +1,279 @@
+//! The controllers, reading the shared caches: one records pod states into each
+//! PersistentPodState's status, one per workload kind generates PersistentPodStates from
+//! workload annotations. Decisions are made by the pure functions of [`record`] and
+//! [`generate`]; this module only reads caches and writes to the API.
+
+pub mod generate;
+pub mod record;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt, stream};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::PersistentPodStateStatus;
+use crate::api::v1alpha1::PersistentPodState;
+use crate::cache::{Caches, WorkloadLookup, pps_target};
+use crate::metrics::Metrics;
+use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
+use record::{Observed, Target};
+
+/// Field manager name for server-side apply.
+pub const FIELD_MANAGER: &str = "persistent-pod-state";
+
+/// How often every object is reconciled even without a change.
+const RESYNC: Duration = Duration::from_secs(300);
+
+/// What the controllers share.
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// The shared caches.
+    pub caches: Arc<Caches>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// A failed reconcile; retried with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API server refused or failed a write.
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// A value could not be serialized.
+    #[error("serialization: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Runs every controller until `shutdown`; reconciles in flight finish first.
+pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let caches = ctx.caches.clone();
+    let pps_requests = caches.triggers.subscribe_pps();
+    let pps = Controller::for_stream(
+        stream::empty::<Result<PersistentPodState, watcher::Error>>(),
+        caches.pps.clone(),
+    )
+    .reconcile_on(pps_requests)
+    .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+    .run(reconcile_pps, pps_error_policy, ctx.clone())
+    .for_each(|_| async {})
+    .boxed();
+
+    let mut runs = vec![pps];
+    let kinds: Vec<_> = caches
+        .workloads
+        .read()
+        .map(|w| w.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    for (kind, ws) in kinds {
+        let requests = caches.triggers.subscribe_workloads(&kind);
+        runs.push(
+            Controller::for_stream_with(
+                stream::empty::<Result<DynamicObject, watcher::Error>>(),
+                ws.store.clone(),
+                ws.resource.clone(),
+            )
+            .reconcile_on(requests)
+            .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+            .run(reconcile_workload, workload_error_policy, ctx.clone())
+            .for_each(|_| async {})
+            .boxed(),
+        );
+    }
+    caches.resync();
+    futures::future::join_all(runs).await;
+}
+
+fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
+    match caches.workload(workload) {
+        WorkloadLookup::Found(obj) => {
+            let info = WorkloadInfo::from_object(&obj);
+            if info.deleting {
+                Target::Gone
+            } else {
+                Target::Live(info)
+            }
+        }
+        WorkloadLookup::Absent => Target::Gone,
+        WorkloadLookup::Unknown => Target::Unknown,
+    }
+}
+
+/// Records the states of the target's Ready pods and prunes states no longer needed, writing
+/// only what changed.
+async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let start = Instant::now();
+    let (Some(namespace), Some(target)) = (pps.namespace(), pps_target(&pps)) else {
+        return Ok(Action::await_change());
+    };
+    let desired = {
+        let caches = &ctx.caches;
+        let pods = caches.pods_of(&target);
+        let pods: Vec<&Pod> = pods.iter().map(Arc::as_ref).collect();
+        let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
+        let node_labels = |name: &str| caches.node(name).map(|n| n.labels().clone());
+        let observed = Observed {
+            target: target_of(caches, &target),
+            pods: &pods,
+            pod_exists: &pod_exists,
+            node_labels: &node_labels,
+        };
+        let generation = pps.metadata.generation.unwrap_or_default();
+        record::desired_status(&pps.spec, generation, pps.status.as_ref(), &observed)
+    };
+
+    let old = serde_json::to_value(&pps.status)?;
+    let new = serde_json::to_value(&desired)?;
+    if let Some(patch) = record::merge_patch(&old, &new) {
+        let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
+        api.patch_status(
+            &pps.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": patch })),
+        )
+        .await?;
+        let (recorded, pruned) = count_changes(pps.status.as_ref(), &desired);
+        ctx.metrics.states_recorded.inc_by(recorded);
+        ctx.metrics.states_pruned.inc_by(pruned);
+        tracing::info!(pps = %pps.name_any(), %namespace, recorded, pruned, states = desired.pod_states.len(), "status updated");
+    }
+    ctx.metrics
+        .reconcile_duration
+        .observe(start.elapsed().as_secs_f64());
+    Ok(Action::requeue(RESYNC))
+}
+
+/// States added or changed, and states removed, from `old` to `new`.
+fn count_changes(
+    old: Option<&PersistentPodStateStatus>,
+    new: &PersistentPodStateStatus,
+) -> (u64, u64) {
+    let empty = BTreeMap::new();
+    let old = old.map_or(&empty, |s| &s.pod_states);
+    let recorded = new
+        .pod_states
+        .iter()
+        .filter(|(k, v)| old.get(*k) != Some(v))
+        .count();
+    let pruned = old
+        .keys()
+        .filter(|k| !new.pod_states.contains_key(*k))
+        .count();
+    (recorded as u64, pruned as u64)
+}
+
+fn pps_error_policy(pps: Arc<PersistentPodState>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics.reconcile_errors.inc();
+    tracing::warn!(pps = %pps.name_any(), namespace = ?pps.namespace(), %error, "reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Creates, updates or deletes the PersistentPodState generated from a workload's annotations.
+/// A PersistentPodState this controller did not generate is never changed.
+async fn reconcile_workload(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let (Some(namespace), Some(uid), Some(types)) =
+        (obj.namespace(), obj.uid(), obj.types.as_ref())
+    else {
+        return Ok(Action::await_change());
+    };
+    if obj.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let name = obj.name_any();
+    let desired = generate::desired_spec(&types.api_version, &types.kind, &name, obj.annotations());
+    let existing = ctx
+        .caches
+        .pps
+        .get(&ObjectRef::new(&name).within(&namespace));
+    let generated = existing
+        .as_ref()
+        .is_some_and(|p| generate::generated_for(p.owner_references(), &uid));
+    let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
+
+    match (desired, existing) {
+        (Some(spec), existing) => {
+            if existing.is_some() && !generated {
+                tracing::warn!(%namespace, workload = %name, "a PersistentPodState named like the workload exists and was not generated for it; leaving it alone");
+                return Ok(Action::await_change());
+            }
+            let workload = WorkloadRef {
+                namespace: namespace.clone(),
+                kind: GroupKind::new(crate::api::api_group(&types.api_version), &types.kind),
+                name: name.clone(),
+            };
+            if ctx
+                .caches
+                .pps_by_target
+                .get(&workload)
+                .iter()
+                .any(|other| *other != name)
+            {
+                tracing::warn!(%namespace, workload = %name, "another PersistentPodState targets the workload; not generating one");
+                return Ok(Action::await_change());
+            }
+            if existing.is_some_and(|p| p.spec == spec) {
+                return Ok(Action::await_change());
+            }
+            let pps = PersistentPodState {
+                metadata: ObjectMeta {
+                    name: Some(name.clone()),
+                    namespace: Some(namespace.clone()),
+                    owner_references: Some(vec![OwnerReference {
+                        api_version: types.api_version.clone(),
+                        kind: types.kind.clone(),
+                        name: name.clone(),
+                        uid,
+                        controller: Some(true),
+                        block_owner_deletion: None,
+                    }]),
+                    ..ObjectMeta::default()
+                },
+                spec,
+                status: None,
+            };
+            api.patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&pps),
+            )
+            .await?;
+            tracing::info!(%namespace, workload = %name, "generated PersistentPodState applied");
+        }
+        (None, Some(existing)) if generated => {
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: existing.uid(),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match api.delete(&name, &params).await {
+                Ok(_) => {
+                    tracing::info!(%namespace, workload = %name, "generated PersistentPodState deleted")
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        (None, _) => {}
+    }
+    Ok(Action::await_change())
+}
+
+fn workload_error_policy(obj: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics.reconcile_errors.inc();
+    tracing::warn!(workload = %obj.name_any(), namespace = ?obj.namespace(), %error, "generation failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}

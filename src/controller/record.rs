@@ -1,0 +1,389 @@
+//! The pure core of the controller: from a PersistentPodState, its workload, the workload's pods
+//! and the nodes, the status it should have; and the minimal merge patch from one status to
+//! another.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use serde_json::{Map, Value};
+
+use crate::api::v1alpha1::PersistentPodStateSpec;
+use crate::api::{PersistentPodStateStatus, PodState, RetentionPolicy};
+use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
+
+/// What is known about the target workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// It exists.
+    Live(WorkloadInfo),
+    /// It does not exist, or is being deleted: the status is cleared.
+    Gone,
+    /// Its kind is not watched, so whether it exists is unknown: states are recorded but
+    /// never pruned.
+    Unknown,
+}
+
+/// The world as the controller sees it for one PersistentPodState.
+pub struct Observed<'a> {
+    /// The target workload.
+    pub target: Target,
+    /// The pods whose controller ownerReference names the target.
+    pub pods: &'a [&'a Pod],
+    /// Whether a pod of that name exists in the namespace (whoever owns it).
+    pub pod_exists: &'a dyn Fn(&str) -> bool,
+    /// A node's labels, if the node is known.
+    pub node_labels: &'a dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+}
+
+/// Whether the pod's Ready condition is True.
+pub fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The state to record for a Ready pod with a node, or `None` if it cannot be recorded yet
+/// (not Ready, no node, or the node is not known).
+pub fn pod_state(
+    spec: &PersistentPodStateSpec,
+    pod: &Pod,
+    node_labels: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+) -> Option<PodState> {
+    if !is_ready(pod) {
+        return None;
+    }
+    let node = pod
+        .spec
+        .as_ref()?
+        .node_name
+        .as_ref()
+        .filter(|n| !n.is_empty())?;
+    let keys = spec.topology_keys();
+    let node_topology_labels = if keys.is_empty() {
+        BTreeMap::new()
+    } else {
+        let labels = node_labels(node)?;
+        keys.iter()
+            .filter_map(|k| labels.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+            .collect()
+    };
+    let pod_annotations = pod.annotations();
+    let annotations = spec
+        .persistent_pod_annotations
+        .iter()
+        .filter_map(|a| {
+            pod_annotations
+                .get(&a.key)
+                .map(|v| (a.key.clone(), v.clone()))
+        })
+        .collect();
+    Some(PodState {
+        node_name: Some(node.clone()),
+        node_topology_labels,
+        annotations,
+    })
+}
+
+/// The status a PersistentPodState should have.
+///
+/// Ready pods with a node are (re-)recorded whenever what would be recorded differs from what
+/// is; under `WhenScaled`, a state is dropped once its ordinal is not live and its pod is gone;
+/// a gone workload clears every state.
+pub fn desired_status(
+    spec: &PersistentPodStateSpec,
+    generation: i64,
+    current: Option<&PersistentPodStateStatus>,
+    observed: &Observed<'_>,
+) -> PersistentPodStateStatus {
+    let mut status = PersistentPodStateStatus {
+        observed_generation: generation,
+        pod_states: BTreeMap::new(),
+    };
+    let workload = match &observed.target {
+        Target::Gone => return status,
+        Target::Live(w) => Some(w),
+        Target::Unknown => None,
+    };
+    status.pod_states = current.map(|c| c.pod_states.clone()).unwrap_or_default();
+
+    for pod in observed.pods {
+        // A pod left behind by an earlier workload of the same name is not this one's.
+        let owner_uid = controller_owner(pod.owner_references()).map(|o| o.uid.as_str());
+        if let (Some(w), Some(uid)) = (workload, owner_uid)
+            && !w.uid.is_empty()
+            && w.uid != uid
+        {
+            continue;
+        }
+        if let Some(state) = pod_state(spec, pod, observed.node_labels) {
+            status.pod_states.insert(pod.name_any(), state);
+        }
+    }
+
+    if let Some(w) = workload
+        && spec.retention() == RetentionPolicy::WhenScaled
+    {
+        status.pod_states.retain(|name, _| {
+            let live = pod_ordinal(name).is_none_or(|o| w.is_live(o));
+            live || (observed.pod_exists)(name)
+        });
+    }
+    status
+}
+
+/// The RFC 7386 merge patch that turns `old` into `new`, or `None` if they are equal. Only
+/// changed members are sent, so a concurrent change to other members is kept.
+pub fn merge_patch(old: &Value, new: &Value) -> Option<Value> {
+    if old == new {
+        return None;
+    }
+    match (old, new) {
+        (Value::Object(o), Value::Object(n)) => {
+            let mut patch = Map::new();
+            for key in o.keys().filter(|k| !n.contains_key(*k)) {
+                patch.insert(key.clone(), Value::Null);
+            }
+            for (key, value) in n {
+                let changed = match o.get(key) {
+                    None => Some(value.clone()),
+                    Some(old_value) => merge_patch(old_value, value),
+                };
+                if let Some(v) = changed {
+                    patch.insert(key.clone(), v);
+                }
+            }
+            Some(Value::Object(patch))
+        }
+        _ => Some(new.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::v1alpha1::{NodeTopologyTerm, PreferredTopologyTerm};
+    use crate::api::{PersistentPodAnnotation, TargetReference};
+    use serde_json::json;
+
+    const HOST: &str = "kubernetes.io/hostname";
+    const ZONE: &str = "topology.kubernetes.io/zone";
+
+    fn spec(retention: Option<RetentionPolicy>) -> PersistentPodStateSpec {
+        PersistentPodStateSpec {
+            target_ref: TargetReference {
+                api_version: "apps/v1".into(),
+                kind: "StatefulSet".into(),
+                name: "web".into(),
+            },
+            required_persistent_topology: Some(NodeTopologyTerm {
+                node_topology_keys: vec![ZONE.into()],
+            }),
+            preferred_persistent_topology: vec![PreferredTopologyTerm {
+                weight: 100,
+                preference: NodeTopologyTerm {
+                    node_topology_keys: vec![HOST.into(), ZONE.into()],
+                },
+            }],
+            persistent_pod_annotations: vec![PersistentPodAnnotation { key: "ip".into() }],
+            persistent_pod_state_retention_policy: retention,
+        }
+    }
+
+    fn pod(name: &str, node: Option<&str>, ready: bool, uid: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns", "annotations": {"ip": format!("ip-{name}"), "x": "y"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": uid, "controller": true}]},
+            "spec": {"nodeName": node, "containers": []},
+            "status": {"conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}
+        }))
+        .expect("pod")
+    }
+
+    fn nodes(name: &str) -> Option<BTreeMap<String, String>> {
+        let zone = if name.ends_with('1') { "z1" } else { "z2" };
+        (name != "unknown").then(|| {
+            [(HOST, name), (ZONE, zone), ("other", "o")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect()
+        })
+    }
+
+    fn live(replicas: i32) -> Target {
+        Target::Live(WorkloadInfo {
+            uid: "u1".into(),
+            replicas,
+            ..WorkloadInfo::default()
+        })
+    }
+
+    fn state(node: &str) -> PodState {
+        pod_state(&spec(None), &pod("p-0", Some(node), true, "u1"), &nodes).expect("recordable")
+    }
+
+    fn run(
+        retention: Option<RetentionPolicy>,
+        target: Target,
+        current: &[(&str, &str)],
+        pods: &[Pod],
+        existing: &[&str],
+    ) -> BTreeMap<String, Option<String>> {
+        let current = PersistentPodStateStatus {
+            observed_generation: 1,
+            pod_states: current
+                .iter()
+                .map(|(p, n)| (p.to_string(), state(n)))
+                .collect(),
+        };
+        let refs: Vec<&Pod> = pods.iter().collect();
+        let exists = |name: &str| existing.contains(&name);
+        let observed = Observed {
+            target,
+            pods: &refs,
+            pod_exists: &exists,
+            node_labels: &nodes,
+        };
+        let out = desired_status(&spec(retention), 7, Some(&current), &observed);
+        assert_eq!(out.observed_generation, 7);
+        out.pod_states
+            .into_iter()
+            .map(|(k, v)| (k, v.node_name))
+            .collect()
+    }
+
+    fn expect(pairs: &[(&str, &str)]) -> BTreeMap<String, Option<String>> {
+        pairs
+            .iter()
+            .map(|(p, n)| (p.to_string(), Some(n.to_string())))
+            .collect()
+    }
+
+    #[test]
+    fn records_node_labels_for_the_union_of_keys_and_persistent_annotations() {
+        let s = state("node-1");
+        assert_eq!(s.node_name.as_deref(), Some("node-1"));
+        assert_eq!(
+            s.node_topology_labels,
+            [
+                (HOST.to_string(), "node-1".to_string()),
+                (ZONE.to_string(), "z1".to_string())
+            ]
+            .into()
+        );
+        assert_eq!(
+            s.annotations,
+            [("ip".to_string(), "ip-p-0".to_string())].into()
+        );
+    }
+
+    #[test]
+    fn only_ready_pods_with_a_known_node_are_recorded() {
+        let pods = [
+            pod("web-0", Some("node-1"), true, "u1"),
+            pod("web-1", Some("node-2"), false, "u1"),
+            pod("web-2", None, true, "u1"),
+            pod("web-3", Some("unknown"), true, "u1"),
+        ];
+        assert_eq!(
+            run(None, live(4), &[], &pods, &[]),
+            expect(&[("web-0", "node-1")])
+        );
+    }
+
+    #[test]
+    fn re_records_when_the_node_changes_and_keeps_states_of_pods_not_ready() {
+        let pods = [
+            pod("web-0", Some("node-2"), true, "u1"),
+            pod("web-1", Some("node-2"), false, "u1"),
+        ];
+        let current = [("web-0", "node-1"), ("web-1", "node-1")];
+        assert_eq!(
+            run(None, live(2), &current, &pods, &[]),
+            expect(&[("web-0", "node-2"), ("web-1", "node-1")])
+        );
+    }
+
+    #[test]
+    fn pods_of_an_older_workload_with_the_same_name_are_ignored() {
+        let pods = [pod("web-0", Some("node-1"), true, "old-uid")];
+        assert!(run(None, live(1), &[], &pods, &[]).is_empty());
+    }
+
+    #[test]
+    fn when_scaled_prunes_gone_pods_outside_the_live_ordinals() {
+        let current = [
+            ("web-0", "node-1"),
+            ("web-1", "node-1"),
+            ("web-2", "node-2"),
+            ("odd", "node-1"),
+        ];
+        // web-1 is outside the range but its pod still exists (terminating): kept for now.
+        assert_eq!(
+            run(None, live(1), &current, &[], &["web-1"]),
+            expect(&[("odd", "node-1"), ("web-0", "node-1"), ("web-1", "node-1")])
+        );
+        assert_eq!(
+            run(
+                Some(RetentionPolicy::Unrecognized),
+                live(1),
+                &current,
+                &[],
+                &[]
+            ),
+            expect(&[("odd", "node-1"), ("web-0", "node-1")])
+        );
+    }
+
+    #[test]
+    fn when_deleted_keeps_states_until_the_workload_is_gone() {
+        let current = [
+            ("web-0", "node-1"),
+            ("web-1", "node-1"),
+            ("web-2", "node-2"),
+        ];
+        let keep = Some(RetentionPolicy::WhenDeleted);
+        assert_eq!(run(keep, live(1), &current, &[], &[]).len(), 3);
+        assert!(run(keep, Target::Gone, &current, &[], &[]).is_empty());
+    }
+
+    #[test]
+    fn an_unknown_workload_records_but_never_prunes() {
+        let current = [("web-5", "node-1")];
+        let pods = [pod("web-0", Some("node-2"), true, "u1")];
+        assert_eq!(
+            run(None, Target::Unknown, &current, &pods, &[]),
+            expect(&[("web-0", "node-2"), ("web-5", "node-1")])
+        );
+    }
+
+    #[test]
+    fn merge_patch_sends_only_changes() {
+        let cases = [
+            (json!({"a": 1}), json!({"a": 1}), None),
+            (json!(null), json!({"a": 1}), Some(json!({"a": 1}))),
+            (
+                json!({"s": {"p0": {"n": "x", "l": {"k": "v"}}, "p1": {"n": "y"}}, "g": 1}),
+                json!({"s": {"p0": {"n": "x", "l": {"k2": "v"}}, "p2": {"n": "z"}}, "g": 1}),
+                Some(
+                    json!({"s": {"p0": {"l": {"k": null, "k2": "v"}}, "p1": null, "p2": {"n": "z"}}}),
+                ),
+            ),
+            (
+                json!({"a": [1]}),
+                json!({"a": [2]}),
+                Some(json!({"a": [2]})),
+            ),
+        ];
+        for (old, new, want) in cases {
+            let got = merge_patch(&old, &new);
+            assert_eq!(got, want, "{old} -> {new}");
+            if let Some(p) = got {
+                let mut doc = old.clone();
+                json_patch::merge(&mut doc, &p);
+                assert_eq!(doc, new, "patch applies");
+            }
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! persistent-pod-state: keeps a StatefulSet pod's node, zone and IP across re-creation.
+//!
+//! A drop-in replacement for OpenKruise's PersistentPodState: the controller records where each
+//! Ready pod of a target workload runs, and the mutating webhook steers a re-created pod back.
+//!
+//! Layout: [`api`] (types), [`workload`] (what a StatefulSet-like workload is), [`cache`] (shared
+//! reflector stores and indexes), [`controller`] (status recording and PPS generation),
+//! [`webhook`] (HTTPS server and admission handlers), [`probes`], [`metrics`], [`certs`], [`cli`].
+
+pub mod api;
+pub mod cache;
+pub mod certs;
+pub mod cli;
+pub mod controller;
+pub mod metrics;
+pub mod probes;
+pub mod serve;
+pub mod webhook;
+pub mod workload;

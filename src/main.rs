@@ -1,0 +1,42 @@
+//! Entry point: parse the command line, set up logging, dispatch.
+
+use clap::Parser;
+use persistent_pod_state::cli::{Cli, Command, LogFormat};
+use persistent_pod_state::{api, certs, serve};
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Plain => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // One crypto provider for the whole process (ring), before any TLS is set up.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match cli.command {
+        Command::Serve(args) => serve::run(args).await,
+        Command::Crd => {
+            print!("{}", api::crd_yaml()?);
+            Ok(())
+        }
+        Command::Certs(args) => {
+            let bundle = certs::generate(&args.hosts)?;
+            certs::write(&bundle, &args.out_dir)?;
+            eprintln!(
+                "wrote ca.crt, tls.crt and tls.key to {}",
+                args.out_dir.display()
+            );
+            Ok(())
+        }
+    }
+}

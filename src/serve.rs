@@ -1,0 +1,118 @@
+//! `serve`: wires the caches, the controllers, the admission server and the probe server under
+//! one shutdown signal.
+//!
+//! Shutdown (SIGTERM or SIGINT): readiness turns false at once, the listeners stop accepting,
+//! requests in flight are answered, controllers finish their reconciles, and the process exits 0.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::Caches;
+use crate::cli::ServeArgs;
+use crate::controller;
+use crate::metrics::Metrics;
+use crate::probes::{self, Health};
+use crate::webhook::{self, WebhookState};
+use crate::workload::native_statefulset_resource;
+
+/// Runs until SIGTERM/SIGINT.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let tls = webhook::tls::server_config(&args.tls_cert, &args.tls_key)?;
+    let client = kube::Client::try_default()
+        .await
+        .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+    let metrics = Arc::new(Metrics::new());
+    let (caches, _watch_tasks) = Caches::start(&client, &[native_statefulset_resource()]);
+    let health = Arc::new(Health {
+        caches: caches.clone(),
+        shutting_down: false.into(),
+        metrics: metrics.clone(),
+    });
+    let shutdown = CancellationToken::new();
+    let drain = Duration::from_secs(args.drain_seconds);
+
+    let webhook_listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let probe_listener = TcpListener::bind(args.probe_listen)
+        .await
+        .with_context(|| format!("binding {}", args.probe_listen))?;
+    tracing::info!(webhook = %args.listen, probes = %args.probe_listen, "listening");
+
+    let webhook_app = webhook::router(Arc::new(WebhookState {
+        caches: caches.clone(),
+        metrics: metrics.clone(),
+    }));
+    let webhook_server = tokio::spawn(webhook::server::serve_tls(
+        webhook_listener,
+        tls,
+        webhook_app,
+        shutdown.clone(),
+        drain,
+    ));
+    // The probe server outlives the webhook drain, so /readyz answers 503 throughout it.
+    let probes_stop = CancellationToken::new();
+    let probe_server = tokio::spawn({
+        let stop = probes_stop.clone();
+        let app = probes::router(health.clone());
+        async move {
+            axum::serve(probe_listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        }
+    });
+
+    let controllers = tokio::spawn({
+        let ctx = Arc::new(controller::Context {
+            client: client.clone(),
+            caches: caches.clone(),
+            metrics: metrics.clone(),
+        });
+        let shutdown = shutdown.clone();
+        async move {
+            tokio::select! {
+                () = ctx.caches.wait_synced() => {}
+                () = shutdown.cancelled() => return,
+            }
+            tracing::info!("caches synced; ready");
+            controller::run(ctx, shutdown).await;
+        }
+    });
+
+    wait_for_signal().await;
+    health.shutting_down.store(true, Ordering::Release);
+    tracing::info!(
+        delay_seconds = args.shutdown_delay_seconds,
+        "shutting down: readiness off"
+    );
+    // Keep serving while endpoints and load balancers notice the failing readiness.
+    tokio::time::sleep(Duration::from_secs(args.shutdown_delay_seconds)).await;
+    tracing::info!("no longer accepting; draining requests in flight");
+    shutdown.cancel();
+    let _ = webhook_server.await;
+    let _ = tokio::time::timeout(drain, controllers).await;
+    probes_stop.cancel();
+    let _ = probe_server.await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(error) => {
+            tracing::error!(%error, "cannot listen for SIGTERM; only Ctrl-C stops the server");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

@@ -1,0 +1,467 @@
+//! The pure core of the pod webhook: given a pod being created, the PersistentPodState that
+//! targets its workload and the state recorded for its name, the JSON patch that steers it back.
+
+use std::collections::BTreeMap;
+
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation};
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{Value, json};
+
+use crate::api::v1alpha1::PersistentPodStateSpec;
+use crate::api::{INJECTED_ANNOTATION, PodState};
+
+const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
+
+/// A nodeSelector key the pod already sets to another value than the recorded one; the pod's
+/// own value is kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conflict {
+    /// The node label key.
+    pub key: String,
+    /// The pod's value, which stays.
+    pub pod_value: String,
+    /// The recorded value, which is not injected.
+    pub recorded_value: String,
+}
+
+/// What the webhook adds to a pod, as a JSON patch, and what it did not add.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Injection {
+    /// The patch to return to the API server (may be empty).
+    pub patch: Patch,
+    /// Number of required node labels added to `spec.nodeSelector`.
+    pub required: usize,
+    /// Number of preferred node affinity terms appended.
+    pub preferred: usize,
+    /// Number of persistent annotations restored (not counting the injected-state marker).
+    pub annotations: usize,
+    /// Required keys left as the pod set them.
+    pub conflicts: Vec<Conflict>,
+}
+
+fn pointer(tokens: &[&str]) -> PointerBuf {
+    PointerBuf::from_tokens(tokens.iter().copied())
+}
+
+fn add(ops: &mut Vec<PatchOperation>, tokens: &[&str], value: Value) {
+    ops.push(PatchOperation::Add(AddOperation {
+        path: pointer(tokens),
+        value,
+    }));
+}
+
+/// Computes the patch that restores `state` onto `pod` as asked by `spec`.
+///
+/// The patch applies to the pod exactly as the API server sent it: missing maps and lists are
+/// created, what the pod already has is kept, and keys are escaped in JSON Pointers. Constraints
+/// the pod sets itself are never overridden.
+pub fn injection_for(
+    pod: &Pod,
+    pps_name: &str,
+    spec: &PersistentPodStateSpec,
+    state: &PodState,
+) -> Injection {
+    let mut out = Injection::default();
+    let Some(pod_spec) = pod.spec.as_ref() else {
+        return out;
+    };
+    let mut ops = Vec::new();
+
+    // a. required keys -> spec.nodeSelector
+    let recorded = |key: &str| state.node_topology_labels.get(key).cloned();
+    let required: BTreeMap<String, String> = spec
+        .required_keys()
+        .iter()
+        .filter_map(|k| recorded(k).map(|v| (k.clone(), v)))
+        .collect();
+    match &pod_spec.node_selector {
+        None if !required.is_empty() => {
+            out.required = required.len();
+            add(&mut ops, &["spec", "nodeSelector"], json!(required));
+        }
+        None => {}
+        Some(existing) => {
+            for (key, value) in &required {
+                match existing.get(key) {
+                    Some(v) if v == value => {}
+                    Some(v) => out.conflicts.push(Conflict {
+                        key: key.clone(),
+                        pod_value: v.clone(),
+                        recorded_value: value.clone(),
+                    }),
+                    None => {
+                        out.required += 1;
+                        add(&mut ops, &["spec", "nodeSelector", key], json!(value));
+                    }
+                }
+            }
+        }
+    }
+
+    // b. preferred terms -> appended preferred node affinity
+    let node_affinity = pod_spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref());
+    let existing_terms: Vec<Value> = node_affinity
+        .and_then(|na| {
+            na.preferred_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|terms| {
+            terms
+                .iter()
+                .filter_map(|t| serde_json::to_value(t).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut terms: Vec<Value> = Vec::new();
+    for term in &spec.preferred_persistent_topology {
+        let expressions: Vec<Value> = term
+            .preference
+            .node_topology_keys
+            .iter()
+            .filter_map(|k| recorded(k).map(|v| json!({"key": k, "operator": "In", "values": [v]})))
+            .collect();
+        if expressions.is_empty() {
+            continue;
+        }
+        let value = json!({
+            "weight": term.weight.clamp(1, 100),
+            "preference": {"matchExpressions": expressions},
+        });
+        if !existing_terms.contains(&value) && !terms.contains(&value) {
+            terms.push(value);
+        }
+    }
+    out.preferred = terms.len();
+    if !terms.is_empty() {
+        if pod_spec.affinity.is_none() {
+            let value = json!({"nodeAffinity": {PREFERRED: terms}});
+            add(&mut ops, &["spec", "affinity"], value);
+        } else if node_affinity.is_none() {
+            add(
+                &mut ops,
+                &["spec", "affinity", "nodeAffinity"],
+                json!({PREFERRED: terms}),
+            );
+        } else if node_affinity.is_some_and(|na| {
+            na.preferred_during_scheduling_ignored_during_execution
+                .is_none()
+        }) {
+            add(
+                &mut ops,
+                &["spec", "affinity", "nodeAffinity", PREFERRED],
+                json!(terms),
+            );
+        } else {
+            for term in terms {
+                add(
+                    &mut ops,
+                    &["spec", "affinity", "nodeAffinity", PREFERRED, "-"],
+                    term,
+                );
+            }
+        }
+    }
+
+    // c. persistent annotations (never over the pod's own) and the injected-state marker
+    let pod_annotations = pod.metadata.annotations.as_ref();
+    let mut annotations: BTreeMap<String, String> = spec
+        .persistent_pod_annotations
+        .iter()
+        .filter(|a| a.key != INJECTED_ANNOTATION)
+        .filter(|a| pod_annotations.is_none_or(|m| !m.contains_key(&a.key)))
+        .filter_map(|a| {
+            state
+                .annotations
+                .get(&a.key)
+                .map(|v| (a.key.clone(), v.clone()))
+        })
+        .collect();
+    out.annotations = annotations.len();
+    match pod_annotations {
+        None => {
+            annotations.insert(INJECTED_ANNOTATION.to_owned(), pps_name.to_owned());
+            add(&mut ops, &["metadata", "annotations"], json!(annotations));
+        }
+        Some(existing) => {
+            for (key, value) in &annotations {
+                add(&mut ops, &["metadata", "annotations", key], json!(value));
+            }
+            match existing.get(INJECTED_ANNOTATION) {
+                Some(v) if v == pps_name => {}
+                Some(_) => ops.push(PatchOperation::Replace(ReplaceOperation {
+                    path: pointer(&["metadata", "annotations", INJECTED_ANNOTATION]),
+                    value: json!(pps_name),
+                })),
+                None => add(
+                    &mut ops,
+                    &["metadata", "annotations", INJECTED_ANNOTATION],
+                    json!(pps_name),
+                ),
+            }
+        }
+    }
+
+    out.patch = Patch(ops);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::v1alpha1::{NodeTopologyTerm, PreferredTopologyTerm};
+    use crate::api::{PersistentPodAnnotation, TargetReference};
+
+    const ZONE: &str = "topology.kubernetes.io/zone";
+    const HOST: &str = "kubernetes.io/hostname";
+
+    fn spec(
+        required: &[&str],
+        preferred: &[(i32, &[&str])],
+        annotations: &[&str],
+    ) -> PersistentPodStateSpec {
+        let keys = |ks: &[&str]| ks.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        PersistentPodStateSpec {
+            target_ref: TargetReference {
+                api_version: "apps/v1".into(),
+                kind: "StatefulSet".into(),
+                name: "web".into(),
+            },
+            required_persistent_topology: (!required.is_empty()).then(|| NodeTopologyTerm {
+                node_topology_keys: keys(required),
+            }),
+            preferred_persistent_topology: preferred
+                .iter()
+                .map(|(w, ks)| PreferredTopologyTerm {
+                    weight: *w,
+                    preference: NodeTopologyTerm {
+                        node_topology_keys: keys(ks),
+                    },
+                })
+                .collect(),
+            persistent_pod_annotations: annotations
+                .iter()
+                .map(|k| PersistentPodAnnotation { key: k.to_string() })
+                .collect(),
+            persistent_pod_state_retention_policy: None,
+        }
+    }
+
+    fn state(labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> PodState {
+        let map = |kv: &[(&str, &str)]| {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        PodState {
+            node_name: Some("node-a1".into()),
+            node_topology_labels: map(labels),
+            annotations: map(annotations),
+        }
+    }
+
+    fn pod(v: Value) -> (Pod, Value) {
+        (serde_json::from_value(v.clone()).expect("valid pod"), v)
+    }
+
+    /// Applies the injection to the raw pod and returns the patched JSON.
+    fn apply(raw: &Value, inj: &Injection) -> Value {
+        let mut doc = raw.clone();
+        json_patch::patch(&mut doc, &inj.patch).expect("patch applies to the pod as sent");
+        doc
+    }
+
+    fn bare_pod() -> (Pod, Value) {
+        pod(json!({"metadata": {"name": "web-0"}, "spec": {"containers": [{"name": "c"}]}}))
+    }
+
+    #[test]
+    fn creates_every_missing_map_and_escapes_keys() {
+        let (p, raw) = bare_pod();
+        let s = spec(&[ZONE], &[(100, &[HOST])], &["a~b/c"]);
+        let st = state(&[(ZONE, "z1"), (HOST, "node-a1")], &[("a~b/c", "v")]);
+        let inj = injection_for(&p, "web", &s, &st);
+        let out = apply(&raw, &inj);
+        assert_eq!(out["spec"]["nodeSelector"], json!({ZONE: "z1"}));
+        assert_eq!(
+            out["spec"]["affinity"]["nodeAffinity"][PREFERRED],
+            json!([{"weight": 100, "preference": {"matchExpressions": [
+                {"key": HOST, "operator": "In", "values": ["node-a1"]}]}}])
+        );
+        assert_eq!(
+            out["metadata"]["annotations"],
+            json!({"a~b/c": "v", INJECTED_ANNOTATION: "web"})
+        );
+        assert_eq!((inj.required, inj.preferred, inj.annotations), (1, 1, 1));
+    }
+
+    #[test]
+    fn keeps_what_the_pod_has_and_escapes_pointer_tokens() {
+        let (p, raw) = pod(json!({
+            "metadata": {"name": "web-0", "annotations": {"own": "1", "a~b/c": "mine"}},
+            "spec": {
+                "containers": [{"name": "c"}],
+                "nodeSelector": {"disk": "ssd"},
+                "affinity": {"nodeAffinity": {PREFERRED: [
+                    {"weight": 5, "preference": {"matchExpressions": [{"key": "x", "operator": "Exists"}]}}
+                ]}}
+            }
+        }));
+        let s = spec(&[ZONE], &[(50, &[HOST])], &["a~b/c", "other/key"]);
+        let st = state(
+            &[(ZONE, "z1"), (HOST, "n1")],
+            &[("a~b/c", "old"), ("other/key", "o")],
+        );
+        let inj = injection_for(&p, "web", &s, &st);
+        let paths: Vec<String> = inj.patch.0.iter().map(|op| op.path().to_string()).collect();
+        assert!(paths.contains(&"/spec/nodeSelector/topology.kubernetes.io~1zone".to_string()));
+        assert!(paths.contains(&"/metadata/annotations/other~1key".to_string()));
+        let out = apply(&raw, &inj);
+        assert_eq!(
+            out["spec"]["nodeSelector"],
+            json!({"disk": "ssd", ZONE: "z1"})
+        );
+        let terms = out["spec"]["affinity"]["nodeAffinity"][PREFERRED]
+            .as_array()
+            .expect("list");
+        assert_eq!(terms.len(), 2);
+        assert_eq!(terms[0]["weight"], 5);
+        assert_eq!(terms[1]["weight"], 50);
+        assert_eq!(
+            out["metadata"]["annotations"]["a~b/c"], "mine",
+            "pod's own value stays"
+        );
+        assert_eq!(out["metadata"]["annotations"]["other/key"], "o");
+        assert_eq!(out["metadata"]["annotations"]["own"], "1");
+        assert_eq!(out["metadata"]["annotations"][INJECTED_ANNOTATION], "web");
+    }
+
+    #[test]
+    fn conflicting_node_selector_keeps_the_pods_value() {
+        let (p, raw) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
+            "containers": [{"name": "c"}], "nodeSelector": {ZONE: "z9", HOST: "n1"}}}));
+        let s = spec(&[ZONE, HOST], &[], &[]);
+        let st = state(&[(ZONE, "z1"), (HOST, "n1")], &[]);
+        let inj = injection_for(&p, "web", &s, &st);
+        assert_eq!(
+            inj.conflicts,
+            vec![Conflict {
+                key: ZONE.into(),
+                pod_value: "z9".into(),
+                recorded_value: "z1".into()
+            }]
+        );
+        assert_eq!(inj.required, 0);
+        let out = apply(&raw, &inj);
+        assert_eq!(out["spec"]["nodeSelector"], json!({ZONE: "z9", HOST: "n1"}));
+    }
+
+    #[test]
+    fn creates_node_affinity_or_list_under_an_existing_parent() {
+        let cases = [
+            json!({"podAntiAffinity": {}}),
+            json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "a", "operator": "Exists"}]}]}}}),
+        ];
+        for affinity in cases {
+            let (p, raw) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
+                "containers": [{"name": "c"}], "affinity": affinity.clone()}}));
+            let s = spec(&[], &[(100, &[HOST])], &[]);
+            let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]));
+            let out = apply(&raw, &inj);
+            assert_eq!(
+                out["spec"]["affinity"]["nodeAffinity"][PREFERRED][0]["weight"], 100,
+                "{affinity}"
+            );
+            for (k, v) in affinity.as_object().expect("object") {
+                if k != "nodeAffinity" {
+                    assert_eq!(&out["spec"]["affinity"][k], v, "kept {k}");
+                }
+            }
+            if affinity.get("nodeAffinity").is_some() {
+                assert!(out["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"].is_object());
+            }
+        }
+    }
+
+    #[test]
+    fn skips_keys_without_a_recorded_value_and_duplicate_terms() {
+        let (p, raw) = pod(
+            json!({"metadata": {"name": "web-0", "annotations": {}}, "spec": {
+            "containers": [{"name": "c"}],
+            "affinity": {"nodeAffinity": {PREFERRED: [{"weight": 100, "preference": {
+                "matchExpressions": [{"key": HOST, "operator": "In", "values": ["n1"]}]}}]}}}}),
+        );
+        let s = spec(
+            &["missing"],
+            &[(100, &[HOST]), (30, &["also-missing"])],
+            &["gone"],
+        );
+        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]));
+        let out = apply(&raw, &inj);
+        assert!(out["spec"].get("nodeSelector").is_none());
+        assert_eq!(
+            out["spec"]["affinity"]["nodeAffinity"][PREFERRED]
+                .as_array()
+                .map(Vec::len),
+            Some(1)
+        );
+        assert_eq!(
+            out["metadata"]["annotations"],
+            json!({INJECTED_ANNOTATION: "web"})
+        );
+        assert_eq!((inj.required, inj.preferred, inj.annotations), (0, 0, 0));
+    }
+
+    #[test]
+    fn out_of_range_weights_are_clamped_so_the_pod_stays_valid() {
+        let (p, raw) = bare_pod();
+        let s = spec(&[], &[(0, &[HOST]), (500, &[ZONE])], &[]);
+        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1"), (ZONE, "z")], &[]));
+        let out = apply(&raw, &inj);
+        let weights: Vec<&Value> = out["spec"]["affinity"]["nodeAffinity"][PREFERRED]
+            .as_array()
+            .expect("list")
+            .iter()
+            .map(|t| &t["weight"])
+            .collect();
+        assert_eq!(weights, vec![&json!(1), &json!(100)]);
+    }
+
+    #[test]
+    fn a_stale_marker_is_replaced_and_a_current_one_left_alone() {
+        for (marker, ops) in [("other", 1), ("web", 0)] {
+            let (p, raw) = pod(
+                json!({"metadata": {"name": "web-0", "annotations": {INJECTED_ANNOTATION: marker}},
+                "spec": {"containers": [{"name": "c"}]}}),
+            );
+            let inj = injection_for(
+                &p,
+                "web",
+                &spec(&[], &[(1, &[HOST])], &[]),
+                &state(&[], &[]),
+            );
+            assert_eq!(inj.patch.0.len(), ops);
+            assert_eq!(
+                apply(&raw, &inj)["metadata"]["annotations"][INJECTED_ANNOTATION],
+                "web"
+            );
+        }
+    }
+
+    #[test]
+    fn null_fields_are_replaced() {
+        let (p, raw) = pod(
+            json!({"metadata": {"name": "web-0", "annotations": null}, "spec": {
+            "containers": [{"name": "c"}], "nodeSelector": null, "affinity": null}}),
+        );
+        let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
+        let inj = injection_for(&p, "web", &s, &state(&[(ZONE, "z"), (HOST, "n")], &[]));
+        let out = apply(&raw, &inj);
+        assert_eq!(out["spec"]["nodeSelector"][ZONE], "z");
+        assert_eq!(out["metadata"]["annotations"][INJECTED_ANNOTATION], "web");
+    }
+}

@@ -1,0 +1,36 @@
+//! The HTTPS admission server: routes, the TLS serving loop, and the handlers. The decision
+//! of what to inject is the pure [`inject`] module.
+
+pub mod inject;
+pub mod mutate_pod;
+pub mod review;
+pub mod server;
+pub mod tls;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::post;
+
+use crate::cache::Caches;
+use crate::metrics::Metrics;
+
+/// Largest accepted request body (the API server sends at most a few MiB per object).
+const MAX_BODY: usize = 8 * 1024 * 1024;
+
+/// What the admission handlers share.
+pub struct WebhookState {
+    /// The shared caches.
+    pub caches: Arc<Caches>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// The admission routes.
+pub fn router(state: Arc<WebhookState>) -> Router {
+    Router::new()
+        .route(mutate_pod::PATH, post(mutate_pod::mutate_pod))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}

@@ -1,0 +1,184 @@
+//! TLS for the webhook: the certificate and key are re-read when their files change (checked at
+//! most once a second, on new connections), so a rotated Secret — including Kubernetes'
+//! symlink swap of a Secret volume — is used without a restart.
+
+use std::fmt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+use rustls::ServerConfig;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+
+const RECHECK: Duration = Duration::from_secs(1);
+
+/// Identity of a file's content as far as metadata tells (follows symlinks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    modified: Option<SystemTime>,
+}
+
+fn stamp(path: &Path) -> std::io::Result<Stamp> {
+    let m = std::fs::metadata(path)?;
+    Ok(Stamp {
+        dev: m.dev(),
+        ino: m.ino(),
+        len: m.len(),
+        modified: m.modified().ok(),
+    })
+}
+
+struct Loaded {
+    stamps: (Stamp, Stamp),
+    key: Arc<CertifiedKey>,
+    checked: Instant,
+}
+
+/// Serves the certificate in `cert`/`key`, reloading them when the files change. A change that
+/// does not load (half-written files, a key that does not match) keeps the previous pair.
+pub struct ReloadingCert {
+    cert: PathBuf,
+    key: PathBuf,
+    provider: Arc<CryptoProvider>,
+    loaded: Mutex<Loaded>,
+}
+
+impl fmt::Debug for ReloadingCert {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReloadingCert")
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+fn load(
+    cert: &Path,
+    key: &Path,
+    provider: &CryptoProvider,
+) -> anyhow::Result<((Stamp, Stamp), Arc<CertifiedKey>)> {
+    let stamps = (
+        stamp(cert).with_context(|| format!("reading {}", cert.display()))?,
+        stamp(key).with_context(|| format!("reading {}", key.display()))?,
+    );
+    let chain = CertificateDer::pem_file_iter(cert)
+        .with_context(|| format!("reading {}", cert.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("parsing {}", cert.display()))?;
+    anyhow::ensure!(!chain.is_empty(), "{} holds no certificate", cert.display());
+    let private =
+        PrivateKeyDer::from_pem_file(key).with_context(|| format!("reading {}", key.display()))?;
+    let certified = CertifiedKey::from_der(chain, private, provider)
+        .with_context(|| format!("{} does not match {}", key.display(), cert.display()))?;
+    Ok((stamps, Arc::new(certified)))
+}
+
+impl ReloadingCert {
+    /// Loads the pair once; fails if it cannot be used.
+    pub fn new(cert: PathBuf, key: PathBuf, provider: Arc<CryptoProvider>) -> anyhow::Result<Self> {
+        let (stamps, certified) = load(&cert, &key, &provider)?;
+        Ok(Self {
+            cert,
+            key,
+            provider,
+            loaded: Mutex::new(Loaded {
+                stamps,
+                key: certified,
+                checked: Instant::now(),
+            }),
+        })
+    }
+
+    /// The pair to serve now, reloaded first if the files changed.
+    pub fn current(&self) -> Arc<CertifiedKey> {
+        let mut loaded = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
+        if loaded.checked.elapsed() >= RECHECK {
+            loaded.checked = Instant::now();
+            let now = (stamp(&self.cert), stamp(&self.key));
+            let changed = match now {
+                (Ok(c), Ok(k)) => (c, k) != loaded.stamps,
+                _ => false,
+            };
+            if changed {
+                match load(&self.cert, &self.key, &self.provider) {
+                    Ok((stamps, key)) => {
+                        tracing::info!(cert = %self.cert.display(), "serving certificate reloaded");
+                        loaded.stamps = stamps;
+                        loaded.key = key;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "new serving certificate not usable yet; keeping the previous one")
+                    }
+                }
+            }
+        }
+        loaded.key.clone()
+    }
+}
+
+impl ResolvesServerCert for ReloadingCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+}
+
+/// A rustls server configuration (ring provider, TLS 1.2 and 1.3, h2 and http/1.1) serving the
+/// reloading certificate at `cert`/`key`.
+pub fn server_config(cert: &Path, key: &Path) -> anyhow::Result<Arc<ServerConfig>> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let resolver = ReloadingCert::new(cert.to_owned(), key.to_owned(), provider.clone())?;
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(resolver));
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs;
+
+    #[test]
+    fn reloads_changed_files_and_keeps_the_old_pair_on_garbage() {
+        let dir = std::env::temp_dir().join(format!("pps-tls-{}", std::process::id()));
+        certs::write(&certs::generate(&["a.example".into()]).expect("gen"), &dir).expect("write");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let r =
+            ReloadingCert::new(dir.join("tls.crt"), dir.join("tls.key"), provider).expect("loads");
+        let first = r.current().cert[0].clone();
+
+        certs::write(&certs::generate(&["b.example".into()]).expect("gen"), &dir).expect("write");
+        r.loaded.lock().expect("lock").checked -= RECHECK;
+        let second = r.current().cert[0].clone();
+        assert_ne!(first, second, "new pair served");
+
+        std::fs::write(dir.join("tls.crt"), "garbage").expect("write");
+        r.loaded.lock().expect("lock").checked -= RECHECK;
+        assert_eq!(r.current().cert[0], second, "previous pair kept");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn unusable_files_are_a_clear_error() {
+        let err = server_config(
+            Path::new("/nonexistent/tls.crt"),
+            Path::new("/nonexistent/tls.key"),
+        )
+        .expect_err("fails");
+        assert!(
+            format!("{err:#}").contains("/nonexistent/tls.crt"),
+            "{err:#}"
+        );
+    }
+}

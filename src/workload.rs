@@ -1,0 +1,241 @@
+//! StatefulSet-like workloads: which kinds are handled, how a pod names its workload, and which
+//! ordinals of a workload are live. Pure functions over API objects.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::ResourceExt;
+use kube::api::{ApiResource, DynamicObject};
+use serde_json::Value;
+
+use crate::api::{KRUISE_GROUP, api_group};
+
+/// A kind of workload, without version (`apps`/`StatefulSet`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GroupKind {
+    /// API group (empty for core).
+    pub group: String,
+    /// Kind.
+    pub kind: String,
+}
+
+impl GroupKind {
+    /// A group and kind.
+    pub fn new(group: &str, kind: &str) -> Self {
+        Self {
+            group: group.to_owned(),
+            kind: kind.to_owned(),
+        }
+    }
+
+    /// Native `apps/v1` StatefulSet.
+    pub fn native_statefulset() -> Self {
+        Self::new("apps", "StatefulSet")
+    }
+
+    /// Whether pods of this kind are handled: StatefulSets of `apps` and `apps.kruise.io`.
+    pub fn is_statefulset(&self) -> bool {
+        self.kind == "StatefulSet" && (self.group == "apps" || self.group == KRUISE_GROUP)
+    }
+}
+
+/// A workload object by namespace, group, kind and name: how a PersistentPodState's target and a
+/// pod's controller are matched (the version is ignored).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkloadRef {
+    /// Namespace of the workload.
+    pub namespace: String,
+    /// Group and kind.
+    pub kind: GroupKind,
+    /// Name.
+    pub name: String,
+}
+
+/// The controller ownerReference of an object, if any.
+pub fn controller_owner(owners: &[OwnerReference]) -> Option<&OwnerReference> {
+    owners.iter().find(|o| o.controller == Some(true))
+}
+
+/// The StatefulSet-like workload that controls `pod` (in `namespace`), if any.
+pub fn pod_workload(pod: &Pod, namespace: &str) -> Option<WorkloadRef> {
+    let owner = controller_owner(pod.owner_references())?;
+    Some(WorkloadRef {
+        namespace: namespace.to_owned(),
+        kind: GroupKind::new(api_group(&owner.api_version), &owner.kind),
+        name: owner.name.clone(),
+    })
+}
+
+/// The ordinal of a pod: the integer after the last `-` of its name.
+pub fn pod_ordinal(pod_name: &str) -> Option<i32> {
+    let (_, ordinal) = pod_name.rsplit_once('-')?;
+    if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    ordinal.parse().ok()
+}
+
+/// The facts about a workload that recording and pruning need.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkloadInfo {
+    /// UID of the workload object.
+    pub uid: String,
+    /// `spec.replicas` (1 when unset).
+    pub replicas: i32,
+    /// `spec.ordinals.start` (0 when unset).
+    pub ordinal_start: i32,
+    /// Ordinals skipped when counting replicas (Advanced StatefulSet `reserveOrdinals`).
+    pub reserved: BTreeSet<i32>,
+    /// Whether the workload has a deletionTimestamp.
+    pub deleting: bool,
+}
+
+impl WorkloadInfo {
+    /// Reads the facts from a workload object of any StatefulSet-like kind.
+    pub fn from_object(obj: &DynamicObject) -> Self {
+        let spec = obj.data.get("spec");
+        let int = |v: Option<&Value>| {
+            v.and_then(Value::as_i64)
+                .and_then(|n| i32::try_from(n).ok())
+        };
+        Self {
+            uid: obj.uid().unwrap_or_default(),
+            replicas: int(spec.and_then(|s| s.get("replicas")))
+                .unwrap_or(1)
+                .max(0),
+            ordinal_start: int(spec.and_then(|s| s.pointer("/ordinals/start")))
+                .unwrap_or(0)
+                .max(0),
+            reserved: spec
+                .and_then(|s| s.get("reserveOrdinals"))
+                .map(reserved_ordinals)
+                .unwrap_or_default(),
+            deleting: obj.metadata.deletion_timestamp.is_some(),
+        }
+    }
+
+    /// Whether `ordinal` is one the workload currently wants a pod for.
+    pub fn is_live(&self, ordinal: i32) -> bool {
+        if ordinal < self.ordinal_start || self.reserved.contains(&ordinal) {
+            return false;
+        }
+        // Ordinals from the start, skipping reserved ones, until `replicas` are counted.
+        let reserved_below = self.reserved.range(self.ordinal_start..ordinal).count();
+        let rank = i64::from(ordinal) - i64::from(self.ordinal_start) - reserved_below as i64;
+        rank < i64::from(self.replicas)
+    }
+}
+
+/// Parses `reserveOrdinals`: integers, and strings that are integers or ranges `a-b`.
+/// Entries that are neither are ignored; a range is capped at 100000 ordinals.
+fn reserved_ordinals(value: &Value) -> BTreeSet<i32> {
+    const MAX_RANGE: i64 = 100_000;
+    let mut out = BTreeSet::new();
+    for item in value.as_array().into_iter().flatten() {
+        let (lo, hi) = match item {
+            Value::Number(n) => match n.as_i64() {
+                Some(n) => (n, n),
+                None => continue,
+            },
+            Value::String(s) => match s.split_once('-') {
+                Some((a, b)) => match (a.trim().parse::<i64>(), b.trim().parse::<i64>()) {
+                    (Ok(a), Ok(b)) if a <= b && b - a < MAX_RANGE => (a, b),
+                    _ => continue,
+                },
+                None => match s.trim().parse::<i64>() {
+                    Ok(n) => (n, n),
+                    Err(_) => continue,
+                },
+            },
+            _ => continue,
+        };
+        out.extend((lo..=hi).filter_map(|n| i32::try_from(n).ok()));
+    }
+    out
+}
+
+/// The API resource of the native `apps/v1` StatefulSet, for a dynamic watcher.
+pub fn native_statefulset_resource() -> ApiResource {
+    ApiResource {
+        group: "apps".into(),
+        version: "v1".into(),
+        api_version: "apps/v1".into(),
+        kind: "StatefulSet".into(),
+        plural: "statefulsets".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn workload(spec: Value) -> WorkloadInfo {
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
+            "spec": spec,
+        }))
+        .expect("valid object");
+        WorkloadInfo::from_object(&obj)
+    }
+
+    #[test]
+    fn ordinal_is_the_number_after_the_last_dash() {
+        let cases = [
+            ("web-0", Some(0)),
+            ("my-web-12", Some(12)),
+            ("web", None),
+            ("web-", None),
+            ("web-x1", None),
+            ("web--1", Some(1)),
+            ("web-99999999999", None),
+        ];
+        for (name, want) in cases {
+            assert_eq!(pod_ordinal(name), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn live_ordinals_follow_replicas_start_and_reserved() {
+        let cases = [
+            (json!({"replicas": 3}), vec![0, 1, 2]),
+            (json!({}), vec![0]),
+            (json!({"replicas": 0}), vec![]),
+            (json!({"replicas": 2, "ordinals": {"start": 5}}), vec![5, 6]),
+            (
+                json!({"replicas": 3, "reserveOrdinals": [1]}),
+                vec![0, 2, 3],
+            ),
+            (
+                json!({"replicas": 3, "reserveOrdinals": ["0-1", 3, "x", "9-2"]}),
+                vec![2, 4, 5],
+            ),
+            (
+                json!({"replicas": 2, "ordinals": {"start": 2}, "reserveOrdinals": [2]}),
+                vec![3, 4],
+            ),
+        ];
+        for (spec, want) in cases {
+            let w = workload(spec.clone());
+            let live: Vec<i32> = (0..10).filter(|o| w.is_live(*o)).collect();
+            assert_eq!(live, want, "{spec}");
+        }
+    }
+
+    #[test]
+    fn reads_uid_and_deletion() {
+        let w = workload(json!({"replicas": 2}));
+        assert_eq!(w.uid, "u1");
+        assert!(!w.deleting);
+    }
+
+    #[test]
+    fn handles_statefulsets_of_apps_and_kruise_only() {
+        assert!(GroupKind::new("apps", "StatefulSet").is_statefulset());
+        assert!(GroupKind::new("apps.kruise.io", "StatefulSet").is_statefulset());
+        assert!(!GroupKind::new("apps", "ReplicaSet").is_statefulset());
+        assert!(!GroupKind::new("example.com", "StatefulSet").is_statefulset());
+    }
+}
