@@ -33,4 +33,4 @@ log "control plane, fake kubelet and webhook are up; running the e2e suite"
 
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_PROBE_URL="http://127.0.0.1:$PROBE_PORT" \
   E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
-  cargo test --locked --features e2e --test e2e -- --test-threads 1
+  cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture

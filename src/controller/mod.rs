@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, StreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -87,7 +87,14 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
             )
             .reconcile_on(requests)
             .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-            .run(reconcile_workload, workload_error_policy, ctx.clone())
+            .run(
+                reconcile_workload,
+                workload_error_policy,
+                Arc::new(WorkloadContext {
+                    ctx: ctx.clone(),
+                    resource: ws.resource.clone(),
+                }),
+            )
             .for_each(|_| async {})
             .boxed(),
         );
@@ -180,12 +187,22 @@ fn pps_error_policy(pps: Arc<PersistentPodState>, error: &Error, ctx: Arc<Contex
     Action::requeue(Duration::from_secs(5))
 }
 
+/// The context of one workload kind's generator.
+struct WorkloadContext {
+    ctx: Arc<Context>,
+    /// The kind's resource (objects from a list carry no apiVersion/kind of their own).
+    resource: ApiResource,
+}
+
 /// Creates, updates or deletes the PersistentPodState generated from a workload's annotations.
 /// A PersistentPodState this controller did not generate is never changed.
-async fn reconcile_workload(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let (Some(namespace), Some(uid), Some(types)) =
-        (obj.namespace(), obj.uid(), obj.types.as_ref())
-    else {
+async fn reconcile_workload(
+    obj: Arc<DynamicObject>,
+    wctx: Arc<WorkloadContext>,
+) -> Result<Action, Error> {
+    let ctx = &wctx.ctx;
+    let types = &wctx.resource;
+    let (Some(namespace), Some(uid)) = (obj.namespace(), obj.uid()) else {
         return Ok(Action::await_change());
     };
     if obj.metadata.deletion_timestamp.is_some() {
@@ -272,8 +289,12 @@ async fn reconcile_workload(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Resul
     Ok(Action::await_change())
 }
 
-fn workload_error_policy(obj: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) -> Action {
-    ctx.metrics.reconcile_errors.inc();
+fn workload_error_policy(
+    obj: Arc<DynamicObject>,
+    error: &Error,
+    wctx: Arc<WorkloadContext>,
+) -> Action {
+    wctx.ctx.metrics.reconcile_errors.inc();
     tracing::warn!(workload = %obj.name_any(), namespace = ?obj.namespace(), %error, "generation failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
