@@ -8,8 +8,9 @@
 #   ETCD_PORT       etcd client port (peer port is ETCD_PORT+1)
 #   APISERVER_PORT  kube-apiserver HTTPS port
 #   WEBHOOK_HOST    address the API server calls the webhook at (default 127.0.0.1)
-#   WEBHOOK_PORT    persistent-pod-state HTTPS port
-#   PROBE_PORT      persistent-pod-state probe port (127.0.0.1)
+#   WEBHOOK_PORT    the port the API server calls the webhooks on
+#   REPLICAS        for serve_up: NAME=WEBHOOK_PORT:PROBE_PORT of each replica (behind a loopback
+#                   load balancer on WEBHOOK_PORT, standing in for a Service)
 #   PPS_CACHE       where the control plane binaries are cached (~/.cache/persistent-pod-state)
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +18,7 @@ CACHE="${PPS_CACHE:-$HOME/.cache/persistent-pod-state}"
 KBIN="$CACHE/bin"
 PPS_BIN="${PPS_BIN:-$ROOT/target/debug/persistent-pod-state}"
 KUBELET_BIN="${KUBELET_BIN:-$ROOT/target/debug/fake-kubelet}"
+LB_BIN="${LB_BIN:-$ROOT/target/debug/loopback-lb}"
 NODES=(node-a1=zone-a node-a2=zone-a node-b1=zone-b node-b2=zone-b)
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -134,7 +136,11 @@ KC
 
 cluster_down() {
   local c
-  for c in persistent-pod-state fake-kubelet kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  local c
+  for c in "$CLUSTER_DIR"/persistent-pod-state*.pid; do
+    [[ -f $c ]] && stop_bg "$(basename "$c" .pid)"
+  done
+  for c in loopback-lb fake-kubelet kube-scheduler kube-controller-manager kube-apiserver etcd; do
     stop_bg "$c"
   done
 }
@@ -148,8 +154,10 @@ nodes_up() {
     "[[ \$(kubectl get nodes -o jsonpath='{range .items[*]}{.spec.taints}{\"|\"}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^|True$') -eq ${#NODES[@]} ]]"
 }
 
+# install_crd: the CRD, its conversion webhook pointing at WEBHOOK_HOST (needs webhook_certs).
 install_crd() {
-  kubectl apply -f "$ROOT/manifests/crd.yaml" >/dev/null
+  "$PPS_BIN" crd --conversion-url "https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/convert" \
+    --ca-bundle-file "$CLUSTER_DIR/webhook-certs/ca.crt" | kubectl apply -f - >/dev/null
   kubectl wait --for condition=established --timeout=60s crd/persistentpodstates.apps.kruise.io >/dev/null
 }
 
@@ -158,19 +166,32 @@ webhook_certs() {
   "$PPS_BIN" certs --out-dir "$CLUSTER_DIR/webhook-certs" --host "${WEBHOOK_HOST:-127.0.0.1}" --host localhost 2>/dev/null
 }
 
-# serve_up: `serve` in the background on WEBHOOK_PORT/PROBE_PORT, until ready.
-serve_up() {
-  webhook_certs
-  log "starting persistent-pod-state serve (webhook 127.0.0.1:$WEBHOOK_PORT, probes 127.0.0.1:$PROBE_PORT)"
-  start_bg persistent-pod-state env \
-    PPS_LISTEN="127.0.0.1:$WEBHOOK_PORT" PPS_PROBE_LISTEN="127.0.0.1:$PROBE_PORT" \
+# serve_replica NAME WEBHOOK_PORT PROBE_PORT: one `serve` replica in the background, until ready.
+serve_replica() {
+  log "starting persistent-pod-state replica $1 (webhook 127.0.0.1:$2, probes 127.0.0.1:$3)"
+  start_bg "persistent-pod-state-$1" env \
+    PPS_LISTEN="127.0.0.1:$2" PPS_PROBE_LISTEN="127.0.0.1:$3" \
     PPS_TLS_CERT="$CLUSTER_DIR/webhook-certs/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-certs/tls.key" \
-    PPS_SHUTDOWN_DELAY_SECONDS=0 \
+    PPS_SHUTDOWN_DELAY_SECONDS=0 PPS_LEADER_IDENTITY="e2e-$1" PPS_LEASE_NAMESPACE=default \
+    PPS_LEASE_DURATION_SECONDS="${LEASE_DURATION:-8}" PPS_LEASE_GRACE_SECONDS="${LEASE_GRACE:-3}" \
     "$PPS_BIN" serve
-  wait_until 60 "persistent-pod-state readiness" curl -sf "http://127.0.0.1:$PROBE_PORT/readyz"
+  wait_until 60 "replica $1 readiness" curl -sf "http://127.0.0.1:$3/readyz"
 }
 
-# register_webhook: the MutatingWebhookConfiguration for pod CREATE, pointing at WEBHOOK_HOST.
+# serve_up: every replica of REPLICAS, and the loopback load balancer on WEBHOOK_PORT.
+serve_up() {
+  local r backends=()
+  for r in $REPLICAS; do
+    local name=${r%%=*} ports=${r#*=}
+    serve_replica "$name" "${ports%%:*}" "${ports#*:}"
+    backends+=(--backend "127.0.0.1:${ports%%:*}")
+  done
+  start_bg loopback-lb "$LB_BIN" --listen "127.0.0.1:$WEBHOOK_PORT" "${backends[@]}"
+  wait_until 30 "the load balancer" bash -c "exec 3<>/dev/tcp/127.0.0.1/$WEBHOOK_PORT"
+}
+
+# register_webhook: the Mutating (pod CREATE) and Validating (PersistentPodState CREATE/UPDATE)
+# WebhookConfigurations, pointing at WEBHOOK_HOST.
 register_webhook() {
   local ca
   ca=$(base64 -w0 <"$CLUSTER_DIR/webhook-certs/ca.crt")
@@ -195,9 +216,30 @@ webhooks:
     operations: ["CREATE"]
     resources: ["pods"]
     scope: Namespaced
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata:
+  name: persistent-pod-state
+webhooks:
+- name: validate-persistentpodstate.persistent-pod-state.apps.kruise.io
+  admissionReviewVersions: ["v1"]
+  clientConfig:
+    url: https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/validate-persistentpodstate
+    caBundle: $ca
+  failurePolicy: Fail
+  sideEffects: None
+  timeoutSeconds: 5
+  rules:
+  - apiGroups: ["apps.kruise.io"]
+    apiVersions: ["v1alpha1", "v1beta1"]
+    operations: ["CREATE", "UPDATE"]
+    resources: ["persistentpodstates"]
+    scope: Namespaced
 YAML
 }
 
 unregister_webhook() {
   kubectl delete mutatingwebhookconfiguration persistent-pod-state --ignore-not-found >/dev/null 2>&1 || true
+  kubectl delete validatingwebhookconfiguration persistent-pod-state --ignore-not-found >/dev/null 2>&1 || true
 }

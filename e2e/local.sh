@@ -32,8 +32,8 @@ if ((LOCAL)); then
   nodes_up
   log "local control plane up: export KUBECONFIG=$KUBECONFIG to use it"
 fi
-install_crd
 webhook_certs
+install_crd
 log "serving (webhook :$WEBHOOK_PORT, probes http://127.0.0.1:$PROBE_PORT/metrics); Ctrl-C stops"
 (
   until curl -sf "http://127.0.0.1:$PROBE_PORT/readyz" >/dev/null 2>&1; do sleep 0.5; done

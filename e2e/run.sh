@@ -7,7 +7,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 export CLUSTER_DIR="${CLUSTER_DIR:-$(mktemp -d /tmp/pps-e2e.XXXXXX)}"
 export ETCD_PORT="${ETCD_PORT:-12379}" APISERVER_PORT="${APISERVER_PORT:-16443}"
-export WEBHOOK_PORT="${WEBHOOK_PORT:-19443}" PROBE_PORT="${PROBE_PORT:-18080}"
+export WEBHOOK_PORT="${WEBHOOK_PORT:-19440}"
+export REPLICAS="${REPLICAS:-a=19443:18080 b=19444:18081}"
 
 cd "$ROOT"
 cargo build --locked --features e2e --bins
@@ -15,7 +16,7 @@ cargo build --locked --features e2e --bins
 on_exit() {
   local rc=$?
   if ((rc != 0)); then
-    for f in "$CLUSTER_DIR"/logs/persistent-pod-state.log "$CLUSTER_DIR"/logs/fake-kubelet.log; do
+    for f in "$CLUSTER_DIR"/logs/persistent-pod-state-*.log "$CLUSTER_DIR"/logs/fake-kubelet.log; do
       [[ -f $f ]] && { echo "--- last lines of $f"; tail -n 40 "$f"; }
     done
   fi
@@ -26,11 +27,12 @@ trap on_exit EXIT
 
 cluster_up
 nodes_up
+webhook_certs
 install_crd
 serve_up
 register_webhook
-log "control plane, fake kubelet and webhook are up; running the e2e suite"
+log "control plane, fake kubelet and 2 webhook replicas are up; running the e2e suite"
 
-E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_PROBE_URL="http://127.0.0.1:$PROBE_PORT" \
+E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
   E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
   cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture

@@ -2,7 +2,7 @@
 //! paths need, and the controllers' triggers. The webhook and the controllers read the same
 //! stores; nothing here is rebuilt per request.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
@@ -15,7 +15,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use tokio::task::JoinHandle;
 
-use crate::api::v1alpha1::PersistentPodState;
+use crate::api::PersistentPodState;
 use crate::workload::{GroupKind, WorkloadRef, pod_workload};
 
 /// A secondary index of a store: objects grouped by the workload they belong to (a
@@ -109,6 +109,97 @@ impl<K: Resource> Index<K> {
             .get(workload)
             .map(|names| names.iter().cloned().collect())
             .unwrap_or_default()
+    }
+}
+
+/// Nodes by label (`key=value`), kept current from the node watch: answers "does any node have
+/// all these labels" without scanning every node.
+#[derive(Default)]
+pub struct NodeLabelIndex {
+    state: RwLock<NodeLabelState>,
+}
+
+#[derive(Default)]
+struct NodeLabelState {
+    by_label: HashMap<(String, String), BTreeSet<String>>,
+    labels_of: HashMap<String, BTreeMap<String, String>>,
+    relist: Option<Box<NodeLabelState>>,
+}
+
+impl NodeLabelState {
+    /// Records `node`'s labels; returns whether they differ from before.
+    fn set(&mut self, node: &str, labels: &BTreeMap<String, String>) -> bool {
+        if self.labels_of.get(node) == Some(labels) {
+            return false;
+        }
+        self.remove(node);
+        for (k, v) in labels {
+            self.by_label
+                .entry((k.clone(), v.clone()))
+                .or_default()
+                .insert(node.to_owned());
+        }
+        self.labels_of.insert(node.to_owned(), labels.clone());
+        true
+    }
+
+    fn remove(&mut self, node: &str) {
+        for (k, v) in self.labels_of.remove(node).unwrap_or_default() {
+            let key = (k, v);
+            if let Some(nodes) = self.by_label.get_mut(&key) {
+                nodes.remove(node);
+                if nodes.is_empty() {
+                    self.by_label.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+impl NodeLabelIndex {
+    /// Applies one node watch event; returns whether a node's labels changed (or it went).
+    pub fn apply(&self, event: &watcher::Event<Node>) -> bool {
+        let mut state = lock_write(&self.state);
+        match event {
+            watcher::Event::Apply(n) => state.set(&n.name_any(), n.labels()),
+            watcher::Event::Delete(n) => {
+                state.remove(&n.name_any());
+                true
+            }
+            watcher::Event::Init => {
+                state.relist = Some(Box::default());
+                false
+            }
+            watcher::Event::InitApply(n) => {
+                state
+                    .relist
+                    .get_or_insert_with(Box::default)
+                    .set(&n.name_any(), n.labels());
+                false
+            }
+            watcher::Event::InitDone => {
+                let fresh = state.relist.take().unwrap_or_default();
+                *state = *fresh;
+                true
+            }
+        }
+    }
+
+    /// Whether some node carries every `key=value` of `labels` (true for no labels).
+    pub fn any_node_with(&self, labels: &BTreeMap<String, String>) -> bool {
+        let state = lock_read(&self.state);
+        let mut candidates: Vec<&BTreeSet<String>> = Vec::with_capacity(labels.len());
+        for (k, v) in labels {
+            match state.by_label.get(&(k.clone(), v.clone())) {
+                Some(nodes) => candidates.push(nodes),
+                None => return false,
+            }
+        }
+        candidates.sort_by_key(|c| c.len());
+        let Some((smallest, rest)) = candidates.split_first() else {
+            return true;
+        };
+        smallest.iter().any(|n| rest.iter().all(|c| c.contains(n)))
     }
 }
 
@@ -211,6 +302,8 @@ pub struct Caches {
     pub pods_by_workload: Index<Pod>,
     /// Nodes (labels and spec).
     pub nodes: Store<Node>,
+    /// Nodes by label.
+    pub node_labels: NodeLabelIndex,
     /// Workload stores by kind.
     pub workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
     /// Reconcile requests to the controllers.
@@ -249,6 +342,7 @@ impl Caches {
             pods,
             pods_by_workload: Index::new(pod_owner),
             nodes,
+            node_labels: NodeLabelIndex::default(),
             workloads: RwLock::new(workloads),
             triggers: Triggers::default(),
             synced: AtomicBool::new(false),
@@ -427,7 +521,8 @@ impl Caches {
     }
 
     fn on_node_event(&self, ev: &watcher::Event<Node>) {
-        if let watcher::Event::InitDone = ev {
+        // Label changes are rare (operator actions): every PPS re-records what it must.
+        if self.node_labels.apply(ev) {
             self.triggers.pps(self.all_pps());
         }
     }
@@ -581,6 +676,63 @@ mod tests {
         index.apply(&watcher::Event::InitDone);
         assert!(index.get(&sts("b")).is_empty());
         assert_eq!(index.get(&sts("c")), vec!["c-0"]);
+    }
+
+    fn node(name: &str, labels: &[(&str, &str)]) -> Node {
+        let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("node")
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn node_label_index_answers_joint_matches_and_reports_changes() {
+        let index = NodeLabelIndex::default();
+        assert!(index.apply(&watcher::Event::Apply(node(
+            "n1",
+            &[("zone", "a"), ("host", "n1")]
+        ))));
+        assert!(index.apply(&watcher::Event::Apply(node(
+            "n2",
+            &[("zone", "b"), ("host", "n2")]
+        ))));
+        assert!(
+            !index.apply(&watcher::Event::Apply(node(
+                "n2",
+                &[("zone", "b"), ("host", "n2")]
+            ))),
+            "heartbeat"
+        );
+        assert!(index.any_node_with(&labels(&[("zone", "a"), ("host", "n1")])));
+        assert!(
+            !index.any_node_with(&labels(&[("zone", "a"), ("host", "n2")])),
+            "both labels on one node"
+        );
+        assert!(index.any_node_with(&labels(&[])));
+        assert!(index.apply(&watcher::Event::Apply(node(
+            "n1",
+            &[("zone", "c"), ("host", "n1")]
+        ))));
+        assert!(
+            !index.any_node_with(&labels(&[("zone", "a")])),
+            "zone a is gone"
+        );
+        assert!(index.apply(&watcher::Event::Delete(node("n2", &[]))));
+        assert!(!index.any_node_with(&labels(&[("host", "n2")])));
+        index.apply(&watcher::Event::Init);
+        index.apply(&watcher::Event::InitApply(node("n3", &[("host", "n3")])));
+        assert!(
+            index.any_node_with(&labels(&[("host", "n1")])),
+            "old state until InitDone"
+        );
+        assert!(index.apply(&watcher::Event::InitDone));
+        assert!(!index.any_node_with(&labels(&[("host", "n1")])));
+        assert!(index.any_node_with(&labels(&[("host", "n3")])));
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub enum Command {
     /// Run the admission webhook server and the controller in one process.
     Serve(ServeArgs),
     /// Print the PersistentPodState CustomResourceDefinition as YAML.
-    Crd,
+    Crd(CrdArgs),
     /// Write a self-signed CA (ca.crt) and a serving certificate (tls.crt, tls.key).
     Certs(CertsArgs),
 }
@@ -52,12 +52,56 @@ pub struct ServeArgs {
     /// Plain HTTP address of /healthz, /readyz and /metrics.
     #[arg(long, env = "PPS_PROBE_LISTEN", default_value = "0.0.0.0:8080")]
     pub probe_listen: SocketAddr,
+    /// Run the controllers only while holding the Lease (all replicas serve webhooks). Off: this
+    /// process always runs them (a single replica).
+    #[arg(long, env = "PPS_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the coordination.k8s.io Lease.
+    #[arg(long, env = "PPS_LEASE_NAME", default_value = "persistent-pod-state")]
+    pub lease_name: String,
+    /// Namespace of the Lease (default: POD_NAMESPACE, else the service account's, else default).
+    #[arg(long, env = "PPS_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+    /// Seconds the Lease stays valid after its last renewal (a dead leader's successor waits this long).
+    #[arg(long, env = "PPS_LEASE_DURATION_SECONDS", default_value_t = 15)]
+    pub lease_duration_seconds: u64,
+    /// Seconds before expiry at which the leader renews.
+    #[arg(long, env = "PPS_LEASE_GRACE_SECONDS", default_value_t = 5)]
+    pub lease_grace_seconds: u64,
+    /// This replica's identity in the Lease (default: pod or host name and process id).
+    #[arg(long, env = "PPS_LEADER_IDENTITY")]
+    pub leader_identity: Option<String>,
     /// Seconds to keep serving after SIGTERM with readiness failing, before refusing connections.
     #[arg(long, env = "PPS_SHUTDOWN_DELAY_SECONDS", default_value_t = 3)]
     pub shutdown_delay_seconds: u64,
     /// Seconds to let requests in flight finish once no longer accepting.
     #[arg(long, env = "PPS_DRAIN_SECONDS", default_value_t = 20)]
     pub drain_seconds: u64,
+}
+
+/// Flags of `crd`: where the API server reaches the `/convert` webhook.
+#[derive(Debug, Args)]
+pub struct CrdArgs {
+    /// Conversion webhook URL (instead of a Service), e.g. `https://127.0.0.1:9443/convert`.
+    #[arg(long, env = "PPS_CONVERSION_URL")]
+    pub conversion_url: Option<String>,
+    /// Namespace of the Service in front of the webhook.
+    #[arg(
+        long,
+        env = "PPS_CONVERSION_SERVICE_NAMESPACE",
+        default_value = "persistent-pod-state"
+    )]
+    pub conversion_service_namespace: String,
+    /// Name of the Service in front of the webhook.
+    #[arg(
+        long,
+        env = "PPS_CONVERSION_SERVICE_NAME",
+        default_value = "persistent-pod-state"
+    )]
+    pub conversion_service_name: String,
+    /// PEM CA bundle the API server trusts the webhook with (left out: injected by cert-manager).
+    #[arg(long, env = "PPS_CA_BUNDLE_FILE")]
+    pub ca_bundle_file: Option<PathBuf>,
 }
 
 /// Flags of `certs`.

@@ -1,5 +1,6 @@
 //! Entry point: parse the command line, set up logging, dispatch.
 
+use anyhow::Context;
 use clap::Parser;
 use persistent_pod_state::cli::{Cli, Command, LogFormat};
 use persistent_pod_state::{api, certs, serve};
@@ -25,8 +26,21 @@ async fn main() -> anyhow::Result<()> {
     init_logging(cli.log_format);
     match cli.command {
         Command::Serve(args) => serve::run(args).await,
-        Command::Crd => {
-            print!("{}", api::crd_yaml()?);
+        Command::Crd(args) => {
+            let endpoint = match args.conversion_url {
+                Some(url) => api::ConversionEndpoint::Url(url),
+                None => api::ConversionEndpoint::Service {
+                    namespace: args.conversion_service_namespace,
+                    name: args.conversion_service_name,
+                },
+            };
+            let ca = match &args.ca_bundle_file {
+                Some(path) => Some(
+                    std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+                ),
+                None => None,
+            };
+            print!("{}", api::crd_yaml(&endpoint, ca.as_deref())?);
             Ok(())
         }
         Command::Certs(args) => {

@@ -16,6 +16,8 @@ pub enum AdmissionResult {
     Patched,
     /// Allowed without a patch (nothing to inject or not concerned).
     Allowed,
+    /// Denied (invalid object).
+    Denied,
     /// The review parsed but its object was unreadable: allowed, logged.
     InvalidObject,
     /// The body was not an AdmissionReview: HTTP 400.
@@ -98,7 +100,7 @@ macro_rules! snake_case_label {
 }
 
 snake_case_label!(AdmissionResult {
-    Patched => "patched", Allowed => "allowed", InvalidObject => "invalid_object",
+    Patched => "patched", Allowed => "allowed", Denied => "denied", InvalidObject => "invalid_object",
     BadRequest => "bad_request", Unavailable => "unavailable",
 });
 snake_case_label!(InjectionKind { Required => "required", Preferred => "preferred", Annotations => "annotations" });
@@ -118,6 +120,10 @@ pub struct Metrics {
     pub injections: Family<InjectionLabels, Counter>,
     /// Recorded nodeSelector values not injected because the pod sets another value.
     pub injection_conflicts: Counter,
+    /// Required parts not injected because no node has the recorded values (node or zone gone).
+    pub required_unplaceable: Counter,
+    /// States whose required values no node has, seen by the controller.
+    pub states_unplaceable: Gauge,
     /// Pods let through without a patch, by reason.
     pub skipped: Family<SkipLabels, Counter>,
     /// Pod states recorded or re-recorded.
@@ -128,6 +134,8 @@ pub struct Metrics {
     pub reconcile_errors: Counter,
     /// Reconcile duration.
     pub reconcile_duration: Histogram,
+    /// 1 while this replica holds the Lease and runs the controllers.
+    pub leader: Gauge,
     /// Objects in the PersistentPodState cache.
     pub cached_persistent_pod_states: Gauge,
 }
@@ -146,12 +154,15 @@ impl Metrics {
             admission_duration: Family::new_with_constructor(latency_histogram),
             injections: Family::default(),
             injection_conflicts: Counter::default(),
+            required_unplaceable: Counter::default(),
+            states_unplaceable: Gauge::default(),
             skipped: Family::default(),
             states_recorded: Counter::default(),
             states_pruned: Counter::default(),
             reconcile_errors: Counter::default(),
             reconcile_duration: latency_histogram(),
             cached_persistent_pod_states: Gauge::default(),
+            leader: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -169,6 +180,16 @@ impl Metrics {
             "injection_conflicts",
             "Recorded nodeSelector values not injected because the pod sets its own value",
             m.injection_conflicts.clone(),
+        );
+        registry.register(
+            "required_unplaceable",
+            "Required parts not injected because no node has the recorded values",
+            m.required_unplaceable.clone(),
+        );
+        registry.register(
+            "states_unplaceable",
+            "Recorded states whose required values no existing node has",
+            m.states_unplaceable.clone(),
         );
         registry.register(
             "admission_skipped",
@@ -194,6 +215,11 @@ impl Metrics {
             "reconcile_duration_seconds",
             "Reconcile duration",
             m.reconcile_duration.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 while this replica runs the controllers",
+            m.leader.clone(),
         );
         registry.register(
             "cached_persistent_pod_states",
@@ -249,5 +275,18 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn counters_are_exposed_with_their_total_suffix() {
+        let m = Metrics::new();
+        m.required_unplaceable.inc();
+        m.leader.set(1);
+        let text = m.encode();
+        assert!(
+            text.contains("\npps_required_unplaceable_total 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("\npps_leader 1\n"), "{text}");
     }
 }

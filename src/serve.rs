@@ -15,10 +15,11 @@ use tokio_util::sync::CancellationToken;
 use crate::cache::Caches;
 use crate::cli::ServeArgs;
 use crate::controller;
+use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
 use crate::webhook::{self, WebhookState};
-use crate::workload::native_statefulset_resource;
+use crate::workload::{CustomKinds, native_statefulset_resource};
 
 /// Runs until SIGTERM/SIGINT.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -47,6 +48,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let webhook_app = webhook::router(Arc::new(WebhookState {
         caches: caches.clone(),
         metrics: metrics.clone(),
+        custom_kinds: Arc::new(CustomKinds::default()),
     }));
     let webhook_server = tokio::spawn(webhook::server::serve_tls(
         webhook_listener,
@@ -68,19 +70,45 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     });
 
     let controllers = tokio::spawn({
-        let ctx = Arc::new(controller::Context {
-            client: client.clone(),
-            caches: caches.clone(),
-            metrics: metrics.clone(),
-        });
+        let ctx = Arc::new(controller::Context::new(
+            client.clone(),
+            caches.clone(),
+            metrics.clone(),
+            std::env::var("POD_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .ok(),
+        ));
         let shutdown = shutdown.clone();
+        let lease = args.leader_elect.then(|| LeaseConfig {
+            name: args.lease_name.clone(),
+            namespace: args
+                .lease_namespace
+                .clone()
+                .unwrap_or_else(leader::own_namespace),
+            identity: args
+                .leader_identity
+                .clone()
+                .unwrap_or_else(leader::default_identity),
+            duration_seconds: args.lease_duration_seconds,
+            grace_seconds: args.lease_grace_seconds,
+        });
+        let client = client.clone();
+        let metrics = metrics.clone();
         async move {
             tokio::select! {
                 () = ctx.caches.wait_synced() => {}
                 () = shutdown.cancelled() => return,
             }
             tracing::info!("caches synced; ready");
-            controller::run(ctx, shutdown).await;
+            match lease {
+                Some(lease) => {
+                    leader::run_when_leading(client, lease, &metrics, shutdown, |stop| {
+                        controller::run(ctx.clone(), stop)
+                    })
+                    .await
+                }
+                None => controller::run(ctx, shutdown).await,
+            }
         }
     });
 

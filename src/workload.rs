@@ -40,6 +40,42 @@ impl GroupKind {
     }
 }
 
+/// The configured custom StatefulSet-like kinds (replaced as a whole when the configuration
+/// changes).
+#[derive(Debug, Default)]
+pub struct CustomKinds(std::sync::RwLock<BTreeSet<GroupKind>>);
+
+impl CustomKinds {
+    /// A set of kinds.
+    pub fn new(kinds: impl IntoIterator<Item = GroupKind>) -> Self {
+        Self(std::sync::RwLock::new(kinds.into_iter().collect()))
+    }
+
+    /// Whether `kind` is configured.
+    pub fn contains(&self, kind: &GroupKind) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(kind)
+    }
+
+    /// Replaces the set; returns the kinds that were added.
+    pub fn replace(&self, kinds: BTreeSet<GroupKind>) -> Vec<GroupKind> {
+        let mut current = self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let added = kinds.difference(&current).cloned().collect();
+        *current = kinds;
+        added
+    }
+
+    /// Whether pods controlled by `kind` are handled: StatefulSets and configured kinds.
+    pub fn handles(&self, kind: &GroupKind) -> bool {
+        kind.is_statefulset() || self.contains(kind)
+    }
+}
+
 /// A workload object by namespace, group, kind and name: how a PersistentPodState's target and a
 /// pod's controller are matched (the version is ignored).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

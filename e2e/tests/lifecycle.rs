@@ -144,7 +144,8 @@ async fn generation_follows_annotations_and_never_touches_hand_made_pps() {
         TIMEOUT,
         || async {
             let spec = api.get_opt("auto").await.ok()??.spec;
-            (spec.required_keys() == ["topology.kubernetes.io/zone"]
+            let required = spec.required_persistent_topology?.node_topology_keys;
+            (required == ["topology.kubernetes.io/zone"]
                 && spec.persistent_pod_annotations.len() == 1)
                 .then_some(())
         },

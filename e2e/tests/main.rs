@@ -6,8 +6,11 @@
 //! Tests run one at a time (`--test-threads 1` is not needed for correctness of most, but the
 //! cordon test changes what the scheduler may pick): each uses its own namespace.
 
+mod api;
+mod ha;
 mod lifecycle;
 mod passthrough;
 mod placement;
+mod safety;
 mod server;
 mod support;

@@ -126,7 +126,7 @@ async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
         "apiVersion: v1\nkind: Config\nclusters:\n- name: d\n  cluster: {server: 'https://127.0.0.1:1'}\nusers:\n- name: u\n  user: {token: x}\ncontexts:\n- name: d\n  context: {cluster: d, user: u}\ncurrent-context: d\n",
     )
     .expect("write kubeconfig");
-    let instance = start_instance(&env, 19445, 18082, &dead).await;
+    let instance = start_instance(&env, 19446, 18083, &dead).await;
     assert_eq!(http_get(&format!("{}/readyz", instance.probe)).await.0, 503);
     let ca = env.cluster_dir.join("webhook-certs/ca.crt");
     let (code, body) = curl(&[
@@ -137,7 +137,7 @@ async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
         &review(json!({})),
         "-w",
         "\n%{http_code}",
-        "https://127.0.0.1:19445/mutate-pod",
+        "https://127.0.0.1:19446/mutate-pod",
     ])
     .await;
     assert_eq!(code, 503, "{body}");
@@ -149,7 +149,7 @@ async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
 async fn sigterm_turns_readiness_off_then_exits_zero() {
     let env = env().await;
     let kubeconfig = env.cluster_dir.join("kubeconfig");
-    let mut instance = start_instance(&env, 19444, 18081, &kubeconfig).await;
+    let mut instance = start_instance(&env, 19445, 18082, &kubeconfig).await;
     let readyz = format!("{}/readyz", instance.probe);
     wait_for("the second instance to be ready", TIMEOUT, || async {
         (http_get(&readyz).await.0 == 200).then_some(())

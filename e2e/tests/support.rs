@@ -18,10 +18,47 @@ use serde_json::{Value, json};
 /// test (never skip it).
 pub struct Env {
     pub client: Client,
-    pub probe_url: String,
+    /// The `serve` replicas behind the load balancer.
+    pub replicas: Vec<Replica>,
+    /// The load balancer's URL, which the API server calls.
     pub webhook_url: String,
     pub pps_bin: PathBuf,
     pub cluster_dir: PathBuf,
+    /// Lease duration the replicas run with.
+    pub lease_duration: Duration,
+}
+
+/// One `serve` replica started by e2e/run.sh.
+#[derive(Clone, Debug)]
+pub struct Replica {
+    pub name: String,
+    pub webhook_port: u16,
+    pub probe_port: u16,
+}
+
+impl Replica {
+    pub fn probe_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.probe_port)
+    }
+
+    /// The identity it holds the Lease with.
+    pub fn identity(&self) -> String {
+        format!("e2e-{}", self.name)
+    }
+}
+
+fn replicas(spec: &str) -> Vec<Replica> {
+    spec.split_whitespace()
+        .map(|r| {
+            let (name, ports) = r.split_once('=').expect("NAME=WEBHOOK:PROBE");
+            let (w, p) = ports.split_once(':').expect("NAME=WEBHOOK:PROBE");
+            Replica {
+                name: name.to_owned(),
+                webhook_port: w.parse().expect("port"),
+                probe_port: p.parse().expect("port"),
+            }
+        })
+        .collect()
 }
 
 fn setting(name: &str) -> String {
@@ -36,10 +73,13 @@ pub async fn env() -> Env {
         client: Client::try_default()
             .await
             .expect("KUBECONFIG of the local control plane"),
-        probe_url: setting("E2E_PROBE_URL"),
+        replicas: replicas(&setting("E2E_REPLICAS")),
         webhook_url: setting("E2E_WEBHOOK_URL"),
         pps_bin: setting("E2E_PPS_BIN").into(),
         cluster_dir: setting("E2E_CLUSTER_DIR").into(),
+        lease_duration: Duration::from_secs(
+            setting("E2E_LEASE_DURATION").parse().expect("seconds"),
+        ),
     }
 }
 
@@ -294,19 +334,25 @@ pub fn preferred_terms(pod: &Pod) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// The value of a Prometheus sample line `name{labels} value` in `text` (0 if absent).
+/// The sum of the Prometheus samples `name{labels} value` in `text` (0 if absent): `text` may
+/// hold the scrapes of several replicas.
 pub fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
+        .filter_map(|l| {
             l.strip_prefix(series)
-                .and_then(|rest| rest.trim().parse().ok())
+                .and_then(|rest| rest.trim().parse::<f64>().ok())
         })
-        .unwrap_or(0.0)
+        .sum()
 }
 
+/// The metrics of every replica, concatenated.
 pub async fn scrape(env: &Env) -> String {
-    http_get(&format!("{}/metrics", env.probe_url)).await.1
+    let mut all = String::new();
+    for r in &env.replicas {
+        all.push_str(&http_get(&format!("{}/metrics", r.probe_url())).await.1);
+    }
+    all
 }
 
 /// A plain HTTP GET through curl: (status, body).

@@ -4,11 +4,23 @@
 //! The versions differ only in the field that lists a topology term's label keys, so every
 //! other type lives here and each version module adds its own topology term and root type.
 
+pub mod conversion;
 pub mod v1alpha1;
+pub mod v1beta1;
+pub mod validation;
+
+/// The version the caches, controllers and webhooks work with: the storage version.
+pub use v1beta1::{
+    NodeTopologyTerm, PersistentPodState, PersistentPodStateSpec, PreferredTopologyTerm,
+};
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::ByteString;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceConversion, CustomResourceDefinition, ServiceReference, WebhookClientConfig,
+    WebhookConversion,
+};
 use kube::CustomResourceExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -103,14 +115,73 @@ pub struct PodState {
     pub annotations: BTreeMap<String, String>,
 }
 
-/// The CustomResourceDefinition for every served version.
-pub fn crd() -> CustomResourceDefinition {
-    v1alpha1::PersistentPodState::crd()
+/// Where the API server reaches the `/convert` webhook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConversionEndpoint {
+    /// A Service in the cluster (the installed Deployment), on port 443.
+    Service {
+        /// Namespace of the Service.
+        namespace: String,
+        /// Name of the Service.
+        name: String,
+    },
+    /// A URL (`https://host:port/convert`), e.g. a process outside the cluster.
+    Url(String),
 }
 
-/// The CustomResourceDefinition as the YAML that `crd` prints and `manifests/` holds.
-pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
-    serde_yaml_ng::to_string(&crd())
+impl Default for ConversionEndpoint {
+    fn default() -> Self {
+        Self::Service {
+            namespace: "persistent-pod-state".into(),
+            name: "persistent-pod-state".into(),
+        }
+    }
+}
+
+/// The CustomResourceDefinition: v1alpha1 and v1beta1 served, v1beta1 stored, converted by the
+/// webhook at `endpoint` (trusted through `ca_bundle`, PEM, when given).
+pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomResourceDefinition {
+    let mut crd = kube::core::crd::merge_crds(
+        vec![
+            v1alpha1::PersistentPodState::crd(),
+            v1beta1::PersistentPodState::crd(),
+        ],
+        "v1beta1",
+    )
+    .unwrap_or_else(|e| unreachable!("both versions derive from one definition: {e}"));
+    let (url, service) = match endpoint {
+        ConversionEndpoint::Url(url) => (Some(url.clone()), None),
+        ConversionEndpoint::Service { namespace, name } => (
+            None,
+            Some(ServiceReference {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                path: Some("/convert".into()),
+                port: Some(443),
+            }),
+        ),
+    };
+    crd.spec.conversion = Some(CustomResourceConversion {
+        strategy: "Webhook".into(),
+        webhook: Some(WebhookConversion {
+            conversion_review_versions: vec!["v1".into()],
+            client_config: Some(WebhookClientConfig {
+                url,
+                service,
+                ca_bundle: ca_bundle.map(|b| ByteString(b.to_vec())),
+            }),
+        }),
+    });
+    crd
+}
+
+/// The CustomResourceDefinition as YAML; with the default endpoint and no CA bundle it is what
+/// `manifests/crd.yaml` holds.
+pub fn crd_yaml(
+    endpoint: &ConversionEndpoint,
+    ca_bundle: Option<&[u8]>,
+) -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&crd(endpoint, ca_bundle))
 }
 
 #[cfg(test)]
@@ -120,7 +191,7 @@ mod tests {
     #[test]
     fn manifests_hold_the_generated_crd() {
         let committed = include_str!("../../manifests/crd.yaml");
-        let generated = crd_yaml().expect("serializes");
+        let generated = crd_yaml(&ConversionEndpoint::default(), None).expect("serializes");
         assert!(
             committed == generated,
             "manifests/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
@@ -157,11 +228,16 @@ status:
 "#;
         let pps: v1alpha1::PersistentPodState = serde_yaml_ng::from_str(seed).expect("parses");
         assert_eq!(pps.spec.target_ref.group(), "apps.kruise.io");
+        let required = pps
+            .spec
+            .required_persistent_topology
+            .as_ref()
+            .expect("required");
         assert_eq!(
-            pps.spec.required_keys(),
+            required.node_topology_keys,
             ["failure-domain.beta.kubernetes.io/zone"]
         );
-        assert_eq!(pps.spec.retention(), RetentionPolicy::WhenScaled);
+        assert_eq!(pps.spec.persistent_pod_state_retention_policy, None);
         let status = pps.status.expect("status");
         assert_eq!(
             status.pod_states["configserver-0"].node_name.as_deref(),
@@ -171,11 +247,46 @@ status:
 
     #[test]
     fn unknown_retention_values_do_not_break_reading() {
-        let spec: v1alpha1::PersistentPodStateSpec = serde_json::from_value(serde_json::json!({
+        let spec: PersistentPodStateSpec = serde_json::from_value(serde_json::json!({
             "targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "a"},
             "persistentPodStateRetentionPolicy": "Sometimes"
         }))
         .expect("parses");
         assert_eq!(spec.retention(), RetentionPolicy::WhenScaled);
+    }
+}
+
+#[cfg(test)]
+mod crd_tests {
+    use super::*;
+
+    #[test]
+    fn serves_both_versions_stores_v1beta1_and_converts_by_webhook() {
+        let crd = crd(
+            &ConversionEndpoint::Url("https://127.0.0.1:9443/convert".into()),
+            Some(b"PEM"),
+        );
+        let mut versions: Vec<(&str, bool, bool)> = crd
+            .spec
+            .versions
+            .iter()
+            .map(|v| (v.name.as_str(), v.served, v.storage))
+            .collect();
+        versions.sort();
+        assert_eq!(
+            versions,
+            [("v1alpha1", true, false), ("v1beta1", true, true)]
+        );
+        let conversion = crd.spec.conversion.expect("conversion");
+        assert_eq!(conversion.strategy, "Webhook");
+        let client = conversion
+            .webhook
+            .and_then(|w| w.client_config)
+            .expect("client config");
+        assert_eq!(
+            client.url.as_deref(),
+            Some("https://127.0.0.1:9443/convert")
+        );
+        assert_eq!(client.ca_bundle.map(|b| b.0), Some(b"PEM".to_vec()));
     }
 }

@@ -1,4 +1,5 @@
-//! `apps.kruise.io/v1alpha1` PersistentPodState: topology terms list `nodeTopologyKeys`.
+//! `apps.kruise.io/v1alpha1` PersistentPodState (served; converted to and from v1beta1 by the
+//! `/convert` webhook): topology terms list `nodeTopologyKeys`.
 
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -57,36 +58,4 @@ pub struct PreferredTopologyTerm {
     pub weight: i32,
     /// The node label keys of this term.
     pub preference: NodeTopologyTerm,
-}
-
-impl PersistentPodStateSpec {
-    /// The retention policy in force (`WhenScaled` unless `WhenDeleted` is set).
-    pub fn retention(&self) -> super::RetentionPolicy {
-        match self.persistent_pod_state_retention_policy {
-            Some(RetentionPolicy::WhenDeleted) => RetentionPolicy::WhenDeleted,
-            _ => RetentionPolicy::WhenScaled,
-        }
-    }
-
-    /// The required keys (empty when there is no required term).
-    pub fn required_keys(&self) -> &[String] {
-        self.required_persistent_topology
-            .as_ref()
-            .map_or(&[], |t| t.node_topology_keys.as_slice())
-    }
-
-    /// The union of required and preferred keys, in first-seen order, without repeats.
-    pub fn topology_keys(&self) -> Vec<&str> {
-        let mut keys: Vec<&str> = Vec::new();
-        let preferred = self
-            .preferred_persistent_topology
-            .iter()
-            .flat_map(|t| t.preference.node_topology_keys.iter());
-        for key in self.required_keys().iter().chain(preferred) {
-            if !keys.contains(&key.as_str()) {
-                keys.push(key);
-            }
-        }
-        keys
-    }
 }

@@ -4,11 +4,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use crate::api::v1alpha1::{NodeTopologyTerm, PersistentPodStateSpec, PreferredTopologyTerm};
 use crate::api::{
     AUTO_GENERATE_ANNOTATION, PERSISTENT_ANNOTATIONS_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
     PersistentPodAnnotation, REQUIRED_TOPOLOGY_ANNOTATION, TargetReference,
 };
+use crate::api::{NodeTopologyTerm, PersistentPodStateSpec, PreferredTopologyTerm};
 
 /// Weight of the preferred term generated from `kruise.io/preferred-persistent-topology`.
 pub const GENERATED_PREFERRED_WEIGHT: i32 = 100;
@@ -50,17 +50,14 @@ pub fn desired_spec(
             kind: kind.to_owned(),
             name: name.to_owned(),
         },
-        required_persistent_topology: (!required.is_empty()).then_some(NodeTopologyTerm {
-            node_topology_keys: required,
-        }),
+        required_persistent_topology: (!required.is_empty())
+            .then_some(NodeTopologyTerm { keys: required }),
         preferred_persistent_topology: if preferred.is_empty() {
             Vec::new()
         } else {
             vec![PreferredTopologyTerm {
                 weight: GENERATED_PREFERRED_WEIGHT,
-                preference: NodeTopologyTerm {
-                    node_topology_keys: preferred,
-                },
+                preference: NodeTopologyTerm { keys: preferred },
             }]
         },
         persistent_pod_annotations: comma_list(annotations, PERSISTENT_ANNOTATIONS_ANNOTATION)
@@ -132,9 +129,7 @@ mod tests {
         assert_eq!(s.preferred_persistent_topology.len(), 1);
         assert_eq!(s.preferred_persistent_topology[0].weight, 100);
         assert_eq!(
-            s.preferred_persistent_topology[0]
-                .preference
-                .node_topology_keys,
+            s.preferred_persistent_topology[0].preference.keys,
             ["kubernetes.io/hostname", "rack"]
         );
         let keys: Vec<&str> = s

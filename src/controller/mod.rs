@@ -6,8 +6,8 @@
 pub mod generate;
 pub mod record;
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt, stream};
@@ -15,14 +15,15 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::PersistentPodState;
 use crate::api::PersistentPodStateStatus;
-use crate::api::v1alpha1::PersistentPodState;
 use crate::cache::{Caches, WorkloadLookup, pps_target};
 use crate::metrics::Metrics;
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
@@ -42,6 +43,32 @@ pub struct Context {
     pub caches: Arc<Caches>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Publishes Events on PersistentPodStates (repeats are folded into series).
+    pub recorder: Recorder,
+    /// Unplaceable states already reported, by PersistentPodState.
+    reported_unplaceable: Mutex<HashMap<ObjectRef<PersistentPodState>, BTreeSet<String>>>,
+}
+
+impl Context {
+    /// A context whose Events name `instance` as the reporting instance.
+    pub fn new(
+        client: Client,
+        caches: Arc<Caches>,
+        metrics: Arc<Metrics>,
+        instance: Option<String>,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance,
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            caches,
+            metrics,
+            reported_unplaceable: Mutex::default(),
+        }
+    }
 }
 
 /// A failed reconcile; retried with backoff.
@@ -156,10 +183,58 @@ async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Resul
         ctx.metrics.states_pruned.inc_by(pruned);
         tracing::info!(pps = %pps.name_any(), %namespace, recorded, pruned, states = desired.pod_states.len(), "status updated");
     }
+    report_unplaceable(&ctx, &pps, &desired).await;
     ctx.metrics
         .reconcile_duration
         .observe(start.elapsed().as_secs_f64());
     Ok(Action::requeue(RESYNC))
+}
+
+/// Publishes a Warning Event for each state that newly became unplaceable (its required node or
+/// zone is gone), and keeps the gauge of such states current.
+async fn report_unplaceable(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    status: &PersistentPodStateStatus,
+) {
+    let any_node_with =
+        |labels: &BTreeMap<String, String>| ctx.caches.node_labels.any_node_with(labels);
+    let unplaceable = record::unplaceable_states(&pps.spec, status, &any_node_with);
+    let key = ObjectRef::from_obj(pps);
+    let newly: Vec<(String, BTreeMap<String, String>)> = {
+        let mut reported = ctx
+            .reported_unplaceable
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let before = reported.remove(&key).unwrap_or_default();
+        let newly = unplaceable
+            .iter()
+            .filter(|(pod, _)| !before.contains(*pod))
+            .map(|(p, v)| (p.clone(), v.clone()))
+            .collect();
+        if !unplaceable.is_empty() {
+            reported.insert(key, unplaceable.keys().cloned().collect());
+        }
+        let total: usize = reported.values().map(BTreeSet::len).sum();
+        ctx.metrics.states_unplaceable.set(total as i64);
+        newly
+    };
+    for (pod, values) in newly {
+        let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "RequiredTopologyUnavailable".into(),
+            note: Some(format!(
+                "no node has {} recorded for pod {pod}: a re-created pod gets only the preferred placement",
+                wanted.join(",")
+            )),
+            action: "Inject".into(),
+            secondary: None,
+        };
+        if let Err(error) = ctx.recorder.publish(&event, &pps.object_ref(&())).await {
+            tracing::warn!(%error, pps = %pps.name_any(), "could not publish an Event");
+        }
+    }
 }
 
 /// States added or changed, and states removed, from `old` to `new`.

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use serde_json::{Map, Value};
 
-use crate::api::v1alpha1::PersistentPodStateSpec;
+use crate::api::PersistentPodStateSpec;
 use crate::api::{PersistentPodStateStatus, PodState, RetentionPolicy};
 use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
 
@@ -133,6 +133,32 @@ pub fn desired_status(
     status
 }
 
+/// The recorded states whose required values no existing node carries (their node or zone is
+/// gone): a re-created pod gets only the preferred part of its placement. Values by pod name.
+pub fn unplaceable_states(
+    spec: &PersistentPodStateSpec,
+    status: &PersistentPodStateStatus,
+    any_node_with: &dyn Fn(&BTreeMap<String, String>) -> bool,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    status
+        .pod_states
+        .iter()
+        .filter_map(|(pod, state)| {
+            let required: BTreeMap<String, String> = spec
+                .required_keys()
+                .iter()
+                .filter_map(|k| {
+                    state
+                        .node_topology_labels
+                        .get(k)
+                        .map(|v| (k.clone(), v.clone()))
+                })
+                .collect();
+            (!required.is_empty() && !any_node_with(&required)).then(|| (pod.clone(), required))
+        })
+        .collect()
+}
+
 /// The RFC 7386 merge patch that turns `old` into `new`, or `None` if they are equal. Only
 /// changed members are sent, so a concurrent change to other members is kept.
 pub fn merge_patch(old: &Value, new: &Value) -> Option<Value> {
@@ -163,7 +189,7 @@ pub fn merge_patch(old: &Value, new: &Value) -> Option<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::v1alpha1::{NodeTopologyTerm, PreferredTopologyTerm};
+    use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
     use serde_json::json;
 
@@ -178,12 +204,12 @@ mod tests {
                 name: "web".into(),
             },
             required_persistent_topology: Some(NodeTopologyTerm {
-                node_topology_keys: vec![ZONE.into()],
+                keys: vec![ZONE.into()],
             }),
             preferred_persistent_topology: vec![PreferredTopologyTerm {
                 weight: 100,
                 preference: NodeTopologyTerm {
-                    node_topology_keys: vec![HOST.into(), ZONE.into()],
+                    keys: vec![HOST.into(), ZONE.into()],
                 },
             }],
             persistent_pod_annotations: vec![PersistentPodAnnotation { key: "ip".into() }],
@@ -356,6 +382,25 @@ mod tests {
             run(None, Target::Unknown, &current, &pods, &[]),
             expect(&[("web-0", "node-2"), ("web-5", "node-1")])
         );
+    }
+
+    #[test]
+    fn states_whose_required_values_no_node_has_are_reported() {
+        let status = PersistentPodStateStatus {
+            observed_generation: 1,
+            pod_states: [
+                ("web-0".to_string(), state("node-1")),
+                ("web-1".to_string(), state("node-2")),
+            ]
+            .into(),
+        };
+        let only_z2 = |l: &BTreeMap<String, String>| l.get(ZONE).map(String::as_str) == Some("z2");
+        let out = unplaceable_states(&spec(None), &status, &only_z2);
+        assert_eq!(out.keys().collect::<Vec<_>>(), ["web-0"]);
+        assert_eq!(out["web-0"], [(ZONE.to_string(), "z1".to_string())].into());
+        let mut no_required = spec(None);
+        no_required.required_persistent_topology = None;
+        assert!(unplaceable_states(&no_required, &status, &|_| false).is_empty());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
-use crate::api::v1alpha1::PersistentPodStateSpec;
+use crate::api::PersistentPodStateSpec;
 use crate::api::{INJECTED_ANNOTATION, PodState};
 
 const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
@@ -38,6 +38,9 @@ pub struct Injection {
     pub annotations: usize,
     /// Required keys left as the pod set them.
     pub conflicts: Vec<Conflict>,
+    /// The recorded required values, when no existing node has them all (node or zone gone):
+    /// they were not injected, so the pod is not stranded.
+    pub unplaceable: Option<BTreeMap<String, String>>,
 }
 
 fn pointer(tokens: &[&str]) -> PointerBuf {
@@ -55,12 +58,14 @@ fn add(ops: &mut Vec<PatchOperation>, tokens: &[&str], value: Value) {
 ///
 /// The patch applies to the pod exactly as the API server sent it: missing maps and lists are
 /// created, what the pod already has is kept, and keys are escaped in JSON Pointers. Constraints
-/// the pod sets itself are never overridden.
+/// the pod sets itself are never overridden. The required part is left out when
+/// `any_node_with` says no node carries all its values, so a pod is never pinned to nowhere.
 pub fn injection_for(
     pod: &Pod,
     pps_name: &str,
     spec: &PersistentPodStateSpec,
     state: &PodState,
+    any_node_with: &dyn Fn(&BTreeMap<String, String>) -> bool,
 ) -> Injection {
     let mut out = Injection::default();
     let Some(pod_spec) = pod.spec.as_ref() else {
@@ -70,11 +75,14 @@ pub fn injection_for(
 
     // a. required keys -> spec.nodeSelector
     let recorded = |key: &str| state.node_topology_labels.get(key).cloned();
-    let required: BTreeMap<String, String> = spec
+    let mut required: BTreeMap<String, String> = spec
         .required_keys()
         .iter()
         .filter_map(|k| recorded(k).map(|v| (k.clone(), v)))
         .collect();
+    if !required.is_empty() && !any_node_with(&required) {
+        out.unplaceable = Some(std::mem::take(&mut required));
+    }
     match &pod_spec.node_selector {
         None if !required.is_empty() => {
             out.required = required.len();
@@ -120,7 +128,7 @@ pub fn injection_for(
     for term in &spec.preferred_persistent_topology {
         let expressions: Vec<Value> = term
             .preference
-            .node_topology_keys
+            .keys
             .iter()
             .filter_map(|k| recorded(k).map(|v| json!({"key": k, "operator": "In", "values": [v]})))
             .collect();
@@ -212,7 +220,7 @@ pub fn injection_for(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::v1alpha1::{NodeTopologyTerm, PreferredTopologyTerm};
+    use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
 
     const ZONE: &str = "topology.kubernetes.io/zone";
@@ -231,15 +239,13 @@ mod tests {
                 name: "web".into(),
             },
             required_persistent_topology: (!required.is_empty()).then(|| NodeTopologyTerm {
-                node_topology_keys: keys(required),
+                keys: keys(required),
             }),
             preferred_persistent_topology: preferred
                 .iter()
                 .map(|(w, ks)| PreferredTopologyTerm {
                     weight: *w,
-                    preference: NodeTopologyTerm {
-                        node_topology_keys: keys(ks),
-                    },
+                    preference: NodeTopologyTerm { keys: keys(ks) },
                 })
                 .collect(),
             persistent_pod_annotations: annotations
@@ -267,6 +273,10 @@ mod tests {
         (serde_json::from_value(v.clone()).expect("valid pod"), v)
     }
 
+    fn anywhere(_: &BTreeMap<String, String>) -> bool {
+        true
+    }
+
     /// Applies the injection to the raw pod and returns the patched JSON.
     fn apply(raw: &Value, inj: &Injection) -> Value {
         let mut doc = raw.clone();
@@ -283,7 +293,7 @@ mod tests {
         let (p, raw) = bare_pod();
         let s = spec(&[ZONE], &[(100, &[HOST])], &["a~b/c"]);
         let st = state(&[(ZONE, "z1"), (HOST, "node-a1")], &[("a~b/c", "v")]);
-        let inj = injection_for(&p, "web", &s, &st);
+        let inj = injection_for(&p, "web", &s, &st, &anywhere);
         let out = apply(&raw, &inj);
         assert_eq!(out["spec"]["nodeSelector"], json!({ZONE: "z1"}));
         assert_eq!(
@@ -315,7 +325,7 @@ mod tests {
             &[(ZONE, "z1"), (HOST, "n1")],
             &[("a~b/c", "old"), ("other/key", "o")],
         );
-        let inj = injection_for(&p, "web", &s, &st);
+        let inj = injection_for(&p, "web", &s, &st, &anywhere);
         let paths: Vec<String> = inj.patch.0.iter().map(|op| op.path().to_string()).collect();
         assert!(paths.contains(&"/spec/nodeSelector/topology.kubernetes.io~1zone".to_string()));
         assert!(paths.contains(&"/metadata/annotations/other~1key".to_string()));
@@ -345,7 +355,7 @@ mod tests {
             "containers": [{"name": "c"}], "nodeSelector": {ZONE: "z9", HOST: "n1"}}}));
         let s = spec(&[ZONE, HOST], &[], &[]);
         let st = state(&[(ZONE, "z1"), (HOST, "n1")], &[]);
-        let inj = injection_for(&p, "web", &s, &st);
+        let inj = injection_for(&p, "web", &s, &st, &anywhere);
         assert_eq!(
             inj.conflicts,
             vec![Conflict {
@@ -370,7 +380,7 @@ mod tests {
             let (p, raw) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
                 "containers": [{"name": "c"}], "affinity": affinity.clone()}}));
             let s = spec(&[], &[(100, &[HOST])], &[]);
-            let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]));
+            let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere);
             let out = apply(&raw, &inj);
             assert_eq!(
                 out["spec"]["affinity"]["nodeAffinity"][PREFERRED][0]["weight"], 100,
@@ -400,7 +410,7 @@ mod tests {
             &[(100, &[HOST]), (30, &["also-missing"])],
             &["gone"],
         );
-        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]));
+        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere);
         let out = apply(&raw, &inj);
         assert!(out["spec"].get("nodeSelector").is_none());
         assert_eq!(
@@ -420,7 +430,13 @@ mod tests {
     fn out_of_range_weights_are_clamped_so_the_pod_stays_valid() {
         let (p, raw) = bare_pod();
         let s = spec(&[], &[(0, &[HOST]), (500, &[ZONE])], &[]);
-        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1"), (ZONE, "z")], &[]));
+        let inj = injection_for(
+            &p,
+            "web",
+            &s,
+            &state(&[(HOST, "n1"), (ZONE, "z")], &[]),
+            &anywhere,
+        );
         let out = apply(&raw, &inj);
         let weights: Vec<&Value> = out["spec"]["affinity"]["nodeAffinity"][PREFERRED]
             .as_array()
@@ -443,6 +459,7 @@ mod tests {
                 "web",
                 &spec(&[], &[(1, &[HOST])], &[]),
                 &state(&[], &[]),
+                &anywhere,
             );
             assert_eq!(inj.patch.0.len(), ops);
             assert_eq!(
@@ -453,13 +470,47 @@ mod tests {
     }
 
     #[test]
+    fn required_values_no_node_has_are_not_injected_but_preferred_still_is() {
+        let (p, raw) = bare_pod();
+        let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
+        let gone = |_: &BTreeMap<String, String>| false;
+        let inj = injection_for(
+            &p,
+            "web",
+            &s,
+            &state(&[(ZONE, "z-gone"), (HOST, "n1")], &[]),
+            &gone,
+        );
+        let out = apply(&raw, &inj);
+        assert!(
+            out["spec"].get("nodeSelector").is_none(),
+            "not pinned to a zone that is gone"
+        );
+        assert_eq!(
+            out["spec"]["affinity"]["nodeAffinity"][PREFERRED][0]["weight"],
+            100
+        );
+        assert_eq!(
+            inj.unplaceable,
+            Some([(ZONE.to_string(), "z-gone".to_string())].into())
+        );
+        assert_eq!(inj.required, 0);
+    }
+
+    #[test]
     fn null_fields_are_replaced() {
         let (p, raw) = pod(
             json!({"metadata": {"name": "web-0", "annotations": null}, "spec": {
             "containers": [{"name": "c"}], "nodeSelector": null, "affinity": null}}),
         );
         let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
-        let inj = injection_for(&p, "web", &s, &state(&[(ZONE, "z"), (HOST, "n")], &[]));
+        let inj = injection_for(
+            &p,
+            "web",
+            &s,
+            &state(&[(ZONE, "z"), (HOST, "n")], &[]),
+            &anywhere,
+        );
         let out = apply(&raw, &inj);
         assert_eq!(out["spec"]["nodeSelector"][ZONE], "z");
         assert_eq!(out["metadata"]["annotations"][INJECTED_ANNOTATION], "web");

@@ -90,7 +90,7 @@ fn decide(
     let Some(workload) = pod_workload(&pod, &namespace) else {
         return skip(state, req, SkipReason::NoController);
     };
-    if !workload.kind.is_statefulset() {
+    if !state.custom_kinds.handles(&workload.kind) {
         return skip(state, req, SkipReason::NotStatefulSet);
     }
     let Some(pps) = state.caches.pps_for(&workload) else {
@@ -100,7 +100,8 @@ fn decide(
         return skip(state, req, SkipReason::NoState);
     };
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
-    let injection = injection_for(&pod, pps_name, &pps.spec, pod_state);
+    let any_node_with = |labels: &_| state.caches.node_labels.any_node_with(labels);
+    let injection = injection_for(&pod, pps_name, &pps.spec, pod_state, &any_node_with);
 
     let m = &state.metrics;
     for (kind, n) in [
@@ -113,6 +114,11 @@ fn decide(
                 .get_or_create(&InjectionLabels { kind })
                 .inc_by(n as u64);
         }
+    }
+    if let Some(values) = &injection.unplaceable {
+        m.required_unplaceable.inc();
+        tracing::warn!(uid = %req.uid, %namespace, pod = %name, pps = pps_name, ?values,
+            "no node has the recorded required values; injecting only the preferred part");
     }
     for c in &injection.conflicts {
         m.injection_conflicts.inc();

@@ -1,0 +1,191 @@
+//! The API surface: both versions through the conversion webhook, and validation.
+
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::discovery::ApiResource;
+use kube::{Api, Client};
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+fn api(c: &Client, ns: &str, version: &str) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
+        "apps.kruise.io",
+        version,
+        "PersistentPodState",
+    ));
+    Api::namespaced_with(c.clone(), ns, &ar)
+}
+
+fn object(version: &str, name: &str, spec: Value) -> DynamicObject {
+    serde_json::from_value(json!({
+        "apiVersion": format!("apps.kruise.io/{version}"), "kind": "PersistentPodState",
+        "metadata": {"name": name}, "spec": spec
+    }))
+    .expect("object")
+}
+
+/// Issue 3.1: create as v1alpha1, read as v1beta1, update as v1beta1, read as v1alpha1.
+#[tokio::test]
+async fn both_versions_round_trip_through_the_conversion_webhook() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-versions").await;
+    let spec = json!({
+        "targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+        "requiredPersistentTopology": {"nodeTopologyKeys": ["topology.kubernetes.io/zone"]},
+        "preferredPersistentTopology": [{"weight": 40, "preference": {"nodeTopologyKeys": ["kubernetes.io/hostname", "rack"]}}],
+        "persistentPodAnnotations": [{"key": "example.com/ip"}],
+        "persistentPodStateRetentionPolicy": "WhenDeleted"
+    });
+    api(c, &ns, "v1alpha1")
+        .create(
+            &PostParams::default(),
+            &object("v1alpha1", "web", spec.clone()),
+        )
+        .await
+        .expect("create v1alpha1");
+
+    let beta = api(c, &ns, "v1beta1")
+        .get("web")
+        .await
+        .expect("read v1beta1");
+    assert_eq!(
+        beta.data["spec"]["requiredPersistentTopology"],
+        json!({"keys": ["topology.kubernetes.io/zone"]})
+    );
+    assert_eq!(
+        beta.data["spec"]["preferredPersistentTopology"][0]["preference"]["keys"],
+        json!(["kubernetes.io/hostname", "rack"])
+    );
+    assert_eq!(
+        beta.data["spec"]["persistentPodAnnotations"],
+        spec["persistentPodAnnotations"]
+    );
+
+    let patch = json!({"spec": {"requiredPersistentTopology": {"keys": ["failure-domain.beta.kubernetes.io/zone"]}}});
+    api(c, &ns, "v1beta1")
+        .patch("web", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("update v1beta1");
+
+    let alpha = api(c, &ns, "v1alpha1")
+        .get("web")
+        .await
+        .expect("read v1alpha1");
+    let mut want = spec.clone();
+    want["requiredPersistentTopology"] =
+        json!({"nodeTopologyKeys": ["failure-domain.beta.kubernetes.io/zone"]});
+    assert_eq!(alpha.data["spec"], want, "nothing lost on the way");
+    delete_namespace(c, &ns).await;
+}
+
+async fn rejection(c: &Client, ns: &str, version: &str, name: &str, spec: Value) -> String {
+    match api(c, ns, version)
+        .create(&PostParams::default(), &object(version, name, spec.clone()))
+        .await
+    {
+        Ok(_) => panic!("{spec} was accepted"),
+        Err(kube::Error::Api(e)) => e.message,
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}
+
+/// Issue 3.2: invalid objects are rejected with field paths (by the schema where it can
+/// express the rule, by the webhook for the rest), in the client's version.
+#[tokio::test]
+async fn invalid_pps_are_rejected_with_field_paths() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-validation").await;
+    let target = json!({"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"});
+    let host = json!({"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}});
+    let cases = [
+        (
+            "v1beta1",
+            json!({"targetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web"}, "preferredPersistentTopology": [host]}),
+            "spec.targetRef",
+        ),
+        ("v1beta1", json!({"targetRef": target}), "spec"),
+        (
+            "v1beta1",
+            json!({"targetRef": target, "requiredPersistentTopology": {"keys": []}}),
+            "spec.requiredPersistentTopology.keys",
+        ),
+        (
+            "v1alpha1",
+            json!({"targetRef": target, "requiredPersistentTopology": {"nodeTopologyKeys": ["not a key"]}}),
+            "spec.requiredPersistentTopology.nodeTopologyKeys[0]",
+        ),
+        (
+            "v1beta1",
+            json!({"targetRef": target, "preferredPersistentTopology": [{"weight": 0, "preference": {"keys": ["a"]}}]}),
+            "spec.preferredPersistentTopology[0].weight",
+        ),
+        (
+            "v1beta1",
+            json!({"targetRef": target, "preferredPersistentTopology": [{"weight": 101, "preference": {"keys": ["a"]}}]}),
+            "spec.preferredPersistentTopology[0].weight",
+        ),
+        (
+            "v1beta1",
+            json!({"targetRef": target, "preferredPersistentTopology": [host], "persistentPodAnnotations": [{"key": "bad key!"}]}),
+            "spec.persistentPodAnnotations[0].key",
+        ),
+        (
+            "v1beta1",
+            json!({"targetRef": target, "preferredPersistentTopology": [host], "persistentPodStateRetentionPolicy": "Sometimes"}),
+            "spec.persistentPodStateRetentionPolicy",
+        ),
+        (
+            "v1beta1",
+            json!({"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": ""}, "preferredPersistentTopology": [host]}),
+            "spec.targetRef.name",
+        ),
+    ];
+    for (i, (version, spec, path)) in cases.into_iter().enumerate() {
+        let message = rejection(c, &ns, version, &format!("bad-{i}"), spec.clone()).await;
+        // The schema's messages name list fields without an index; the webhook's with one.
+        let field = path.split('[').next().unwrap_or(path);
+        let leaf = path.rsplit('.').next().unwrap_or(path);
+        assert!(
+            message.contains(field) && message.contains(leaf),
+            "{spec}: {message:?} should name {path}"
+        );
+    }
+
+    api(c, &ns, "v1beta1")
+        .create(
+            &PostParams::default(),
+            &object(
+                "v1beta1",
+                "first",
+                json!({"targetRef": target, "preferredPersistentTopology": [host]}),
+            ),
+        )
+        .await
+        .expect("a valid PPS");
+    let message = rejection(
+        c,
+        &ns,
+        "v1beta1",
+        "second",
+        json!({"targetRef": target, "preferredPersistentTopology": [host]}),
+    )
+    .await;
+    assert!(
+        message.contains("spec.targetRef") && message.contains("first"),
+        "{message}"
+    );
+
+    let moved = json!({"spec": {"targetRef": {"name": "other"}}});
+    let err = api(c, &ns, "v1beta1")
+        .patch("first", &PatchParams::default(), &Patch::Merge(&moved))
+        .await
+        .expect_err("targetRef is immutable");
+    assert!(
+        err.to_string()
+            .contains("spec.targetRef: Invalid value: field is immutable"),
+        "{err}"
+    );
+    delete_namespace(c, &ns).await;
+}

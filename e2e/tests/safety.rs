@@ -1,0 +1,172 @@
+//! Never strand a pod: recorded required values no node has are not injected; node label
+//! changes re-record the affected states.
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use persistent_pod_state::api::INJECTED_ANNOTATION;
+use serde_json::json;
+
+use crate::support::*;
+
+const ZONE: &str = "topology.kubernetes.io/zone";
+const HOST: &str = "kubernetes.io/hostname";
+
+/// Issue 3.6: a state pinned to a zone that no longer exists gets only its preferred part, so
+/// the pod runs; a Warning Event on the PPS and a metric say so.
+#[tokio::test]
+async fn a_required_zone_that_is_gone_is_not_injected_and_the_pod_runs() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-stranded").await;
+    let pps = serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": "web"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                 "requiredPersistentTopology": {"keys": [ZONE]},
+                 "preferredPersistentTopology": [{"weight": 100, "preference": {"keys": [HOST]}}],
+                 "persistentPodStateRetentionPolicy": "WhenDeleted"}
+    }))
+    .expect("pps");
+    let api: Api<persistent_pod_state::api::PersistentPodState> = Api::namespaced(c.clone(), &ns);
+    api.create(&PostParams::default(), &pps)
+        .await
+        .expect("create pps");
+    create_sts(c, &ns, &statefulset("web", 0, &[])).await;
+    // A placement recorded on a node and in a zone that are gone (decommissioned).
+    let gone = json!({"status": {"podStates": {"web-0": {"nodeName": "node-gone",
+        "nodeTopologyLabels": {ZONE: "zone-gone", HOST: "node-gone"}}}}});
+    api.patch_status("web", &PatchParams::default(), &Patch::Merge(&gone))
+        .await
+        .expect("status");
+    let before = scrape(&env).await;
+
+    Api::<StatefulSet>::namespaced(c.clone(), &ns)
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1}})),
+        )
+        .await
+        .expect("scale to 1");
+    let placed = placements(c, &ns, &pod_names("web", 1)).await;
+    let pod = Api::<Pod>::namespaced(c.clone(), &ns)
+        .get("web-0")
+        .await
+        .expect("pod");
+    assert_eq!(
+        pod.annotations()
+            .get(INJECTED_ANNOTATION)
+            .map(String::as_str),
+        Some("web")
+    );
+    let selector = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.clone())
+        .unwrap_or_default();
+    assert!(
+        !selector.contains_key(ZONE),
+        "the gone zone was not required: {selector:?}"
+    );
+    assert_eq!(
+        preferred_terms(&pod).len(),
+        1,
+        "the preferred part is still injected"
+    );
+    println!(
+        "web-0 runs on {} although its recorded zone is gone",
+        placed["web-0"].node
+    );
+
+    let after = scrape(&env).await;
+    let series = "pps_required_unplaceable_total";
+    assert!(
+        metric(&after, series) > metric(&before, series),
+        "{series} counted"
+    );
+    let events: Api<Event> = Api::namespaced(c.clone(), &ns);
+    wait_for(
+        "a RequiredTopologyUnavailable Event on the PPS",
+        TIMEOUT,
+        || async {
+            let list = events.list(&ListParams::default()).await.ok()?;
+            list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some("RequiredTopologyUnavailable")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("web")
+            })
+        },
+    )
+    .await;
+    // Once Ready, the pod's new placement replaces the stranded one.
+    wait_states(c, &ns, "web", &placed).await;
+    delete_namespace(c, &ns).await;
+}
+
+/// Issue 3.6: a node label change re-records the states of pods on that node.
+#[tokio::test]
+async fn node_label_changes_re_record_the_states() {
+    const RACK: &str = "e2e.example.com/rack";
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-relabel").await;
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "racked",
+            1,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                ("kruise.io/preferred-persistent-topology", RACK),
+            ],
+        ),
+    )
+    .await;
+    wait_sts_rolled(c, &ns, "racked", 1).await;
+    let placed = placements(c, &ns, &pod_names("racked", 1)).await;
+    let node = placed["racked-0"].node.clone();
+    let nodes: Api<Node> = Api::all(c.clone());
+    let label = |v: Option<&str>| json!({"metadata": {"labels": {RACK: v}}});
+    nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(label(Some("r1"))),
+        )
+        .await
+        .expect("label");
+    let pps = pps_api(c, &ns);
+    let rack_of = || async {
+        let pps = pps.get_opt("racked").await.ok()??;
+        pps.status?
+            .pod_states
+            .get("racked-0")?
+            .node_topology_labels
+            .get(RACK)
+            .cloned()
+    };
+    wait_for("rack r1 recorded", TIMEOUT, || async {
+        rack_of().await.filter(|r| r == "r1")
+    })
+    .await;
+    nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(label(Some("r2"))),
+        )
+        .await
+        .expect("relabel");
+    wait_for("rack r2 re-recorded", TIMEOUT, || async {
+        rack_of().await.filter(|r| r == "r2")
+    })
+    .await;
+    nodes
+        .patch(&node, &PatchParams::default(), &Patch::Merge(label(None)))
+        .await
+        .expect("unlabel");
+    delete_namespace(c, &ns).await;
+}

@@ -1,0 +1,407 @@
+//! Validation of PersistentPodState objects (the pure core of `/validate-persistentpodstate`).
+//! Errors carry field paths, spelled in the version the client used.
+
+use std::fmt;
+
+use serde_json::Value;
+
+use super::{KRUISE_GROUP, api_group};
+
+/// One invalid field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    /// Path of the field, e.g. `spec.preferredPersistentTopology[0].weight`.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// What validation needs besides the object.
+pub struct Context<'a> {
+    /// The key-list field name of the client's version (`keys` or `nodeTopologyKeys`).
+    pub keys_field: &'a str,
+    /// Whether `group`/`kind` is a configured custom StatefulSet-like workload.
+    pub is_custom_kind: &'a dyn Fn(&str, &str) -> bool,
+    /// Names of other PersistentPodStates that target the same workload.
+    pub others_for_target: &'a [String],
+}
+
+/// Whether `key` is a valid label (or annotation) key: an optional DNS subdomain prefix and
+/// `/`, then a name of at most 63 characters of `[A-Za-z0-9._-]`, alphanumeric at both ends.
+pub fn qualified_name_error(key: &str) -> Option<String> {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    if let Some(prefix) = prefix {
+        if prefix.is_empty() {
+            return Some("prefix part must not be empty".into());
+        }
+        if prefix.len() > 253 {
+            return Some("prefix part must be no more than 253 characters".into());
+        }
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        if !prefix.split('.').all(label_ok) {
+            return Some(
+                "prefix part must be a lowercase RFC 1123 subdomain (e.g. 'example.com')".into(),
+            );
+        }
+    }
+    if name.is_empty() {
+        return Some("name part must not be empty".into());
+    }
+    if name.len() > 63 {
+        return Some("name part must be no more than 63 characters".into());
+    }
+    let inner_ok = name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    let ends_ok = name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if !inner_ok || !ends_ok {
+        return Some(
+            "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into(),
+        );
+    }
+    None
+}
+
+struct Errors(Vec<FieldError>);
+
+impl Errors {
+    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(FieldError {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+fn keys<'a>(term: &'a Value, field: &str) -> Option<&'a Vec<Value>> {
+    term.get(field).and_then(Value::as_array)
+}
+
+fn check_keys(errors: &mut Errors, path: &str, list: Option<&Vec<Value>>) {
+    match list {
+        None => errors.push(path, "Required value: at least one node label key"),
+        Some(l) if l.is_empty() => errors.push(path, "Required value: at least one node label key"),
+        Some(l) => {
+            for (i, key) in l.iter().enumerate() {
+                match key.as_str() {
+                    Some(k) => {
+                        if let Some(e) = qualified_name_error(k) {
+                            errors
+                                .push(format!("{path}[{i}]"), format!("Invalid value: {k:?}: {e}"));
+                        }
+                    }
+                    None => errors.push(format!("{path}[{i}]"), "Invalid value: must be a string"),
+                }
+            }
+        }
+    }
+}
+
+/// Validates `object` (raw JSON of the client's version) on CREATE (`old` is `None`) or UPDATE.
+pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<FieldError> {
+    let mut errors = Errors(Vec::new());
+    let null = Value::Null;
+    let spec = object.get("spec").unwrap_or(&null);
+    let kf = ctx.keys_field;
+
+    // targetRef: every part set, immutable, a handled kind.
+    let target = spec.get("targetRef").unwrap_or(&null);
+    let part = |name: &str| target.get(name).and_then(Value::as_str).unwrap_or_default();
+    for name in ["apiVersion", "kind", "name"] {
+        if part(name).is_empty() {
+            errors.push(format!("spec.targetRef.{name}"), "Required value");
+        }
+    }
+    if let Some(old_target) = old.and_then(|o| o.pointer("/spec/targetRef"))
+        && old_target != target
+    {
+        errors.push("spec.targetRef", "Invalid value: field is immutable");
+    }
+    let (group, kind) = (api_group(part("apiVersion")), part("kind"));
+    let statefulset = kind == "StatefulSet" && (group == "apps" || group == KRUISE_GROUP);
+    if !kind.is_empty() && !statefulset && !(ctx.is_custom_kind)(group, kind) {
+        errors.push(
+            "spec.targetRef",
+            format!("Unsupported value: {group}/{kind}: only StatefulSets (apps, {KRUISE_GROUP}) and configured custom workloads"),
+        );
+    }
+
+    // topology: at least one term; every key list non-empty and of label keys; weights 1..100.
+    let required = spec
+        .get("requiredPersistentTopology")
+        .filter(|v| !v.is_null());
+    let preferred = spec
+        .get("preferredPersistentTopology")
+        .and_then(Value::as_array)
+        .filter(|a| !a.is_empty());
+    if required.is_none() && preferred.is_none() {
+        errors.push(
+            "spec",
+            "Required value: requiredPersistentTopology or preferredPersistentTopology",
+        );
+    }
+    if let Some(r) = required {
+        check_keys(
+            &mut errors,
+            &format!("spec.requiredPersistentTopology.{kf}"),
+            keys(r, kf),
+        );
+    }
+    for (i, term) in preferred.into_iter().flatten().enumerate() {
+        let path = format!("spec.preferredPersistentTopology[{i}]");
+        match term.get("weight").and_then(Value::as_i64) {
+            Some(w) if (1..=100).contains(&w) => {}
+            Some(w) => errors.push(
+                format!("{path}.weight"),
+                format!("Invalid value: {w}: must be in the range 1-100"),
+            ),
+            None => errors.push(
+                format!("{path}.weight"),
+                "Required value: an integer in the range 1-100",
+            ),
+        }
+        let preference = term.get("preference").unwrap_or(&null);
+        check_keys(
+            &mut errors,
+            &format!("{path}.preference.{kf}"),
+            keys(preference, kf),
+        );
+    }
+
+    for (i, a) in spec
+        .get("persistentPodAnnotations")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let path = format!("spec.persistentPodAnnotations[{i}].key");
+        match a.get("key").and_then(Value::as_str) {
+            Some(k) => {
+                if let Some(e) = qualified_name_error(k) {
+                    errors.push(path, format!("Invalid value: {k:?}: {e}"));
+                }
+            }
+            None => errors.push(path, "Required value"),
+        }
+    }
+
+    match spec.get("persistentPodStateRetentionPolicy") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(p)) if p == "WhenScaled" || p == "WhenDeleted" => {}
+        Some(other) => errors.push(
+            "spec.persistentPodStateRetentionPolicy",
+            format!(
+                "Unsupported value: {other}: supported values: \"WhenScaled\", \"WhenDeleted\""
+            ),
+        ),
+    }
+
+    if let Some(first) = ctx.others_for_target.first() {
+        errors.push(
+            "spec.targetRef",
+            format!(
+                "Duplicate value: PersistentPodState {first:?} already targets {group}/{kind} {:?}",
+                part("name")
+            ),
+        );
+    }
+    errors.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn valid() -> Value {
+        json!({"spec": {
+            "targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+            "requiredPersistentTopology": {"keys": ["topology.kubernetes.io/zone"]},
+            "preferredPersistentTopology": [{"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}}],
+            "persistentPodAnnotations": [{"key": "example.com/ip"}],
+            "persistentPodStateRetentionPolicy": "WhenDeleted"
+        }})
+    }
+
+    fn check(object: &Value, old: Option<&Value>, others: &[String]) -> Vec<String> {
+        let custom = |g: &str, k: &str| g == "example.com" && k == "Ring";
+        let ctx = Context {
+            keys_field: "keys",
+            is_custom_kind: &custom,
+            others_for_target: others,
+        };
+        validate(object, old, &ctx)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    fn with(patch: Value) -> Value {
+        let mut v = valid();
+        json_patch::merge(&mut v, &patch);
+        v
+    }
+
+    #[test]
+    fn a_valid_object_passes() {
+        assert!(check(&valid(), None, &[]).is_empty());
+        assert!(check(&valid(), Some(&valid()), &[]).is_empty());
+    }
+
+    #[test]
+    fn each_rule_names_its_field() {
+        let cases = [
+            (
+                json!({"spec": {"targetRef": {"name": ""}}}),
+                "spec.targetRef.name: Required value",
+            ),
+            (
+                json!({"spec": {"targetRef": {"kind": "Deployment"}}}),
+                "spec.targetRef: Unsupported value: apps/Deployment",
+            ),
+            (
+                json!({"spec": {"targetRef": {"apiVersion": "example.com/v1", "kind": "StatefulSet"}}}),
+                "spec.targetRef: Unsupported value",
+            ),
+            (
+                json!({"spec": {"requiredPersistentTopology": null, "preferredPersistentTopology": []}}),
+                "spec: Required value",
+            ),
+            (
+                json!({"spec": {"requiredPersistentTopology": {"keys": []}}}),
+                "spec.requiredPersistentTopology.keys: Required value",
+            ),
+            (
+                json!({"spec": {"requiredPersistentTopology": {"keys": ["bad key"]}}}),
+                "spec.requiredPersistentTopology.keys[0]: Invalid value: \"bad key\"",
+            ),
+            (
+                json!({"spec": {"requiredPersistentTopology": {"keys": ["UPPER.com/x"]}}}),
+                "prefix part",
+            ),
+            (
+                json!({"spec": {"preferredPersistentTopology": [{"weight": 0, "preference": {"keys": ["a"]}}]}}),
+                "spec.preferredPersistentTopology[0].weight: Invalid value: 0",
+            ),
+            (
+                json!({"spec": {"preferredPersistentTopology": [{"weight": 101, "preference": {"keys": ["a"]}}]}}),
+                "spec.preferredPersistentTopology[0].weight: Invalid value: 101",
+            ),
+            (
+                json!({"spec": {"preferredPersistentTopology": [{"weight": 5, "preference": {"keys": []}}]}}),
+                "spec.preferredPersistentTopology[0].preference.keys: Required value",
+            ),
+            (
+                json!({"spec": {"persistentPodAnnotations": [{"key": "-x"}]}}),
+                "spec.persistentPodAnnotations[0].key: Invalid value: \"-x\"",
+            ),
+            (
+                json!({"spec": {"persistentPodStateRetentionPolicy": "Sometimes"}}),
+                "spec.persistentPodStateRetentionPolicy: Unsupported value: \"Sometimes\"",
+            ),
+        ];
+        for (patch, want) in cases {
+            let errors = check(&with(patch.clone()), None, &[]);
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.starts_with(want) || e.contains(want)),
+                "{patch}: {errors:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn custom_kinds_and_kruise_statefulsets_are_accepted() {
+        for target in [
+            json!({"apiVersion": "example.com/v1", "kind": "Ring", "name": "r"}),
+            json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "StatefulSet", "name": "s"}),
+        ] {
+            assert!(check(&with(json!({"spec": {"targetRef": target}})), None, &[]).is_empty());
+        }
+    }
+
+    #[test]
+    fn target_is_immutable_and_unique() {
+        let moved = with(json!({"spec": {"targetRef": {"name": "other"}}}));
+        assert_eq!(
+            check(&moved, Some(&valid()), &[]),
+            ["spec.targetRef: Invalid value: field is immutable"]
+        );
+        let dup = check(&valid(), None, &["first".to_string()]);
+        assert_eq!(dup.len(), 1);
+        assert!(
+            dup[0].contains("Duplicate value") && dup[0].contains("first"),
+            "{dup:?}"
+        );
+    }
+
+    #[test]
+    fn paths_use_the_clients_version() {
+        let alpha = json!({"spec": {
+            "targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+            "requiredPersistentTopology": {"nodeTopologyKeys": []}}});
+        let custom = |_: &str, _: &str| false;
+        let ctx = Context {
+            keys_field: "nodeTopologyKeys",
+            is_custom_kind: &custom,
+            others_for_target: &[],
+        };
+        let errors: Vec<String> = validate(&alpha, None, &ctx)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            errors,
+            [
+                "spec.requiredPersistentTopology.nodeTopologyKeys: Required value: at least one node label key"
+            ]
+        );
+    }
+
+    #[test]
+    fn label_keys_follow_kubernetes_rules() {
+        for ok in [
+            "a",
+            "kubernetes.io/hostname",
+            "topology.kubernetes.io/zone",
+            "A_b.c-9",
+            "x.y/Z",
+        ] {
+            assert_eq!(qualified_name_error(ok), None, "{ok}");
+        }
+        let long = "a".repeat(64);
+        for bad in [
+            "",
+            "/a",
+            "a/",
+            "-a",
+            "a-",
+            "a b",
+            "Example.com/a",
+            "a//b",
+            long.as_str(),
+            "a/b/c",
+        ] {
+            assert!(qualified_name_error(bad).is_some(), "{bad}");
+        }
+    }
+}
