@@ -173,6 +173,7 @@ serve_replica() {
     PPS_LISTEN="127.0.0.1:$2" PPS_PROBE_LISTEN="127.0.0.1:$3" \
     PPS_TLS_CERT="$CLUSTER_DIR/webhook-certs/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-certs/tls.key" \
     PPS_SHUTDOWN_DELAY_SECONDS=0 PPS_LEADER_IDENTITY="e2e-$1" PPS_LEASE_NAMESPACE=default \
+    PPS_CUSTOM_WORKLOAD_CONFIG="$CLUSTER_DIR/custom-workloads.yaml" \
     PPS_LEASE_DURATION_SECONDS="${LEASE_DURATION:-8}" PPS_LEASE_GRACE_SECONDS="${LEASE_GRACE:-3}" \
     "$PPS_BIN" serve
   wait_until 60 "replica $1 readiness" curl -sf "http://127.0.0.1:$3/readyz"

@@ -13,10 +13,10 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use tokio::task::JoinHandle;
+use tokio::sync::watch;
 
 use crate::api::PersistentPodState;
-use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+use crate::workload::{GroupKind, WorkloadRef, native_statefulset_resource, pod_workload};
 
 /// A secondary index of a store: objects grouped by the workload they belong to (a
 /// PersistentPodState by its target, a Pod by its controller). Kept current from the watch
@@ -278,6 +278,10 @@ pub struct WorkloadStore {
     pub resource: ApiResource,
     /// Its objects (spec reduced to what recording needs).
     pub store: Store<DynamicObject>,
+    /// Whether the first full list has arrived (until then, absence proves nothing).
+    synced: Arc<AtomicBool>,
+    /// The watch feeding the store.
+    task: Arc<tokio::task::AbortHandle>,
 }
 
 /// What is known about a workload.
@@ -292,6 +296,7 @@ pub enum WorkloadLookup {
 
 /// All caches of the process, shared by the webhook and the controllers.
 pub struct Caches {
+    client: Client,
     /// PersistentPodState objects.
     pub pps: Store<PersistentPodState>,
     /// PersistentPodStates by target workload.
@@ -305,89 +310,126 @@ pub struct Caches {
     /// Nodes by label.
     pub node_labels: NodeLabelIndex,
     /// Workload stores by kind.
-    pub workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
+    workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
+    kinds_changed: watch::Sender<u64>,
     /// Reconcile requests to the controllers.
     pub triggers: Triggers,
     synced: AtomicBool,
 }
 
 impl Caches {
-    /// Starts one watch per kind (PersistentPodState, Pod, Node, and each workload kind) and
-    /// returns the caches with the tasks that feed them.
-    pub fn start(
-        client: &Client,
-        workload_kinds: &[ApiResource],
-    ) -> (Arc<Self>, Vec<JoinHandle<()>>) {
+    /// Starts the watches of PersistentPodStates, Pods, Nodes and native StatefulSets, and
+    /// returns the caches; more workload kinds can be added with [`Caches::add_workload_kind`].
+    pub fn start(client: &Client) -> Arc<Self> {
         let (pps, pps_writer) = reflector::store();
         let (pods, pods_writer) = reflector::store();
         let (nodes, nodes_writer) = reflector::store();
-        let mut writers = Vec::new();
-        let mut workloads = HashMap::new();
-        for ar in workload_kinds {
-            let writer = reflector::store::Writer::new(ar.clone());
-            let store = writer.as_reader();
-            let kind = GroupKind::new(&ar.group, &ar.kind);
-            workloads.insert(
-                kind,
-                WorkloadStore {
-                    resource: ar.clone(),
-                    store,
-                },
-            );
-            writers.push((ar.clone(), writer));
-        }
+        let (kinds_changed, _) = watch::channel(0);
         let caches = Arc::new(Self {
+            client: client.clone(),
             pps,
             pps_by_target: Index::new(pps_target),
             pods,
             pods_by_workload: Index::new(pod_owner),
             nodes,
             node_labels: NodeLabelIndex::default(),
-            workloads: RwLock::new(workloads),
+            workloads: RwLock::default(),
+            kinds_changed,
             triggers: Triggers::default(),
             synced: AtomicBool::new(false),
         });
-
-        let mut tasks = Vec::new();
         let c = caches.clone();
-        tasks.push(tokio::spawn(reflect(
+        tokio::spawn(reflect(
             "PersistentPodState".into(),
             Api::<PersistentPodState>::all(client.clone()),
             pps_writer,
             strip_meta,
             move |ev| c.on_pps_event(ev),
-        )));
+        ));
         let c = caches.clone();
-        tasks.push(tokio::spawn(reflect(
+        tokio::spawn(reflect(
             "Pod".into(),
             Api::<Pod>::all(client.clone()),
             pods_writer,
             strip_pod,
             move |ev| c.on_pod_event(ev),
-        )));
+        ));
         let c = caches.clone();
-        tasks.push(tokio::spawn(reflect(
+        tokio::spawn(reflect(
             "Node".into(),
             Api::<Node>::all(client.clone()),
             nodes_writer,
             strip_node,
             move |ev| c.on_node_event(ev),
-        )));
-        for (ar, writer) in writers {
-            let c = caches.clone();
-            let kind = GroupKind::new(&ar.group, &ar.kind);
-            tasks.push(tokio::spawn(reflect(
-                ar.kind.clone(),
-                Api::<DynamicObject>::all_with(client.clone(), &ar),
-                writer,
-                strip_workload,
-                move |ev| c.on_workload_event(&kind, ev),
-            )));
-        }
-        (caches, tasks)
+        ));
+        caches.add_workload_kind(native_statefulset_resource());
+        caches
     }
 
-    /// Waits until every store has its first full list, then marks the caches synced.
+    /// Starts watching a workload kind (replacing the watch of another version of it).
+    /// Returns false if exactly this resource is watched already.
+    pub fn add_workload_kind(self: &Arc<Self>, ar: ApiResource) -> bool {
+        let kind = GroupKind::new(&ar.group, &ar.kind);
+        let mut workloads = lock_write(&self.workloads);
+        if workloads.get(&kind).is_some_and(|w| w.resource == ar) {
+            return false;
+        }
+        let writer = reflector::store::Writer::new(ar.clone());
+        let store = writer.as_reader();
+        let synced = Arc::new(AtomicBool::new(false));
+        let (c, k, flag) = (self.clone(), kind.clone(), synced.clone());
+        let task = tokio::spawn(reflect(
+            ar.kind.clone(),
+            Api::<DynamicObject>::all_with(self.client.clone(), &ar),
+            writer,
+            strip_workload,
+            move |ev| {
+                if matches!(ev, watcher::Event::InitDone) {
+                    flag.store(true, Ordering::Release);
+                }
+                c.on_workload_event(&k, ev);
+            },
+        ));
+        tracing::info!(group = %ar.group, version = %ar.version, kind = %ar.kind, "watching workload kind");
+        let entry = WorkloadStore {
+            resource: ar,
+            store,
+            synced,
+            task: Arc::new(task.abort_handle()),
+        };
+        if let Some(old) = workloads.insert(kind, entry) {
+            old.task.abort();
+        }
+        drop(workloads);
+        self.kinds_changed.send_modify(|n| *n += 1);
+        true
+    }
+
+    /// Stops watching a workload kind (its CRD is gone); its workloads become unknown.
+    pub fn remove_workload_kind(&self, kind: &GroupKind) {
+        if let Some(old) = lock_write(&self.workloads).remove(kind) {
+            old.task.abort();
+            tracing::info!(group = %kind.group, kind = %kind.kind, "no longer watching workload kind");
+            self.kinds_changed.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// The watched workload kinds.
+    pub fn workload_kinds(&self) -> Vec<(GroupKind, WorkloadStore)> {
+        lock_read(&self.workloads)
+            .iter()
+            .map(|(k, w)| (k.clone(), w.clone()))
+            .collect()
+    }
+
+    /// Notified whenever a workload kind is added or removed.
+    pub fn subscribe_workload_kinds(&self) -> watch::Receiver<u64> {
+        self.kinds_changed.subscribe()
+    }
+
+    /// Waits until the PersistentPodState, Pod, Node and native StatefulSet stores have their
+    /// first full list, then marks the caches synced. (Kinds added later are consulted only once
+    /// their own list has arrived.)
     pub async fn wait_synced(&self) {
         let workload_stores: Vec<Store<DynamicObject>> = lock_read(&self.workloads)
             .values()
@@ -450,7 +492,10 @@ impl Caches {
 
     /// Looks a workload up in its kind's cache.
     pub fn workload(&self, workload: &WorkloadRef) -> WorkloadLookup {
-        let Some(ws) = self.workload_store(&workload.kind) else {
+        let Some(ws) = self
+            .workload_store(&workload.kind)
+            .filter(|ws| ws.synced.load(Ordering::Acquire))
+        else {
             return WorkloadLookup::Unknown;
         };
         let key =
@@ -464,12 +509,17 @@ impl Caches {
     /// Asks the running controllers to reconcile every PersistentPodState and workload.
     pub fn resync(&self) {
         self.triggers.pps(self.all_pps());
-        for (kind, ws) in lock_read(&self.workloads).iter() {
+        for (kind, _) in self.workload_kinds() {
+            self.resync_kind(&kind);
+        }
+    }
+
+    /// Asks the generator of `kind` to reconcile every workload of that kind.
+    pub fn resync_kind(&self, kind: &GroupKind) {
+        if let Some(ws) = self.workload_store(kind) {
             for obj in ws.store.state() {
-                self.triggers.workload(
-                    kind,
-                    ObjectRef::from_obj_with(obj.as_ref(), ws.resource.clone()),
-                );
+                let r = ObjectRef::from_obj_with(obj.as_ref(), ws.resource.clone());
+                self.triggers.workload(kind, r);
             }
         }
     }

@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::discovery::parse_group_kind;
+use crate::workload::GroupKind;
+
 /// Keeps StatefulSet pods on their node, zone and IP across re-creation (PersistentPodState).
 #[derive(Debug, Parser)]
 #[command(name = "persistent-pod-state", version, about)]
@@ -52,6 +55,12 @@ pub struct ServeArgs {
     /// Plain HTTP address of /healthz, /readyz and /metrics.
     #[arg(long, env = "PPS_PROBE_LISTEN", default_value = "0.0.0.0:8080")]
     pub probe_listen: SocketAddr,
+    /// A custom StatefulSet-like workload kind, GROUP/KIND (repeatable; comma list in the env var).
+    #[arg(long = "custom-workload", env = "PPS_CUSTOM_WORKLOADS", value_delimiter = ',', value_parser = parse_group_kind)]
+    pub custom_workloads: Vec<GroupKind>,
+    /// A file listing more custom kinds (`customWorkloads: [GROUP/KIND, ...]`), re-read when it changes.
+    #[arg(long, env = "PPS_CUSTOM_WORKLOAD_CONFIG")]
+    pub custom_workload_config: Option<PathBuf>,
     /// Run the controllers only while holding the Lease (all replicas serve webhooks). Off: this
     /// process always runs them (a single replica).
     #[arg(long, env = "PPS_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
@@ -140,6 +149,33 @@ mod tests {
         assert_eq!(args.probe_listen.to_string(), "0.0.0.0:8080");
         assert_eq!(args.tls_cert, PathBuf::from("certs/tls.crt"));
         assert_eq!(args.tls_key, PathBuf::from("certs/tls.key"));
+    }
+
+    #[test]
+    fn custom_workloads_are_group_kinds() {
+        let cli = Cli::try_parse_from([
+            "persistent-pod-state",
+            "serve",
+            "--custom-workload",
+            "example.com/Ring",
+            "--custom-workload",
+            "db.example.com/Cluster",
+        ])
+        .expect("parses");
+        let Command::Serve(args) = cli.command else {
+            panic!("serve expected")
+        };
+        assert_eq!(
+            args.custom_workloads,
+            [
+                GroupKind::new("example.com", "Ring"),
+                GroupKind::new("db.example.com", "Cluster")
+            ]
+        );
+        assert!(
+            Cli::try_parse_from(["persistent-pod-state", "serve", "--custom-workload", "Ring"])
+                .is_err()
+        );
     }
 
     #[test]

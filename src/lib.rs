@@ -12,6 +12,7 @@ pub mod cache;
 pub mod certs;
 pub mod cli;
 pub mod controller;
+pub mod discovery;
 pub mod leader;
 pub mod metrics;
 pub mod probes;

@@ -15,11 +15,12 @@ use tokio_util::sync::CancellationToken;
 use crate::cache::Caches;
 use crate::cli::ServeArgs;
 use crate::controller;
+use crate::discovery;
 use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
 use crate::webhook::{self, WebhookState};
-use crate::workload::{CustomKinds, native_statefulset_resource};
+use crate::workload::CustomKinds;
 
 /// Runs until SIGTERM/SIGINT.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -28,7 +29,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
     let metrics = Arc::new(Metrics::new());
-    let (caches, _watch_tasks) = Caches::start(&client, &[native_statefulset_resource()]);
+    let caches = Caches::start(&client);
     let health = Arc::new(Health {
         caches: caches.clone(),
         shutting_down: false.into(),
@@ -45,10 +46,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", args.probe_listen))?;
     tracing::info!(webhook = %args.listen, probes = %args.probe_listen, "listening");
 
+    let custom_kinds = Arc::new(CustomKinds::new(args.custom_workloads.iter().cloned()));
+    let (kinds_changed, kinds_changed_rx) = tokio::sync::watch::channel(0);
+    tokio::spawn(discovery::watch_config(
+        args.custom_workload_config.clone(),
+        args.custom_workloads.iter().cloned().collect(),
+        custom_kinds.clone(),
+        kinds_changed,
+        shutdown.clone(),
+    ));
+    tokio::spawn(discovery::run(
+        client.clone(),
+        caches.clone(),
+        custom_kinds.clone(),
+        kinds_changed_rx,
+        shutdown.clone(),
+    ));
     let webhook_app = webhook::router(Arc::new(WebhookState {
         caches: caches.clone(),
         metrics: metrics.clone(),
-        custom_kinds: Arc::new(CustomKinds::default()),
+        custom_kinds: custom_kinds.clone(),
     }));
     let webhook_server = tokio::spawn(webhook::server::serve_tls(
         webhook_listener,

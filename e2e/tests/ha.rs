@@ -47,6 +47,10 @@ fn restart(env: &Env, replica: &Replica) {
             env.lease_duration.as_secs().to_string(),
         )
         .env("PPS_LEASE_GRACE_SECONDS", "3")
+        .env(
+            "PPS_CUSTOM_WORKLOAD_CONFIG",
+            env.cluster_dir.join("custom-workloads.yaml"),
+        )
         .stdout(std::process::Stdio::null())
         .stderr(log)
         .spawn()

@@ -14,3 +14,4 @@ mod placement;
 mod safety;
 mod server;
 mod support;
+mod workloads;

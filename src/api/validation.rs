@@ -151,10 +151,15 @@ pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<F
         .get("preferredPersistentTopology")
         .and_then(Value::as_array)
         .filter(|a| !a.is_empty());
-    if required.is_none() && preferred.is_none() {
+    let annotations = spec
+        .get("persistentPodAnnotations")
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty());
+    if required.is_none() && preferred.is_none() && !annotations {
+        // A PPS that only persists annotations is useful; one that persists nothing is not.
         errors.push(
             "spec",
-            "Required value: requiredPersistentTopology or preferredPersistentTopology",
+            "Required value: requiredPersistentTopology or preferredPersistentTopology (or persistentPodAnnotations)",
         );
     }
     if let Some(r) = required {
@@ -282,7 +287,7 @@ mod tests {
                 "spec.targetRef: Unsupported value",
             ),
             (
-                json!({"spec": {"requiredPersistentTopology": null, "preferredPersistentTopology": []}}),
+                json!({"spec": {"requiredPersistentTopology": null, "preferredPersistentTopology": [], "persistentPodAnnotations": []}}),
                 "spec: Required value",
             ),
             (
@@ -327,6 +332,14 @@ mod tests {
                 "{patch}: {errors:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_pps_that_only_persists_annotations_is_valid() {
+        let only = with(
+            json!({"spec": {"requiredPersistentTopology": null, "preferredPersistentTopology": null}}),
+        );
+        assert!(check(&only, None, &[]).is_empty());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -96,38 +97,65 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     .for_each(|_| async {})
     .boxed();
 
-    let mut runs = vec![pps];
-    let kinds: Vec<_> = caches
-        .workloads
-        .read()
-        .map(|w| w.clone())
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
-    for (kind, ws) in kinds {
-        let requests = caches.triggers.subscribe_workloads(&kind);
-        runs.push(
-            Controller::for_stream_with(
-                stream::empty::<Result<DynamicObject, watcher::Error>>(),
-                ws.store.clone(),
-                ws.resource.clone(),
-            )
-            .reconcile_on(requests)
-            .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-            .run(
-                reconcile_workload,
-                workload_error_policy,
-                Arc::new(WorkloadContext {
-                    ctx: ctx.clone(),
-                    resource: ws.resource.clone(),
-                }),
-            )
-            .for_each(|_| async {})
-            .boxed(),
-        );
+    let runs = FuturesUnordered::new();
+    runs.push(pps);
+    // One generator per watched workload kind; kinds come and go with their CRDs.
+    let mut generators: HashMap<GroupKind, (ApiResource, CancellationToken)> = HashMap::new();
+    let mut kinds_changed = caches.subscribe_workload_kinds();
+    let mut first = true;
+    futures::pin_mut!(runs);
+    loop {
+        let watched = caches.workload_kinds();
+        generators.retain(|kind, (resource, stop)| {
+            let current = watched
+                .iter()
+                .any(|(k, ws)| k == kind && ws.resource == *resource);
+            if !current {
+                stop.cancel();
+            }
+            current
+        });
+        for (kind, ws) in watched {
+            if generators.contains_key(&kind) {
+                continue;
+            }
+            let stop = shutdown.child_token();
+            let requests = caches.triggers.subscribe_workloads(&kind);
+            runs.push(
+                Controller::for_stream_with(
+                    stream::empty::<Result<DynamicObject, watcher::Error>>(),
+                    ws.store.clone(),
+                    ws.resource.clone(),
+                )
+                .reconcile_on(requests)
+                .graceful_shutdown_on(stop.clone().cancelled_owned())
+                .run(
+                    reconcile_workload,
+                    workload_error_policy,
+                    Arc::new(WorkloadContext {
+                        ctx: ctx.clone(),
+                        resource: ws.resource.clone(),
+                    }),
+                )
+                .for_each(|_| async {})
+                .boxed(),
+            );
+            caches.resync_kind(&kind);
+            generators.insert(kind, (ws.resource, stop));
+        }
+        if first {
+            caches.resync();
+            first = false;
+        }
+        // Drive the controllers until the watched kinds change or shutdown.
+        tokio::select! {
+            Some(()) = runs.next() => {}
+            changed = kinds_changed.changed() => if changed.is_err() { break },
+            () = shutdown.cancelled() => break,
+        }
     }
-    caches.resync();
-    futures::future::join_all(runs).await;
+    // Every controller stops on `shutdown`; let the reconciles in flight finish.
+    while runs.next().await.is_some() {}
 }
 
 fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {

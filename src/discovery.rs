@@ -1,0 +1,280 @@
+//! Which workload kinds are watched: the native StatefulSet always; Kruise's Advanced
+//! StatefulSet and the configured custom kinds once their CustomResourceDefinition is
+//! established, including CRDs that appear (or a configuration that changes) after start.
+//! Also reads the custom-workload configuration file and re-reads it when it changes.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::ApiResource;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::Caches;
+use crate::workload::{CustomKinds, GroupKind};
+
+/// Parses `GROUP/KIND` (the group may contain dots and must not be empty).
+pub fn parse_group_kind(s: &str) -> Result<GroupKind, String> {
+    let (group, kind) = s
+        .trim()
+        .rsplit_once('/')
+        .ok_or_else(|| format!("{s:?} is not GROUP/KIND"))?;
+    if group.is_empty() || kind.is_empty() {
+        return Err(format!("{s:?} is not GROUP/KIND"));
+    }
+    Ok(GroupKind::new(group, kind))
+}
+
+/// The custom-workload configuration file: `customWorkloads: [GROUP/KIND, ...]` (YAML or JSON).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    custom_workloads: Vec<String>,
+}
+
+/// Parses the configuration file's text.
+pub fn parse_config(text: &str) -> Result<BTreeSet<GroupKind>, String> {
+    if text.trim().is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    let file: ConfigFile = serde_yaml_ng::from_str(text).map_err(|e| e.to_string())?;
+    file.custom_workloads
+        .iter()
+        .map(|s| parse_group_kind(s))
+        .collect()
+}
+
+/// The resource to watch for an established CRD of `kind`: its storage version if served,
+/// else its first served version.
+pub fn crd_resource(crd: &CustomResourceDefinition) -> Option<ApiResource> {
+    let established = crd
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        });
+    if !established {
+        return None;
+    }
+    let spec = &crd.spec;
+    let version = spec
+        .versions
+        .iter()
+        .find(|v| v.storage && v.served)
+        .or_else(|| spec.versions.iter().find(|v| v.served))?;
+    Some(ApiResource {
+        group: spec.group.clone(),
+        version: version.name.clone(),
+        api_version: format!("{}/{}", spec.group, version.name),
+        kind: spec.names.kind.clone(),
+        plural: spec.names.plural.clone(),
+    })
+}
+
+/// Keeps the watched workload kinds in line with the established CRDs and the handled kinds
+/// (Kruise's StatefulSet and `custom`), until `shutdown`. `config_changed` fires when the
+/// custom kinds change.
+pub async fn run(
+    client: Client,
+    caches: Arc<Caches>,
+    custom: Arc<CustomKinds>,
+    mut config_changed: watch::Receiver<u64>,
+    shutdown: CancellationToken,
+) {
+    let api: Api<CustomResourceDefinition> = Api::all(client);
+    // Schemas can be large and are not needed.
+    let events = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .modify(|crd: &mut CustomResourceDefinition| {
+            crd.metadata.managed_fields = None;
+            for v in &mut crd.spec.versions {
+                v.schema = None;
+            }
+        });
+    futures::pin_mut!(events);
+    let mut known: HashMap<String, (GroupKind, ApiResource)> = HashMap::new();
+    let mut relist: Option<HashMap<String, (GroupKind, ApiResource)>> = None;
+    loop {
+        tokio::select! {
+            event = events.try_next() => match event {
+                Ok(Some(watcher::Event::Apply(crd))) => {
+                    known.remove(&crd.name_any());
+                    if let Some(ar) = crd_resource(&crd) {
+                        known.insert(crd.name_any(), (GroupKind::new(&ar.group, &ar.kind), ar));
+                    }
+                }
+                Ok(Some(watcher::Event::Delete(crd))) => {
+                    known.remove(&crd.name_any());
+                }
+                Ok(Some(watcher::Event::Init)) => relist = Some(HashMap::new()),
+                Ok(Some(watcher::Event::InitApply(crd))) => {
+                    if let Some(ar) = crd_resource(&crd) {
+                        relist.get_or_insert_with(HashMap::new)
+                            .insert(crd.name_any(), (GroupKind::new(&ar.group, &ar.kind), ar));
+                    }
+                }
+                Ok(Some(watcher::Event::InitDone)) => known = relist.take().unwrap_or_default(),
+                Ok(None) => return,
+                Err(error) => {
+                    tracing::warn!(%error, "CustomResourceDefinition watch failed; retrying");
+                    continue;
+                }
+            },
+            changed = config_changed.changed() => if changed.is_err() { return },
+            () = shutdown.cancelled() => return,
+        }
+        if relist.is_some() {
+            continue;
+        }
+        reconcile_kinds(&caches, &custom, &known);
+    }
+}
+
+fn reconcile_kinds(
+    caches: &Arc<Caches>,
+    custom: &CustomKinds,
+    known: &HashMap<String, (GroupKind, ApiResource)>,
+) {
+    let wanted: HashMap<&GroupKind, &ApiResource> = known
+        .values()
+        .filter(|(kind, _)| custom.handles(kind))
+        .map(|(kind, ar)| (kind, ar))
+        .collect();
+    for (kind, ar) in &wanted {
+        if !(kind.group == "apps" && kind.kind == "StatefulSet") {
+            caches.add_workload_kind((*ar).clone());
+        }
+    }
+    for (kind, _) in caches.workload_kinds() {
+        let native = kind == GroupKind::native_statefulset();
+        if !native && !wanted.contains_key(&kind) {
+            caches.remove_workload_kind(&kind);
+        }
+    }
+}
+
+/// Keeps `custom` equal to `flags` plus the kinds listed in `file`, re-reading the file when it
+/// changes (checked every 2 seconds; a ConfigMap volume's symlink swap counts). A file that
+/// does not parse keeps the previous kinds. Each change bumps `changed`.
+pub async fn watch_config(
+    file: Option<PathBuf>,
+    flags: BTreeSet<GroupKind>,
+    custom: Arc<CustomKinds>,
+    changed: watch::Sender<u64>,
+    shutdown: CancellationToken,
+) {
+    let Some(path) = file else {
+        return;
+    };
+    let mut last: Option<(Option<std::time::SystemTime>, u64, Result<String, String>)> = None;
+    loop {
+        {
+            let meta = std::fs::metadata(&path).ok();
+            let stamp = (
+                meta.as_ref().and_then(|m| m.modified().ok()),
+                meta.as_ref().map_or(0, |m| m.len()),
+            );
+            let content = std::fs::read_to_string(&path).map_err(|e| e.to_string());
+            let same = last
+                .as_ref()
+                .is_some_and(|(m, l, c)| (*m, *l) == stamp && *c == content);
+            if !same {
+                let kinds = content.clone().and_then(|text| parse_config(&text));
+                match kinds {
+                    Ok(kinds) => {
+                        let all: BTreeSet<GroupKind> = flags.iter().cloned().chain(kinds).collect();
+                        let added = custom.replace(all.clone());
+                        tracing::info!(file = %path.display(), kinds = ?all, added = ?added, "custom workload kinds loaded");
+                        changed.send_modify(|n| *n += 1);
+                    }
+                    Err(error) => {
+                        tracing::warn!(file = %path.display(), %error, "custom workload configuration not usable; keeping the previous kinds")
+                    }
+                }
+                last = Some((stamp.0, stamp.1, content));
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn group_kinds_parse() {
+        assert_eq!(
+            parse_group_kind("apps.kruise.io/StatefulSet"),
+            Ok(GroupKind::new("apps.kruise.io", "StatefulSet"))
+        );
+        assert_eq!(
+            parse_group_kind(" example.com/Ring "),
+            Ok(GroupKind::new("example.com", "Ring"))
+        );
+        for bad in ["", "Ring", "/Ring", "example.com/", "a/b/"] {
+            assert!(parse_group_kind(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_config_file_lists_kinds_and_bad_files_are_errors() {
+        let kinds =
+            parse_config("customWorkloads:\n- example.com/Ring\n- db.example.com/Cluster\n")
+                .expect("parses");
+        assert_eq!(kinds.len(), 2);
+        assert!(kinds.contains(&GroupKind::new("example.com", "Ring")));
+        assert_eq!(parse_config("").map(|k| k.len()), Ok(0));
+        assert!(parse_config("customWorkloads: [Ring]").is_err());
+        assert!(parse_config("somethingElse: []").is_err());
+        assert!(parse_config("{{{").is_err());
+    }
+
+    fn crd(established: bool, versions: serde_json::Value) -> CustomResourceDefinition {
+        serde_json::from_value(json!({
+            "metadata": {"name": "statefulsets.apps.kruise.io"},
+            "spec": {"group": "apps.kruise.io", "scope": "Namespaced",
+                     "names": {"kind": "StatefulSet", "plural": "statefulsets"},
+                     "versions": versions},
+            "status": {"conditions": [{"type": "Established", "status": if established {"True"} else {"False"}}],
+                       "acceptedNames": {"kind": "StatefulSet", "plural": "statefulsets"}, "storedVersions": []}
+        }))
+        .expect("crd")
+    }
+
+    #[test]
+    fn watches_the_served_storage_version_of_established_crds() {
+        let versions = json!([
+            {"name": "v1alpha1", "served": true, "storage": false},
+            {"name": "v1beta1", "served": true, "storage": true}
+        ]);
+        let ar = crd_resource(&crd(true, versions.clone())).expect("established");
+        assert_eq!(
+            (ar.api_version.as_str(), ar.plural.as_str()),
+            ("apps.kruise.io/v1beta1", "statefulsets")
+        );
+        assert!(crd_resource(&crd(false, versions)).is_none());
+        let unserved_storage = json!([
+            {"name": "v1alpha1", "served": true, "storage": false},
+            {"name": "v1beta1", "served": false, "storage": true}
+        ]);
+        assert_eq!(
+            crd_resource(&crd(true, unserved_storage)).map(|a| a.version),
+            Some("v1alpha1".into())
+        );
+    }
+}
