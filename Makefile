@@ -1,10 +1,10 @@
 # The two commands: `make run` (the main job) and `make test` (every test, e2e included).
-.PHONY: run test lint unit e2e manifests
+.PHONY: run test lint unit bench e2e manifests
 
 run:
 	bash e2e/local.sh
 
-test: lint unit e2e
+test: lint unit bench e2e
 
 lint:
 	cargo fmt --all -- --check
@@ -12,6 +12,9 @@ lint:
 
 unit:
 	cargo test --locked
+
+bench:
+	cargo bench --locked --bench admission
 
 e2e:
 	bash e2e/run.sh

@@ -704,7 +704,7 @@ mod tests {
     }
 
     #[test]
-    fn index_follows_applies_moves_deletes_and_relists() {
+    fn upstream_bug_11_lookups_use_an_index_that_follows_applies_moves_deletes_and_relists() {
         let index = Index::new(pod_owner);
         index.apply(&watcher::Event::Apply(pod("a-0", Some("a"))));
         index.apply(&watcher::Event::Apply(pod("a-1", Some("a"))));
@@ -741,7 +741,7 @@ mod tests {
     }
 
     #[test]
-    fn node_label_index_answers_joint_matches_and_reports_changes() {
+    fn upstream_bug_12_node_label_changes_are_noticed_and_joint_matches_answered() {
         let index = NodeLabelIndex::default();
         assert!(index.apply(&watcher::Event::Apply(node(
             "n1",
@@ -783,6 +783,39 @@ mod tests {
         assert!(index.apply(&watcher::Event::InitDone));
         assert!(!index.any_node_with(&labels(&[("host", "n1")])));
         assert!(index.any_node_with(&labels(&[("host", "n3")])));
+    }
+
+    #[tokio::test]
+    async fn upstream_bug_4_deleting_a_native_statefulset_reconciles_its_pps() {
+        use futures::StreamExt;
+        let (mock, _api_server) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let caches = Caches::start(&Client::new(mock, "default"));
+        let mut requests = caches.triggers.subscribe_pps();
+        let pps: PersistentPodState = serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
+        }))
+        .expect("pps");
+        caches.on_pps_event(&watcher::Event::Apply(pps));
+        let web = ObjectRef::<PersistentPodState>::new("web").within("ns");
+        assert_eq!(requests.next().await, Some(web.clone()), "the PPS itself");
+        let sts: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "web", "namespace": "ns"}
+        }))
+        .expect("sts");
+        caches.on_workload_event(
+            &GroupKind::native_statefulset(),
+            &watcher::Event::Delete(sts),
+        );
+        assert_eq!(
+            requests.next().await,
+            Some(web),
+            "the PPS of the deleted StatefulSet"
+        );
     }
 
     #[test]

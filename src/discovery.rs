@@ -244,6 +244,44 @@ mod tests {
         assert!(parse_config("{{{").is_err());
     }
 
+    #[tokio::test]
+    async fn upstream_bug_9_custom_kinds_are_reloaded_without_restart() {
+        let path = std::env::temp_dir().join(format!("pps-custom-{}.yaml", std::process::id()));
+        std::fs::write(&path, "customWorkloads: [example.com/Ring]\n").expect("write");
+        let flag = GroupKind::new("flag.example.com", "Set");
+        let custom = Arc::new(CustomKinds::new([flag.clone()]));
+        let (tx, mut rx) = watch::channel(0);
+        let shutdown = CancellationToken::new();
+        tokio::spawn(watch_config(
+            Some(path.clone()),
+            [flag.clone()].into(),
+            custom.clone(),
+            tx,
+            shutdown.clone(),
+        ));
+        let deadline = Duration::from_secs(10);
+        tokio::time::timeout(deadline, rx.changed())
+            .await
+            .expect("loaded")
+            .expect("sender alive");
+        assert!(custom.contains(&GroupKind::new("example.com", "Ring")) && custom.contains(&flag));
+
+        std::fs::write(
+            &path,
+            "customWorkloads: [example.com/Other, example.com/More]\n",
+        )
+        .expect("rewrite");
+        tokio::time::timeout(deadline, rx.changed())
+            .await
+            .expect("reloaded")
+            .expect("sender alive");
+        assert!(custom.contains(&GroupKind::new("example.com", "Other")));
+        assert!(!custom.contains(&GroupKind::new("example.com", "Ring")));
+        assert!(custom.contains(&flag), "flags stay");
+        shutdown.cancel();
+        std::fs::remove_file(&path).ok();
+    }
+
     fn crd(established: bool, versions: serde_json::Value) -> CustomResourceDefinition {
         serde_json::from_value(json!({
             "metadata": {"name": "statefulsets.apps.kruise.io"},

@@ -261,6 +261,13 @@ mod tests {
     }
 
     #[test]
+    fn upstream_bug_6_ordinals_start_is_honoured_for_native_statefulsets() {
+        let w = workload(json!({"replicas": 3, "ordinals": {"start": 10}}));
+        let live: Vec<i32> = (0..20).filter(|o| w.is_live(*o)).collect();
+        assert_eq!(live, vec![10, 11, 12]);
+    }
+
+    #[test]
     fn reads_uid_and_deletion() {
         let w = workload(json!({"replicas": 2}));
         assert_eq!(w.uid, "u1");

@@ -266,6 +266,41 @@ mod tests {
     }
 
     #[test]
+    fn upstream_bug_7_weights_outside_1_to_100_are_rejected() {
+        for w in [0, -1, 101, 1000] {
+            let bad = with(
+                json!({"spec": {"preferredPersistentTopology": [{"weight": w, "preference": {"keys": ["a"]}}]}}),
+            );
+            assert!(
+                check(&bad, None, &[]).iter().any(|e| e.contains("weight")),
+                "{w}"
+            );
+        }
+        for w in [1, 100] {
+            let ok = with(
+                json!({"spec": {"preferredPersistentTopology": [{"weight": w, "preference": {"keys": ["a"]}}]}}),
+            );
+            assert!(check(&ok, None, &[]).is_empty(), "{w}");
+        }
+    }
+
+    #[test]
+    fn upstream_bug_8_empty_key_lists_and_malformed_keys_are_rejected() {
+        let cases = [
+            json!({"spec": {"requiredPersistentTopology": {"keys": []}}}),
+            json!({"spec": {"requiredPersistentTopology": {"keys": ["a b"]}}}),
+            json!({"spec": {"preferredPersistentTopology": [{"weight": 1, "preference": {"keys": []}}]}}),
+            json!({"spec": {"persistentPodAnnotations": [{"key": "/x"}]}}),
+        ];
+        for patch in cases {
+            assert!(
+                !check(&with(patch.clone()), None, &[]).is_empty(),
+                "{patch}"
+            );
+        }
+    }
+
+    #[test]
     fn a_valid_object_passes() {
         assert!(check(&valid(), None, &[]).is_empty());
         assert!(check(&valid(), Some(&valid()), &[]).is_empty());

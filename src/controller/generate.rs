@@ -112,6 +112,23 @@ mod tests {
     }
 
     #[test]
+    fn upstream_bug_3_changing_persistent_pod_annotations_changes_the_wanted_spec() {
+        let mut a = ann(&[
+            (AUTO_GENERATE_ANNOTATION, "true"),
+            (PREFERRED_TOPOLOGY_ANNOTATION, "kubernetes.io/hostname"),
+            (PERSISTENT_ANNOTATIONS_ANNOTATION, "a"),
+        ]);
+        let before = desired_spec("apps/v1", "StatefulSet", "web", &a);
+        a.insert(PERSISTENT_ANNOTATIONS_ANNOTATION.into(), "a,b".into());
+        let after = desired_spec("apps/v1", "StatefulSet", "web", &a);
+        assert_ne!(
+            before, after,
+            "the generator sees a different spec and updates the PPS"
+        );
+        assert_eq!(after.map(|s| s.persistent_pod_annotations.len()), Some(2));
+    }
+
+    #[test]
     fn builds_the_spec_from_comma_lists() {
         let a = ann(&[
             (AUTO_GENERATE_ANNOTATION, "true"),
@@ -141,7 +158,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_controller_reference_with_the_uid_marks_a_generated_object() {
+    fn upstream_bug_5_only_a_pps_generated_for_the_workload_counts_as_generated() {
         let owner = |uid: &str, controller: Option<bool>| OwnerReference {
             api_version: "apps/v1".into(),
             kind: "StatefulSet".into(),

@@ -363,6 +363,50 @@ mod tests {
     }
 
     #[test]
+    fn upstream_bug_2_an_unchanged_state_with_persisted_annotations_writes_nothing() {
+        let pods = [pod("web-0", Some("node-1"), true, "u1")];
+        let refs: Vec<&Pod> = pods.iter().collect();
+        let exists = |_: &str| true;
+        let observed = Observed {
+            target: live(1),
+            pods: &refs,
+            pod_exists: &exists,
+            node_labels: &nodes,
+        };
+        let first = desired_status(&spec(None), 1, None, &observed);
+        assert_eq!(
+            first.pod_states["web-0"].annotations.len(),
+            1,
+            "an annotation is persisted"
+        );
+        let again = desired_status(&spec(None), 1, Some(&first), &observed);
+        let (old, new) = (
+            serde_json::to_value(&first).expect("json"),
+            serde_json::to_value(&again).expect("json"),
+        );
+        assert_eq!(merge_patch(&old, &new), None, "nothing to write");
+    }
+
+    #[test]
+    fn upstream_bug_6_ordinals_start_decides_which_states_are_pruned() {
+        let start_at_3 = Target::Live(WorkloadInfo {
+            uid: "u1".into(),
+            replicas: 2,
+            ordinal_start: 3,
+            ..WorkloadInfo::default()
+        });
+        let current = [
+            ("web-0", "node-1"),
+            ("web-3", "node-1"),
+            ("web-4", "node-2"),
+        ];
+        assert_eq!(
+            run(None, start_at_3, &current, &[], &[]),
+            expect(&[("web-3", "node-1"), ("web-4", "node-2")])
+        );
+    }
+
+    #[test]
     fn when_deleted_keeps_states_until_the_workload_is_gone() {
         let current = [
             ("web-0", "node-1"),
@@ -404,7 +448,7 @@ mod tests {
     }
 
     #[test]
-    fn merge_patch_sends_only_changes() {
+    fn upstream_bug_11_the_status_is_written_as_a_patch_of_what_changed_only() {
         let cases = [
             (json!({"a": 1}), json!({"a": 1}), None),
             (json!(null), json!({"a": 1}), Some(json!({"a": 1}))),

@@ -427,7 +427,7 @@ mod tests {
     }
 
     #[test]
-    fn out_of_range_weights_are_clamped_so_the_pod_stays_valid() {
+    fn upstream_bug_7_out_of_range_weights_are_clamped_so_the_pod_stays_valid() {
         let (p, raw) = bare_pod();
         let s = spec(&[], &[(0, &[HOST]), (500, &[ZONE])], &[]);
         let inj = injection_for(
@@ -470,7 +470,7 @@ mod tests {
     }
 
     #[test]
-    fn required_values_no_node_has_are_not_injected_but_preferred_still_is() {
+    fn upstream_bug_10_required_values_no_node_has_are_not_injected_but_preferred_still_is() {
         let (p, raw) = bare_pod();
         let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
         let gone = |_: &BTreeMap<String, String>| false;
@@ -495,6 +495,22 @@ mod tests {
             Some([(ZONE.to_string(), "z-gone".to_string())].into())
         );
         assert_eq!(inj.required, 0);
+    }
+
+    #[test]
+    fn upstream_bug_1_persisted_annotations_are_reinjected_even_without_topology() {
+        let (p, raw) = bare_pod();
+        let s = spec(&[], &[], &["example.com/slot"]);
+        let inj = injection_for(
+            &p,
+            "web",
+            &s,
+            &state(&[], &[("example.com/slot", "s1")]),
+            &anywhere,
+        );
+        let out = apply(&raw, &inj);
+        assert_eq!(out["metadata"]["annotations"]["example.com/slot"], "s1");
+        assert_eq!(inj.annotations, 1);
     }
 
     #[test]
