@@ -1,10 +1,10 @@
 # The two commands: `make run` (the main job) and `make test` (every test, e2e included).
-.PHONY: run test lint unit bench e2e manifests
+.PHONY: run test lint unit bench image e2e manifests
 
 run:
 	bash e2e/local.sh
 
-test: lint unit bench e2e
+test: lint unit bench image e2e
 
 lint:
 	cargo fmt --all -- --check
@@ -16,8 +16,11 @@ unit:
 bench:
 	cargo bench --locked --bench admission
 
+image:
+	bash e2e/check-image.sh
+
 e2e:
 	bash e2e/run.sh
 
 manifests:
-	cargo run --locked -q -- crd > manifests/crd.yaml
+	cargo run --locked -q -- crd > manifests/base/crd.yaml

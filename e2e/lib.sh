@@ -161,9 +161,17 @@ install_crd() {
   kubectl wait --for condition=established --timeout=60s crd/persistentpodstates.apps.kruise.io >/dev/null
 }
 
-# webhook_certs: a CA and serving certificate for WEBHOOK_HOST in $CLUSTER_DIR/webhook-certs.
+# webhook_certs: a CA and serving certificate for WEBHOOK_HOST in $CLUSTER_DIR/webhook-certs,
+# and the serving pair laid out as Kubernetes mounts a Secret volume in $CLUSTER_DIR/webhook-tls
+# (tls.crt -> ..data/tls.crt, ..data -> ..<version>), so a rotation can swap ..data.
 webhook_certs() {
   "$PPS_BIN" certs --out-dir "$CLUSTER_DIR/webhook-certs" --host "${WEBHOOK_HOST:-127.0.0.1}" --host localhost 2>/dev/null
+  local vol="$CLUSTER_DIR/webhook-tls"
+  mkdir -p "$vol/..v1"
+  cp "$CLUSTER_DIR/webhook-certs/tls.crt" "$CLUSTER_DIR/webhook-certs/tls.key" "$vol/..v1/"
+  ln -sfn ..v1 "$vol/..data"
+  ln -sfn ..data/tls.crt "$vol/tls.crt"
+  ln -sfn ..data/tls.key "$vol/tls.key"
 }
 
 # serve_replica NAME WEBHOOK_PORT PROBE_PORT: one `serve` replica in the background, until ready.
@@ -171,7 +179,7 @@ serve_replica() {
   log "starting persistent-pod-state replica $1 (webhook 127.0.0.1:$2, probes 127.0.0.1:$3)"
   start_bg "persistent-pod-state-$1" env \
     PPS_LISTEN="127.0.0.1:$2" PPS_PROBE_LISTEN="127.0.0.1:$3" \
-    PPS_TLS_CERT="$CLUSTER_DIR/webhook-certs/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-certs/tls.key" \
+    PPS_TLS_CERT="$CLUSTER_DIR/webhook-tls/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-tls/tls.key" \
     PPS_SHUTDOWN_DELAY_SECONDS=0 PPS_LEADER_IDENTITY="e2e-$1" PPS_LEASE_NAMESPACE=default \
     PPS_CUSTOM_WORKLOAD_CONFIG="$CLUSTER_DIR/custom-workloads.yaml" \
     PPS_LEASE_DURATION_SECONDS="${LEASE_DURATION:-8}" PPS_LEASE_GRACE_SECONDS="${LEASE_GRACE:-3}" \

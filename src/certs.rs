@@ -1,4 +1,7 @@
-//! Self-signed serving certificates for the webhook (`certs` subcommand), made with rcgen.
+//! Serving certificates for the webhook (`certs` subcommand), made with rcgen: a CA and a
+//! serving certificate signed by it. When the output directory already holds a CA (`ca.crt`
+//! and `ca.key`), it is kept and only the serving certificate is renewed, so a rotation needs
+//! no change to the caBundle that API servers trust.
 
 use std::fs;
 use std::io::Write;
@@ -8,7 +11,7 @@ use std::path::Path;
 use anyhow::Context;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 use time::{Duration, OffsetDateTime};
 
@@ -16,29 +19,60 @@ use time::{Duration, OffsetDateTime};
 pub struct CertBundle {
     /// The CA certificate (the webhook configurations' `caBundle`).
     pub ca_cert: String,
+    /// The CA's private key (kept to renew the serving certificate under the same CA).
+    pub ca_key: String,
     /// The serving certificate.
     pub tls_cert: String,
     /// The serving certificate's private key.
     pub tls_key: String,
 }
 
-/// Makes a fresh CA (valid 10 years) and a serving certificate (valid 1 year) for `hosts`,
-/// which may be DNS names or IP addresses.
-pub fn generate(hosts: &[String]) -> anyhow::Result<CertBundle> {
+/// An existing CA, PEM encoded.
+pub struct ExistingCa {
+    /// The CA certificate.
+    pub cert: String,
+    /// Its private key.
+    pub key: String,
+}
+
+fn name(common_name: &str) -> DistinguishedName {
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, common_name);
+    dn
+}
+
+/// Makes a serving certificate (valid 1 year) for `hosts` (DNS names or IP addresses), signed
+/// by `ca` if given, else by a fresh CA (valid 10 years).
+pub fn generate(hosts: &[String], ca: Option<&ExistingCa>) -> anyhow::Result<CertBundle> {
     anyhow::ensure!(!hosts.is_empty(), "at least one --host is needed");
     let now = OffsetDateTime::now_utc();
-
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.distinguished_name = name("persistent-pod-state CA");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    ca.not_before = now - Duration::hours(1);
-    ca.not_after = now + Duration::days(3650);
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate()?)?;
+    let (issuer, ca_cert, ca_key) = match ca {
+        Some(existing) => {
+            let key =
+                KeyPair::from_pem(&existing.key).context("ca.key is not a usable private key")?;
+            let issuer = Issuer::from_ca_cert_pem(&existing.cert, key)
+                .context("ca.crt is not a usable CA certificate")?;
+            (issuer, existing.cert.clone(), existing.key.clone())
+        }
+        None => {
+            let mut params = CertificateParams::new(Vec::<String>::new())?;
+            params.distinguished_name = name("persistent-pod-state CA");
+            params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+            params.key_usages = vec![
+                KeyUsagePurpose::KeyCertSign,
+                KeyUsagePurpose::CrlSign,
+                KeyUsagePurpose::DigitalSignature,
+            ];
+            params.not_before = now - Duration::hours(1);
+            params.not_after = now + Duration::days(3650);
+            let key = KeyPair::generate()?;
+            let key_pem = key.serialize_pem();
+            let certified = CertifiedIssuer::self_signed(params.clone(), key)?;
+            let cert_pem = certified.pem();
+            let issuer = Issuer::new(params, KeyPair::from_pem(&key_pem)?);
+            (issuer, cert_pem, key_pem)
+        }
+    };
 
     let mut serving = CertificateParams::new(hosts.to_vec())
         .with_context(|| format!("invalid --host in {hosts:?}"))?;
@@ -51,32 +85,40 @@ pub fn generate(hosts: &[String]) -> anyhow::Result<CertBundle> {
     serving.not_before = now - Duration::hours(1);
     serving.not_after = now + Duration::days(365);
     let key = KeyPair::generate()?;
-    let cert = serving.signed_by(&key, &ca)?;
+    let cert = serving.signed_by(&key, &issuer)?;
 
     Ok(CertBundle {
-        ca_cert: ca.pem(),
+        ca_cert,
+        ca_key,
         tls_cert: cert.pem(),
         tls_key: key.serialize_pem(),
     })
 }
 
-fn name(common_name: &str) -> DistinguishedName {
-    let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, common_name);
-    dn
+/// The CA kept in `dir` (`ca.crt` and `ca.key`), if both are there.
+pub fn existing_ca(dir: &Path) -> anyhow::Result<Option<ExistingCa>> {
+    let (cert, key) = (dir.join("ca.crt"), dir.join("ca.key"));
+    if !cert.exists() || !key.exists() {
+        return Ok(None);
+    }
+    Ok(Some(ExistingCa {
+        cert: fs::read_to_string(&cert).with_context(|| format!("reading {}", cert.display()))?,
+        key: fs::read_to_string(&key).with_context(|| format!("reading {}", key.display()))?,
+    }))
 }
 
-/// Writes `ca.crt`, `tls.crt` and `tls.key` (mode 0600) into `dir`, creating it if needed.
+/// Writes `ca.crt`, `ca.key` (0600), `tls.crt` and `tls.key` (0600) into `dir`, creating it if
+/// needed. Each file is written beside and renamed into place, so a reader never sees half.
 pub fn write(bundle: &CertBundle, dir: &Path) -> anyhow::Result<()> {
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let files = [
         ("ca.crt", &bundle.ca_cert, 0o644),
+        ("ca.key", &bundle.ca_key, 0o600),
         ("tls.crt", &bundle.tls_cert, 0o644),
         ("tls.key", &bundle.tls_key, 0o600),
     ];
     for (file, content, mode) in files {
         let path = dir.join(file);
-        // Write a sibling and rename it, so a server reading the directory never sees half a file.
         let tmp = dir.join(format!(".{file}.tmp"));
         let mut f = fs::OpenOptions::new()
             .write(true)
@@ -98,16 +140,33 @@ mod tests {
 
     #[test]
     fn generates_a_chain_for_names_and_ips() {
-        let b = generate(&["webhook.svc".into(), "127.0.0.1".into()]).expect("generated");
+        let b = generate(&["webhook.svc".into(), "127.0.0.1".into()], None).expect("generated");
         for pem in [&b.ca_cert, &b.tls_cert] {
             assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"));
         }
-        assert!(b.tls_key.contains("PRIVATE KEY"));
+        assert!(b.tls_key.contains("PRIVATE KEY") && b.ca_key.contains("PRIVATE KEY"));
         assert_ne!(b.ca_cert, b.tls_cert);
     }
 
     #[test]
+    fn renewal_keeps_the_ca() {
+        let first = generate(&["a.svc".into()], None).expect("first");
+        let ca = ExistingCa {
+            cert: first.ca_cert.clone(),
+            key: first.ca_key.clone(),
+        };
+        let second = generate(&["a.svc".into()], Some(&ca)).expect("renewed");
+        assert_eq!(second.ca_cert, first.ca_cert);
+        assert_ne!(second.tls_cert, first.tls_cert);
+        let garbage = ExistingCa {
+            cert: "x".into(),
+            key: "y".into(),
+        };
+        assert!(generate(&["a.svc".into()], Some(&garbage)).is_err());
+    }
+
+    #[test]
     fn rejects_no_hosts() {
-        assert!(generate(&[]).is_err());
+        assert!(generate(&[], None).is_err());
     }
 }

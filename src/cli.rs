@@ -36,7 +36,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Print the PersistentPodState CustomResourceDefinition as YAML.
     Crd(CrdArgs),
-    /// Write a self-signed CA (ca.crt) and a serving certificate (tls.crt, tls.key).
+    /// Write a self-signed CA (ca.crt, ca.key) and a serving certificate (tls.crt, tls.key); with a
+    /// CA already in the directory, renew only the serving certificate under it.
     Certs(CertsArgs),
 }
 

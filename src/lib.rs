@@ -13,6 +13,7 @@ pub mod certs;
 pub mod cli;
 pub mod controller;
 pub mod discovery;
+pub mod events;
 pub mod leader;
 pub mod metrics;
 pub mod probes;

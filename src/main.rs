@@ -44,12 +44,15 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Certs(args) => {
-            let bundle = certs::generate(&args.hosts)?;
+            let ca = certs::existing_ca(&args.out_dir)?;
+            let what = if ca.is_some() {
+                "renewed tls.crt and tls.key under the existing CA"
+            } else {
+                "wrote a new CA and tls.crt, tls.key"
+            };
+            let bundle = certs::generate(&args.hosts, ca.as_ref())?;
             certs::write(&bundle, &args.out_dir)?;
-            eprintln!(
-                "wrote ca.crt, tls.crt and tls.key to {}",
-                args.out_dir.display()
-            );
+            eprintln!("{what} in {}", args.out_dir.display());
             Ok(())
         }
     }

@@ -109,6 +109,110 @@ snake_case_label!(SkipReason {
     NoPersistentPodState => "no_persistent_pod_state", NoState => "no_state",
 });
 
+/// The standard `process_*` metrics, read from `/proc/self` (Linux) at each scrape.
+#[derive(Default)]
+pub struct ProcessMetrics {
+    cpu_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    resident_memory_bytes: Gauge,
+    virtual_memory_bytes: Gauge,
+    open_fds: Gauge,
+    threads: Gauge,
+    start_time_seconds: Gauge,
+}
+
+/// Figures read from `/proc/self/stat` (clock ticks assumed at Linux's USER_HZ of 100).
+#[derive(Debug, PartialEq)]
+pub struct ProcStat {
+    /// User plus system CPU seconds.
+    pub cpu_seconds: f64,
+    /// Number of threads.
+    pub threads: i64,
+    /// Start time in seconds after boot.
+    pub start_after_boot_seconds: f64,
+    /// Virtual memory size in bytes.
+    pub virtual_bytes: i64,
+    /// Resident set size in pages.
+    pub resident_pages: i64,
+}
+
+/// Parses `/proc/<pid>/stat` (fields after the parenthesised command name).
+pub fn parse_proc_stat(text: &str) -> Option<ProcStat> {
+    const TICKS: f64 = 100.0;
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (state): field n is f[n - 3].
+    let num = |n: usize| f.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+    Some(ProcStat {
+        cpu_seconds: (num(14)? + num(15)?) / TICKS,
+        threads: num(20)? as i64,
+        start_after_boot_seconds: num(22)? / TICKS,
+        virtual_bytes: num(23)? as i64,
+        resident_pages: num(24)? as i64,
+    })
+}
+
+impl ProcessMetrics {
+    fn register(&self, root: &mut Registry) {
+        root.register(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            self.cpu_seconds.clone(),
+        );
+        root.register(
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes",
+            self.resident_memory_bytes.clone(),
+        );
+        root.register(
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes",
+            self.virtual_memory_bytes.clone(),
+        );
+        root.register(
+            "process_open_fds",
+            "Number of open file descriptors",
+            self.open_fds.clone(),
+        );
+        root.register(
+            "process_threads",
+            "Number of OS threads",
+            self.threads.clone(),
+        );
+        root.register(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds",
+            self.start_time_seconds.clone(),
+        );
+    }
+
+    /// Reads `/proc/self`; leaves the values as they were where it cannot.
+    pub fn refresh(&self) {
+        if let Some(stat) = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .as_deref()
+            .and_then(parse_proc_stat)
+        {
+            self.cpu_seconds.set(stat.cpu_seconds);
+            self.threads.set(stat.threads);
+            self.virtual_memory_bytes.set(stat.virtual_bytes);
+            self.resident_memory_bytes.set(stat.resident_pages * 4096);
+            let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|t| {
+                t.lines().find_map(|l| {
+                    l.strip_prefix("btime ")
+                        .and_then(|v| v.trim().parse::<f64>().ok())
+                })
+            });
+            if let Some(boot) = boot {
+                self.start_time_seconds
+                    .set((boot + stat.start_after_boot_seconds) as i64);
+            }
+        }
+        if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+            self.open_fds.set(fds.count() as i64);
+        }
+    }
+}
+
 /// Every metric of the process.
 pub struct Metrics {
     registry: Registry,
@@ -136,6 +240,14 @@ pub struct Metrics {
     pub reconcile_duration: Histogram,
     /// 1 while this replica holds the Lease and runs the controllers.
     pub leader: Gauge,
+    /// Process metrics (`process_*`), refreshed at each scrape.
+    pub process: ProcessMetrics,
+    /// Pods in the cache.
+    pub cached_pods: Gauge,
+    /// Nodes in the cache.
+    pub cached_nodes: Gauge,
+    /// Workloads in the cache, all kinds.
+    pub cached_workloads: Gauge,
     /// Objects in the PersistentPodState cache.
     pub cached_persistent_pod_states: Gauge,
 }
@@ -148,7 +260,8 @@ fn latency_histogram() -> Histogram {
 impl Metrics {
     /// Registers every metric under the `pps_` prefix.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("pps");
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("pps");
         let m = Self {
             admission_requests: Family::default(),
             admission_duration: Family::new_with_constructor(latency_histogram),
@@ -164,6 +277,10 @@ impl Metrics {
             cached_persistent_pod_states: Gauge::default(),
             leader: Gauge::default(),
             registry: Registry::default(),
+            process: ProcessMetrics::default(),
+            cached_pods: Gauge::default(),
+            cached_nodes: Gauge::default(),
+            cached_workloads: Gauge::default(),
         };
         registry.register(
             "admission_requests",
@@ -226,7 +343,18 @@ impl Metrics {
             "PersistentPodState objects in the cache",
             m.cached_persistent_pod_states.clone(),
         );
-        Self { registry, ..m }
+        registry.register("cached_pods", "Pods in the cache", m.cached_pods.clone());
+        registry.register("cached_nodes", "Nodes in the cache", m.cached_nodes.clone());
+        registry.register(
+            "cached_workloads",
+            "Workloads (all watched kinds) in the cache",
+            m.cached_workloads.clone(),
+        );
+        m.process.register(&mut root);
+        Self {
+            registry: root,
+            ..m
+        }
     }
 
     /// Counts one admission request and its latency since `start`.
@@ -275,6 +403,27 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn proc_stat_parses_including_names_with_spaces_and_parens() {
+        let line = "4242 (persistent (pod) state) S 1 2 3 4 5 6 7 8 9 10 250 150 0 0 20 0 12 0 5000 104857600 2560 rest";
+        let s = parse_proc_stat(line).expect("parses");
+        assert_eq!(s.cpu_seconds, 4.0);
+        assert_eq!(s.threads, 12);
+        assert_eq!(s.start_after_boot_seconds, 50.0);
+        assert_eq!((s.virtual_bytes, s.resident_pages), (104_857_600, 2560));
+        assert_eq!(parse_proc_stat("garbage"), None);
+    }
+
+    #[test]
+    fn process_metrics_are_exposed_without_prefix() {
+        let m = Metrics::new();
+        m.process.refresh();
+        let text = m.encode();
+        assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+        assert!(text.contains("\nprocess_open_fds "), "{text}");
+        assert!(text.contains("\npps_cached_pods 0\n"), "{text}");
     }
 
     #[test]

@@ -50,10 +50,18 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
 }
 
 async fn metrics(State(health): State<Arc<Health>>) -> Response {
-    health
-        .metrics
-        .cached_persistent_pod_states
-        .set(health.caches.pps.state().len() as i64);
+    let (m, c) = (&health.metrics, &health.caches);
+    m.cached_persistent_pod_states
+        .set(c.pps.state().len() as i64);
+    m.cached_pods.set(c.pods.state().len() as i64);
+    m.cached_nodes.set(c.nodes.state().len() as i64);
+    m.cached_workloads.set(
+        c.workload_kinds()
+            .iter()
+            .map(|(_, w)| w.store.state().len() as i64)
+            .sum(),
+    );
+    m.process.refresh();
     (
         [(
             header::CONTENT_TYPE,

@@ -16,6 +16,7 @@ use crate::cache::Caches;
 use crate::cli::ServeArgs;
 use crate::controller;
 use crate::discovery;
+use crate::events::Events;
 use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
@@ -62,7 +63,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         kinds_changed_rx,
         shutdown.clone(),
     ));
+    let events = Arc::new(Events::new(
+        client.clone(),
+        std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .ok(),
+        Duration::from_secs(30),
+    ));
     let webhook_app = webhook::router(Arc::new(WebhookState {
+        events: Some(events.clone()),
         caches: caches.clone(),
         metrics: metrics.clone(),
         custom_kinds: custom_kinds.clone(),
@@ -91,9 +100,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             client.clone(),
             caches.clone(),
             metrics.clone(),
-            std::env::var("POD_NAME")
-                .or_else(|_| std::env::var("HOSTNAME"))
-                .ok(),
+            events.clone(),
         ));
         let shutdown = shutdown.clone();
         let lease = args.leader_elect.then(|| LeaseConfig {

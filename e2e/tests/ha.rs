@@ -23,7 +23,7 @@ async fn holder(c: &Client) -> Option<String> {
 
 /// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it.
 fn restart(env: &Env, replica: &Replica) {
-    let certs = env.cluster_dir.join("webhook-certs");
+    let certs = env.cluster_dir.join("webhook-tls");
     let log = std::fs::File::create(env.cluster_dir.join(format!(
         "logs/persistent-pod-state-{}-restarted.log",
         replica.name

@@ -7,10 +7,13 @@
 //! cordon test changes what the scheduler may pick): each uses its own namespace.
 
 mod api;
+mod docs;
 mod ha;
 mod lifecycle;
+mod manifests;
 mod passthrough;
 mod placement;
+mod rotation;
 mod safety;
 mod server;
 mod support;

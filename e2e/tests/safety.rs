@@ -170,3 +170,61 @@ async fn node_label_changes_re_record_the_states() {
         .expect("unlabel");
     delete_namespace(c, &ns).await;
 }
+
+/// Issue 2.3 and 4.5: a nodeSelector the pod sets itself is never overridden: moving a
+/// StatefulSet to another zone by its template works even with a recorded required zone; the
+/// conflict is counted and an Event on the PPS says so.
+#[tokio::test]
+async fn a_pods_own_node_selector_wins_over_the_recorded_value() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-conflict").await;
+    let mut sts = statefulset(
+        "moving",
+        1,
+        &[
+            ("kruise.io/auto-generate-persistent-pod-state", "true"),
+            ("kruise.io/required-persistent-topology", ZONE),
+        ],
+    );
+    let spec = sts
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.spec.as_mut())
+        .expect("pod spec");
+    spec.node_selector = Some([(ZONE.to_string(), "zone-a".to_string())].into());
+    create_sts(c, &ns, &sts).await;
+    wait_sts_rolled(c, &ns, "moving", 1).await;
+    let placed = placements(c, &ns, &pod_names("moving", 1)).await;
+    wait_states(c, &ns, "moving", &placed).await;
+    let before = scrape(&env).await;
+
+    let to_b = json!({"spec": {"template": {"spec": {"nodeSelector": {ZONE: "zone-b"}}}}});
+    Api::<StatefulSet>::namespaced(c.clone(), &ns)
+        .patch("moving", &PatchParams::default(), &Patch::Merge(&to_b))
+        .await
+        .expect("move to zone-b");
+    wait_sts_rolled(c, &ns, "moving", 1).await;
+    let after = placements(c, &ns, &pod_names("moving", 1)).await;
+    assert_eq!(
+        node_labels(c, &after["moving-0"].node)
+            .await
+            .get(ZONE)
+            .map(String::as_str),
+        Some("zone-b")
+    );
+    let series = "pps_injection_conflicts_total";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    let events: Api<Event> = Api::namespaced(c.clone(), &ns);
+    wait_for("a NodeSelectorConflict Event", TIMEOUT, || async {
+        let list = events.list(&ListParams::default()).await.ok()?;
+        list.items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("NodeSelectorConflict"))
+    })
+    .await;
+    delete_namespace(c, &ns).await;
+}

@@ -384,3 +384,34 @@ pub async fn delete_namespace(client: &Client, name: &str) {
     })
     .await;
 }
+
+/// CRDs standing in for cert-manager's Certificate and Issuer (no cert-manager runs here), so
+/// the API server accepts the cert-manager overlay.
+pub async fn stub_cert_manager_crds(env: &Env) {
+    let api: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> = Api::all(env.client.clone());
+    for (kind, plural) in [("Certificate", "certificates"), ("Issuer", "issuers")] {
+        let crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition = serde_json::from_value(json!({
+            "metadata": {"name": format!("{plural}.cert-manager.io")},
+            "spec": {"group": "cert-manager.io", "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural},
+                "versions": [{"name": "v1", "served": true, "storage": true,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}
+        }))
+        .expect("crd");
+        match api.create(&PostParams::default(), &crd).await {
+            Ok(_) | Err(kube::Error::Api(_)) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    wait_for("cert-manager stub CRDs established", TIMEOUT, || async {
+        for name in ["certificates.cert-manager.io", "issuers.cert-manager.io"] {
+            let crd = api.get(name).await.ok()?;
+            crd.status?
+                .conditions?
+                .iter()
+                .find(|c| c.type_ == "Established" && c.status == "True")?;
+        }
+        Some(())
+    })
+    .await;
+}

@@ -176,7 +176,7 @@ pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomRes
 }
 
 /// The CustomResourceDefinition as YAML; with the default endpoint and no CA bundle it is what
-/// `manifests/crd.yaml` holds.
+/// `manifests/base/crd.yaml` holds.
 pub fn crd_yaml(
     endpoint: &ConversionEndpoint,
     ca_bundle: Option<&[u8]>,
@@ -190,11 +190,11 @@ mod tests {
 
     #[test]
     fn manifests_hold_the_generated_crd() {
-        let committed = include_str!("../../manifests/crd.yaml");
+        let committed = include_str!("../../manifests/base/crd.yaml");
         let generated = crd_yaml(&ConversionEndpoint::default(), None).expect("serializes");
         assert!(
             committed == generated,
-            "manifests/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
+            "manifests/base/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
         );
     }
 

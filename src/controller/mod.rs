@@ -16,16 +16,17 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::PersistentPodState;
 use crate::api::PersistentPodStateStatus;
 use crate::cache::{Caches, WorkloadLookup, pps_target};
+use crate::events::Events;
 use crate::metrics::Metrics;
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
 use record::{Observed, Target};
@@ -44,29 +45,25 @@ pub struct Context {
     pub caches: Arc<Caches>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Publishes Events on PersistentPodStates (repeats are folded into series).
-    pub recorder: Recorder,
+    /// Publishes Events on PersistentPodStates.
+    pub events: Arc<Events>,
     /// Unplaceable states already reported, by PersistentPodState.
     reported_unplaceable: Mutex<HashMap<ObjectRef<PersistentPodState>, BTreeSet<String>>>,
 }
 
 impl Context {
-    /// A context whose Events name `instance` as the reporting instance.
+    /// A controller context.
     pub fn new(
         client: Client,
         caches: Arc<Caches>,
         metrics: Arc<Metrics>,
-        instance: Option<String>,
+        events: Arc<Events>,
     ) -> Self {
-        let reporter = Reporter {
-            controller: FIELD_MANAGER.into(),
-            instance,
-        };
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
             client,
             caches,
             metrics,
+            events,
             reported_unplaceable: Mutex::default(),
         }
     }
@@ -206,12 +203,36 @@ async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Resul
             &Patch::Merge(json!({ "status": patch })),
         )
         .await?;
-        let (recorded, pruned) = count_changes(pps.status.as_ref(), &desired);
-        ctx.metrics.states_recorded.inc_by(recorded);
-        ctx.metrics.states_pruned.inc_by(pruned);
-        tracing::info!(pps = %pps.name_any(), %namespace, recorded, pruned, states = desired.pod_states.len(), "status updated");
+        let (recorded, pruned) = changes(pps.status.as_ref(), &desired);
+        ctx.metrics.states_recorded.inc_by(recorded.len() as u64);
+        ctx.metrics.states_pruned.inc_by(pruned.len() as u64);
+        tracing::info!(pps = %pps.name_any(), %namespace, recorded = recorded.len(), pruned = pruned.len(),
+            states = desired.pod_states.len(), "status updated");
+        if !recorded.is_empty() {
+            let placed: Vec<String> = recorded
+                .iter()
+                .map(|pod| {
+                    let node = desired
+                        .pod_states
+                        .get(pod)
+                        .and_then(|s| s.node_name.as_deref());
+                    format!("{pod} on {}", node.unwrap_or("?"))
+                })
+                .collect();
+            let note = format!("recorded {}", placed.join(", "));
+            ctx.events
+                .publish(&pps, EventType::Normal, "StatesRecorded", "Record", note);
+        }
+        if !pruned.is_empty() {
+            let note = format!(
+                "pruned {} (pods gone, ordinals no longer live)",
+                pruned.join(", ")
+            );
+            ctx.events
+                .publish(&pps, EventType::Normal, "StatesPruned", "Prune", note);
+        }
     }
-    report_unplaceable(&ctx, &pps, &desired).await;
+    report_unplaceable(&ctx, &pps, &desired);
     ctx.metrics
         .reconcile_duration
         .observe(start.elapsed().as_secs_f64());
@@ -220,11 +241,7 @@ async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Resul
 
 /// Publishes a Warning Event for each state that newly became unplaceable (its required node or
 /// zone is gone), and keeps the gauge of such states current.
-async fn report_unplaceable(
-    ctx: &Context,
-    pps: &PersistentPodState,
-    status: &PersistentPodStateStatus,
-) {
+fn report_unplaceable(ctx: &Context, pps: &PersistentPodState, status: &PersistentPodStateStatus) {
     let any_node_with =
         |labels: &BTreeMap<String, String>| ctx.caches.node_labels.any_node_with(labels);
     let unplaceable = record::unplaceable_states(&pps.spec, status, &any_node_with);
@@ -249,39 +266,39 @@ async fn report_unplaceable(
     };
     for (pod, values) in newly {
         let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "RequiredTopologyUnavailable".into(),
-            note: Some(format!(
-                "no node has {} recorded for pod {pod}: a re-created pod gets only the preferred placement",
-                wanted.join(",")
-            )),
-            action: "Inject".into(),
-            secondary: None,
-        };
-        if let Err(error) = ctx.recorder.publish(&event, &pps.object_ref(&())).await {
-            tracing::warn!(%error, pps = %pps.name_any(), "could not publish an Event");
-        }
+        let note = format!(
+            "no node has {} recorded for pod {pod}: a re-created pod gets only the preferred placement",
+            wanted.join(",")
+        );
+        ctx.events.publish(
+            pps,
+            EventType::Warning,
+            "RequiredTopologyUnavailable",
+            "Inject",
+            note,
+        );
     }
 }
 
-/// States added or changed, and states removed, from `old` to `new`.
-fn count_changes(
+/// Names of the states added or changed, and of the states removed, from `old` to `new`.
+fn changes(
     old: Option<&PersistentPodStateStatus>,
     new: &PersistentPodStateStatus,
-) -> (u64, u64) {
+) -> (Vec<String>, Vec<String>) {
     let empty = BTreeMap::new();
     let old = old.map_or(&empty, |s| &s.pod_states);
     let recorded = new
         .pod_states
         .iter()
         .filter(|(k, v)| old.get(*k) != Some(v))
-        .count();
+        .map(|(k, _)| k.clone())
+        .collect();
     let pruned = old
         .keys()
         .filter(|k| !new.pod_states.contains_key(*k))
-        .count();
-    (recorded as u64, pruned as u64)
+        .cloned()
+        .collect();
+    (recorded, pruned)
 }
 
 fn pps_error_policy(pps: Arc<PersistentPodState>, error: &Error, ctx: Arc<Context>) -> Action {

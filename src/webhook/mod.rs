@@ -16,6 +16,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::post;
 
 use crate::cache::Caches;
+use crate::events::Events;
 use crate::metrics::Metrics;
 use crate::workload::CustomKinds;
 
@@ -28,6 +29,8 @@ pub struct WebhookState {
     pub caches: Arc<Caches>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Publishes Events about conflicts and skipped injections (not for dry runs).
+    pub events: Option<Arc<Events>>,
     /// Configured custom StatefulSet-like kinds.
     pub custom_kinds: Arc<CustomKinds>,
 }

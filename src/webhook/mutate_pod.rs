@@ -7,16 +7,16 @@ use std::time::Instant;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
+use kube::runtime::events::EventType;
 use serde_json::Value;
 
 use super::WebhookState;
 use super::inject::injection_for;
-use super::review::{self, error_response};
+use super::review;
 use crate::metrics::{AdmissionResult, InjectionKind, InjectionLabels, SkipLabels, SkipReason};
 use crate::workload::pod_workload;
 
@@ -27,17 +27,9 @@ pub const PATH: &str = "/mutate-pod";
 pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, body: Bytes) -> Response {
     let start = Instant::now();
     let metrics = &state.metrics;
-    if !state.caches.is_synced() {
-        metrics.admission(PATH, AdmissionResult::Unavailable, start);
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet");
-    }
-    let parsed = match review::parse(&body) {
+    let parsed = match review::read_review(&state, PATH, start, &body) {
         Ok(p) => p,
-        Err(e) => {
-            tracing::warn!(error = %e, "rejected a malformed admission request");
-            metrics.admission(PATH, AdmissionResult::BadRequest, start);
-            return e.into_response();
-        }
+        Err(rejection) => return rejection.into_response(),
     };
     let (response, result) = decide(&state, &parsed.request, parsed.object);
     metrics.admission(PATH, result, start);
@@ -114,6 +106,36 @@ fn decide(
                 .get_or_create(&InjectionLabels { kind })
                 .inc_by(n as u64);
         }
+    }
+    // Events are side effects: a dry run gets the same answer but publishes nothing.
+    let events = state.events.as_ref().filter(|_| !req.dry_run);
+    if let (Some(events), Some(values)) = (events, &injection.unplaceable) {
+        let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let note = format!(
+            "pod {name}: no node has {}; injected only the preferred placement",
+            wanted.join(",")
+        );
+        events.publish(
+            &pps,
+            EventType::Warning,
+            "RequiredTopologySkipped",
+            "Inject",
+            note,
+        );
+    }
+    if let (Some(events), false) = (events, injection.conflicts.is_empty()) {
+        let keys: Vec<&str> = injection.conflicts.iter().map(|c| c.key.as_str()).collect();
+        let note = format!(
+            "pod {name} sets {} itself; the recorded value was not injected",
+            keys.join(",")
+        );
+        events.publish(
+            &pps,
+            EventType::Warning,
+            "NodeSelectorConflict",
+            "Inject",
+            note,
+        );
     }
     if let Some(values) = &injection.unplaceable {
         m.required_unplaceable.inc();

@@ -8,6 +8,10 @@ use axum::response::{IntoResponse, Response};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview};
 use serde_json::{Value, json};
+use std::time::Instant;
+
+use super::WebhookState;
+use crate::metrics::AdmissionResult;
 
 /// A parsed admission request, with its objects kept as raw JSON.
 pub struct ParsedReview {
@@ -47,6 +51,50 @@ pub fn error_response(status: StatusCode, message: &str) -> Response {
 fn take_object(review: &mut Value, field: &str) -> Option<Value> {
     let slot = review.get_mut("request")?.get_mut(field)?;
     Some(slot.take()).filter(|v| !v.is_null())
+}
+
+/// The common start of the admission handlers that answer from the caches: HTTP 503 before
+/// the caches have synced (so the API server's failurePolicy decides, rather than a silent
+/// "allowed"), HTTP 400 for a body that is not an AdmissionReview; both are counted.
+pub fn read_review(
+    state: &WebhookState,
+    path: &'static str,
+    start: Instant,
+    body: &[u8],
+) -> Result<ParsedReview, Rejection> {
+    if !state.caches.is_synced() {
+        state
+            .metrics
+            .admission(path, AdmissionResult::Unavailable, start);
+        return Err(Rejection::NotSynced);
+    }
+    parse(body).map_err(|e| {
+        tracing::warn!(error = %e, path, "rejected a malformed admission request");
+        state
+            .metrics
+            .admission(path, AdmissionResult::BadRequest, start);
+        Rejection::Malformed(e)
+    })
+}
+
+/// A request answered without a review: caches not synced (503) or a bad body (400).
+#[derive(Debug)]
+pub enum Rejection {
+    /// The caches have not synced yet.
+    NotSynced,
+    /// The body is not an AdmissionReview.
+    Malformed(ReviewError),
+}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        match self {
+            Self::NotSynced => {
+                error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
+            }
+            Self::Malformed(e) => e.into_response(),
+        }
+    }
 }
 
 /// Parses a request body as an AdmissionReview.

@@ -152,13 +152,21 @@ mod tests {
     #[test]
     fn reloads_changed_files_and_keeps_the_old_pair_on_garbage() {
         let dir = std::env::temp_dir().join(format!("pps-tls-{}", std::process::id()));
-        certs::write(&certs::generate(&["a.example".into()]).expect("gen"), &dir).expect("write");
+        certs::write(
+            &certs::generate(&["a.example".into()], None).expect("gen"),
+            &dir,
+        )
+        .expect("write");
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let r =
             ReloadingCert::new(dir.join("tls.crt"), dir.join("tls.key"), provider).expect("loads");
         let first = r.current().cert[0].clone();
 
-        certs::write(&certs::generate(&["b.example".into()]).expect("gen"), &dir).expect("write");
+        certs::write(
+            &certs::generate(&["b.example".into()], None).expect("gen"),
+            &dir,
+        )
+        .expect("write");
         r.loaded.lock().expect("lock").checked -= RECHECK;
         let second = r.current().cert[0].clone();
         assert_ne!(first, second, "new pair served");

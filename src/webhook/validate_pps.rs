@@ -7,14 +7,13 @@ use std::time::Instant;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kube::core::admission::{AdmissionResponse, Operation};
 use kube::core::response::Status;
 use serde_json::Value;
 
 use super::WebhookState;
-use super::review::{self, error_response};
+use super::review;
 use crate::api::validation::{Context, validate};
 use crate::api::{KRUISE_GROUP, api_group};
 use crate::metrics::AdmissionResult;
@@ -27,18 +26,10 @@ pub const PATH: &str = "/validate-persistentpodstate";
 pub async fn validate_pps(State(state): State<Arc<WebhookState>>, body: Bytes) -> Response {
     let start = Instant::now();
     let metrics = &state.metrics;
-    if !state.caches.is_synced() {
-        // Uniqueness is checked against the cache: without it, let failurePolicy decide.
-        metrics.admission(PATH, AdmissionResult::Unavailable, start);
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet");
-    }
-    let parsed = match review::parse(&body) {
+    // Uniqueness is checked against the cache: before it synced, failurePolicy decides.
+    let parsed = match review::read_review(&state, PATH, start, &body) {
         Ok(p) => p,
-        Err(e) => {
-            tracing::warn!(error = %e, "rejected a malformed admission request");
-            metrics.admission(PATH, AdmissionResult::BadRequest, start);
-            return e.into_response();
-        }
+        Err(rejection) => return rejection.into_response(),
     };
     let req = &parsed.request;
     let response = AdmissionResponse::from(req);

@@ -1,0 +1,18 @@
+# Multi-stage build of persistent-pod-state: a release binary built with the locked
+# dependencies, in a minimal image that runs as a non-root user.
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+# The manifest names every target (benches, e2e tools), so their sources come along.
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+COPY benches ./benches
+COPY e2e ./e2e
+RUN cargo build --release --locked --bin persistent-pod-state
+
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /src/target/release/persistent-pod-state /usr/local/bin/persistent-pod-state
+USER 65532:65532
+# 9443: admission webhooks (HTTPS); 8080: /healthz, /readyz, /metrics.
+EXPOSE 9443 8080
+ENTRYPOINT ["/usr/local/bin/persistent-pod-state"]
+CMD ["serve", "--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# No container engine runs here: build the release binary exactly as the Dockerfile does, check
+# that it runs, and check the Dockerfile's structure (multi-stage, locked release build, a
+# minimal non-root final image, sources it copies exist, .dockerignore keeps target/ out).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+fail() { echo "check-image: $*" >&2; exit 1; }
+
+build_cmd=$(sed -n 's/^RUN \(cargo build .*\)$/\1/p' Dockerfile)
+[[ $build_cmd == "cargo build --release --locked --bin persistent-pod-state" ]] || fail "unexpected build command: $build_cmd"
+$build_cmd
+./target/release/persistent-pod-state --version
+./target/release/persistent-pod-state crd | grep -q 'kind: CustomResourceDefinition' || fail "binary does not print the CRD"
+
+stages=$(grep -c '^FROM ' Dockerfile)
+(( stages >= 2 )) || fail "not multi-stage ($stages FROM lines)"
+final_from=$(grep '^FROM ' Dockerfile | tail -n1)
+[[ $final_from == *distroless* && $final_from == *nonroot* ]] || fail "final image is not a minimal non-root one: $final_from"
+user=$(awk '/^FROM /{u=""} /^USER /{u=$2} END{print u}' Dockerfile)
+[[ -n $user && $user != root && $user != 0 && ${user%%:*} != 0 ]] || fail "final stage does not run as non-root (USER '$user')"
+grep -q '^COPY --from=build /src/target/release/persistent-pod-state ' Dockerfile || fail "final stage does not copy the release binary"
+while read -r src; do
+  [[ -e $src ]] || fail "COPY source $src does not exist"
+done < <(awk '/^COPY / && !/--from/ {for (i = 2; i < NF; i++) print $i}' Dockerfile)
+grep -qx 'target/' .dockerignore || fail ".dockerignore does not exclude target/"
+echo "check-image: Dockerfile structure ok; release binary built with: $build_cmd"

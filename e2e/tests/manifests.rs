@@ -1,0 +1,300 @@
+//! The kustomize installation: every overlay renders, carries what an operator expects, and is
+//! accepted by the API server; the ServiceAccount's RBAC is enough to run the service.
+
+use std::path::Path;
+use std::process::Stdio;
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+
+use crate::support::*;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+async fn kubectl(env: &Env, args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    let mut child = tokio::process::Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
+        .current_dir(repo())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl runs");
+    let mut input = child.stdin.take().expect("stdin");
+    input
+        .write_all(stdin.unwrap_or_default().as_bytes())
+        .await
+        .expect("write stdin");
+    drop(input);
+    let out = child.wait_with_output().await.expect("kubectl ends");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `kubectl kustomize DIR` as a list of objects.
+async fn render(env: &Env, dir: &str) -> Vec<Value> {
+    let (ok, yaml) = kubectl(env, &["kustomize", dir], None).await;
+    assert!(ok, "kustomize {dir}: {yaml}");
+    serde_yaml_ng::Deserializer::from_str(&yaml)
+        .map(|doc| Value::deserialize(doc).expect("yaml document"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{kind} {name} rendered"))
+}
+
+/// Issue 4.1: base, self-signed, cert-manager and cert-manager-1.28 render; the first three are
+/// accepted by the API server (server-side dry run: applied for real, the webhook
+/// configurations would send this cluster's pods to a Service with no backend here).
+#[tokio::test]
+async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
+    let env = env().await;
+    let certs = repo().join("manifests/overlays/self-signed/certs");
+    let status = std::process::Command::new(&env.pps_bin)
+        .args([
+            "certs",
+            "--out-dir",
+            certs.to_str().expect("path"),
+            "--host",
+            "persistent-pod-state.persistent-pod-state.svc",
+        ])
+        .status()
+        .expect("certs");
+    assert!(status.success());
+
+    let base = render(&env, "manifests/base").await;
+    let deploy = find(&base, "Deployment", "persistent-pod-state");
+    let pod = &deploy["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert!(container["resources"]["requests"]["memory"].is_string());
+    assert!(pod["affinity"]["podAntiAffinity"].is_object());
+    find(&base, "PodDisruptionBudget", "persistent-pod-state");
+    find(&base, "Service", "persistent-pod-state");
+    find(&base, "Role", "persistent-pod-state-leader-election");
+    for kind in [
+        "MutatingWebhookConfiguration",
+        "ValidatingWebhookConfiguration",
+    ] {
+        let hook = &find(&base, kind, "persistent-pod-state")["webhooks"][0];
+        assert_eq!(hook["failurePolicy"], "Fail", "{kind}");
+        assert!(
+            hook["timeoutSeconds"].as_i64().is_some_and(|t| t <= 10),
+            "{kind}"
+        );
+        let excluded = &hook["namespaceSelector"]["matchExpressions"][0]["values"];
+        assert_eq!(
+            excluded,
+            &json!(["persistent-pod-state", "kube-system"]),
+            "{kind}"
+        );
+    }
+
+    let self_signed = render(&env, "manifests/overlays/self-signed").await;
+    let ca = std::fs::read(certs.join("ca.crt")).expect("ca");
+    let bundle = |v: &Value| -> Vec<u8> {
+        use base64::Engine as _;
+        let text: String = v.as_str().expect("caBundle").split_whitespace().collect();
+        base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .expect("base64")
+    };
+    for kind in [
+        "MutatingWebhookConfiguration",
+        "ValidatingWebhookConfiguration",
+    ] {
+        assert_eq!(
+            bundle(
+                &find(&self_signed, kind, "persistent-pod-state")["webhooks"][0]["clientConfig"]["caBundle"]
+            ),
+            ca,
+            "{kind}"
+        );
+    }
+    let crd = find(
+        &self_signed,
+        "CustomResourceDefinition",
+        "persistentpodstates.apps.kruise.io",
+    );
+    assert_eq!(
+        bundle(&crd["spec"]["conversion"]["webhook"]["clientConfig"]["caBundle"]),
+        ca
+    );
+    find(&self_signed, "Secret", "persistent-pod-state-tls");
+
+    let cert_manager = render(&env, "manifests/overlays/cert-manager").await;
+    for (kind, name) in [
+        ("MutatingWebhookConfiguration", "persistent-pod-state"),
+        ("ValidatingWebhookConfiguration", "persistent-pod-state"),
+        (
+            "CustomResourceDefinition",
+            "persistentpodstates.apps.kruise.io",
+        ),
+    ] {
+        let annotation = &find(&cert_manager, kind, name)["metadata"]["annotations"]["cert-manager.io/inject-ca-from"];
+        assert_eq!(
+            annotation, "persistent-pod-state/persistent-pod-state",
+            "{kind}"
+        );
+    }
+    find(&cert_manager, "Certificate", "persistent-pod-state");
+
+    let newer = render(&env, "manifests/overlays/cert-manager-1.28").await;
+    let conditions = &find(
+        &newer,
+        "MutatingWebhookConfiguration",
+        "persistent-pod-state",
+    )["webhooks"][0]["matchConditions"];
+    assert!(
+        conditions[0]["expression"]
+            .as_str()
+            .is_some_and(|e| e.contains("ownerReferences"))
+    );
+
+    stub_cert_manager_crds(&env).await;
+    let (ok, out) = kubectl(&env, &["create", "namespace", "persistent-pod-state"], None).await;
+    assert!(ok || out.contains("AlreadyExists"), "{out}");
+    for overlay in [
+        "manifests/overlays/self-signed",
+        "manifests/overlays/cert-manager",
+    ] {
+        let (ok, yaml) = kubectl(&env, &["kustomize", overlay], None).await;
+        assert!(ok, "{yaml}");
+        // The local control plane is v1.20, which serves PodDisruptionBudget as policy/v1beta1
+        // only (same fields as the policy/v1 the manifests use for current clusters).
+        let yaml = yaml.replace("apiVersion: policy/v1\n", "apiVersion: policy/v1beta1\n");
+        let (ok, out) = kubectl(&env, &["apply", "--dry-run=server", "-f", "-"], Some(&yaml)).await;
+        assert!(ok, "{overlay} rejected: {out}");
+        println!(
+            "{overlay}: {} objects accepted by the API server",
+            out.lines().count()
+        );
+    }
+}
+
+/// Issue 4.1: the ServiceAccount with the base's RBAC (and nothing else) runs the service:
+/// caches sync, it takes a Lease in its namespace; it may not do what it does not need.
+#[tokio::test]
+async fn the_service_account_rbac_is_enough_to_run_and_no_more() {
+    let env = env().await;
+    let base = render(&env, "manifests/base").await;
+    let rbac: Vec<String> = base
+        .iter()
+        .filter(|o| {
+            [
+                "Namespace",
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Role",
+                "RoleBinding",
+            ]
+            .contains(&o["kind"].as_str().unwrap_or_default())
+        })
+        .map(|o| serde_yaml_ng::to_string(o).expect("yaml"))
+        .collect();
+    let (ok, out) = kubectl(&env, &["apply", "-f", "-"], Some(&rbac.join("---\n"))).await;
+    assert!(ok, "{out}");
+    let (ok, token) = kubectl(
+        &env,
+        &[
+            "create",
+            "token",
+            "persistent-pod-state",
+            "-n",
+            "persistent-pod-state",
+        ],
+        None,
+    )
+    .await;
+    assert!(ok, "{token}");
+    let server = format!(
+        "https://127.0.0.1:{}",
+        std::fs::read_to_string(env.cluster_dir.join("kubeconfig"))
+            .expect("kubeconfig")
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("server: https://127.0.0.1:"))
+            .expect("server line")
+    );
+    let kubeconfig = env.cluster_dir.join("sa-kubeconfig");
+    std::fs::write(&kubeconfig, format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {{server: '{server}', certificate-authority: '{}'}}\nusers:\n- name: sa\n  user: {{token: '{}'}}\ncontexts:\n- name: c\n  context: {{cluster: c, user: sa}}\ncurrent-context: c\n",
+        env.cluster_dir.join("pki/ca.crt").display(), token.trim()
+    )).expect("write kubeconfig");
+
+    let sa = "--as=system:serviceaccount:persistent-pod-state:persistent-pod-state";
+    // The aggregated ClusterRole is filled in by the controller-manager.
+    wait_for(
+        "the aggregated ClusterRole to grant the core rules",
+        TIMEOUT,
+        || async {
+            let (_, answer) =
+                kubectl(&env, &["auth", "can-i", "list", "pods", sa, "-A"], None).await;
+            (answer.lines().next().unwrap_or_default().trim() == "yes").then_some(())
+        },
+    )
+    .await;
+    for (verb, resource, allowed) in [
+        ("list", "pods", "yes"),
+        ("patch", "persistentpodstates.apps.kruise.io/status", "yes"),
+        ("delete", "pods", "no"),
+        ("update", "statefulsets.apps", "no"),
+        ("get", "secrets", "no"),
+    ] {
+        let (_, answer) = kubectl(&env, &["auth", "can-i", verb, resource, sa, "-A"], None).await;
+        assert_eq!(
+            answer.lines().next().unwrap_or_default().trim(),
+            allowed,
+            "{verb} {resource}"
+        );
+    }
+    let certs = env.cluster_dir.join("webhook-certs");
+    let log = env.cluster_dir.join("logs/persistent-pod-state-rbac.log");
+    let mut child = tokio::process::Command::new(&env.pps_bin)
+        .arg("serve")
+        .env("KUBECONFIG", &kubeconfig)
+        .env("PPS_LISTEN", "127.0.0.1:19447")
+        .env("PPS_PROBE_LISTEN", "127.0.0.1:18084")
+        .env("PPS_TLS_CERT", certs.join("tls.crt"))
+        .env("PPS_TLS_KEY", certs.join("tls.key"))
+        .env("PPS_LEASE_NAMESPACE", "persistent-pod-state")
+        .env("PPS_LEASE_NAME", "e2e-rbac")
+        .env("PPS_LEADER_IDENTITY", "e2e-rbac")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve");
+    wait_for(
+        "the ServiceAccount-run instance to be ready and leading",
+        TIMEOUT,
+        || async {
+            let (code, text) = http_get("http://127.0.0.1:18084/metrics").await;
+            (code == 200 && metric(&text, "pps_leader ") == 1.0).then_some(())
+        },
+    )
+    .await;
+    child.kill().await.expect("stop");
+    let log = std::fs::read_to_string(&log).expect("log");
+    assert!(
+        !log.to_lowercase().contains("forbidden"),
+        "the ServiceAccount was refused something:\n{log}"
+    );
+}

@@ -1,0 +1,111 @@
+//! Kubernetes Events on PersistentPodStates, published in the background and rate-limited per
+//! object and reason, so a burst (a rollout, a flapping node) cannot flood the API server.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource, ResourceExt};
+
+use crate::api::PersistentPodState;
+
+/// Name of the reporting controller in Events.
+pub const REPORTER: &str = "persistent-pod-state";
+
+/// Publishes Events; at most one per PersistentPodState and reason per `min_interval`
+/// (repeats within the interval are dropped; the Recorder also folds identical ones into series).
+pub struct Events {
+    recorder: Recorder,
+    min_interval: Duration,
+    last: Mutex<HashMap<(String, String, String), Instant>>,
+}
+
+impl Events {
+    /// Events reported as `instance` of this controller.
+    pub fn new(client: Client, instance: Option<String>, min_interval: Duration) -> Self {
+        let reporter = Reporter {
+            controller: REPORTER.into(),
+            instance,
+        };
+        Self {
+            recorder: Recorder::new(client, reporter),
+            min_interval,
+            last: Mutex::default(),
+        }
+    }
+
+    /// Whether an Event with `reason` on `key` may go out now (and remembers that it did).
+    fn allow(&self, key: (String, String, String)) -> bool {
+        let now = Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if last
+            .get(&key)
+            .is_some_and(|t| now.duration_since(*t) < self.min_interval)
+        {
+            return false;
+        }
+        if last.len() > 4096 {
+            let window = self.min_interval;
+            last.retain(|_, t| now.duration_since(*t) < window);
+        }
+        last.insert(key, now);
+        true
+    }
+
+    /// Publishes an Event about `pps` in the background, unless rate-limited.
+    pub fn publish(
+        &self,
+        pps: &PersistentPodState,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let key = (
+            pps.namespace().unwrap_or_default(),
+            pps.name_any(),
+            reason.to_owned(),
+        );
+        if !self.allow(key) {
+            return;
+        }
+        let event = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: action.to_owned(),
+            secondary: None,
+        };
+        let (recorder, reference) = (self.recorder.clone(), pps.object_ref(&()));
+        tokio::spawn(async move {
+            if let Err(error) = recorder.publish(&event, &reference).await {
+                tracing::warn!(%error, pps = ?reference.name, "could not publish an Event");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_event_per_object_and_reason_per_interval() {
+        let (mock, _server) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let events = Events::new(
+            Client::new(mock, "default"),
+            None,
+            Duration::from_secs(3600),
+        );
+        let key =
+            |name: &str, reason: &str| ("ns".to_string(), name.to_string(), reason.to_string());
+        assert!(events.allow(key("a", "StatesRecorded")));
+        assert!(!events.allow(key("a", "StatesRecorded")), "repeat dropped");
+        assert!(events.allow(key("a", "StatesPruned")), "another reason");
+        assert!(events.allow(key("b", "StatesRecorded")), "another object");
+    }
+}
