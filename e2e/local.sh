@@ -21,11 +21,14 @@ else
   mkdir -p "$CLUSTER_DIR/logs"
 fi
 
+SERVE_PID=""
 on_exit() {
+  [[ -n $SERVE_PID ]] && kill -TERM "$SERVE_PID" 2>/dev/null && wait "$SERVE_PID" 2>/dev/null
   unregister_webhook
   if ((LOCAL)); then cluster_down; fi
 }
 trap on_exit EXIT
+trap 'exit 130' INT TERM
 
 if ((LOCAL)); then
   cluster_up
@@ -42,4 +45,6 @@ log "serving (webhook :$WEBHOOK_PORT, probes http://127.0.0.1:$PROBE_PORT/metric
 ) &
 PPS_LISTEN="0.0.0.0:$WEBHOOK_PORT" PPS_PROBE_LISTEN="0.0.0.0:$PROBE_PORT" \
   PPS_TLS_CERT="$CLUSTER_DIR/webhook-certs/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-certs/tls.key" \
-  "$PPS_BIN" serve
+  "$PPS_BIN" serve &
+SERVE_PID=$!
+wait "$SERVE_PID"
