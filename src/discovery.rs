@@ -104,6 +104,7 @@ pub async fn run(
     futures::pin_mut!(events);
     let mut known: HashMap<String, (GroupKind, ApiResource)> = HashMap::new();
     let mut relist: Option<HashMap<String, (GroupKind, ApiResource)>> = None;
+    let mut config_open = true;
     loop {
         tokio::select! {
             event = events.try_next() => match event {
@@ -130,7 +131,8 @@ pub async fn run(
                     continue;
                 }
             },
-            changed = config_changed.changed() => if changed.is_err() { return },
+            // Without a configuration file nothing ever changes the kinds: stop listening.
+            changed = config_changed.changed(), if config_open => config_open = changed.is_ok(),
             () = shutdown.cancelled() => return,
         }
         if relist.is_some() {

@@ -248,6 +248,8 @@ pub struct Metrics {
     pub cached_nodes: Gauge,
     /// Workloads in the cache, all kinds.
     pub cached_workloads: Gauge,
+    /// Workload kinds watched (native StatefulSet, Advanced StatefulSet, custom kinds).
+    pub watched_workload_kinds: Gauge,
     /// Objects in the PersistentPodState cache.
     pub cached_persistent_pod_states: Gauge,
 }
@@ -281,6 +283,7 @@ impl Metrics {
             cached_pods: Gauge::default(),
             cached_nodes: Gauge::default(),
             cached_workloads: Gauge::default(),
+            watched_workload_kinds: Gauge::default(),
         };
         registry.register(
             "admission_requests",
@@ -349,6 +352,11 @@ impl Metrics {
             "cached_workloads",
             "Workloads (all watched kinds) in the cache",
             m.cached_workloads.clone(),
+        );
+        registry.register(
+            "watched_workload_kinds",
+            "Workload kinds watched",
+            m.watched_workload_kinds.clone(),
         );
         m.process.register(&mut root);
         Self {

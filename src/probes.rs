@@ -55,8 +55,10 @@ async fn metrics(State(health): State<Arc<Health>>) -> Response {
         .set(c.pps.state().len() as i64);
     m.cached_pods.set(c.pods.state().len() as i64);
     m.cached_nodes.set(c.nodes.state().len() as i64);
+    let kinds = c.workload_kinds();
+    m.watched_workload_kinds.set(kinds.len() as i64);
     m.cached_workloads.set(
-        c.workload_kinds()
+        kinds
             .iter()
             .map(|(_, w)| w.store.state().len() as i64)
             .sum(),

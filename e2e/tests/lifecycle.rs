@@ -88,19 +88,8 @@ async fn scale_in_prunes_under_when_scaled_only_and_deletion_removes_generated_p
     wait_sts_rolled(c, &ns, "kept", 1).await;
     wait_state_names(c, &ns, "scaled", &["scaled-0"]).await;
     // Both pod sets are gone and "scaled" was pruned from the same events: "kept" must not be.
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(c.clone(), &ns);
-    wait_for(
-        "StatesRecorded and StatesPruned Events on the PPS",
-        TIMEOUT,
-        || async {
-            let list = events.list(&Default::default()).await.ok()?;
-            let reasons: Vec<String> = list.items.into_iter().filter_map(|e| e.reason).collect();
-            (reasons.iter().any(|r| r == "StatesRecorded")
-                && reasons.iter().any(|r| r == "StatesPruned"))
-            .then_some(())
-        },
-    )
-    .await;
+    wait_event(c, &ns, "scaled", "StatesRecorded").await;
+    wait_event(c, &ns, "scaled", "StatesPruned").await;
     let kept = pps_api(c, &ns).get("kept").await.expect("kept");
     assert_eq!(
         kept.status.expect("status").pod_states.len(),

@@ -3,8 +3,7 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::events::v1::Event;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use persistent_pod_state::api::INJECTED_ANNOTATION;
 use serde_json::json;
@@ -87,19 +86,7 @@ async fn a_required_zone_that_is_gone_is_not_injected_and_the_pod_runs() {
         metric(&after, series) > metric(&before, series),
         "{series} counted"
     );
-    let events: Api<Event> = Api::namespaced(c.clone(), &ns);
-    wait_for(
-        "a RequiredTopologyUnavailable Event on the PPS",
-        TIMEOUT,
-        || async {
-            let list = events.list(&ListParams::default()).await.ok()?;
-            list.items.into_iter().find(|e| {
-                e.reason.as_deref() == Some("RequiredTopologyUnavailable")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("web")
-            })
-        },
-    )
-    .await;
+    wait_event(c, &ns, "web", "RequiredTopologyUnavailable").await;
     // Once Ready, the pod's new placement replaces the stranded one.
     wait_states(c, &ns, "web", &placed).await;
     delete_namespace(c, &ns).await;
@@ -218,13 +205,6 @@ async fn a_pods_own_node_selector_wins_over_the_recorded_value() {
         metric(&scrape(&env).await, series) > metric(&before, series),
         "{series} counted"
     );
-    let events: Api<Event> = Api::namespaced(c.clone(), &ns);
-    wait_for("a NodeSelectorConflict Event", TIMEOUT, || async {
-        let list = events.list(&ListParams::default()).await.ok()?;
-        list.items
-            .into_iter()
-            .find(|e| e.reason.as_deref() == Some("NodeSelectorConflict"))
-    })
-    .await;
+    wait_event(c, &ns, "moving", "NodeSelectorConflict").await;
     delete_namespace(c, &ns).await;
 }

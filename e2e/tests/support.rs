@@ -415,3 +415,20 @@ pub async fn stub_cert_manager_crds(env: &Env) {
     })
     .await;
 }
+
+/// Waits for an Event with `reason` about the PersistentPodState `pps` in `ns`.
+pub async fn wait_event(client: &Client, ns: &str, pps: &str, reason: &str) {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    wait_for(
+        &format!("a {reason} Event on PersistentPodState {ns}/{pps}"),
+        TIMEOUT,
+        || async {
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pps)
+            })
+        },
+    )
+    .await;
+}

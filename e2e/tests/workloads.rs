@@ -145,6 +145,32 @@ async fn advanced_statefulset_after_its_crd_appears_with_reserved_ordinals_and_s
     )
     .await;
 
+    // A replica started without a custom-workload file discovers the kind too.
+    let certs = env.cluster_dir.join("webhook-certs");
+    let mut plain = tokio::process::Command::new(&env.pps_bin)
+        .arg("serve")
+        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
+        .env("PPS_LISTEN", "127.0.0.1:19448")
+        .env("PPS_PROBE_LISTEN", "127.0.0.1:18085")
+        .env("PPS_TLS_CERT", certs.join("tls.crt"))
+        .env("PPS_TLS_KEY", certs.join("tls.key"))
+        .env("PPS_LEASE_NAMESPACE", "default")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve");
+    wait_for(
+        "a replica without a config file to watch the Advanced StatefulSet",
+        TIMEOUT,
+        || async {
+            let (code, text) = http_get("http://127.0.0.1:18085/metrics").await;
+            (code == 200 && metric(&text, "pps_watched_workload_kinds ") == 2.0).then_some(())
+        },
+    )
+    .await;
+    plain.kill().await.expect("stop");
+
     let names: Vec<String> = ["asts-0", "asts-2", "asts-3"].map(String::from).to_vec();
     for name in &names {
         create_owned_pod(c, &ns, &asts, name, &[]).await;
