@@ -160,8 +160,10 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         takeover.as_secs_f64(),
         env.lease_duration.as_secs()
     );
+    // The dead leader's Lease expires at most one lease duration after its last renewal; the
+    // follower takes it at its next check (allowed: the 3 s renewal grace the replicas run with).
     assert!(
-        takeover <= env.lease_duration + Duration::from_secs(2),
+        takeover <= env.lease_duration + Duration::from_secs(3),
         "takeover within the lease duration: {takeover:?}"
     );
     wait_for("the follower to report leading", TIMEOUT, || async {
