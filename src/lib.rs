@@ -5,7 +5,10 @@
 //!
 //! Layout: [`api`] (types), [`workload`] (what a StatefulSet-like workload is), [`cache`] (shared
 //! reflector stores and indexes), [`controller`] (status recording and PPS generation),
-//! [`webhook`] (HTTPS server and admission handlers), [`probes`], [`metrics`], [`certs`], [`cli`].
+//! [`webhook`] (HTTPS server and admission handlers), [`discovery`] (which workload kinds are
+//! watched), [`leader`], [`events`], [`probes`], [`metrics`], [`certs`], [`cli`], [`serve`].
+
+#![warn(missing_docs)]
 
 pub mod api;
 pub mod cache;
