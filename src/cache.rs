@@ -284,6 +284,13 @@ pub struct WorkloadStore {
     task: Arc<tokio::task::AbortHandle>,
 }
 
+impl WorkloadStore {
+    /// Whether both are the same watch (a kind removed and added again is another watch).
+    pub fn same_watch(&self, other: &WorkloadStore) -> bool {
+        Arc::ptr_eq(&self.task, &other.task)
+    }
+}
+
 /// What is known about a workload.
 pub enum WorkloadLookup {
     /// The kind is watched and the object is in the cache.
@@ -546,16 +553,17 @@ impl Caches {
     fn on_pps_event(&self, ev: &watcher::Event<PersistentPodState>) {
         self.pps_by_target.apply(ev);
         match ev {
-            watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
-                self.triggers.pps([ObjectRef::from_obj(p)]);
-            }
+            watcher::Event::Apply(p) => self.triggers.pps([ObjectRef::from_obj(p)]),
             // A workload may have waited for its generated PPS to go away.
             watcher::Event::Delete(p) => {
                 if let Some(target) = pps_target(p) {
                     self.trigger_workload(&target);
                 }
             }
-            watcher::Event::Init | watcher::Event::InitDone => {}
+            // A relist reaches the store only at its end: reconcile everything then (a
+            // request for an object not yet in the store would be dropped).
+            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
         }
     }
 
@@ -595,15 +603,20 @@ impl Caches {
             })
         };
         match ev {
-            watcher::Event::Apply(w) | watcher::Event::InitApply(w) => {
+            watcher::Event::Apply(w) => {
                 self.triggers.pps(self.pps_targeting(key(w)));
                 if let Some(k) = key(w) {
                     self.trigger_workload(&k);
                 }
             }
             watcher::Event::Delete(w) => self.triggers.pps(self.pps_targeting(key(w))),
-            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
-            watcher::Event::Init => {}
+            // After a relist (its objects reach the store only now): every PPS and every
+            // workload of the kind, so nothing created or changed during a watch gap is missed.
+            watcher::Event::InitDone => {
+                self.triggers.pps(self.all_pps());
+                self.resync_kind(kind);
+            }
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
         }
     }
 }

@@ -129,8 +129,22 @@ pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<F
             errors.push(format!("spec.targetRef.{name}"), "Required value");
         }
     }
+    // The target is its group, kind and name (the version in apiVersion may differ).
+    let identity = |t: &Value| {
+        let part = |name: &str| {
+            t.get(name)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        (
+            api_group(&part("apiVersion")).to_owned(),
+            part("kind"),
+            part("name"),
+        )
+    };
     if let Some(old_target) = old.and_then(|o| o.pointer("/spec/targetRef"))
-        && old_target != target
+        && identity(old_target) != identity(target)
     {
         errors.push("spec.targetRef", "Invalid value: field is immutable");
     }
@@ -393,6 +407,11 @@ mod tests {
         assert_eq!(
             check(&moved, Some(&valid()), &[]),
             ["spec.targetRef: Invalid value: field is immutable"]
+        );
+        let other_version = with(json!({"spec": {"targetRef": {"apiVersion": "apps/v1beta2"}}}));
+        assert!(
+            check(&other_version, Some(&valid()), &[]).is_empty(),
+            "the version may change"
         );
         let dup = check(&valid(), None, &["first".to_string()]);
         assert_eq!(dup.len(), 1);

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::PersistentPodState;
 use crate::api::PersistentPodStateStatus;
-use crate::cache::{Caches, WorkloadLookup, pps_target};
+use crate::cache::{Caches, WorkloadLookup, WorkloadStore, pps_target};
 use crate::events::Events;
 use crate::metrics::Metrics;
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
@@ -97,16 +97,16 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let runs = FuturesUnordered::new();
     runs.push(pps);
     // One generator per watched workload kind; kinds come and go with their CRDs.
-    let mut generators: HashMap<GroupKind, (ApiResource, CancellationToken)> = HashMap::new();
+    let mut generators: HashMap<GroupKind, (WorkloadStore, CancellationToken)> = HashMap::new();
     let mut kinds_changed = caches.subscribe_workload_kinds();
     let mut first = true;
     futures::pin_mut!(runs);
     loop {
         let watched = caches.workload_kinds();
-        generators.retain(|kind, (resource, stop)| {
+        generators.retain(|kind, (store, stop)| {
             let current = watched
                 .iter()
-                .any(|(k, ws)| k == kind && ws.resource == *resource);
+                .any(|(k, ws)| k == kind && ws.same_watch(store));
             if !current {
                 stop.cancel();
             }
@@ -138,7 +138,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
                 .boxed(),
             );
             caches.resync_kind(&kind);
-            generators.insert(kind, (ws.resource, stop));
+            generators.insert(kind, (ws, stop));
         }
         if first {
             caches.resync();
@@ -260,6 +260,8 @@ fn report_unplaceable(ctx: &Context, pps: &PersistentPodState, status: &Persiste
         if !unplaceable.is_empty() {
             reported.insert(key, unplaceable.keys().cloned().collect());
         }
+        // PPS deleted since they were reported are forgotten.
+        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
         let total: usize = reported.values().map(BTreeSet::len).sum();
         ctx.metrics.states_unplaceable.set(total as i64);
         newly
@@ -340,7 +342,17 @@ async fn reconcile_workload(
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
 
     match (desired, existing) {
-        (Some(spec), existing) => {
+        (Some(mut spec), existing) => {
+            // The target is matched by group and kind: keep the version already written (the
+            // watched version can change, and targetRef is immutable).
+            if let Some(p) = existing.as_ref().filter(|_| generated) {
+                let current = &p.spec.target_ref;
+                if current.group() == spec.target_ref.group()
+                    && current.kind == spec.target_ref.kind
+                {
+                    spec.target_ref.api_version = current.api_version.clone();
+                }
+            }
             if existing.is_some() && !generated {
                 tracing::warn!(%namespace, workload = %name, "a PersistentPodState named like the workload exists and was not generated for it; leaving it alone");
                 return Ok(Action::await_change());
