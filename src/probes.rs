@@ -51,18 +51,13 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
 
 async fn metrics(State(health): State<Arc<Health>>) -> Response {
     let (m, c) = (&health.metrics, &health.caches);
-    m.cached_persistent_pod_states
-        .set(c.pps.state().len() as i64);
-    m.cached_pods.set(c.pods.state().len() as i64);
-    m.cached_nodes.set(c.nodes.state().len() as i64);
+    m.cached_persistent_pod_states.set(c.pps.len() as i64);
+    m.cached_pods.set(c.pods.len() as i64);
+    m.cached_nodes.set(c.nodes.len() as i64);
     let kinds = c.workload_kinds();
     m.watched_workload_kinds.set(kinds.len() as i64);
-    m.cached_workloads.set(
-        kinds
-            .iter()
-            .map(|(_, w)| w.store.state().len() as i64)
-            .sum(),
-    );
+    m.cached_workloads
+        .set(kinds.iter().map(|(_, w)| w.store.len() as i64).sum());
     m.process.refresh();
     (
         [(

@@ -23,25 +23,15 @@ async fn holder(c: &Client) -> Option<String> {
 
 /// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it.
 fn restart(env: &Env, replica: &Replica) {
-    let certs = env.cluster_dir.join("webhook-tls");
     let log = std::fs::File::create(env.cluster_dir.join(format!(
         "logs/persistent-pod-state-{}-restarted.log",
         replica.name
     )))
     .expect("log file");
-    let mut child = std::process::Command::new(&env.pps_bin)
-        .arg("serve")
-        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
-        .env("PPS_LISTEN", format!("127.0.0.1:{}", replica.webhook_port))
-        .env(
-            "PPS_PROBE_LISTEN",
-            format!("127.0.0.1:{}", replica.probe_port),
-        )
-        .env("PPS_TLS_CERT", certs.join("tls.crt"))
-        .env("PPS_TLS_KEY", certs.join("tls.key"))
+    let kubeconfig = env.cluster_dir.join("kubeconfig");
+    let mut child = serve_command(env, &kubeconfig, replica.webhook_port, replica.probe_port)
         .env("PPS_SHUTDOWN_DELAY_SECONDS", "0")
         .env("PPS_LEADER_IDENTITY", replica.identity())
-        .env("PPS_LEASE_NAMESPACE", "default")
         .env(
             "PPS_LEASE_DURATION_SECONDS",
             env.lease_duration.as_secs().to_string(),
@@ -51,7 +41,6 @@ fn restart(env: &Env, replica: &Replica) {
             "PPS_CUSTOM_WORKLOAD_CONFIG",
             env.cluster_dir.join("custom-workloads.yaml"),
         )
-        .stdout(std::process::Stdio::null())
         .stderr(log)
         .spawn()
         .expect("serve restarts");

@@ -265,19 +265,11 @@ async fn the_service_account_rbac_is_enough_to_run_and_no_more() {
             "{verb} {resource}"
         );
     }
-    let certs = env.cluster_dir.join("webhook-certs");
     let log = env.cluster_dir.join("logs/persistent-pod-state-rbac.log");
-    let mut child = tokio::process::Command::new(&env.pps_bin)
-        .arg("serve")
-        .env("KUBECONFIG", &kubeconfig)
-        .env("PPS_LISTEN", "127.0.0.1:19447")
-        .env("PPS_PROBE_LISTEN", "127.0.0.1:18084")
-        .env("PPS_TLS_CERT", certs.join("tls.crt"))
-        .env("PPS_TLS_KEY", certs.join("tls.key"))
+    let mut child = tokio::process::Command::from(serve_command(&env, &kubeconfig, 19447, 18084))
         .env("PPS_LEASE_NAMESPACE", "persistent-pod-state")
         .env("PPS_LEASE_NAME", "e2e-rbac")
         .env("PPS_LEADER_IDENTITY", "e2e-rbac")
-        .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log"))
         .kill_on_drop(true)
         .spawn()

@@ -1,6 +1,5 @@
 //! The server's contract with clients: bad input, readiness, shutdown.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -94,20 +93,12 @@ async fn start_instance(
     probe_port: u16,
     kubeconfig: &std::path::Path,
 ) -> Instance {
-    let certs = env.cluster_dir.join("webhook-certs");
-    let child = tokio::process::Command::new(&env.pps_bin)
-        .arg("serve")
-        .env("KUBECONFIG", kubeconfig)
-        .env("PPS_LISTEN", format!("127.0.0.1:{webhook_port}"))
-        .env("PPS_PROBE_LISTEN", format!("127.0.0.1:{probe_port}"))
-        .env("PPS_TLS_CERT", certs.join("tls.crt"))
-        .env("PPS_TLS_KEY", certs.join("tls.key"))
-        .env("PPS_SHUTDOWN_DELAY_SECONDS", "2")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("serve starts");
+    let child =
+        tokio::process::Command::from(serve_command(env, kubeconfig, webhook_port, probe_port))
+            .env("PPS_SHUTDOWN_DELAY_SECONDS", "2")
+            .kill_on_drop(true)
+            .spawn()
+            .expect("serve starts");
     let probe = format!("http://127.0.0.1:{probe_port}");
     wait_for("the instance's probe port", TIMEOUT, || async {
         (http_get(&format!("{probe}/healthz")).await.0 == 200).then_some(())

@@ -432,3 +432,27 @@ pub async fn wait_event(client: &Client, ns: &str, pps: &str, reason: &str) {
     )
     .await;
 }
+
+/// A `serve` command for one more replica on loopback ports, with the suite's serving
+/// certificate (as the replicas mount it) and `kubeconfig`, its output discarded and its Lease
+/// in `default`; callers add what differs.
+pub fn serve_command(
+    env: &Env,
+    kubeconfig: &std::path::Path,
+    webhook_port: u16,
+    probe_port: u16,
+) -> std::process::Command {
+    let certs = env.cluster_dir.join("webhook-tls");
+    let mut command = std::process::Command::new(&env.pps_bin);
+    command
+        .arg("serve")
+        .env("KUBECONFIG", kubeconfig)
+        .env("PPS_LISTEN", format!("127.0.0.1:{webhook_port}"))
+        .env("PPS_PROBE_LISTEN", format!("127.0.0.1:{probe_port}"))
+        .env("PPS_TLS_CERT", certs.join("tls.crt"))
+        .env("PPS_TLS_KEY", certs.join("tls.key"))
+        .env("PPS_LEASE_NAMESPACE", "default")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    command
+}

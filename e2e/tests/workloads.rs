@@ -146,17 +146,8 @@ async fn advanced_statefulset_after_its_crd_appears_with_reserved_ordinals_and_s
     .await;
 
     // A replica started without a custom-workload file discovers the kind too.
-    let certs = env.cluster_dir.join("webhook-certs");
-    let mut plain = tokio::process::Command::new(&env.pps_bin)
-        .arg("serve")
-        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
-        .env("PPS_LISTEN", "127.0.0.1:19448")
-        .env("PPS_PROBE_LISTEN", "127.0.0.1:18085")
-        .env("PPS_TLS_CERT", certs.join("tls.crt"))
-        .env("PPS_TLS_KEY", certs.join("tls.key"))
-        .env("PPS_LEASE_NAMESPACE", "default")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+    let kubeconfig = env.cluster_dir.join("kubeconfig");
+    let mut plain = tokio::process::Command::from(serve_command(&env, &kubeconfig, 19448, 18085))
         .kill_on_drop(true)
         .spawn()
         .expect("serve");
