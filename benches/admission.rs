@@ -10,7 +10,7 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use persistent_pod_state::api::PersistentPodState;
-use persistent_pod_state::cache::{Index, pps_target};
+use persistent_pod_state::state::index::{ByWorkload, Shared, pps_target};
 use persistent_pod_state::webhook::inject::injection_for;
 use persistent_pod_state::workload::pod_workload;
 use serde_json::json;
@@ -38,7 +38,7 @@ fn main() {
     );
     for total in [100, 1_000, 10_000, 100_000] {
         let per_ns = total / NAMESPACES;
-        let index: Index<PersistentPodState> = Index::new(pps_target);
+        let index = Shared::<ByWorkload>::default();
         let mut by_name: BTreeMap<(String, String), PersistentPodState> = BTreeMap::new();
         for ns in 0..NAMESPACES {
             for i in 0..per_ns {
@@ -64,7 +64,12 @@ fn main() {
         for n in 0..ADMISSIONS {
             let pod = &pods[n % pods.len()];
             let workload = pod_workload(pod, "ns-3").expect("owned");
-            let name = index.get(&workload).into_iter().next().expect("indexed");
+            let name = index
+                .read()
+                .get(&workload)
+                .next()
+                .expect("indexed")
+                .to_owned();
             let p = &by_name[&("ns-3".to_string(), name)];
             let state = &p.status.as_ref().expect("status").pod_states
                 [pod.metadata.name.as_deref().expect("name")];

@@ -44,8 +44,11 @@ $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
 WORK="$CACHE/build"
 mkdir -p "$WORK" "$BIN"
 cd "$WORK"
+# Pinned: a machine whose deb-src also lists a newer suite would otherwise fetch that suite's
+# kubernetes source, which no longer builds the control plane (it is kubectl only).
+KUBE_SRC_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
 if ! ls -d kubernetes-*/ >/dev/null 2>&1; then
-  apt-get source -qq kubernetes >/dev/null
+  apt-get source -qq "kubernetes=$KUBE_SRC_VERSION" >/dev/null
 fi
 SRC_DIR="$(cd "$(ls -d kubernetes-*/ | head -n1)" && pwd)"
 

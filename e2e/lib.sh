@@ -216,7 +216,7 @@ webhooks:
     url: https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/mutate-pod
     caBundle: $ca
   failurePolicy: Fail
-  sideEffects: None
+  sideEffects: NoneOnDryRun
   timeoutSeconds: 5
   reinvocationPolicy: Never
   rules:

@@ -62,6 +62,20 @@ pub struct ServeArgs {
     /// A file listing more custom kinds (`customWorkloads: [GROUP/KIND, ...]`), re-read when it changes.
     #[arg(long, env = "PPS_CUSTOM_WORKLOAD_CONFIG")]
     pub custom_workload_config: Option<PathBuf>,
+    /// Leader election.
+    #[command(flatten)]
+    pub lease: LeaseArgs,
+    /// Seconds to keep serving after SIGTERM with readiness failing, before refusing connections.
+    #[arg(long, env = "PPS_SHUTDOWN_DELAY_SECONDS", default_value_t = 3)]
+    pub shutdown_delay_seconds: u64,
+    /// Seconds to let requests in flight finish once no longer accepting.
+    #[arg(long, env = "PPS_DRAIN_SECONDS", default_value_t = 20)]
+    pub drain_seconds: u64,
+}
+
+/// Leader election flags of `serve`.
+#[derive(Debug, Args)]
+pub struct LeaseArgs {
     /// Run the controllers only while holding the Lease (all replicas serve webhooks). Off: this
     /// process always runs them (a single replica).
     #[arg(long, env = "PPS_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
@@ -81,12 +95,6 @@ pub struct ServeArgs {
     /// This replica's identity in the Lease (default: pod or host name and process id).
     #[arg(long, env = "PPS_LEADER_IDENTITY")]
     pub leader_identity: Option<String>,
-    /// Seconds to keep serving after SIGTERM with readiness failing, before refusing connections.
-    #[arg(long, env = "PPS_SHUTDOWN_DELAY_SECONDS", default_value_t = 3)]
-    pub shutdown_delay_seconds: u64,
-    /// Seconds to let requests in flight finish once no longer accepting.
-    #[arg(long, env = "PPS_DRAIN_SECONDS", default_value_t = 20)]
-    pub drain_seconds: u64,
 }
 
 /// Flags of `crd`: where the API server reaches the `/convert` webhook.

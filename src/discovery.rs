@@ -17,7 +17,9 @@ use serde::Deserialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::cache::Caches;
+use crate::files::FileStamp;
+use crate::state::Caches;
+use crate::state::index::{Indexer, Relisting};
 use crate::workload::{CustomKinds, GroupKind};
 
 /// Parses `GROUP/KIND` (the group may contain dots and must not be empty).
@@ -81,6 +83,26 @@ pub fn crd_resource(crd: &CustomResourceDefinition) -> Option<ApiResource> {
     })
 }
 
+/// The established CRDs and the resource to watch for each, by CRD name.
+#[derive(Debug, Default)]
+pub struct EstablishedCrds(HashMap<String, (GroupKind, ApiResource)>);
+
+impl Indexer<CustomResourceDefinition> for EstablishedCrds {
+    fn upsert(&mut self, crd: &CustomResourceDefinition) -> bool {
+        match crd_resource(crd) {
+            Some(ar) => {
+                let entry = (GroupKind::new(&ar.group, &ar.kind), ar);
+                self.0.insert(crd.name_any(), entry.clone()) != Some(entry)
+            }
+            None => self.0.remove(&crd.name_any()).is_some(),
+        }
+    }
+
+    fn remove(&mut self, crd: &CustomResourceDefinition) -> bool {
+        self.0.remove(&crd.name_any()).is_some()
+    }
+}
+
 /// Keeps the watched workload kinds in line with the established CRDs and the handled kinds
 /// (Kruise's StatefulSet and `custom`), until `shutdown`. `config_changed` fires when the
 /// custom kinds change.
@@ -102,29 +124,14 @@ pub async fn run(
             }
         });
     futures::pin_mut!(events);
-    let mut known: HashMap<String, (GroupKind, ApiResource)> = HashMap::new();
-    let mut relist: Option<HashMap<String, (GroupKind, ApiResource)>> = None;
+    let mut crds = Relisting::<EstablishedCrds>::default();
     let mut config_open = true;
     loop {
         tokio::select! {
             event = events.try_next() => match event {
-                Ok(Some(watcher::Event::Apply(crd))) => {
-                    known.remove(&crd.name_any());
-                    if let Some(ar) = crd_resource(&crd) {
-                        known.insert(crd.name_any(), (GroupKind::new(&ar.group, &ar.kind), ar));
-                    }
+                Ok(Some(event)) => {
+                    crds.apply(&event);
                 }
-                Ok(Some(watcher::Event::Delete(crd))) => {
-                    known.remove(&crd.name_any());
-                }
-                Ok(Some(watcher::Event::Init)) => relist = Some(HashMap::new()),
-                Ok(Some(watcher::Event::InitApply(crd))) => {
-                    if let Some(ar) = crd_resource(&crd) {
-                        relist.get_or_insert_with(HashMap::new)
-                            .insert(crd.name_any(), (GroupKind::new(&ar.group, &ar.kind), ar));
-                    }
-                }
-                Ok(Some(watcher::Event::InitDone)) => known = relist.take().unwrap_or_default(),
                 Ok(None) => return,
                 Err(error) => {
                     tracing::warn!(%error, "CustomResourceDefinition watch failed; retrying");
@@ -135,39 +142,34 @@ pub async fn run(
             changed = config_changed.changed(), if config_open => config_open = changed.is_ok(),
             () = shutdown.cancelled() => return,
         }
-        if relist.is_some() {
-            continue;
+        if !crds.is_relisting() {
+            reconcile_kinds(&caches, &custom, crds.current());
         }
-        reconcile_kinds(&caches, &custom, &known);
     }
 }
 
-fn reconcile_kinds(
-    caches: &Arc<Caches>,
-    custom: &CustomKinds,
-    known: &HashMap<String, (GroupKind, ApiResource)>,
-) {
+fn reconcile_kinds(caches: &Arc<Caches>, custom: &CustomKinds, known: &EstablishedCrds) {
     let wanted: HashMap<&GroupKind, &ApiResource> = known
+        .0
         .values()
         .filter(|(kind, _)| custom.handles(kind))
         .map(|(kind, ar)| (kind, ar))
         .collect();
     for (kind, ar) in &wanted {
-        if !(kind.group == "apps" && kind.kind == "StatefulSet") {
+        if !kind.is_native_statefulset() {
             caches.add_workload_kind((*ar).clone());
         }
     }
     for (kind, _) in caches.workload_kinds() {
-        let native = kind == GroupKind::native_statefulset();
-        if !native && !wanted.contains_key(&kind) {
+        if !kind.is_native_statefulset() && !wanted.contains_key(&kind) {
             caches.remove_workload_kind(&kind);
         }
     }
 }
 
-/// Keeps `custom` equal to `flags` plus the kinds listed in `file`, re-reading the file when it
-/// changes (checked every 2 seconds; a ConfigMap volume's symlink swap counts). A file that
-/// does not parse keeps the previous kinds. Each change bumps `changed`.
+/// Keeps `custom` equal to `flags` plus the kinds listed in `file`, re-reading the file when its
+/// [`FileStamp`] changes (checked every 2 seconds). A file that does not parse keeps the
+/// previous kinds. Each change bumps `changed`.
 pub async fn watch_config(
     file: Option<PathBuf>,
     flags: BTreeSet<GroupKind>,
@@ -178,32 +180,25 @@ pub async fn watch_config(
     let Some(path) = file else {
         return;
     };
-    let mut last: Option<(Option<std::time::SystemTime>, u64, Result<String, String>)> = None;
+    // The stamp of the version last read; `None` before the first read.
+    let mut last: Option<Option<FileStamp>> = None;
     loop {
-        {
-            let meta = std::fs::metadata(&path).ok();
-            let stamp = (
-                meta.as_ref().and_then(|m| m.modified().ok()),
-                meta.as_ref().map_or(0, |m| m.len()),
-            );
-            let content = std::fs::read_to_string(&path).map_err(|e| e.to_string());
-            let same = last
-                .as_ref()
-                .is_some_and(|(m, l, c)| (*m, *l) == stamp && *c == content);
-            if !same {
-                let kinds = content.clone().and_then(|text| parse_config(&text));
-                match kinds {
-                    Ok(kinds) => {
-                        let all: BTreeSet<GroupKind> = flags.iter().cloned().chain(kinds).collect();
-                        let added = custom.replace(all.clone());
-                        tracing::info!(file = %path.display(), kinds = ?all, added = ?added, "custom workload kinds loaded");
-                        changed.send_modify(|n| *n += 1);
-                    }
-                    Err(error) => {
-                        tracing::warn!(file = %path.display(), %error, "custom workload configuration not usable; keeping the previous kinds")
-                    }
+        let stamp = FileStamp::of(&path).ok();
+        if last != Some(stamp) {
+            last = Some(stamp);
+            let kinds = std::fs::read_to_string(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|text| parse_config(&text));
+            match kinds {
+                Ok(kinds) => {
+                    let all: BTreeSet<GroupKind> = flags.iter().cloned().chain(kinds).collect();
+                    let added = custom.replace(all.clone());
+                    tracing::info!(file = %path.display(), kinds = ?all, added = ?added, "custom workload kinds loaded");
+                    changed.send_modify(|n| *n += 1);
                 }
-                last = Some((stamp.0, stamp.1, content));
+                Err(error) => {
+                    tracing::warn!(file = %path.display(), %error, "custom workload configuration not usable; keeping the previous kinds")
+                }
             }
         }
         tokio::select! {

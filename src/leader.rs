@@ -8,6 +8,7 @@ use kube::Client;
 use kube_lease_manager::LeaseManagerBuilder;
 use tokio_util::sync::CancellationToken;
 
+use crate::cli::LeaseArgs;
 use crate::metrics::Metrics;
 
 /// The Lease and how this replica holds it.
@@ -23,6 +24,22 @@ pub struct LeaseConfig {
     pub duration_seconds: u64,
     /// Seconds before expiry at which the holder renews.
     pub grace_seconds: u64,
+}
+
+impl LeaseConfig {
+    /// The Lease to hold as the flags say, or `None` without leader election.
+    pub fn from_args(args: &LeaseArgs) -> Option<Self> {
+        args.leader_elect.then(|| Self {
+            name: args.lease_name.clone(),
+            namespace: args.lease_namespace.clone().unwrap_or_else(own_namespace),
+            identity: args
+                .leader_identity
+                .clone()
+                .unwrap_or_else(default_identity),
+            duration_seconds: args.lease_duration_seconds,
+            grace_seconds: args.lease_grace_seconds,
+        })
+    }
 }
 
 /// Runs `lead(stop)` whenever this replica holds the Lease. `stop` is cancelled when the Lease

@@ -82,6 +82,35 @@ pub struct SkipLabels {
     pub reason: SkipReason,
 }
 
+/// Which controller a reconcile belongs to.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Reconciler {
+    /// Records pod states into PersistentPodState status.
+    Status,
+    /// Generates PersistentPodStates from workload annotations.
+    Generator,
+}
+
+/// Labels of the reconcile metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReconcilerLabels {
+    /// Which controller.
+    pub controller: Reconciler,
+}
+
+/// Observes the time from its creation to its drop into a histogram, so a reconcile is timed
+/// on every way out (success, error, early return).
+pub struct DropTimer {
+    histogram: Histogram,
+    start: Instant,
+}
+
+impl Drop for DropTimer {
+    fn drop(&mut self) {
+        self.histogram.observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
 /// Gives a label enum snake_case values (`InvalidObject` -> `invalid_object`).
 macro_rules! snake_case_label {
     ($ty:ty { $($variant:ident => $text:literal),* $(,)? }) => {
@@ -103,6 +132,7 @@ snake_case_label!(AdmissionResult {
     Patched => "patched", Allowed => "allowed", Denied => "denied", InvalidObject => "invalid_object",
     BadRequest => "bad_request", Unavailable => "unavailable",
 });
+snake_case_label!(Reconciler { Status => "status", Generator => "generator" });
 snake_case_label!(InjectionKind { Required => "required", Preferred => "preferred", Annotations => "annotations" });
 snake_case_label!(SkipReason {
     NotPodCreate => "not_pod_create", NoController => "no_controller", NotStatefulSet => "not_statefulset",
@@ -112,7 +142,7 @@ snake_case_label!(SkipReason {
 /// The standard `process_*` metrics, read from `/proc/self` (Linux) at each scrape.
 #[derive(Default)]
 pub struct ProcessMetrics {
-    cpu_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    cpu_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     resident_memory_bytes: Gauge,
     virtual_memory_bytes: Gauge,
     open_fds: Gauge,
@@ -192,7 +222,11 @@ impl ProcessMetrics {
             .as_deref()
             .and_then(parse_proc_stat)
         {
-            self.cpu_seconds.set(stat.cpu_seconds);
+            // A counter: add what was spent since the last scrape.
+            let spent = stat.cpu_seconds - self.cpu_seconds.get();
+            if spent > 0.0 {
+                self.cpu_seconds.inc_by(spent);
+            }
             self.threads.set(stat.threads);
             self.virtual_memory_bytes.set(stat.virtual_bytes);
             self.resident_memory_bytes.set(stat.resident_pages * 4096);
@@ -234,10 +268,10 @@ pub struct Metrics {
     pub states_recorded: Counter,
     /// Pod states pruned.
     pub states_pruned: Counter,
-    /// Reconcile runs that failed.
-    pub reconcile_errors: Counter,
-    /// Reconcile duration.
-    pub reconcile_duration: Histogram,
+    /// Reconcile runs that failed, by controller.
+    pub reconcile_errors: Family<ReconcilerLabels, Counter>,
+    /// Reconcile duration, by controller.
+    pub reconcile_duration: Family<ReconcilerLabels, Histogram, fn() -> Histogram>,
     /// 1 while this replica holds the Lease and runs the controllers.
     pub leader: Gauge,
     /// Process metrics (`process_*`), refreshed at each scrape.
@@ -274,8 +308,8 @@ impl Metrics {
             skipped: Family::default(),
             states_recorded: Counter::default(),
             states_pruned: Counter::default(),
-            reconcile_errors: Counter::default(),
-            reconcile_duration: latency_histogram(),
+            reconcile_errors: Family::default(),
+            reconcile_duration: Family::new_with_constructor(latency_histogram),
             cached_persistent_pod_states: Gauge::default(),
             leader: Gauge::default(),
             registry: Registry::default(),
@@ -373,6 +407,24 @@ impl Metrics {
         self.admission_duration
             .get_or_create(&EndpointLabels { endpoint })
             .observe(start.elapsed().as_secs_f64());
+    }
+
+    /// Times one reconcile of `controller` until the timer is dropped.
+    pub fn reconcile_timer(&self, controller: Reconciler) -> DropTimer {
+        DropTimer {
+            histogram: self
+                .reconcile_duration
+                .get_or_create(&ReconcilerLabels { controller })
+                .clone(),
+            start: Instant::now(),
+        }
+    }
+
+    /// Counts one failed reconcile of `controller`.
+    pub fn reconcile_error(&self, controller: Reconciler) {
+        self.reconcile_errors
+            .get_or_create(&ReconcilerLabels { controller })
+            .inc();
     }
 
     /// The Prometheus text exposition of every metric.

@@ -10,8 +10,8 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
-use crate::cache::Caches;
 use crate::metrics::Metrics;
+use crate::state::Caches;
 
 /// What the probes report on.
 pub struct Health {
@@ -67,4 +67,142 @@ async fn metrics(State(health): State<Arc<Health>>) -> Response {
         health.metrics.encode(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::time::Instant;
+
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use crate::metrics::{
+        AdmissionResult, InjectionKind, InjectionLabels, Reconciler, SkipLabels, SkipReason,
+    };
+
+    /// Metric names and their label names, from the exposition of a scrape: each `# TYPE`
+    /// line declares a family (counters are sampled as `NAME_total`), each sample carries labels.
+    fn scraped(text: &str) -> BTreeMap<String, BTreeSet<String>> {
+        let mut families = BTreeMap::new();
+        for line in text.lines() {
+            if let Some(decl) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = decl.split_once(' ').expect("name and type");
+                let name = if kind == "counter" {
+                    format!("{name}_total")
+                } else {
+                    name.to_owned()
+                };
+                families.insert(name, BTreeSet::new());
+            }
+        }
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (name, labels) = match line.split_once('{') {
+                Some((name, rest)) => (name, rest.split_once('}').expect("closed").0),
+                None => (line.split_once(' ').expect("value").0, ""),
+            };
+            let family = families
+                .keys()
+                .filter(|f| {
+                    name == f.as_str()
+                        || ["_bucket", "_sum", "_count", "_created"]
+                            .iter()
+                            .any(|s| name == format!("{f}{s}"))
+                })
+                .max_by_key(|f| f.len())
+                .cloned()
+                .unwrap_or_else(|| panic!("sample {name} belongs to no declared family"));
+            let keys = families.get_mut(&family).expect("family");
+            for pair in labels.split(',').filter(|p| !p.is_empty()) {
+                let key = pair.split_once('=').expect("key=value").0;
+                if key != "le" {
+                    keys.insert(key.to_owned());
+                }
+            }
+        }
+        families
+    }
+
+    /// Metric names and label names from the table of docs/metrics.md: the first column lists
+    /// names, the third the labels (value lists in parentheses are not label names).
+    fn documented() -> BTreeMap<String, BTreeSet<String>> {
+        let doc = include_str!("../docs/metrics.md");
+        let backticked = |cell: &str| -> Vec<String> {
+            let mut depth = 0;
+            let mut out = Vec::new();
+            let mut parts = cell.split('`');
+            let mut outside = true;
+            let mut current = parts.next().unwrap_or_default().to_owned();
+            for part in parts {
+                if outside {
+                    depth +=
+                        current.matches('(').count() as i32 - current.matches(')').count() as i32;
+                    if depth == 0 {
+                        out.push(part.to_owned());
+                    }
+                }
+                outside = !outside;
+                current = part.to_owned();
+            }
+            out
+        };
+        let mut families = BTreeMap::new();
+        for row in doc.lines().filter(|l| l.starts_with("| `")) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let labels: BTreeSet<String> = backticked(cells[3]).into_iter().collect();
+            for name in backticked(cells[1]) {
+                families.insert(name, labels.clone());
+            }
+        }
+        families
+    }
+
+    #[tokio::test]
+    async fn docs_metrics_lists_exactly_the_names_and_labels_a_scrape_exposes() {
+        let metrics = Arc::new(Metrics::new());
+        // Families show samples only once a label set was used: use one of each.
+        metrics.admission("/mutate-pod", AdmissionResult::Patched, Instant::now());
+        metrics
+            .injections
+            .get_or_create(&InjectionLabels {
+                kind: InjectionKind::Required,
+            })
+            .inc();
+        metrics
+            .skipped
+            .get_or_create(&SkipLabels {
+                reason: SkipReason::NoState,
+            })
+            .inc();
+        drop(metrics.reconcile_timer(Reconciler::Status));
+        metrics.reconcile_error(Reconciler::Generator);
+        let health = Arc::new(Health {
+            caches: Caches::new(),
+            shutting_down: false.into(),
+            metrics,
+        });
+        let response = router(health)
+            .oneshot(
+                axum::http::Request::get("/metrics")
+                    .body(Body::empty())
+                    .expect("request"),
+            )
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), StatusCode::OK);
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let text = String::from_utf8(bytes.to_vec()).expect("utf-8");
+        assert_eq!(
+            documented(),
+            scraped(&text),
+            "docs/metrics.md (left) and a scrape of /metrics (right) differ"
+        );
+    }
 }

@@ -12,7 +12,6 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::cache::Caches;
 use crate::cli::ServeArgs;
 use crate::controller;
 use crate::discovery;
@@ -20,6 +19,7 @@ use crate::events::Events;
 use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
+use crate::state::Caches;
 use crate::webhook::{self, WebhookState};
 use crate::workload::CustomKinds;
 
@@ -103,19 +103,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             events.clone(),
         ));
         let shutdown = shutdown.clone();
-        let lease = args.leader_elect.then(|| LeaseConfig {
-            name: args.lease_name.clone(),
-            namespace: args
-                .lease_namespace
-                .clone()
-                .unwrap_or_else(leader::own_namespace),
-            identity: args
-                .leader_identity
-                .clone()
-                .unwrap_or_else(leader::default_identity),
-            duration_seconds: args.lease_duration_seconds,
-            grace_seconds: args.lease_grace_seconds,
-        });
+        let lease = LeaseConfig::from_args(&args.lease);
         let client = client.clone();
         let metrics = metrics.clone();
         async move {

@@ -11,6 +11,11 @@ use serde_json::Value;
 
 use crate::api::{KRUISE_GROUP, api_group};
 
+/// API group of the native StatefulSet.
+pub const APPS_GROUP: &str = "apps";
+/// Kind of the native StatefulSet (and of Kruise's Advanced StatefulSet).
+pub const STATEFULSET: &str = "StatefulSet";
+
 /// A kind of workload, without version (`apps`/`StatefulSet`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct GroupKind {
@@ -31,12 +36,17 @@ impl GroupKind {
 
     /// Native `apps/v1` StatefulSet.
     pub fn native_statefulset() -> Self {
-        Self::new("apps", "StatefulSet")
+        Self::new(APPS_GROUP, STATEFULSET)
+    }
+
+    /// Whether this is the native `apps` StatefulSet.
+    pub fn is_native_statefulset(&self) -> bool {
+        self.kind == STATEFULSET && self.group == APPS_GROUP
     }
 
     /// Whether pods of this kind are handled: StatefulSets of `apps` and `apps.kruise.io`.
     pub fn is_statefulset(&self) -> bool {
-        self.kind == "StatefulSet" && (self.group == "apps" || self.group == KRUISE_GROUP)
+        self.kind == STATEFULSET && (self.group == APPS_GROUP || self.group == KRUISE_GROUP)
     }
 }
 
@@ -194,10 +204,10 @@ fn reserved_ordinals(value: &Value) -> BTreeSet<i32> {
 /// The API resource of the native `apps/v1` StatefulSet, for a dynamic watcher.
 pub fn native_statefulset_resource() -> ApiResource {
     ApiResource {
-        group: "apps".into(),
+        group: APPS_GROUP.into(),
         version: "v1".into(),
-        api_version: "apps/v1".into(),
-        kind: "StatefulSet".into(),
+        api_version: format!("{APPS_GROUP}/v1"),
+        kind: STATEFULSET.into(),
         plural: "statefulsets".into(),
     }
 }

@@ -3,19 +3,7 @@
 
 use serde_json::Value;
 
-use super::KRUISE_GROUP;
-
-/// The versions served.
-pub const VERSIONS: [&str; 2] = ["v1alpha1", "v1beta1"];
-
-/// The field listing a topology term's keys in `version`.
-fn keys_field(version: &str) -> Option<&'static str> {
-    match version {
-        "v1alpha1" => Some("nodeTopologyKeys"),
-        "v1beta1" => Some("keys"),
-        _ => None,
-    }
-}
+use super::{KRUISE_GROUP, VERSIONS, keys_field};
 
 fn rename(term: Option<&mut Value>, from: &str, to: &str) {
     if let Some(Value::Object(map)) = term

@@ -1,13 +1,14 @@
 //! The `apps.kruise.io` PersistentPodState API: the version-independent parts of the schema,
 //! the workload annotations, and the CustomResourceDefinition built from the Rust types.
 //!
-//! The versions differ only in the field that lists a topology term's label keys, so every
-//! other type lives here and each version module adds its own topology term and root type.
+//! The versions differ only in the field that lists a topology term's label keys: every other
+//! type lives here, and both versions' spec types come from one definition ([`versioned`]).
 
 pub mod conversion;
 pub mod v1alpha1;
 pub mod v1beta1;
 pub mod validation;
+mod versioned;
 
 /// The version the caches, controllers and webhooks work with: the storage version.
 pub use v1beta1::{
@@ -58,6 +59,18 @@ impl TargetReference {
     /// The API group of `api_version` (empty for the core group).
     pub fn group(&self) -> &str {
         api_group(&self.api_version)
+    }
+}
+
+/// The versions served, oldest first.
+pub const VERSIONS: [&str; 2] = ["v1alpha1", "v1beta1"];
+
+/// The field that lists a topology term's keys in `version` (`None` for a version not served).
+pub fn keys_field(version: &str) -> Option<&'static str> {
+    match version {
+        "v1alpha1" => Some("nodeTopologyKeys"),
+        "v1beta1" => Some("keys"),
+        _ => None,
     }
 }
 

@@ -6,6 +6,7 @@ use std::fmt;
 use serde_json::Value;
 
 use super::{KRUISE_GROUP, api_group};
+use crate::workload::GroupKind;
 
 /// One invalid field.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -149,7 +150,7 @@ pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<F
         errors.push("spec.targetRef", "Invalid value: field is immutable");
     }
     let (group, kind) = (api_group(part("apiVersion")), part("kind"));
-    let statefulset = kind == "StatefulSet" && (group == "apps" || group == KRUISE_GROUP);
+    let statefulset = GroupKind::new(group, kind).is_statefulset();
     if !kind.is_empty() && !statefulset && !(ctx.is_custom_kind)(group, kind) {
         errors.push(
             "spec.targetRef",

@@ -1,14 +1,18 @@
-//! The pure core of PersistentPodState generation: what a workload's annotations ask for.
+//! The pure core of PersistentPodState generation: what a workload's annotations ask for, and
+//! what the generator does about it ([`plan`]).
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::ResourceExt;
 
 use crate::api::{
     AUTO_GENERATE_ANNOTATION, PERSISTENT_ANNOTATIONS_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
     PersistentPodAnnotation, REQUIRED_TOPOLOGY_ANNOTATION, TargetReference,
 };
-use crate::api::{NodeTopologyTerm, PersistentPodStateSpec, PreferredTopologyTerm};
+use crate::api::{
+    NodeTopologyTerm, PersistentPodState, PersistentPodStateSpec, PreferredTopologyTerm,
+};
 
 /// Weight of the preferred term generated from `kruise.io/preferred-persistent-topology`.
 pub const GENERATED_PREFERRED_WEIGHT: i32 = 100;
@@ -77,9 +81,135 @@ pub fn generated_for(owners: &[OwnerReference], uid: &str) -> bool {
             .any(|o| o.controller == Some(true) && o.uid == uid)
 }
 
+/// A workload as the generator sees it.
+#[derive(Clone, Debug)]
+pub struct Workload<'a> {
+    /// Its `apiVersion` (as watched).
+    pub api_version: &'a str,
+    /// Its kind.
+    pub kind: &'a str,
+    /// Its namespace.
+    pub namespace: &'a str,
+    /// Its name (a generated PersistentPodState has the same).
+    pub name: &'a str,
+    /// Its uid (the generated PersistentPodState's controller ownerReference).
+    pub uid: &'a str,
+    /// Its annotations.
+    pub annotations: &'a BTreeMap<String, String>,
+    /// Whether it is being deleted.
+    pub deleting: bool,
+}
+
+/// Why the generator leaves things as they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leave {
+    /// The workload is being deleted (the garbage collector removes what it owns).
+    WorkloadDeleting,
+    /// The annotations ask for nothing, and no generated PersistentPodState exists.
+    NotAsked,
+    /// A PersistentPodState named like the workload exists and was not generated for it.
+    HandMade,
+    /// Another PersistentPodState targets the workload.
+    OtherTargets,
+    /// The generated PersistentPodState is as the annotations ask.
+    UpToDate,
+}
+
+impl Leave {
+    /// A short explanation, for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::WorkloadDeleting => "workload being deleted",
+            Self::NotAsked => "not asked for",
+            Self::HandMade => {
+                "a PersistentPodState named like the workload was not generated for it"
+            }
+            Self::OtherTargets => "another PersistentPodState targets the workload",
+            Self::UpToDate => "up to date",
+        }
+    }
+}
+
+/// What the generator does for one workload.
+#[derive(Clone, Debug)]
+pub enum Plan {
+    /// Server-side apply this PersistentPodState.
+    Apply(Box<PersistentPodState>),
+    /// Delete the generated PersistentPodState with this uid.
+    Delete {
+        /// Precondition: only this object is deleted.
+        uid: String,
+    },
+    /// Send nothing.
+    Leave(Leave),
+}
+
+/// Decides what the generator does for `workload`, given the PersistentPodState named like it
+/// (`existing`) and the names of the PersistentPodStates that target it (`targeting`). A
+/// PersistentPodState not generated for the workload is never changed or deleted.
+pub fn plan(
+    workload: &Workload<'_>,
+    existing: Option<&PersistentPodState>,
+    targeting: &[String],
+) -> Plan {
+    if workload.deleting {
+        return Plan::Leave(Leave::WorkloadDeleting);
+    }
+    let generated = existing.is_some_and(|p| generated_for(p.owner_references(), workload.uid));
+    let desired = desired_spec(
+        workload.api_version,
+        workload.kind,
+        workload.name,
+        workload.annotations,
+    );
+    let Some(mut spec) = desired else {
+        return match existing {
+            Some(p) if generated => Plan::Delete {
+                uid: p.uid().unwrap_or_default(),
+            },
+            _ => Plan::Leave(Leave::NotAsked),
+        };
+    };
+    if existing.is_some() && !generated {
+        return Plan::Leave(Leave::HandMade);
+    }
+    if targeting.iter().any(|other| other != workload.name) {
+        return Plan::Leave(Leave::OtherTargets);
+    }
+    if let Some(current) = existing {
+        // The target is matched by group and kind: keep the version already written (the
+        // watched version can change, and targetRef is immutable).
+        let written = &current.spec.target_ref;
+        if written.group() == spec.target_ref.group() && written.kind == spec.target_ref.kind {
+            spec.target_ref.api_version = written.api_version.clone();
+        }
+        if current.spec == spec {
+            return Plan::Leave(Leave::UpToDate);
+        }
+    }
+    Plan::Apply(Box::new(PersistentPodState {
+        metadata: ObjectMeta {
+            name: Some(workload.name.to_owned()),
+            namespace: Some(workload.namespace.to_owned()),
+            owner_references: Some(vec![OwnerReference {
+                api_version: workload.api_version.to_owned(),
+                kind: workload.kind.to_owned(),
+                name: workload.name.to_owned(),
+                uid: workload.uid.to_owned(),
+                controller: Some(true),
+                block_owner_deletion: None,
+            }]),
+            ..ObjectMeta::default()
+        },
+        spec,
+        status: None,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
@@ -112,7 +242,7 @@ mod tests {
     }
 
     #[test]
-    fn upstream_bug_3_changing_persistent_pod_annotations_changes_the_wanted_spec() {
+    fn persistent_pod_annotations_are_part_of_the_wanted_spec() {
         let mut a = ann(&[
             (AUTO_GENERATE_ANNOTATION, "true"),
             (PREFERRED_TOPOLOGY_ANNOTATION, "kubernetes.io/hostname"),
@@ -172,5 +302,116 @@ mod tests {
         assert!(!generated_for(&[owner("u2", Some(true))], "u1"));
         assert!(!generated_for(&[], "u1"));
         assert!(!generated_for(&[owner("", Some(true))], ""));
+    }
+
+    fn asking(required: &str) -> BTreeMap<String, String> {
+        ann(&[
+            (AUTO_GENERATE_ANNOTATION, "true"),
+            (REQUIRED_TOPOLOGY_ANNOTATION, required),
+        ])
+    }
+
+    fn workload(annotations: &BTreeMap<String, String>) -> Workload<'_> {
+        Workload {
+            api_version: "apps/v1",
+            kind: "StatefulSet",
+            namespace: "ns",
+            name: "web",
+            uid: "u1",
+            annotations,
+            deleting: false,
+        }
+    }
+
+    fn existing(owner_uid: Option<&str>, api_version: &str, keys: &[&str]) -> PersistentPodState {
+        let owners = owner_uid.map(|uid| {
+            json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": uid, "controller": true}])
+        });
+        serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns", "uid": "pps-uid", "ownerReferences": owners},
+            "spec": {"targetRef": {"apiVersion": api_version, "kind": "StatefulSet", "name": "web"},
+                     "requiredPersistentTopology": {"keys": keys}}
+        }))
+        .expect("pps")
+    }
+
+    fn applied_keys(plan: &Plan) -> Option<Vec<String>> {
+        match plan {
+            Plan::Apply(p) => Some(p.spec.required_keys().to_vec()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn plans_create_update_delete_or_leave() {
+        let zone = asking("zone");
+        let nothing = ann(&[]);
+        let deleting = Workload {
+            deleting: true,
+            ..workload(&zone)
+        };
+        let mine = existing(Some("u1"), "apps/v1", &["zone"]);
+        let mine_old = existing(Some("u1"), "apps/v1", &["host"]);
+        let hand_made = existing(None, "apps/v1", &["host"]);
+        let other_uid = existing(Some("u0"), "apps/v1", &["host"]);
+
+        let create = plan(&workload(&zone), None, &[]);
+        assert_eq!(applied_keys(&create), Some(vec!["zone".to_string()]));
+        let Plan::Apply(created) = &create else {
+            unreachable!()
+        };
+        assert_eq!(created.owner_references()[0].uid, "u1");
+        assert_eq!(created.owner_references()[0].controller, Some(true));
+
+        assert_eq!(
+            applied_keys(&plan(&workload(&zone), Some(&mine_old), &["web".into()])),
+            Some(vec!["zone".to_string()]),
+            "update"
+        );
+        let cases = [
+            (
+                plan(&workload(&zone), Some(&mine), &["web".into()]),
+                "Leave(UpToDate)",
+            ),
+            (plan(&deleting, Some(&mine), &[]), "Leave(WorkloadDeleting)"),
+            (
+                plan(&workload(&zone), Some(&hand_made), &["web".into()]),
+                "Leave(HandMade)",
+            ),
+            (
+                plan(&workload(&zone), Some(&other_uid), &[]),
+                "Leave(HandMade)",
+            ),
+            (
+                plan(&workload(&zone), None, &["other".into()]),
+                "Leave(OtherTargets)",
+            ),
+            (
+                plan(&workload(&nothing), Some(&mine), &[]),
+                r#"Delete { uid: "pps-uid" }"#,
+            ),
+            (
+                plan(&workload(&nothing), Some(&hand_made), &[]),
+                "Leave(NotAsked)",
+            ),
+            (plan(&workload(&nothing), None, &[]), "Leave(NotAsked)"),
+        ];
+        for (i, (got, want)) in cases.into_iter().enumerate() {
+            assert_eq!(format!("{got:?}"), want, "case {i}");
+        }
+    }
+
+    #[test]
+    fn the_written_target_version_is_kept() {
+        let zone = asking("zone");
+        let written_v1beta1 = existing(Some("u1"), "apps/v1beta1", &["zone"]);
+        assert!(
+            matches!(
+                plan(&workload(&zone), Some(&written_v1beta1), &[]),
+                Plan::Leave(Leave::UpToDate)
+            ),
+            "targetRef is immutable: only group and kind are compared"
+        );
     }
 }

@@ -8,12 +8,11 @@ pub mod record;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
@@ -25,10 +24,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::PersistentPodState;
 use crate::api::PersistentPodStateStatus;
-use crate::cache::{Caches, WorkloadLookup, WorkloadStore, pps_target};
 use crate::events::Events;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Reconciler};
+use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
+use generate::{Leave, Plan};
 use record::{Observed, Target};
 
 /// Field manager name for server-side apply.
@@ -129,10 +129,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
                 .run(
                     reconcile_workload,
                     workload_error_policy,
-                    Arc::new(WorkloadContext {
-                        ctx: ctx.clone(),
-                        resource: ws.resource.clone(),
-                    }),
+                    Arc::new(WorkloadContext::new(ctx.clone(), ws.resource.clone())),
                 )
                 .for_each(|_| async {})
                 .boxed(),
@@ -172,8 +169,12 @@ fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
 
 /// Records the states of the target's Ready pods and prunes states no longer needed, writing
 /// only what changed.
-async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let start = Instant::now();
+#[tracing::instrument(skip_all, fields(namespace = pps.namespace().unwrap_or_default(), name = %pps.name_any()))]
+pub async fn reconcile_pps(
+    pps: Arc<PersistentPodState>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile_timer(Reconciler::Status);
     let (Some(namespace), Some(target)) = (pps.namespace(), pps_target(&pps)) else {
         return Ok(Action::await_change());
     };
@@ -206,8 +207,12 @@ async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Resul
         let (recorded, pruned) = changes(pps.status.as_ref(), &desired);
         ctx.metrics.states_recorded.inc_by(recorded.len() as u64);
         ctx.metrics.states_pruned.inc_by(pruned.len() as u64);
-        tracing::info!(pps = %pps.name_any(), %namespace, recorded = recorded.len(), pruned = pruned.len(),
-            states = desired.pod_states.len(), "status updated");
+        tracing::info!(
+            recorded = recorded.len(),
+            pruned = pruned.len(),
+            states = desired.pod_states.len(),
+            "status updated"
+        );
         if !recorded.is_empty() {
             let placed: Vec<String> = recorded
                 .iter()
@@ -233,18 +238,17 @@ async fn reconcile_pps(pps: Arc<PersistentPodState>, ctx: Arc<Context>) -> Resul
         }
     }
     report_unplaceable(&ctx, &pps, &desired);
-    ctx.metrics
-        .reconcile_duration
-        .observe(start.elapsed().as_secs_f64());
     Ok(Action::requeue(RESYNC))
 }
 
 /// Publishes a Warning Event for each state that newly became unplaceable (its required node or
 /// zone is gone), and keeps the gauge of such states current.
 fn report_unplaceable(ctx: &Context, pps: &PersistentPodState, status: &PersistentPodStateStatus) {
-    let any_node_with =
-        |labels: &BTreeMap<String, String>| ctx.caches.node_labels.any_node_with(labels);
-    let unplaceable = record::unplaceable_states(&pps.spec, status, &any_node_with);
+    let unplaceable = {
+        let nodes = ctx.caches.node_labels.read();
+        let any_node_with = |labels: &BTreeMap<String, String>| nodes.any_with(labels);
+        record::unplaceable_states(&pps.spec, status, &any_node_with)
+    };
     let key = ObjectRef::from_obj(pps);
     let newly: Vec<(String, BTreeMap<String, String>)> = {
         let mut reported = ctx
@@ -304,119 +308,89 @@ fn changes(
 }
 
 fn pps_error_policy(pps: Arc<PersistentPodState>, error: &Error, ctx: Arc<Context>) -> Action {
-    ctx.metrics.reconcile_errors.inc();
+    ctx.metrics.reconcile_error(Reconciler::Status);
     tracing::warn!(pps = %pps.name_any(), namespace = ?pps.namespace(), %error, "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
 
 /// The context of one workload kind's generator.
-struct WorkloadContext {
+pub struct WorkloadContext {
     ctx: Arc<Context>,
     /// The kind's resource (objects from a list carry no apiVersion/kind of their own).
     resource: ApiResource,
 }
 
-/// Creates, updates or deletes the PersistentPodState generated from a workload's annotations.
-/// A PersistentPodState this controller did not generate is never changed.
-async fn reconcile_workload(
+impl WorkloadContext {
+    /// The generator context of the workload kind `resource`.
+    pub fn new(ctx: Arc<Context>, resource: ApiResource) -> Self {
+        Self { ctx, resource }
+    }
+}
+
+/// Creates, updates or deletes the PersistentPodState generated from a workload's annotations,
+/// as [`generate::plan`] decides.
+#[tracing::instrument(skip_all, fields(namespace = obj.namespace().unwrap_or_default(), name = %obj.name_any()))]
+pub async fn reconcile_workload(
     obj: Arc<DynamicObject>,
     wctx: Arc<WorkloadContext>,
 ) -> Result<Action, Error> {
     let ctx = &wctx.ctx;
+    let _timer = ctx.metrics.reconcile_timer(Reconciler::Generator);
     let types = &wctx.resource;
     let (Some(namespace), Some(uid)) = (obj.namespace(), obj.uid()) else {
         return Ok(Action::await_change());
     };
-    if obj.metadata.deletion_timestamp.is_some() {
-        return Ok(Action::await_change());
-    }
     let name = obj.name_any();
-    let desired = generate::desired_spec(&types.api_version, &types.kind, &name, obj.annotations());
+    let workload = generate::Workload {
+        api_version: &types.api_version,
+        kind: &types.kind,
+        namespace: &namespace,
+        name: &name,
+        uid: &uid,
+        annotations: obj.annotations(),
+        deleting: obj.metadata.deletion_timestamp.is_some(),
+    };
     let existing = ctx
         .caches
         .pps
         .get(&ObjectRef::new(&name).within(&namespace));
-    let generated = existing
-        .as_ref()
-        .is_some_and(|p| generate::generated_for(p.owner_references(), &uid));
+    let targeting = ctx.caches.pps_names_for(&WorkloadRef {
+        namespace: namespace.clone(),
+        kind: GroupKind::new(crate::api::api_group(&types.api_version), &types.kind),
+        name: name.clone(),
+    });
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
-
-    match (desired, existing) {
-        (Some(mut spec), existing) => {
-            // The target is matched by group and kind: keep the version already written (the
-            // watched version can change, and targetRef is immutable).
-            if let Some(p) = existing.as_ref().filter(|_| generated) {
-                let current = &p.spec.target_ref;
-                if current.group() == spec.target_ref.group()
-                    && current.kind == spec.target_ref.kind
-                {
-                    spec.target_ref.api_version = current.api_version.clone();
-                }
-            }
-            if existing.is_some() && !generated {
-                tracing::warn!(%namespace, workload = %name, "a PersistentPodState named like the workload exists and was not generated for it; leaving it alone");
-                return Ok(Action::await_change());
-            }
-            let workload = WorkloadRef {
-                namespace: namespace.clone(),
-                kind: GroupKind::new(crate::api::api_group(&types.api_version), &types.kind),
-                name: name.clone(),
-            };
-            if ctx
-                .caches
-                .pps_by_target
-                .get(&workload)
-                .iter()
-                .any(|other| *other != name)
-            {
-                tracing::warn!(%namespace, workload = %name, "another PersistentPodState targets the workload; not generating one");
-                return Ok(Action::await_change());
-            }
-            if existing.is_some_and(|p| p.spec == spec) {
-                return Ok(Action::await_change());
-            }
-            let pps = PersistentPodState {
-                metadata: ObjectMeta {
-                    name: Some(name.clone()),
-                    namespace: Some(namespace.clone()),
-                    owner_references: Some(vec![OwnerReference {
-                        api_version: types.api_version.clone(),
-                        kind: types.kind.clone(),
-                        name: name.clone(),
-                        uid,
-                        controller: Some(true),
-                        block_owner_deletion: None,
-                    }]),
-                    ..ObjectMeta::default()
-                },
-                spec,
-                status: None,
-            };
+    match generate::plan(&workload, existing.as_deref(), &targeting) {
+        Plan::Apply(pps) => {
             api.patch(
                 &name,
                 &PatchParams::apply(FIELD_MANAGER).force(),
                 &Patch::Apply(&pps),
             )
             .await?;
-            tracing::info!(%namespace, workload = %name, "generated PersistentPodState applied");
+            tracing::info!("generated PersistentPodState applied");
         }
-        (None, Some(existing)) if generated => {
+        Plan::Delete { uid } => {
             let params = DeleteParams {
                 preconditions: Some(Preconditions {
-                    uid: existing.uid(),
+                    uid: Some(uid),
                     resource_version: None,
                 }),
                 ..DeleteParams::default()
             };
             match api.delete(&name, &params).await {
-                Ok(_) => {
-                    tracing::info!(%namespace, workload = %name, "generated PersistentPodState deleted")
-                }
+                Ok(_) => tracing::info!("generated PersistentPodState deleted"),
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 Err(e) => return Err(e.into()),
             }
         }
-        (None, _) => {}
+        Plan::Leave(reason @ (Leave::HandMade | Leave::OtherTargets)) => {
+            tracing::warn!(
+                reason = reason.as_str(),
+                "not generating a PersistentPodState"
+            );
+        }
+        Plan::Leave(reason) => tracing::debug!(reason = reason.as_str(), "nothing to generate"),
     }
     Ok(Action::await_change())
 }
@@ -426,7 +400,10 @@ fn workload_error_policy(
     error: &Error,
     wctx: Arc<WorkloadContext>,
 ) -> Action {
-    wctx.ctx.metrics.reconcile_errors.inc();
+    wctx.ctx.metrics.reconcile_error(Reconciler::Generator);
     tracing::warn!(workload = %obj.name_any(), namespace = ?obj.namespace(), %error, "generation failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }
+
+#[cfg(test)]
+mod tests;

@@ -144,16 +144,7 @@ pub fn unplaceable_states(
         .pod_states
         .iter()
         .filter_map(|(pod, state)| {
-            let required: BTreeMap<String, String> = spec
-                .required_keys()
-                .iter()
-                .filter_map(|k| {
-                    state
-                        .node_topology_labels
-                        .get(k)
-                        .map(|v| (k.clone(), v.clone()))
-                })
-                .collect();
+            let required = spec.required_values(state);
             (!required.is_empty() && !any_node_with(&required)).then(|| (pod.clone(), required))
         })
         .collect()

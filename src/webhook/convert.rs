@@ -2,18 +2,15 @@
 //! itself is the pure [`crate::api::conversion::convert`].
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kube::core::conversion::{ConversionRequest, ConversionResponse, ConversionReview};
+use kube::core::conversion::ConversionResponse;
 use kube::core::response::Status;
 
 use super::WebhookState;
-use super::review::error_response;
+use super::review::Conversion;
 use crate::api::conversion::convert;
 use crate::metrics::AdmissionResult;
 
@@ -22,24 +19,16 @@ pub const PATH: &str = "/convert";
 
 /// Answers one ConversionReview. Conversion does not need the caches, so it is served from the
 /// first moment (the API server needs it to read v1alpha1 objects at all).
-pub async fn convert_objects(State(state): State<Arc<WebhookState>>, body: Bytes) -> Response {
-    let start = Instant::now();
-    let request = serde_json::from_slice::<ConversionReview>(&body)
-        .map_err(|e| format!("request body is not a ConversionReview: {e}"))
-        .and_then(|review| {
-            ConversionRequest::from_review(review)
-                .map_err(|_| "ConversionReview has no request".to_owned())
-        });
-    let request = match request {
-        Ok(r) => r,
-        Err(message) => {
-            tracing::warn!(error = %message, "rejected a malformed conversion request");
-            state
-                .metrics
-                .admission(PATH, AdmissionResult::BadRequest, start);
-            return error_response(StatusCode::BAD_REQUEST, &message);
-        }
-    };
+pub async fn convert_objects(
+    State(state): State<Arc<WebhookState>>,
+    conversion: Conversion,
+) -> Response {
+    let Conversion {
+        request,
+        received: start,
+    } = conversion;
+    let span = tracing::info_span!("conversion", uid = %request.uid, desired = %request.desired_api_version);
+    let _entered = span.enter();
     let desired = request.desired_api_version.clone();
     let converted: Result<Vec<_>, String> = request
         .objects
@@ -51,7 +40,7 @@ pub async fn convert_objects(State(state): State<Arc<WebhookState>>, body: Bytes
     let (response, result) = match converted {
         Ok(objects) => (response.success(objects), AdmissionResult::Allowed),
         Err(message) => {
-            tracing::warn!(error = %message, desired = %desired, "conversion failed");
+            tracing::warn!(error = %message, "conversion failed");
             (
                 response.failure(Status::failure(&message, "Invalid")),
                 AdmissionResult::InvalidObject,

@@ -75,11 +75,7 @@ pub fn injection_for(
 
     // a. required keys -> spec.nodeSelector
     let recorded = |key: &str| state.node_topology_labels.get(key).cloned();
-    let mut required: BTreeMap<String, String> = spec
-        .required_keys()
-        .iter()
-        .filter_map(|k| recorded(k).map(|v| (k.clone(), v)))
-        .collect();
+    let mut required = spec.required_values(state);
     if !required.is_empty() && !any_node_with(&required) {
         out.unplaceable = Some(std::mem::take(&mut required));
     }
@@ -125,10 +121,8 @@ pub fn injection_for(
         })
         .unwrap_or_default();
     let mut terms: Vec<Value> = Vec::new();
-    for term in &spec.preferred_persistent_topology {
-        let expressions: Vec<Value> = term
-            .preference
-            .keys
+    for (weight, keys) in spec.preferred_terms() {
+        let expressions: Vec<Value> = keys
             .iter()
             .filter_map(|k| recorded(k).map(|v| json!({"key": k, "operator": "In", "values": [v]})))
             .collect();
@@ -136,7 +130,7 @@ pub fn injection_for(
             continue;
         }
         let value = json!({
-            "weight": term.weight.clamp(1, 100),
+            "weight": weight.clamp(1, 100),
             "preference": {"matchExpressions": expressions},
         });
         if !existing_terms.contains(&value) && !terms.contains(&value) {

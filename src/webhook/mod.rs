@@ -1,6 +1,7 @@
-//! The HTTPS admission server: routes, the TLS serving loop, and the handlers. The decision
-//! of what to inject is the pure [`inject`] module.
+//! The HTTPS admission server: routes, the TLS serving loop, and the handlers. What a pod gets
+//! is decided by the pure [`admit`] and [`inject`]; handlers only map outcomes to responses.
 
+pub mod admit;
 pub mod convert;
 pub mod inject;
 pub mod mutate_pod;
@@ -10,14 +11,18 @@ pub mod tls;
 pub mod validate_pps;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::Response;
 use axum::routing::post;
 
-use crate::cache::Caches;
 use crate::events::Events;
-use crate::metrics::Metrics;
+use crate::metrics::{AdmissionResult, Metrics};
+use crate::state::Caches;
 use crate::workload::CustomKinds;
 
 /// Largest accepted request body (the API server sends at most a few MiB per object).
@@ -35,12 +40,107 @@ pub struct WebhookState {
     pub custom_kinds: Arc<CustomKinds>,
 }
 
-/// The admission routes.
+/// The metric label of a request path: one of the served paths, or `other`.
+pub fn endpoint(path: &str) -> &'static str {
+    [mutate_pod::PATH, validate_pps::PATH, convert::PATH]
+        .into_iter()
+        .find(|p| *p == path)
+        .unwrap_or("other")
+}
+
+/// Answers 503 until the caches have synced, so the API server's failurePolicy decides rather
+/// than a silent "allowed" from empty caches.
+async fn require_synced(
+    State(state): State<Arc<WebhookState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if state.caches.is_synced() {
+        return next.run(request).await;
+    }
+    let path = endpoint(request.uri().path());
+    state
+        .metrics
+        .admission(path, AdmissionResult::Unavailable, Instant::now());
+    review::error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
+}
+
+/// The admission routes. Conversion needs no cache, so it is served from the first moment (the
+/// API server needs it to read v1alpha1 objects at all); the others wait for the caches.
 pub fn router(state: Arc<WebhookState>) -> Router {
-    Router::new()
+    let from_caches = Router::new()
         .route(mutate_pod::PATH, post(mutate_pod::mutate_pod))
-        .route(convert::PATH, post(convert::convert_objects))
         .route(validate_pps::PATH, post(validate_pps::validate_pps))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_synced,
+        ));
+    Router::new()
+        .merge(from_caches)
+        .route(convert::PATH, post(convert::convert_objects))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! Building the webhook's state without a cluster, for in-process tests of the handlers.
+
+    use super::*;
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use kube::runtime::watcher;
+    use tower::ServiceExt;
+
+    /// A webhook state over caches fed by hand; `synced` feeds every base store's first list.
+    pub fn state(synced: bool) -> Arc<WebhookState> {
+        let caches = Caches::new();
+        if synced {
+            caches.apply_pps(watcher::Event::InitDone);
+            caches.apply_pod(watcher::Event::InitDone);
+            caches.apply_node(watcher::Event::InitDone);
+            caches.apply_workload(
+                &crate::workload::GroupKind::native_statefulset(),
+                watcher::Event::InitDone,
+            );
+        }
+        Arc::new(WebhookState {
+            caches,
+            metrics: Arc::new(Metrics::new()),
+            events: None,
+            custom_kinds: Arc::new(CustomKinds::default()),
+        })
+    }
+
+    /// POSTs `body` to `path` through the router; returns the status and the JSON answer.
+    pub async fn post(
+        state: &Arc<WebhookState>,
+        path: &str,
+        body: impl Into<Body>,
+    ) -> (StatusCode, serde_json::Value) {
+        let request = axum::http::Request::post(path)
+            .header("content-type", "application/json")
+            .body(body.into())
+            .expect("request");
+        let response = router(state.clone())
+            .oneshot(request)
+            .await
+            .expect("infallible");
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+            panic!(
+                "{path} answered {status} with a body that is not JSON ({e}): {}",
+                String::from_utf8_lossy(&bytes)
+            )
+        });
+        (status, json)
+    }
+}
+#[cfg(test)]
+mod router_tests;

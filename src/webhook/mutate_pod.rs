@@ -1,101 +1,105 @@
-//! `POST /mutate-pod`: answers Pod CREATE reviews from the shared caches. The webhook has no
-//! side effects, so a dry-run request is answered exactly like a real one.
+//! `POST /mutate-pod`: answers Pod CREATE reviews from the shared caches. The decision is the
+//! pure [`admit`]; this handler turns its outcome into metrics, Events and the response.
+//!
+//! The webhook publishes Events (its `sideEffects` is `NoneOnDryRun`): a dry-run request gets
+//! exactly the answer a real one would, but publishes nothing.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use k8s_openapi::api::core::v1::Pod;
 use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
+use kube::core::admission::{AdmissionRequest, AdmissionResponse};
 use kube::runtime::events::EventType;
-use serde_json::Value;
 
 use super::WebhookState;
-use super::inject::injection_for;
-use super::review;
-use crate::metrics::{AdmissionResult, InjectionKind, InjectionLabels, SkipLabels, SkipReason};
-use crate::workload::pod_workload;
+use super::admit::{Decision, Lookup, Outcome, admit};
+use super::review::Review;
+use crate::api::PersistentPodState;
+use crate::metrics::{AdmissionResult, InjectionKind, InjectionLabels, SkipLabels};
+use crate::workload::{GroupKind, WorkloadRef};
 
 /// The path this handler is mounted on.
 pub const PATH: &str = "/mutate-pod";
 
+impl Lookup for WebhookState {
+    fn handles(&self, kind: &GroupKind) -> bool {
+        self.custom_kinds.handles(kind)
+    }
+
+    fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+        self.caches.pps_for(workload)
+    }
+
+    fn any_node_with(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.caches.node_labels.read().any_with(labels)
+    }
+}
+
 /// Answers one pod AdmissionReview.
-pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, body: Bytes) -> Response {
-    let start = Instant::now();
-    let metrics = &state.metrics;
-    let parsed = match review::read_review(&state, PATH, start, &body) {
-        Ok(p) => p,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let (response, result) = decide(&state, &parsed.request, parsed.object);
-    metrics.admission(PATH, result, start);
+pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
+    let Review { parsed, received } = review;
+    let req = &parsed.request;
+    let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
+    let _entered = span.enter();
+    let outcome = admit(req, parsed.object, state.as_ref());
+    let (response, result) = respond(&state, req, outcome);
+    state.metrics.admission(PATH, result, received);
     Json(response.into_review()).into_response()
 }
 
-fn skip(
+fn respond(
     state: &WebhookState,
     req: &AdmissionRequest<DynamicObject>,
-    reason: SkipReason,
+    outcome: Outcome,
 ) -> (AdmissionResponse, AdmissionResult) {
-    state
-        .metrics
-        .skipped
-        .get_or_create(&SkipLabels { reason })
-        .inc();
-    tracing::debug!(uid = %req.uid, namespace = ?req.namespace, name = %req.name, reason = reason.as_str(), "allowed without patch");
-    (AdmissionResponse::from(req), AdmissionResult::Allowed)
+    let allowed = AdmissionResponse::from(req);
+    match outcome {
+        Outcome::Skip(reason) => {
+            state
+                .metrics
+                .skipped
+                .get_or_create(&SkipLabels { reason })
+                .inc();
+            tracing::debug!(reason = reason.as_str(), "allowed without patch");
+            (allowed, AdmissionResult::Allowed)
+        }
+        Outcome::Invalid(error) => {
+            tracing::warn!(%error, "object is not a readable Pod; allowed without patch");
+            (allowed, AdmissionResult::InvalidObject)
+        }
+        Outcome::Inject(decision) => {
+            report(state, req.dry_run, &decision);
+            let injection = decision.injection;
+            if injection.patch.0.is_empty() {
+                return (allowed, AdmissionResult::Allowed);
+            }
+            match allowed.with_patch(injection.patch) {
+                Ok(patched) => {
+                    tracing::debug!(
+                        pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
+                        required = injection.required,
+                        preferred = injection.preferred,
+                        annotations = injection.annotations,
+                        "injected persistent pod state"
+                    );
+                    (patched, AdmissionResult::Patched)
+                }
+                Err(error) => {
+                    tracing::error!(%error, "could not serialize the patch; allowing without it");
+                    (AdmissionResponse::from(req), AdmissionResult::Allowed)
+                }
+            }
+        }
+    }
 }
 
-fn decide(
-    state: &WebhookState,
-    req: &AdmissionRequest<DynamicObject>,
-    object: Option<Value>,
-) -> (AdmissionResponse, AdmissionResult) {
-    let is_pod = req.kind.group.is_empty() && req.kind.kind == "Pod";
-    if !is_pod
-        || req.operation != Operation::Create
-        || req.sub_resource.as_deref().is_some_and(|s| !s.is_empty())
-    {
-        return skip(state, req, SkipReason::NotPodCreate);
-    }
-    let pod: Pod = match object.map(serde_json::from_value) {
-        Some(Ok(pod)) => pod,
-        Some(Err(e)) => return invalid_object(req, &e.to_string()),
-        None => return invalid_object(req, "the request carries no object"),
-    };
-    let namespace = req
-        .namespace
-        .clone()
-        .or_else(|| pod.metadata.namespace.clone())
-        .unwrap_or_default();
-    let name = pod
-        .metadata
-        .name
-        .clone()
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| req.name.clone());
-
-    let Some(workload) = pod_workload(&pod, &namespace) else {
-        return skip(state, req, SkipReason::NoController);
-    };
-    if !state.custom_kinds.handles(&workload.kind) {
-        return skip(state, req, SkipReason::NotStatefulSet);
-    }
-    let Some(pps) = state.caches.pps_for(&workload) else {
-        return skip(state, req, SkipReason::NoPersistentPodState);
-    };
-    let Some(pod_state) = pps.status.as_ref().and_then(|s| s.pod_states.get(&name)) else {
-        return skip(state, req, SkipReason::NoState);
-    };
-    let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
-    let any_node_with = |labels: &_| state.caches.node_labels.any_node_with(labels);
-    let injection = injection_for(&pod, pps_name, &pps.spec, pod_state, &any_node_with);
-
-    let m = &state.metrics;
+/// Counts what was injected and reports what was left out (metrics, logs and, unless this is a
+/// dry run, Events on the PersistentPodState).
+fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
+    let (m, injection, pod) = (&state.metrics, &decision.injection, &decision.pod);
     for (kind, n) in [
         (InjectionKind::Required, injection.required),
         (InjectionKind::Preferred, injection.preferred),
@@ -107,66 +111,45 @@ fn decide(
                 .inc_by(n as u64);
         }
     }
-    // Events are side effects: a dry run gets the same answer but publishes nothing.
-    let events = state.events.as_ref().filter(|_| !req.dry_run);
-    if let (Some(events), Some(values)) = (events, &injection.unplaceable) {
-        let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let note = format!(
-            "pod {name}: no node has {}; injected only the preferred placement",
-            wanted.join(",")
+    let events = state.events.as_ref().filter(|_| !dry_run);
+    if let Some(values) = &injection.unplaceable {
+        m.required_unplaceable.inc();
+        tracing::warn!(
+            pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
+            ?values,
+            "no node has the recorded required values; injecting only the preferred part"
         );
-        events.publish(
-            &pps,
-            EventType::Warning,
-            "RequiredTopologySkipped",
-            "Inject",
-            note,
-        );
+        if let Some(events) = events {
+            let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let note = format!(
+                "pod {pod}: no node has {}; injected only the preferred placement",
+                wanted.join(",")
+            );
+            events.publish(
+                &decision.pps,
+                EventType::Warning,
+                "RequiredTopologySkipped",
+                "Inject",
+                note,
+            );
+        }
+    }
+    for c in &injection.conflicts {
+        m.injection_conflicts.inc();
+        tracing::info!(key = %c.key, "pod sets its own nodeSelector value; recorded value not injected");
     }
     if let (Some(events), false) = (events, injection.conflicts.is_empty()) {
         let keys: Vec<&str> = injection.conflicts.iter().map(|c| c.key.as_str()).collect();
         let note = format!(
-            "pod {name} sets {} itself; the recorded value was not injected",
+            "pod {pod} sets {} itself; the recorded value was not injected",
             keys.join(",")
         );
         events.publish(
-            &pps,
+            &decision.pps,
             EventType::Warning,
             "NodeSelectorConflict",
             "Inject",
             note,
         );
     }
-    if let Some(values) = &injection.unplaceable {
-        m.required_unplaceable.inc();
-        tracing::warn!(uid = %req.uid, %namespace, pod = %name, pps = pps_name, ?values,
-            "no node has the recorded required values; injecting only the preferred part");
-    }
-    for c in &injection.conflicts {
-        m.injection_conflicts.inc();
-        tracing::info!(uid = %req.uid, %namespace, pod = %name, key = %c.key, "pod sets its own nodeSelector value; recorded value not injected");
-    }
-    if injection.patch.0.is_empty() {
-        return (AdmissionResponse::from(req), AdmissionResult::Allowed);
-    }
-    match AdmissionResponse::from(req).with_patch(injection.patch) {
-        Ok(resp) => {
-            tracing::info!(uid = %req.uid, %namespace, pod = %name, pps = pps_name,
-                required = injection.required, preferred = injection.preferred,
-                annotations = injection.annotations, dry_run = req.dry_run, "injected persistent pod state");
-            (resp, AdmissionResult::Patched)
-        }
-        Err(e) => {
-            tracing::error!(uid = %req.uid, error = %e, "could not serialize the patch; allowing without it");
-            (AdmissionResponse::from(req), AdmissionResult::Allowed)
-        }
-    }
-}
-
-fn invalid_object(
-    req: &AdmissionRequest<DynamicObject>,
-    error: &str,
-) -> (AdmissionResponse, AdmissionResult) {
-    tracing::warn!(uid = %req.uid, namespace = ?req.namespace, name = %req.name, %error, "object is not a readable Pod; allowed without patch");
-    (AdmissionResponse::from(req), AdmissionResult::InvalidObject)
 }

@@ -1,16 +1,22 @@
-//! Reading AdmissionReviews robustly: a body that is not an AdmissionReview is a 400 with a
-//! JSON message; a review that parses always gets an answer carrying its uid, whatever its
-//! object holds (the object is split off and parsed separately by the handler).
+//! Reading review bodies robustly, as axum extractors: a body that is not a review is answered
+//! with a 4xx and a JSON message (and counted) before any handler runs; an AdmissionReview
+//! that parses always gets an answer carrying its uid, whatever its object holds (the object is
+//! split off and read by the handler).
+
+use std::sync::Arc;
+use std::time::Instant;
 
 use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionReview};
+use kube::core::conversion::{ConversionRequest, ConversionReview};
 use serde_json::{Value, json};
-use std::time::Instant;
 
-use super::WebhookState;
+use super::{WebhookState, endpoint};
 use crate::metrics::AdmissionResult;
 
 /// A parsed admission request, with its objects kept as raw JSON.
@@ -23,24 +29,23 @@ pub struct ParsedReview {
     pub old_object: Option<Value>,
 }
 
-/// Why a body could not be read as an AdmissionReview (HTTP 400).
+/// Why a body could not be read as a review (HTTP 400).
 #[derive(Debug, thiserror::Error)]
 pub enum ReviewError {
     /// Not JSON.
     #[error("request body is not JSON: {0}")]
     NotJson(serde_json::Error),
-    /// JSON, but not an AdmissionReview.
-    #[error("request body is not an AdmissionReview: {0}")]
-    NotAReview(serde_json::Error),
-    /// An AdmissionReview without a request.
-    #[error("AdmissionReview has no request")]
-    NoRequest,
-}
-
-impl IntoResponse for ReviewError {
-    fn into_response(self) -> Response {
-        error_response(StatusCode::BAD_REQUEST, &self.to_string())
-    }
+    /// JSON, but not a review of the expected kind.
+    #[error("request body is not {kind}: {error}")]
+    NotAReview {
+        /// The kind of review expected.
+        kind: &'static str,
+        /// What did not fit.
+        error: serde_json::Error,
+    },
+    /// A review without a request.
+    #[error("{0} has no request")]
+    NoRequest(&'static str),
 }
 
 /// A JSON error body `{"error": message}` with `status`.
@@ -53,63 +58,110 @@ fn take_object(review: &mut Value, field: &str) -> Option<Value> {
     Some(slot.take()).filter(|v| !v.is_null())
 }
 
-/// The common start of the admission handlers that answer from the caches: HTTP 503 before
-/// the caches have synced (so the API server's failurePolicy decides, rather than a silent
-/// "allowed"), HTTP 400 for a body that is not an AdmissionReview; both are counted.
-pub fn read_review(
-    state: &WebhookState,
-    path: &'static str,
-    start: Instant,
-    body: &[u8],
-) -> Result<ParsedReview, Rejection> {
-    if !state.caches.is_synced() {
-        state
-            .metrics
-            .admission(path, AdmissionResult::Unavailable, start);
-        return Err(Rejection::NotSynced);
-    }
-    parse(body).map_err(|e| {
-        tracing::warn!(error = %e, path, "rejected a malformed admission request");
-        state
-            .metrics
-            .admission(path, AdmissionResult::BadRequest, start);
-        Rejection::Malformed(e)
-    })
-}
-
-/// A request answered without a review: caches not synced (503) or a bad body (400).
-#[derive(Debug)]
-pub enum Rejection {
-    /// The caches have not synced yet.
-    NotSynced,
-    /// The body is not an AdmissionReview.
-    Malformed(ReviewError),
-}
-
-impl IntoResponse for Rejection {
-    fn into_response(self) -> Response {
-        match self {
-            Self::NotSynced => {
-                error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
-            }
-            Self::Malformed(e) => e.into_response(),
-        }
-    }
-}
-
 /// Parses a request body as an AdmissionReview.
 pub fn parse(body: &[u8]) -> Result<ParsedReview, ReviewError> {
     let mut review: Value = serde_json::from_slice(body).map_err(ReviewError::NotJson)?;
     let object = take_object(&mut review, "object");
     let old_object = take_object(&mut review, "oldObject");
     let review: AdmissionReview<DynamicObject> =
-        serde_json::from_value(review).map_err(ReviewError::NotAReview)?;
-    let request = review.try_into().map_err(|_| ReviewError::NoRequest)?;
+        serde_json::from_value(review).map_err(|error| ReviewError::NotAReview {
+            kind: "an AdmissionReview",
+            error,
+        })?;
+    let request = review
+        .try_into()
+        .map_err(|_| ReviewError::NoRequest("AdmissionReview"))?;
     Ok(ParsedReview {
         request,
         object,
         old_object,
     })
+}
+
+/// Parses a request body as a ConversionReview.
+pub fn parse_conversion(body: &[u8]) -> Result<ConversionRequest, ReviewError> {
+    let review: ConversionReview = serde_json::from_slice(body).map_err(|error| {
+        if error.is_data() {
+            ReviewError::NotAReview {
+                kind: "a ConversionReview",
+                error,
+            }
+        } else {
+            ReviewError::NotJson(error)
+        }
+    })?;
+    ConversionRequest::from_review(review).map_err(|_| ReviewError::NoRequest("ConversionReview"))
+}
+
+/// Reads the body (within the router's body limit); a body that cannot be read is answered
+/// with its status (413 when too large) and a JSON message.
+async fn body(req: Request, state: &Arc<WebhookState>) -> Result<(Bytes, &'static str), Response> {
+    let path = endpoint(req.uri().path());
+    let start = Instant::now();
+    Bytes::from_request(req, state)
+        .await
+        .map(|b| (b, path))
+        .map_err(|rejection| {
+            state
+                .metrics
+                .admission(path, AdmissionResult::BadRequest, start);
+            error_response(rejection.status(), &rejection.body_text())
+        })
+}
+
+fn bad_request(
+    state: &WebhookState,
+    path: &'static str,
+    start: Instant,
+    e: &ReviewError,
+) -> Response {
+    tracing::warn!(error = %e, path, "rejected a malformed review");
+    state
+        .metrics
+        .admission(path, AdmissionResult::BadRequest, start);
+    error_response(StatusCode::BAD_REQUEST, &e.to_string())
+}
+
+/// Extracts a parsed AdmissionReview, or answers a JSON 4xx.
+pub struct Review {
+    /// The parsed review.
+    pub parsed: ParsedReview,
+    /// When the request arrived (for the latency metric).
+    pub received: Instant,
+}
+
+impl FromRequest<Arc<WebhookState>> for Review {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
+        let received = Instant::now();
+        let (bytes, path) = body(req, state).await?;
+        match parse(&bytes) {
+            Ok(parsed) => Ok(Self { parsed, received }),
+            Err(e) => Err(bad_request(state, path, received, &e)),
+        }
+    }
+}
+
+/// Extracts a parsed ConversionReview, or answers a JSON 4xx.
+pub struct Conversion {
+    /// The parsed request.
+    pub request: ConversionRequest,
+    /// When the request arrived (for the latency metric).
+    pub received: Instant,
+}
+
+impl FromRequest<Arc<WebhookState>> for Conversion {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
+        let received = Instant::now();
+        let (bytes, path) = body(req, state).await?;
+        match parse_conversion(&bytes) {
+            Ok(request) => Ok(Self { request, received }),
+            Err(e) => Err(bad_request(state, path, received, &e)),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -156,5 +208,12 @@ mod tests {
         for body in cases {
             assert!(parse(body).is_err(), "{}", String::from_utf8_lossy(body));
         }
+        assert!(parse_conversion(b"{").is_err());
+        assert!(
+            parse_conversion(
+                br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview"}"#
+            )
+            .is_err()
+        );
     }
 }

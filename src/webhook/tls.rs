@@ -3,10 +3,9 @@
 //! symlink swap of a Secret volume — is used without a restart.
 
 use std::fmt;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rustls::ServerConfig;
@@ -16,29 +15,12 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
+use crate::files::FileStamp;
+
 const RECHECK: Duration = Duration::from_secs(1);
 
-/// Identity of a file's content as far as metadata tells (follows symlinks).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    modified: Option<SystemTime>,
-}
-
-fn stamp(path: &Path) -> std::io::Result<Stamp> {
-    let m = std::fs::metadata(path)?;
-    Ok(Stamp {
-        dev: m.dev(),
-        ino: m.ino(),
-        len: m.len(),
-        modified: m.modified().ok(),
-    })
-}
-
 struct Loaded {
-    stamps: (Stamp, Stamp),
+    stamps: (FileStamp, FileStamp),
     key: Arc<CertifiedKey>,
     checked: Instant,
 }
@@ -65,10 +47,10 @@ fn load(
     cert: &Path,
     key: &Path,
     provider: &CryptoProvider,
-) -> anyhow::Result<((Stamp, Stamp), Arc<CertifiedKey>)> {
+) -> anyhow::Result<((FileStamp, FileStamp), Arc<CertifiedKey>)> {
     let stamps = (
-        stamp(cert).with_context(|| format!("reading {}", cert.display()))?,
-        stamp(key).with_context(|| format!("reading {}", key.display()))?,
+        FileStamp::of(cert).with_context(|| format!("reading {}", cert.display()))?,
+        FileStamp::of(key).with_context(|| format!("reading {}", key.display()))?,
     );
     let chain = CertificateDer::pem_file_iter(cert)
         .with_context(|| format!("reading {}", cert.display()))?
@@ -103,7 +85,7 @@ impl ReloadingCert {
         let mut loaded = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
         if loaded.checked.elapsed() >= RECHECK {
             loaded.checked = Instant::now();
-            let now = (stamp(&self.cert), stamp(&self.key));
+            let now = (FileStamp::of(&self.cert), FileStamp::of(&self.key));
             let changed = match now {
                 (Ok(c), Ok(k)) => (c, k) != loaded.stamps,
                 _ => false,

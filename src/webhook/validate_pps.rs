@@ -2,10 +2,8 @@
 //! either version. The rules are the pure [`crate::api::validation`].
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use kube::core::admission::{AdmissionResponse, Operation};
@@ -13,30 +11,32 @@ use kube::core::response::Status;
 use serde_json::Value;
 
 use super::WebhookState;
-use super::review;
+use super::review::Review;
 use crate::api::validation::{Context, validate};
-use crate::api::{KRUISE_GROUP, api_group};
+use crate::api::{KRUISE_GROUP, api_group, keys_field};
 use crate::metrics::AdmissionResult;
 use crate::workload::{GroupKind, WorkloadRef};
 
 /// The path this handler is mounted on.
 pub const PATH: &str = "/validate-persistentpodstate";
 
-/// Answers one PersistentPodState AdmissionReview.
-pub async fn validate_pps(State(state): State<Arc<WebhookState>>, body: Bytes) -> Response {
-    let start = Instant::now();
+/// Answers one PersistentPodState AdmissionReview. Uniqueness is checked against the cache, so
+/// this route waits for the caches to sync.
+pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
+    let Review {
+        parsed,
+        received: start,
+    } = review;
     let metrics = &state.metrics;
-    // Uniqueness is checked against the cache: before it synced, failurePolicy decides.
-    let parsed = match review::read_review(&state, PATH, start, &body) {
-        Ok(p) => p,
-        Err(rejection) => return rejection.into_response(),
-    };
     let req = &parsed.request;
+    let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
+    let _entered = span.enter();
     let response = AdmissionResponse::from(req);
     let concerned = req.kind.group == KRUISE_GROUP
         && req.kind.kind == "PersistentPodState"
         && matches!(req.operation, Operation::Create | Operation::Update);
-    let Some(object) = parsed.object.filter(|_| concerned) else {
+    let keys_field = keys_field(&req.kind.version);
+    let (Some(object), Some(keys_field)) = (parsed.object.filter(|_| concerned), keys_field) else {
         metrics.admission(PATH, AdmissionResult::Allowed, start);
         return Json(response.into_review()).into_response();
     };
@@ -60,19 +60,14 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, body: Bytes) -
     };
     let others: Vec<String> = state
         .caches
-        .pps_by_target
-        .get(&workload)
+        .pps_names_for(&workload)
         .into_iter()
         .filter(|other| *other != name)
         .collect();
     let is_custom_kind =
         |group: &str, kind: &str| state.custom_kinds.contains(&GroupKind::new(group, kind));
     let ctx = Context {
-        keys_field: if req.kind.version == "v1alpha1" {
-            "nodeTopologyKeys"
-        } else {
-            "keys"
-        },
+        keys_field,
         is_custom_kind: &is_custom_kind,
         others_for_target: &others,
     };
@@ -91,7 +86,7 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, body: Bytes) -
                 .collect::<Vec<_>>()
                 .join("; ")
         );
-        tracing::info!(uid = %req.uid, namespace = ?req.namespace, %name, %message, "denied");
+        tracing::info!(%message, "denied");
         let mut denied = response.deny(&message);
         denied.result = Status::failure(&message, "Invalid").with_code(422);
         (denied, AdmissionResult::Denied)

@@ -1,0 +1,306 @@
+//! In-process scenarios of the reconcilers against a mock API server (tower-test): the exact
+//! requests a reconcile sends, and that it sends none when nothing changed.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, Request, Response};
+use http_body_util::BodyExt;
+use kube::api::DynamicObject;
+use kube::client::Body;
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+
+use super::{Context, Error, WorkloadContext, reconcile_pps, reconcile_workload};
+use crate::api::{
+    AUTO_GENERATE_ANNOTATION, PERSISTENT_ANNOTATIONS_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
+    PersistentPodState,
+};
+use crate::events::Events;
+use crate::metrics::Metrics;
+use crate::state::Caches;
+use crate::workload::{GroupKind, native_statefulset_resource};
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn mock_client() -> (Client, Handle) {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    (Client::new(service, "default"), handle)
+}
+
+/// A controller context over `caches`, talking to a mock API server. Events go to a mock nobody
+/// answers (publishing them fails in the background, as with a broken Event API).
+fn context(caches: Arc<Caches>) -> (Arc<Context>, Handle) {
+    let (client, handle) = mock_client();
+    let (events_client, _) = mock_client();
+    let events = Arc::new(Events::new(events_client, None, Duration::from_secs(30)));
+    let ctx = Context::new(client, caches, Arc::new(Metrics::new()), events);
+    (Arc::new(ctx), handle)
+}
+
+/// A request the reconcile sent.
+#[derive(Debug)]
+struct Sent {
+    method: Method,
+    path_and_query: String,
+    content_type: String,
+    body: Value,
+}
+
+/// Drives `reconcile` to its end, answering each request it sends with the next of `answers`
+/// (HTTP 200 with that JSON); returns what was sent.
+async fn drive(
+    reconcile: impl Future<Output = Result<kube::runtime::controller::Action, Error>>,
+    handle: &mut Handle,
+    answers: Vec<Value>,
+) -> Vec<Sent> {
+    let mut answers = answers.into_iter();
+    let mut sent = Vec::new();
+    tokio::pin!(reconcile);
+    loop {
+        tokio::select! {
+            result = &mut reconcile => {
+                result.expect("reconcile succeeds");
+                return sent;
+            }
+            request = handle.next_request() => {
+                let (request, respond) = request.expect("the client is alive");
+                let (parts, body) = request.into_parts();
+                let bytes = body.collect().await.expect("body").to_bytes();
+                sent.push(Sent {
+                    method: parts.method,
+                    path_and_query: parts.uri.path_and_query().map(ToString::to_string).unwrap_or_default(),
+                    content_type: parts
+                        .headers
+                        .get(http::header::CONTENT_TYPE)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned(),
+                    body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+                });
+                let answer = answers.next().expect("no more requests than answers");
+                respond.send_response(
+                    Response::builder()
+                        .status(200)
+                        .header("content-type", "application/json")
+                        .body(Body::from(serde_json::to_vec(&answer).expect("json")))
+                        .expect("response"),
+                );
+            }
+        }
+    }
+}
+
+fn pps(status: Value) -> PersistentPodState {
+    serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": "web", "namespace": "ns", "generation": 2, "uid": "pps-uid"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                 "requiredPersistentTopology": {"keys": ["topology.kubernetes.io/zone"]}},
+        "status": status
+    }))
+    .expect("pps")
+}
+
+fn statefulset(annotations: Value) -> DynamicObject {
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": "web", "namespace": "ns", "uid": "sts-uid", "annotations": annotations},
+        "spec": {"replicas": 2}
+    }))
+    .expect("statefulset")
+}
+
+/// Caches holding the StatefulSet `web` (listed), its Ready pod `web-0` on `n1` (zone z1).
+fn world() -> Arc<Caches> {
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    caches.apply_node(watcher::Event::Apply(
+        serde_json::from_value(json!({"metadata": {"name": "n1",
+            "labels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}}))
+        .expect("node"),
+    ));
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "ownerReferences": [{"apiVersion": "apps/v1",
+                "kind": "StatefulSet", "name": "web", "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeName": "n1", "containers": []},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .expect("pod"),
+    ));
+    caches
+}
+
+const RECORDED: &str =
+    r#"{"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}}"#;
+
+#[tokio::test]
+async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches);
+    let pps = Arc::new(pps(json!({"observedGeneration": 2})));
+    let recorded: Value = serde_json::from_str(RECORDED).expect("json");
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(pps.as_ref()).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let patch = &sent[0];
+    assert_eq!(patch.method, Method::PATCH);
+    assert_eq!(
+        patch.path_and_query,
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status?"
+    );
+    assert_eq!(patch.content_type, "application/merge-patch+json");
+    assert_eq!(patch.body, json!({"status": {"podStates": recorded}}));
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_reconcile_duration_seconds_count{controller=\"status\"} 1"),
+        "timed"
+    );
+}
+
+#[tokio::test]
+async fn status_reconcile_sends_nothing_when_nothing_changed() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches);
+    let recorded: Value = serde_json::from_str(RECORDED).expect("json");
+    let pps = Arc::new(pps(json!({"observedGeneration": 2, "podStates": recorded})));
+    let sent = drive(reconcile_pps(pps, ctx), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+}
+
+fn generator(caches: &Arc<Caches>) -> (Arc<WorkloadContext>, Handle) {
+    let (ctx, handle) = context(caches.clone());
+    (
+        Arc::new(WorkloadContext::new(ctx, native_statefulset_resource())),
+        handle,
+    )
+}
+
+fn asking(persistent: &str) -> Value {
+    json!({
+        AUTO_GENERATE_ANNOTATION: "true",
+        PREFERRED_TOPOLOGY_ANNOTATION: "kubernetes.io/hostname",
+        PERSISTENT_ANNOTATIONS_ANNOTATION: persistent,
+    })
+}
+
+fn generated(annotation_keys: &[&str], owner_uid: Option<&str>) -> PersistentPodState {
+    let owners = owner_uid.map(|uid| {
+        json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": uid, "controller": true}])
+    });
+    let annotations: Vec<Value> = annotation_keys.iter().map(|k| json!({"key": k})).collect();
+    serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": "web", "namespace": "ns", "uid": "pps-uid", "ownerReferences": owners},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                 "preferredPersistentTopology": [{"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}}],
+                 "persistentPodAnnotations": annotations}
+    }))
+    .expect("pps")
+}
+
+#[tokio::test]
+async fn generator_creates_the_pps_with_server_side_apply() {
+    let caches = world();
+    let (wctx, mut handle) = generator(&caches);
+    let sts = Arc::new(statefulset(asking("a")));
+    let sent = drive(
+        reconcile_workload(sts, wctx),
+        &mut handle,
+        vec![serde_json::to_value(generated(&["a"], Some("sts-uid"))).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let apply = &sent[0];
+    assert_eq!(apply.method, Method::PATCH);
+    assert_eq!(
+        apply.path_and_query,
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?&force=true&fieldManager=persistent-pod-state"
+    );
+    assert_eq!(apply.content_type, "application/apply-patch+yaml");
+    assert_eq!(
+        apply.body["metadata"]["ownerReferences"][0]["uid"], "sts-uid",
+        "owned by the workload"
+    );
+    assert_eq!(
+        apply.body["spec"]["persistentPodAnnotations"],
+        json!([{"key": "a"}])
+    );
+}
+
+#[tokio::test]
+async fn upstream_bug_3_changing_persistent_pod_annotations_reaches_the_generator_and_updates_the_pps()
+ {
+    let caches = world();
+    caches.apply_pps(watcher::Event::Apply(generated(&["a"], Some("sts-uid"))));
+    let (wctx, mut handle) = generator(&caches);
+    let kind = GroupKind::native_statefulset();
+    let mut requests = caches.triggers.subscribe_workloads(&kind);
+    // Upstream's workload handler ignores this annotation: no reconcile, no update.
+    caches.apply_workload(&kind, watcher::Event::Apply(statefulset(asking("a,b"))));
+    // The request is queued synchronously by the watch event: nothing to wait for.
+    let request = requests.try_recv().expect("a reconcile request was queued");
+    assert_eq!(request.name, "web");
+    let store = caches.workload_store(&kind).expect("watched");
+    let sts = store.store.get(&request).expect("cached");
+    let sent = drive(
+        reconcile_workload(sts, wctx),
+        &mut handle,
+        vec![serde_json::to_value(generated(&["a", "b"], Some("sts-uid"))).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        sent[0].body["spec"]["persistentPodAnnotations"],
+        json!([{"key": "a"}, {"key": "b"}])
+    );
+}
+
+#[tokio::test]
+async fn generator_leaves_hand_made_pps_alone_and_deletes_only_its_own() {
+    // A hand-made PPS named like the workload: neither updated nor deleted.
+    for annotations in [asking("a"), json!({})] {
+        let caches = world();
+        caches.apply_pps(watcher::Event::Apply(generated(&["x"], None)));
+        let (wctx, mut handle) = generator(&caches);
+        let sent = drive(
+            reconcile_workload(Arc::new(statefulset(annotations)), wctx),
+            &mut handle,
+            vec![],
+        )
+        .await;
+        assert!(sent.is_empty(), "{sent:?}");
+    }
+    // Its own, no longer asked for: deleted, with the uid as precondition.
+    let caches = world();
+    caches.apply_pps(watcher::Event::Apply(generated(&["a"], Some("sts-uid"))));
+    let (wctx, mut handle) = generator(&caches);
+    let sent = drive(
+        reconcile_workload(Arc::new(statefulset(json!({}))), wctx),
+        &mut handle,
+        vec![json!({"kind": "Status", "apiVersion": "v1", "status": "Success"})],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].method, Method::DELETE);
+    assert_eq!(
+        sent[0].path_and_query,
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?"
+    );
+    assert_eq!(sent[0].body["preconditions"]["uid"], "pps-uid");
+    let existing = caches
+        .pps
+        .get(&kube::runtime::reflector::ObjectRef::new("web").within("ns"))
+        .expect("cached");
+    assert_eq!(existing.uid().as_deref(), Some("pps-uid"));
+}

@@ -1,0 +1,360 @@
+//! Indexes kept current from watch events, so a hot-path lookup is a hash probe and never a scan.
+//!
+//! Every index (and CRD discovery) shares one relist mechanism, [`Relisting`]: while a watch
+//! relists (`Init`, `InitApply`..., `InitDone`), a fresh index is built aside and replaces the
+//! current one only at `InitDone`, exactly like the reflector store it sits next to.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+
+use crate::api::PersistentPodState;
+use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+
+/// An index over objects of kind `K`, updated one object at a time.
+pub trait Indexer<K>: Default {
+    /// Adds `obj` or replaces its previous version; returns whether the answers changed.
+    fn upsert(&mut self, obj: &K) -> bool;
+    /// Removes `obj`; returns whether the answers changed.
+    fn remove(&mut self, obj: &K) -> bool;
+}
+
+/// An index plus, during a relist, the one being rebuilt.
+#[derive(Debug, Default)]
+pub struct Relisting<S> {
+    current: S,
+    rebuilding: Option<S>,
+}
+
+impl<S> Relisting<S> {
+    /// Applies one watch event; returns whether the current answers changed (always at the end
+    /// of a relist, which replaces everything).
+    pub fn apply<K>(&mut self, event: &watcher::Event<K>) -> bool
+    where
+        S: Indexer<K>,
+    {
+        match event {
+            watcher::Event::Apply(obj) => self.current.upsert(obj),
+            watcher::Event::Delete(obj) => self.current.remove(obj),
+            watcher::Event::Init => {
+                self.rebuilding = Some(S::default());
+                false
+            }
+            watcher::Event::InitApply(obj) => {
+                self.rebuilding.get_or_insert_with(S::default).upsert(obj);
+                false
+            }
+            watcher::Event::InitDone => {
+                self.current = self.rebuilding.take().unwrap_or_default();
+                true
+            }
+        }
+    }
+
+    /// The index as of the last completed list and the events since.
+    pub fn current(&self) -> &S {
+        &self.current
+    }
+
+    /// Whether a relist is under way (its objects are not answered yet).
+    pub fn is_relisting(&self) -> bool {
+        self.rebuilding.is_some()
+    }
+}
+
+/// A [`Relisting`] index shared between the watch (writer) and every reader.
+#[derive(Debug, Default)]
+pub struct Shared<S>(RwLock<Relisting<S>>);
+
+impl<S> Shared<S> {
+    /// Applies one watch event; returns whether the answers changed.
+    pub fn apply<K>(&self, event: &watcher::Event<K>) -> bool
+    where
+        S: Indexer<K>,
+    {
+        self.0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .apply(event)
+    }
+
+    /// Read access to the current index.
+    pub fn read(&self) -> ReadIndex<'_, S> {
+        ReadIndex(self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// A read lock on a shared index.
+pub struct ReadIndex<'a, S>(RwLockReadGuard<'a, Relisting<S>>);
+
+impl<S> std::ops::Deref for ReadIndex<'_, S> {
+    type Target = S;
+    fn deref(&self) -> &S {
+        self.0.current()
+    }
+}
+
+/// Objects that belong to a workload: a PersistentPodState to its target, a Pod to its
+/// controller.
+pub trait OfWorkload {
+    /// The workload this object belongs to, if any.
+    fn workload(&self) -> Option<WorkloadRef>;
+}
+
+impl OfWorkload for PersistentPodState {
+    fn workload(&self) -> Option<WorkloadRef> {
+        pps_target(self)
+    }
+}
+
+impl OfWorkload for Pod {
+    fn workload(&self) -> Option<WorkloadRef> {
+        pod_workload(self, &self.namespace()?)
+    }
+}
+
+/// The workload a PersistentPodState targets (matched by group, kind and name).
+pub fn pps_target(pps: &PersistentPodState) -> Option<WorkloadRef> {
+    let target = &pps.spec.target_ref;
+    Some(WorkloadRef {
+        namespace: pps.namespace()?,
+        kind: GroupKind::new(target.group(), &target.kind),
+        name: target.name.clone(),
+    })
+}
+
+/// Object names by the workload they belong to (objects share the workload's namespace).
+#[derive(Debug, Default)]
+pub struct ByWorkload {
+    names: HashMap<WorkloadRef, BTreeSet<String>>,
+    /// The workload of each object by (namespace, name), to move or drop it on change.
+    workload_of: HashMap<(String, String), WorkloadRef>,
+}
+
+impl ByWorkload {
+    /// Names of the objects that belong to `workload`, sorted.
+    pub fn get(&self, workload: &WorkloadRef) -> impl Iterator<Item = &str> {
+        self.names
+            .get(workload)
+            .into_iter()
+            .flat_map(|names| names.iter().map(String::as_str))
+    }
+
+    fn forget(&mut self, id: &(String, String)) -> bool {
+        let Some(old) = self.workload_of.remove(id) else {
+            return false;
+        };
+        if let Some(names) = self.names.get_mut(&old) {
+            names.remove(&id.1);
+            if names.is_empty() {
+                self.names.remove(&old);
+            }
+        }
+        true
+    }
+}
+
+fn id<K: Resource>(obj: &K) -> (String, String) {
+    (obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+impl<K: Resource + OfWorkload> Indexer<K> for ByWorkload {
+    fn upsert(&mut self, obj: &K) -> bool {
+        let id = id(obj);
+        let key = obj.workload();
+        if self.workload_of.get(&id) == key.as_ref() {
+            return false;
+        }
+        self.forget(&id);
+        if let Some(key) = key {
+            self.names
+                .entry(key.clone())
+                .or_default()
+                .insert(id.1.clone());
+            self.workload_of.insert(id, key);
+        }
+        true
+    }
+
+    fn remove(&mut self, obj: &K) -> bool {
+        self.forget(&id(obj))
+    }
+}
+
+/// Nodes by label (`key=value`): answers "which nodes carry all these labels" without scanning
+/// every node.
+#[derive(Debug, Default)]
+pub struct NodesByLabel {
+    nodes: HashMap<(String, String), BTreeSet<String>>,
+    labels_of: HashMap<String, BTreeMap<String, String>>,
+}
+
+impl NodesByLabel {
+    /// Names of the nodes that carry every `key=value` of `labels` (every node for no labels
+    /// is not answered: `None`).
+    pub fn with_all(&self, labels: &BTreeMap<String, String>) -> Option<Vec<&str>> {
+        let mut candidates: Vec<&BTreeSet<String>> = Vec::with_capacity(labels.len());
+        for (k, v) in labels {
+            // Labels are few: the tuple key is built only for the probe.
+            match self.nodes.get(&(k.clone(), v.clone())) {
+                Some(nodes) => candidates.push(nodes),
+                None => return Some(Vec::new()),
+            }
+        }
+        candidates.sort_by_key(|c| c.len());
+        let (smallest, rest) = candidates.split_first()?;
+        Some(
+            smallest
+                .iter()
+                .filter(|n| rest.iter().all(|c| c.contains(*n)))
+                .map(String::as_str)
+                .collect(),
+        )
+    }
+
+    /// Whether some node carries every `key=value` of `labels` (true for no labels).
+    pub fn any_with(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.with_all(labels).is_none_or(|nodes| !nodes.is_empty())
+    }
+
+    fn forget(&mut self, node: &str) -> bool {
+        let Some(labels) = self.labels_of.remove(node) else {
+            return false;
+        };
+        for (k, v) in labels {
+            let key = (k, v);
+            if let Some(nodes) = self.nodes.get_mut(&key) {
+                nodes.remove(node);
+                if nodes.is_empty() {
+                    self.nodes.remove(&key);
+                }
+            }
+        }
+        true
+    }
+}
+
+impl Indexer<Node> for NodesByLabel {
+    fn upsert(&mut self, node: &Node) -> bool {
+        let name = node.name_any();
+        let labels = node.labels();
+        if self.labels_of.get(&name) == Some(labels) {
+            return false;
+        }
+        self.forget(&name);
+        for (k, v) in labels {
+            self.nodes
+                .entry((k.clone(), v.clone()))
+                .or_default()
+                .insert(name.clone());
+        }
+        self.labels_of.insert(name, labels.clone());
+        true
+    }
+
+    fn remove(&mut self, node: &Node) -> bool {
+        self.forget(&node.name_any())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(name: &str, owner: Option<&str>) -> Pod {
+        let owners = owner.map(|o| {
+            json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": o, "uid": "u", "controller": true}])
+        });
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns", "ownerReferences": owners},
+        }))
+        .expect("pod")
+    }
+
+    fn sts(name: &str) -> WorkloadRef {
+        WorkloadRef {
+            namespace: "ns".into(),
+            kind: GroupKind::native_statefulset(),
+            name: name.into(),
+        }
+    }
+
+    fn names(index: &Shared<ByWorkload>, workload: &str) -> Vec<String> {
+        index
+            .read()
+            .get(&sts(workload))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn upstream_bug_11_lookups_use_an_index_that_follows_applies_moves_deletes_and_relists() {
+        let index = Shared::<ByWorkload>::default();
+        index.apply(&watcher::Event::Apply(pod("a-0", Some("a"))));
+        index.apply(&watcher::Event::Apply(pod("a-1", Some("a"))));
+        index.apply(&watcher::Event::Apply(pod("bare", None)));
+        assert_eq!(names(&index, "a"), vec!["a-0", "a-1"]);
+
+        // the owner changes: the pod moves
+        index.apply(&watcher::Event::Apply(pod("a-1", Some("b"))));
+        assert_eq!(names(&index, "a"), vec!["a-0"]);
+        assert_eq!(names(&index, "b"), vec!["a-1"]);
+
+        index.apply(&watcher::Event::Delete(pod("a-0", Some("a"))));
+        assert!(names(&index, "a").is_empty());
+
+        // a relist replaces everything at InitDone, not before
+        index.apply(&watcher::Event::<Pod>::Init);
+        index.apply(&watcher::Event::InitApply(pod("c-0", Some("c"))));
+        assert_eq!(names(&index, "b"), vec!["a-1"]);
+        index.apply(&watcher::Event::<Pod>::InitDone);
+        assert!(names(&index, "b").is_empty());
+        assert_eq!(names(&index, "c"), vec!["c-0"]);
+    }
+
+    fn node(name: &str, labels: &[(&str, &str)]) -> Node {
+        let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("node")
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn upstream_bug_12_node_label_changes_are_noticed_and_joint_matches_answered() {
+        let index = Shared::<NodesByLabel>::default();
+        let apply = |n: Node| index.apply(&watcher::Event::Apply(n));
+        assert!(apply(node("n1", &[("zone", "a"), ("host", "n1")])));
+        assert!(apply(node("n2", &[("zone", "b"), ("host", "n2")])));
+        assert!(
+            !apply(node("n2", &[("zone", "b"), ("host", "n2")])),
+            "heartbeat"
+        );
+        let any = |pairs: &[(&str, &str)]| index.read().any_with(&labels(pairs));
+        assert!(any(&[("zone", "a"), ("host", "n1")]));
+        assert!(!any(&[("zone", "a"), ("host", "n2")]), "both on one node");
+        assert!(any(&[]));
+        assert_eq!(
+            index.read().with_all(&labels(&[("zone", "b")])),
+            Some(vec!["n2"])
+        );
+        assert!(apply(node("n1", &[("zone", "c"), ("host", "n1")])));
+        assert!(!any(&[("zone", "a")]), "zone a is gone");
+        assert!(index.apply(&watcher::Event::Delete(node("n2", &[]))));
+        assert!(!any(&[("host", "n2")]));
+        index.apply(&watcher::Event::<Node>::Init);
+        index.apply(&watcher::Event::InitApply(node("n3", &[("host", "n3")])));
+        assert!(any(&[("host", "n1")]), "old state until InitDone");
+        assert!(index.apply(&watcher::Event::<Node>::InitDone));
+        assert!(!any(&[("host", "n1")]));
+        assert!(any(&[("host", "n3")]));
+    }
+}

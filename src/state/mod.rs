@@ -1,0 +1,479 @@
+//! The shared state of the process: one watch per resource kind feeds a reflector store and the
+//! indexes the hot paths need ([`index`]), and is mapped to reconcile requests ([`triggers`]);
+//! what is kept of each object is decided in [`trim`]. The webhook and the controllers read the
+//! same stores; nothing here is rebuilt per request.
+//!
+//! Every watch event enters through one `apply_*` method, whether it comes from a real watch
+//! ([`Caches::start`]) or from a test ([`Caches::new`] starts no watch), so in-process tests
+//! exercise exactly the path a cluster does. The state owns its readiness: it is synced once
+//! every base store has had its first full list.
+
+pub mod index;
+pub mod triggers;
+pub mod trim;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{ApiResource, DynamicObject};
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource};
+use tokio::sync::watch;
+
+pub use index::pps_target;
+use index::{ByWorkload, NodesByLabel, Shared};
+pub use triggers::Triggers;
+
+use crate::api::PersistentPodState;
+use crate::workload::{GroupKind, WorkloadRef, native_statefulset_resource};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A watched workload kind: its store, and the feed that writes it.
+#[derive(Clone)]
+pub struct WorkloadStore {
+    /// The resource watched.
+    pub resource: ApiResource,
+    /// Its objects (spec reduced to what recording needs).
+    pub store: Store<DynamicObject>,
+    feed: Arc<WorkloadFeed>,
+}
+
+struct WorkloadFeed {
+    writer: Mutex<Writer<DynamicObject>>,
+    /// Whether the first full list has arrived (until then, absence proves nothing).
+    synced: AtomicBool,
+    /// The watch task, when one runs.
+    task: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl WorkloadStore {
+    /// Whether both are the same feed (a kind removed and added again is another one).
+    pub fn same_watch(&self, other: &WorkloadStore) -> bool {
+        Arc::ptr_eq(&self.feed, &other.feed)
+    }
+
+    fn synced(&self) -> bool {
+        self.feed.synced.load(Ordering::Acquire)
+    }
+
+    fn stop(&self) {
+        if let Some(task) = lock(&self.feed.task).take() {
+            task.abort();
+        }
+    }
+}
+
+/// What is known about a workload.
+pub enum WorkloadLookup {
+    /// The kind is watched and the object is in the cache.
+    Found(Arc<DynamicObject>),
+    /// The kind is watched and the object does not exist.
+    Absent,
+    /// The kind is not watched (or not listed yet): whether it exists is unknown.
+    Unknown,
+}
+
+/// Which base stores have had their first full list.
+#[derive(Default)]
+struct Listed {
+    pps: AtomicBool,
+    pods: AtomicBool,
+    nodes: AtomicBool,
+}
+
+/// All caches of the process, shared by the webhook and the controllers.
+pub struct Caches {
+    /// Starts the watches; `None` when events are fed by hand (tests, benchmarks).
+    client: Option<Client>,
+    /// PersistentPodState objects.
+    pub pps: Store<PersistentPodState>,
+    pps_writer: Mutex<Writer<PersistentPodState>>,
+    /// PersistentPodStates by target workload.
+    pub pps_by_target: Shared<ByWorkload>,
+    /// Pods (spec and status reduced to what recording needs).
+    pub pods: Store<Pod>,
+    pods_writer: Mutex<Writer<Pod>>,
+    /// Pods by controlling workload.
+    pub pods_by_workload: Shared<ByWorkload>,
+    /// Nodes (labels, spec and conditions).
+    pub nodes: Store<Node>,
+    nodes_writer: Mutex<Writer<Node>>,
+    /// Nodes by label.
+    pub node_labels: Shared<NodesByLabel>,
+    workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
+    kinds_changed: watch::Sender<u64>,
+    /// Reconcile requests to the controllers.
+    pub triggers: Triggers,
+    listed: Listed,
+    synced: watch::Sender<bool>,
+}
+
+impl Caches {
+    fn build(client: Option<Client>) -> Arc<Self> {
+        let (pps, pps_writer) = reflector::store();
+        let (pods, pods_writer) = reflector::store();
+        let (nodes, nodes_writer) = reflector::store();
+        let caches = Arc::new(Self {
+            client,
+            pps,
+            pps_writer: Mutex::new(pps_writer),
+            pps_by_target: Shared::default(),
+            pods,
+            pods_writer: Mutex::new(pods_writer),
+            pods_by_workload: Shared::default(),
+            nodes,
+            nodes_writer: Mutex::new(nodes_writer),
+            node_labels: Shared::default(),
+            workloads: RwLock::default(),
+            kinds_changed: watch::channel(0).0,
+            triggers: Triggers::default(),
+            listed: Listed::default(),
+            synced: watch::channel(false).0,
+        });
+        caches.add_workload_kind(native_statefulset_resource());
+        caches
+    }
+
+    /// Caches that start no watch: events are fed with the `apply_*` methods (tests,
+    /// benchmarks). The native StatefulSet kind is registered, as in [`Caches::start`].
+    pub fn new() -> Arc<Self> {
+        Self::build(None)
+    }
+
+    /// Starts the watches of PersistentPodStates, Pods, Nodes and native StatefulSets, and
+    /// returns the caches; more workload kinds can be added with [`Caches::add_workload_kind`].
+    pub fn start(client: &Client) -> Arc<Self> {
+        let caches = Self::build(Some(client.clone()));
+        let c = caches.clone();
+        spawn_watch("PersistentPodState", Api::all(client.clone()), move |ev| {
+            c.apply_pps(ev)
+        });
+        let c = caches.clone();
+        spawn_watch("Pod", Api::all(client.clone()), move |ev| c.apply_pod(ev));
+        let c = caches.clone();
+        spawn_watch("Node", Api::all(client.clone()), move |ev| c.apply_node(ev));
+        caches
+    }
+
+    /// Applies one PersistentPodState watch event: store, index, reconcile requests.
+    pub fn apply_pps(&self, event: watcher::Event<PersistentPodState>) {
+        let event = event.modify(trim::meta);
+        lock(&self.pps_writer).apply_watcher_event(&event);
+        self.pps_by_target.apply(&event);
+        self.listed_if_done(&event, &self.listed.pps);
+        self.trigger_for_pps(&event);
+    }
+
+    /// Applies one Pod watch event.
+    pub fn apply_pod(&self, event: watcher::Event<Pod>) {
+        let event = event.modify(trim::pod);
+        lock(&self.pods_writer).apply_watcher_event(&event);
+        self.pods_by_workload.apply(&event);
+        self.listed_if_done(&event, &self.listed.pods);
+        self.trigger_for_pod(&event);
+    }
+
+    /// Applies one Node watch event.
+    pub fn apply_node(&self, event: watcher::Event<Node>) {
+        let event = event.modify(trim::node);
+        lock(&self.nodes_writer).apply_watcher_event(&event);
+        let labels_changed = self.node_labels.apply(&event);
+        self.listed_if_done(&event, &self.listed.nodes);
+        self.trigger_for_node(labels_changed);
+    }
+
+    /// Applies one watch event of a workload kind (ignored if the kind is not registered).
+    pub fn apply_workload(&self, kind: &GroupKind, event: watcher::Event<DynamicObject>) {
+        let Some(ws) = self.workload_store(kind) else {
+            return;
+        };
+        self.apply_workload_to(&ws, kind, event);
+    }
+
+    fn apply_workload_to(
+        &self,
+        ws: &WorkloadStore,
+        kind: &GroupKind,
+        event: watcher::Event<DynamicObject>,
+    ) {
+        let event = event.modify(trim::workload);
+        lock(&ws.feed.writer).apply_watcher_event(&event);
+        if matches!(event, watcher::Event::InitDone) {
+            ws.feed.synced.store(true, Ordering::Release);
+            self.update_synced();
+        }
+        self.trigger_for_workload(kind, &event);
+    }
+
+    fn listed_if_done<K>(&self, event: &watcher::Event<K>, flag: &AtomicBool) {
+        if matches!(event, watcher::Event::InitDone) {
+            flag.store(true, Ordering::Release);
+            self.update_synced();
+        }
+    }
+
+    fn update_synced(&self) {
+        let native = self
+            .workload_store(&GroupKind::native_statefulset())
+            .is_some_and(|ws| ws.synced());
+        let all = native
+            && [&self.listed.pps, &self.listed.pods, &self.listed.nodes]
+                .iter()
+                .all(|f| f.load(Ordering::Acquire));
+        // Once synced, always synced: a relist keeps answering from the previous list.
+        self.synced.send_if_modified(|s| {
+            let changed = all && !*s;
+            *s |= all;
+            changed
+        });
+    }
+
+    /// Whether the PersistentPodState, Pod, Node and native StatefulSet stores have had their
+    /// first full list. (Kinds added later are consulted only once their own list arrived.)
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Waits until [`Caches::is_synced`].
+    pub async fn wait_synced(&self) {
+        let mut rx = self.synced.subscribe();
+        // The sender lives as long as `self`.
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// Starts watching a workload kind (replacing the watch of another version of it).
+    /// Returns false if exactly this resource is watched already.
+    pub fn add_workload_kind(self: &Arc<Self>, ar: ApiResource) -> bool {
+        let kind = GroupKind::new(&ar.group, &ar.kind);
+        let mut workloads = self
+            .workloads
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if workloads.get(&kind).is_some_and(|w| w.resource == ar) {
+            return false;
+        }
+        let writer = Writer::new(ar.clone());
+        let ws = WorkloadStore {
+            resource: ar.clone(),
+            store: writer.as_reader(),
+            feed: Arc::new(WorkloadFeed {
+                writer: Mutex::new(writer),
+                synced: AtomicBool::new(false),
+                task: Mutex::new(None),
+            }),
+        };
+        if let Some(client) = &self.client {
+            let (c, k, target) = (self.clone(), kind.clone(), ws.clone());
+            let task = spawn_watch(
+                &ar.kind,
+                Api::<DynamicObject>::all_with(client.clone(), &ar),
+                move |ev| c.apply_workload_to(&target, &k, ev),
+            );
+            *lock(&ws.feed.task) = Some(task.abort_handle());
+            tracing::info!(group = %ar.group, version = %ar.version, kind = %ar.kind, "watching workload kind");
+        }
+        if let Some(old) = workloads.insert(kind, ws) {
+            old.stop();
+        }
+        drop(workloads);
+        self.kinds_changed.send_modify(|n| *n += 1);
+        true
+    }
+
+    /// Stops watching a workload kind (its CRD is gone); its workloads become unknown.
+    pub fn remove_workload_kind(&self, kind: &GroupKind) {
+        let removed = self
+            .workloads
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(kind);
+        if let Some(old) = removed {
+            old.stop();
+            tracing::info!(group = %kind.group, kind = %kind.kind, "no longer watching workload kind");
+            self.kinds_changed.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// The watched workload kinds.
+    pub fn workload_kinds(&self) -> Vec<(GroupKind, WorkloadStore)> {
+        self.workloads
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(k, w)| (k.clone(), w.clone()))
+            .collect()
+    }
+
+    /// Notified whenever a workload kind is added or removed.
+    pub fn subscribe_workload_kinds(&self) -> watch::Receiver<u64> {
+        self.kinds_changed.subscribe()
+    }
+
+    /// The store and resource of a workload kind, if it is watched.
+    pub fn workload_store(&self, kind: &GroupKind) -> Option<WorkloadStore> {
+        self.workloads
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(kind)
+            .cloned()
+    }
+
+    /// The PersistentPodState that targets `workload` (the first by name if several do).
+    pub fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+        self.pps_by_target.read().get(workload).find_map(|name| {
+            self.pps
+                .get(&ObjectRef::new(name).within(&workload.namespace))
+        })
+    }
+
+    /// Names of the PersistentPodStates that target `workload`, sorted.
+    pub fn pps_names_for(&self, workload: &WorkloadRef) -> Vec<String> {
+        self.pps_by_target
+            .read()
+            .get(workload)
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The cached pods whose controller is `workload`.
+    pub fn pods_of(&self, workload: &WorkloadRef) -> Vec<Arc<Pod>> {
+        let names: Vec<String> = self
+            .pods_by_workload
+            .read()
+            .get(workload)
+            .map(str::to_owned)
+            .collect();
+        names
+            .iter()
+            .filter_map(|name| {
+                self.pods
+                    .get(&ObjectRef::new(name).within(&workload.namespace))
+            })
+            .collect()
+    }
+
+    /// Whether a pod of that name exists in `namespace`.
+    pub fn pod_exists(&self, namespace: &str, name: &str) -> bool {
+        self.pods
+            .get(&ObjectRef::new(name).within(namespace))
+            .is_some()
+    }
+
+    /// The cached node named `name`.
+    pub fn node(&self, name: &str) -> Option<Arc<Node>> {
+        self.nodes.get(&ObjectRef::new(name))
+    }
+
+    /// Looks a workload up in its kind's cache.
+    pub fn workload(&self, workload: &WorkloadRef) -> WorkloadLookup {
+        let Some(ws) = self
+            .workload_store(&workload.kind)
+            .filter(WorkloadStore::synced)
+        else {
+            return WorkloadLookup::Unknown;
+        };
+        let key =
+            ObjectRef::new_with(&workload.name, ws.resource.clone()).within(&workload.namespace);
+        match ws.store.get(&key) {
+            Some(obj) => WorkloadLookup::Found(obj),
+            None => WorkloadLookup::Absent,
+        }
+    }
+}
+
+/// Runs one watch for the life of the process, handing each event to `apply`. Watch errors are
+/// retried with backoff and logged.
+fn spawn_watch<K>(
+    kind: &str,
+    api: Api<K>,
+    apply: impl Fn(watcher::Event<K>) + Send + 'static,
+) -> tokio::task::JoinHandle<()>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    let kind = kind.to_owned();
+    tokio::spawn(async move {
+        let events = watcher(api, watcher::Config::default().any_semantic()).default_backoff();
+        futures::pin_mut!(events);
+        loop {
+            match events.try_next().await {
+                Ok(Some(ev)) => apply(ev),
+                Ok(None) => return,
+                Err(error) => tracing::warn!(%error, %kind, "watch failed; retrying"),
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pps() -> PersistentPodState {
+        serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
+        }))
+        .expect("pps")
+    }
+
+    #[test]
+    fn synced_once_every_base_store_has_listed_and_stays_synced() {
+        let caches = Caches::new();
+        let sts = GroupKind::native_statefulset();
+        caches.apply_pps(watcher::Event::Init);
+        caches.apply_pps(watcher::Event::InitApply(pps()));
+        caches.apply_pps(watcher::Event::InitDone);
+        caches.apply_pod(watcher::Event::InitDone);
+        caches.apply_node(watcher::Event::InitDone);
+        assert!(!caches.is_synced(), "StatefulSets not listed yet");
+        caches.apply_workload(&sts, watcher::Event::InitDone);
+        assert!(caches.is_synced());
+        caches.apply_pps(watcher::Event::Init);
+        assert!(
+            caches.is_synced(),
+            "a relist answers from the previous list"
+        );
+        assert!(
+            caches
+                .pps
+                .get(&ObjectRef::new("web").within("ns"))
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn workloads_are_unknown_until_their_kind_has_listed() {
+        let caches = Caches::new();
+        let web = WorkloadRef {
+            namespace: "ns".into(),
+            kind: GroupKind::native_statefulset(),
+            name: "web".into(),
+        };
+        assert!(matches!(caches.workload(&web), WorkloadLookup::Unknown));
+        caches.apply_workload(&web.kind, watcher::Event::InitDone);
+        assert!(matches!(caches.workload(&web), WorkloadLookup::Absent));
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": "web", "namespace": "ns"}, "spec": {"replicas": 2}
+        }))
+        .expect("sts");
+        caches.apply_workload(&web.kind, watcher::Event::Apply(obj));
+        assert!(matches!(caches.workload(&web), WorkloadLookup::Found(_)));
+        let other = GroupKind::new("example.com", "Ring");
+        assert!(matches!(
+            caches.workload(&WorkloadRef { kind: other, ..web }),
+            WorkloadLookup::Unknown
+        ));
+    }
+}

@@ -1,0 +1,238 @@
+//! From watch events to reconcile requests: which PersistentPodStates and workloads must be
+//! looked at again when an object changes. Requests go only to running controllers (on the
+//! leader); elsewhere they are dropped.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+
+use super::index::OfWorkload;
+use super::{Caches, lock, pps_target};
+use crate::api::PersistentPodState;
+use crate::workload::{GroupKind, WorkloadRef};
+
+/// Where watch events send reconcile requests while a controller runs.
+#[derive(Default)]
+pub struct Triggers {
+    pps: Mutex<Option<UnboundedSender<ObjectRef<PersistentPodState>>>>,
+    workloads: Mutex<HashMap<GroupKind, UnboundedSender<ObjectRef<DynamicObject>>>>,
+}
+
+impl Triggers {
+    /// Starts delivering PersistentPodState reconcile requests to the returned stream.
+    pub fn subscribe_pps(&self) -> UnboundedReceiver<ObjectRef<PersistentPodState>> {
+        let (tx, rx) = unbounded();
+        *lock(&self.pps) = Some(tx);
+        rx
+    }
+
+    /// Starts delivering reconcile requests for workloads of `kind` to the returned stream.
+    pub fn subscribe_workloads(
+        &self,
+        kind: &GroupKind,
+    ) -> UnboundedReceiver<ObjectRef<DynamicObject>> {
+        let (tx, rx) = unbounded();
+        lock(&self.workloads).insert(kind.clone(), tx);
+        rx
+    }
+
+    fn pps(&self, refs: impl IntoIterator<Item = ObjectRef<PersistentPodState>>) {
+        if let Some(tx) = lock(&self.pps).as_ref() {
+            for r in refs {
+                // A closed channel means the controller stopped; nothing is waiting for it.
+                let _ = tx.unbounded_send(r);
+            }
+        }
+    }
+
+    fn workload(&self, kind: &GroupKind, r: ObjectRef<DynamicObject>) {
+        if let Some(tx) = lock(&self.workloads).get(kind) {
+            let _ = tx.unbounded_send(r);
+        }
+    }
+}
+
+impl Caches {
+    /// A PersistentPodState changed: reconcile it; one went: its workload may have waited for
+    /// it (a generated PPS is re-created).
+    pub(super) fn trigger_for_pps(&self, event: &watcher::Event<PersistentPodState>) {
+        match event {
+            watcher::Event::Apply(p) => self.triggers.pps([ObjectRef::from_obj(p)]),
+            watcher::Event::Delete(p) => {
+                if let Some(target) = pps_target(p) {
+                    self.trigger_workload(&target);
+                }
+            }
+            // A relist reaches the store only at its end: reconcile everything then (a request
+            // for an object not yet in the store would be dropped).
+            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+        }
+    }
+
+    /// A pod changed or went: the PersistentPodStates of its workload.
+    pub(super) fn trigger_for_pod(&self, event: &watcher::Event<k8s_openapi::api::core::v1::Pod>) {
+        match event {
+            watcher::Event::Apply(p) | watcher::Event::Delete(p) => {
+                self.triggers.pps(self.pps_targeting(p.workload()));
+            }
+            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+        }
+    }
+
+    /// Node labels changed (rare: operator actions): every PersistentPodState re-records what
+    /// it must.
+    pub(super) fn trigger_for_node(&self, labels_changed: bool) {
+        if labels_changed {
+            self.triggers.pps(self.all_pps());
+        }
+    }
+
+    /// A workload changed: its PersistentPodStates and its generator (any annotation may have
+    /// changed); one went: its PersistentPodStates.
+    pub(super) fn trigger_for_workload(
+        &self,
+        kind: &GroupKind,
+        event: &watcher::Event<DynamicObject>,
+    ) {
+        let key = |obj: &DynamicObject| {
+            Some(WorkloadRef {
+                namespace: obj.namespace()?,
+                kind: kind.clone(),
+                name: obj.name_any(),
+            })
+        };
+        match event {
+            watcher::Event::Apply(w) => {
+                self.triggers.pps(self.pps_targeting(key(w)));
+                if let Some(k) = key(w) {
+                    self.trigger_workload(&k);
+                }
+            }
+            watcher::Event::Delete(w) => self.triggers.pps(self.pps_targeting(key(w))),
+            // After a relist (its objects reach the store only now): every PPS and every
+            // workload of the kind, so nothing created or changed during a watch gap is missed.
+            watcher::Event::InitDone => {
+                self.triggers.pps(self.all_pps());
+                self.resync_kind(kind);
+            }
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+        }
+    }
+
+    /// Asks the running controllers to reconcile every PersistentPodState and workload.
+    pub fn resync(&self) {
+        self.triggers.pps(self.all_pps());
+        for (kind, _) in self.workload_kinds() {
+            self.resync_kind(&kind);
+        }
+    }
+
+    /// Asks the generator of `kind` to reconcile every workload of that kind.
+    pub fn resync_kind(&self, kind: &GroupKind) {
+        if let Some(ws) = self.workload_store(kind) {
+            for obj in ws.store.state() {
+                let r = ObjectRef::from_obj_with(obj.as_ref(), ws.resource.clone());
+                self.triggers.workload(kind, r);
+            }
+        }
+    }
+
+    fn all_pps(&self) -> Vec<ObjectRef<PersistentPodState>> {
+        self.pps
+            .state()
+            .iter()
+            .map(|p| ObjectRef::from_obj(p.as_ref()))
+            .collect()
+    }
+
+    fn pps_targeting(&self, workload: Option<WorkloadRef>) -> Vec<ObjectRef<PersistentPodState>> {
+        workload.map_or_else(Vec::new, |w| {
+            self.pps_by_target
+                .read()
+                .get(&w)
+                .map(|name| ObjectRef::new(name).within(&w.namespace))
+                .collect()
+        })
+    }
+
+    fn trigger_workload(&self, workload: &WorkloadRef) {
+        if let Some(ws) = self.workload_store(&workload.kind) {
+            self.triggers.workload(
+                &workload.kind,
+                ObjectRef::new_with(&workload.name, ws.resource).within(&workload.namespace),
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pps() -> PersistentPodState {
+        serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
+        }))
+        .expect("pps")
+    }
+
+    fn sts(annotations: serde_json::Value) -> DynamicObject {
+        serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": "web", "namespace": "ns", "annotations": annotations}
+        }))
+        .expect("sts")
+    }
+
+    #[test]
+    fn upstream_bug_4_deleting_a_native_statefulset_reconciles_its_pps() {
+        let caches = Caches::new();
+        let mut requests = caches.triggers.subscribe_pps();
+        caches.apply_pps(watcher::Event::Apply(pps()));
+        let web = ObjectRef::<PersistentPodState>::new("web").within("ns");
+        assert_eq!(
+            requests.try_recv().ok(),
+            Some(web.clone()),
+            "the PPS itself"
+        );
+        caches.apply_workload(
+            &GroupKind::native_statefulset(),
+            watcher::Event::Delete(sts(json!({}))),
+        );
+        assert_eq!(
+            requests.try_recv().ok(),
+            Some(web),
+            "the PPS of the deleted StatefulSet"
+        );
+    }
+
+    #[test]
+    fn a_pod_event_reconciles_the_pps_of_its_workload_only() {
+        let caches = Caches::new();
+        caches.apply_pps(watcher::Event::Apply(pps()));
+        let mut requests = caches.triggers.subscribe_pps();
+        let pod = |owner: &str| {
+            serde_json::from_value(json!({"metadata": {"name": format!("{owner}-0"), "namespace": "ns",
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": owner, "uid": "u", "controller": true}]}}))
+            .expect("pod")
+        };
+        caches.apply_pod(watcher::Event::Apply(pod("other")));
+        caches.apply_pod(watcher::Event::Apply(pod("web")));
+        assert_eq!(
+            requests.try_recv().ok(),
+            Some(ObjectRef::new("web").within("ns")),
+            "the other workload has no PPS: nothing was sent for it"
+        );
+        assert!(requests.try_recv().is_err(), "nothing more queued");
+    }
+}

@@ -1,0 +1,258 @@
+//! The admission decision for a pod, pure: from the request, the pod and what the caches know,
+//! whether the pod is left alone (and why), unreadable, or gets an injection. The handler in
+//! [`super::mutate_pod`] only turns the outcome into metrics, Events and the response.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, Operation};
+use serde_json::Value;
+
+use super::inject::{Injection, injection_for};
+use crate::api::PersistentPodState;
+use crate::metrics::SkipReason;
+use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+
+/// What the decision reads from the caches.
+pub trait Lookup {
+    /// Whether pods controlled by `kind` are handled (StatefulSets and configured kinds).
+    fn handles(&self, kind: &GroupKind) -> bool;
+    /// The PersistentPodState that targets `workload`.
+    fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>>;
+    /// Whether some node carries every `key=value` of `labels`.
+    fn any_node_with(&self, labels: &BTreeMap<String, String>) -> bool;
+}
+
+/// An injection decided for a pod.
+#[derive(Debug)]
+pub struct Decision {
+    /// The PersistentPodState whose recorded state is injected.
+    pub pps: Arc<PersistentPodState>,
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// What is injected, and what was left out.
+    pub injection: Injection,
+}
+
+/// The outcome of one pod admission.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Allowed untouched.
+    Skip(SkipReason),
+    /// The review's object is not a readable Pod: allowed untouched, reported.
+    Invalid(String),
+    /// A recorded state applies.
+    Inject(Box<Decision>),
+}
+
+/// Decides what happens to the pod in `request` (whose object was split off as `object`).
+pub fn admit(
+    request: &AdmissionRequest<DynamicObject>,
+    object: Option<Value>,
+    lookup: &dyn Lookup,
+) -> Outcome {
+    let is_pod = request.kind.group.is_empty() && request.kind.kind == "Pod";
+    if !is_pod
+        || request.operation != Operation::Create
+        || request
+            .sub_resource
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+    {
+        return Outcome::Skip(SkipReason::NotPodCreate);
+    }
+    let pod: Pod = match object.map(serde_json::from_value) {
+        Some(Ok(pod)) => pod,
+        Some(Err(e)) => return Outcome::Invalid(e.to_string()),
+        None => return Outcome::Invalid("the request carries no object".into()),
+    };
+    let namespace = request
+        .namespace
+        .clone()
+        .or_else(|| pod.metadata.namespace.clone())
+        .unwrap_or_default();
+    // A pod created with generateName has no name in the object; the request may carry it.
+    let name = pod
+        .metadata
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| request.name.clone());
+
+    let Some(workload) = pod_workload(&pod, &namespace) else {
+        return Outcome::Skip(SkipReason::NoController);
+    };
+    if !lookup.handles(&workload.kind) {
+        return Outcome::Skip(SkipReason::NotStatefulSet);
+    }
+    let Some(pps) = lookup.pps_for(&workload) else {
+        return Outcome::Skip(SkipReason::NoPersistentPodState);
+    };
+    let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(&name)) else {
+        return Outcome::Skip(SkipReason::NoState);
+    };
+    let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
+    let any_node_with = |labels: &BTreeMap<String, String>| lookup.any_node_with(labels);
+    let injection = injection_for(&pod, pps_name, &pps.spec, state, &any_node_with);
+    Outcome::Inject(Box::new(Decision {
+        pps: pps.clone(),
+        namespace,
+        pod: name,
+        injection,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::admission::AdmissionReview;
+    use serde_json::json;
+
+    struct Fake {
+        pps: Option<Arc<PersistentPodState>>,
+        nodes: bool,
+    }
+
+    impl Lookup for Fake {
+        fn handles(&self, kind: &GroupKind) -> bool {
+            kind.is_statefulset()
+        }
+        fn pps_for(&self, _: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+            self.pps.clone()
+        }
+        fn any_node_with(&self, _: &BTreeMap<String, String>) -> bool {
+            self.nodes
+        }
+    }
+
+    fn request(kind: &str, operation: &str, sub: Option<&str>) -> AdmissionRequest<DynamicObject> {
+        let review: AdmissionReview<DynamicObject> = serde_json::from_value(json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": kind},
+                "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": sub,
+                "operation": operation, "userInfo": {}, "namespace": "ns", "name": "web-0"}
+        }))
+        .expect("review");
+        review.try_into().expect("request")
+    }
+
+    fn pod(owner_kind: &str) -> Value {
+        json!({"metadata": {"name": "web-0", "ownerReferences": [{"apiVersion": "apps/v1",
+            "kind": owner_kind, "name": "web", "uid": "u", "controller": true}]},
+            "spec": {"containers": [{"name": "c"}]}})
+    }
+
+    fn pps(states: Value) -> Arc<PersistentPodState> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+                "metadata": {"name": "web", "namespace": "ns"},
+                "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                         "requiredPersistentTopology": {"keys": ["zone"]}},
+                "status": {"observedGeneration": 1, "podStates": states}
+            }))
+            .expect("pps"),
+        )
+    }
+
+    fn skipped(outcome: Outcome) -> Option<SkipReason> {
+        match outcome {
+            Outcome::Skip(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn decides_skip_invalid_or_inject() {
+        let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
+        let with = Fake {
+            pps: Some(pps(state)),
+            nodes: true,
+        };
+        let create = request("Pod", "CREATE", None);
+        let cases = [
+            (
+                request("Pod", "UPDATE", None),
+                Some(pod("StatefulSet")),
+                SkipReason::NotPodCreate,
+            ),
+            (
+                request("Pod", "CREATE", Some("binding")),
+                Some(pod("StatefulSet")),
+                SkipReason::NotPodCreate,
+            ),
+            (
+                request("Service", "CREATE", None),
+                Some(pod("StatefulSet")),
+                SkipReason::NotPodCreate,
+            ),
+            (
+                create.clone(),
+                Some(json!({"metadata": {"name": "web-0"}})),
+                SkipReason::NoController,
+            ),
+            (
+                create.clone(),
+                Some(pod("ReplicaSet")),
+                SkipReason::NotStatefulSet,
+            ),
+        ];
+        for (req, object, want) in cases {
+            assert_eq!(skipped(admit(&req, object, &with)), Some(want));
+        }
+        let without = Fake {
+            pps: None,
+            nodes: true,
+        };
+        assert_eq!(
+            skipped(admit(&create, Some(pod("StatefulSet")), &without)),
+            Some(SkipReason::NoPersistentPodState)
+        );
+        let no_state = Fake {
+            pps: Some(pps(json!({}))),
+            nodes: true,
+        };
+        assert_eq!(
+            skipped(admit(&create, Some(pod("StatefulSet")), &no_state)),
+            Some(SkipReason::NoState)
+        );
+        assert!(matches!(
+            admit(&create, Some(json!({"spec": []})), &with),
+            Outcome::Invalid(_)
+        ));
+        assert!(matches!(admit(&create, None, &with), Outcome::Invalid(_)));
+        let Outcome::Inject(decision) = admit(&create, Some(pod("StatefulSet")), &with) else {
+            panic!("injects")
+        };
+        assert_eq!(
+            (decision.namespace.as_str(), decision.pod.as_str()),
+            ("ns", "web-0")
+        );
+        assert_eq!(decision.injection.required, 1);
+    }
+
+    #[test]
+    fn the_request_name_stands_in_for_a_generated_name() {
+        let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
+        let lookup = Fake {
+            pps: Some(pps(state)),
+            nodes: false,
+        };
+        let mut object = pod("StatefulSet");
+        object["metadata"]["name"] = json!("");
+        let Outcome::Inject(decision) =
+            admit(&request("Pod", "CREATE", None), Some(object), &lookup)
+        else {
+            panic!("injects")
+        };
+        assert_eq!(decision.pod, "web-0");
+        assert!(
+            decision.injection.unplaceable.is_some(),
+            "no node has zone=z1"
+        );
+    }
+}

@@ -1,0 +1,376 @@
+//! In-process tests of the admission routes: each request goes through the real router
+//! (extractors, the sync layer, the handlers) with `Router::oneshot`, over caches fed by hand.
+
+use axum::http::StatusCode;
+use kube::runtime::watcher;
+use serde_json::{Value, json};
+
+use super::testing::{post, state};
+use super::{convert, mutate_pod, validate_pps};
+use crate::api::PersistentPodState;
+
+fn review(kind: (&str, &str, &str), operation: &str, object: Value, old: Option<Value>) -> Value {
+    let (group, version, kind) = kind;
+    json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "uid-1", "kind": {"group": group, "version": version, "kind": kind},
+            "resource": {"group": group, "version": version, "resource": "x"},
+            "operation": operation, "userInfo": {}, "namespace": "ns", "name": "web-0",
+            "object": object, "oldObject": old
+        }
+    })
+}
+
+const POD: (&str, &str, &str) = ("", "v1", "Pod");
+
+fn pod(owner: Option<&str>) -> Value {
+    let owners = owner.map(|o| {
+        json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": o, "uid": "u", "controller": true}])
+    });
+    json!({"metadata": {"name": format!("{}-0", owner.unwrap_or("bare")), "namespace": "ns", "ownerReferences": owners},
+           "spec": {"containers": [{"name": "c"}]}})
+}
+
+fn pps(name: &str, target: &str, states: Value) -> PersistentPodState {
+    serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": target},
+                 "requiredPersistentTopology": {"keys": ["zone"]}},
+        "status": {"observedGeneration": 1, "podStates": states}
+    }))
+    .expect("pps")
+}
+
+fn node(name: &str, zone: &str) -> k8s_openapi::api::core::v1::Node {
+    serde_json::from_value(json!({"metadata": {"name": name, "labels": {"zone": zone}}}))
+        .expect("node")
+}
+
+/// What a test expects of an admission answer.
+#[derive(Debug, PartialEq)]
+enum Answer {
+    /// HTTP 200, the uid echoed, allowed, no patch.
+    Allowed,
+    /// HTTP 200, the uid echoed, allowed with a JSONPatch.
+    Patched,
+    /// HTTP 200, the uid echoed, denied with this code and a message containing the text.
+    Denied(u16, &'static str),
+    /// No review: this HTTP status with a JSON `error` message.
+    Error(u16),
+}
+
+fn answer(status: StatusCode, body: &Value) -> Answer {
+    if status != StatusCode::OK {
+        assert!(body["error"].is_string(), "JSON error message: {body}");
+        return Answer::Error(status.as_u16());
+    }
+    let response = &body["response"];
+    assert_eq!(response["uid"], "uid-1", "uid echoed: {body}");
+    if response["allowed"] == json!(true) {
+        if response["patchType"] == "JSONPatch" {
+            Answer::Patched
+        } else {
+            assert!(response.get("patch").is_none_or(Value::is_null), "{body}");
+            Answer::Allowed
+        }
+    } else {
+        let code = response["status"]["code"].as_u64().unwrap_or_default() as u16;
+        let message = response["status"]["message"].as_str().unwrap_or_default();
+        // The expected text is checked by the caller; here the shape.
+        assert!(!message.is_empty(), "denial has a message: {body}");
+        let text = ["weight", "already targets", "targetRef"]
+            .into_iter()
+            .find(|t| message.contains(t))
+            .unwrap_or("other");
+        Answer::Denied(code, text)
+    }
+}
+
+#[tokio::test]
+async fn mutate_pod_answers_every_case_with_the_uid_or_a_json_error() {
+    let synced = state(true);
+    let caches = &synced.caches;
+    caches.apply_pps(watcher::Event::Apply(pps(
+        "web",
+        "web",
+        json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}}),
+    )));
+    caches.apply_pps(watcher::Event::Apply(pps("nostate", "nostate", json!({}))));
+    caches.apply_node(watcher::Event::Apply(node("n1", "z1")));
+    let body = |v: Value| serde_json::to_vec(&v).expect("json");
+    let cases: Vec<(&str, Vec<u8>, Answer)> = vec![
+        (
+            "injects the recorded zone",
+            body(review(POD, "CREATE", pod(Some("web")), None)),
+            Answer::Patched,
+        ),
+        (
+            "not a pod",
+            body(review(
+                ("", "v1", "Service"),
+                "CREATE",
+                pod(Some("web")),
+                None,
+            )),
+            Answer::Allowed,
+        ),
+        (
+            "not a create",
+            body(review(POD, "UPDATE", pod(Some("web")), None)),
+            Answer::Allowed,
+        ),
+        (
+            "no owner",
+            body(review(POD, "CREATE", pod(None), None)),
+            Answer::Allowed,
+        ),
+        (
+            "no PPS",
+            body(review(POD, "CREATE", pod(Some("other")), None)),
+            Answer::Allowed,
+        ),
+        (
+            "no state",
+            body(review(POD, "CREATE", pod(Some("nostate")), None)),
+            Answer::Allowed,
+        ),
+        (
+            "unreadable object",
+            body(review(POD, "CREATE", json!({"spec": []}), None)),
+            Answer::Allowed,
+        ),
+        (
+            "no object",
+            body(review(POD, "CREATE", Value::Null, None)),
+            Answer::Allowed,
+        ),
+        ("not JSON", b"{not json".to_vec(), Answer::Error(400)),
+        (
+            "not a review",
+            body(json!({"kind": "Pod"})),
+            Answer::Error(400),
+        ),
+        (
+            "no request",
+            body(json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"})),
+            Answer::Error(400),
+        ),
+    ];
+    for (what, request, want) in cases {
+        let (status, json) = post(&synced, mutate_pod::PATH, request).await;
+        assert_eq!(answer(status, &json), want, "{what}: {json}");
+        if want == Answer::Patched {
+            let patch: json_patch::Patch =
+                serde_json::from_slice(&patch_bytes(&json["response"]["patch"]))
+                    .expect("a JSON patch");
+            let mut object = pod(Some("web"));
+            json_patch::patch(&mut object, &patch).expect("applies");
+            assert_eq!(
+                object["spec"]["nodeSelector"],
+                json!({"zone": "z1"}),
+                "{what}"
+            );
+        }
+    }
+    let metrics = synced.metrics.encode();
+    for reason in [
+        "not_pod_create",
+        "no_controller",
+        "no_persistent_pod_state",
+        "no_state",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "pps_admission_skipped_total{{reason=\"{reason}\"}}"
+            )),
+            "{reason} counted: {metrics}"
+        );
+    }
+    assert!(
+        metrics.contains(
+            r#"pps_admission_requests_total{endpoint="/mutate-pod",result="invalid_object"} 2"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            r#"pps_admission_requests_total{endpoint="/mutate-pod",result="bad_request"} 3"#
+        ),
+        "{metrics}"
+    );
+
+    let unsynced = state(false);
+    let (status, json) = post(
+        &unsynced,
+        mutate_pod::PATH,
+        body(review(POD, "CREATE", pod(Some("web")), None)),
+    )
+    .await;
+    assert_eq!(
+        answer(status, &json),
+        Answer::Error(503),
+        "before the caches synced"
+    );
+}
+
+/// The bytes of a response's `patch` (base64, as the API documents, or kube-core's array of
+/// byte values).
+fn patch_bytes(patch: &Value) -> Vec<u8> {
+    use base64::Engine;
+    match patch {
+        Value::String(text) => base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .expect("base64"),
+        other => serde_json::from_value(other.clone()).expect("bytes"),
+    }
+}
+
+fn pps_object(version: &str, name: &str, target: &str, weight: i64) -> Value {
+    let keys = crate::api::keys_field(version).expect("served version");
+    json!({
+        "apiVersion": format!("apps.kruise.io/{version}"), "kind": "PersistentPodState",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": target},
+                 "preferredPersistentTopology": [{"weight": weight, "preference": {keys: ["kubernetes.io/hostname"]}}]}
+    })
+}
+
+#[tokio::test]
+async fn validate_pps_allows_denies_and_rejects_bad_bodies() {
+    let synced = state(true);
+    synced
+        .caches
+        .apply_pps(watcher::Event::Apply(pps("taken", "busy", json!({}))));
+    let kind = |v| ("apps.kruise.io", v, "PersistentPodState");
+    let body = |v: Value| serde_json::to_vec(&v).expect("json");
+    let cases: Vec<(&str, Vec<u8>, Answer)> = vec![
+        (
+            "valid v1beta1",
+            body(review(
+                kind("v1beta1"),
+                "CREATE",
+                pps_object("v1beta1", "a", "a", 50),
+                None,
+            )),
+            Answer::Allowed,
+        ),
+        (
+            "valid v1alpha1",
+            body(review(
+                kind("v1alpha1"),
+                "CREATE",
+                pps_object("v1alpha1", "a", "a", 50),
+                None,
+            )),
+            Answer::Allowed,
+        ),
+        (
+            "weight 0",
+            body(review(
+                kind("v1beta1"),
+                "CREATE",
+                pps_object("v1beta1", "a", "a", 0),
+                None,
+            )),
+            Answer::Denied(422, "weight"),
+        ),
+        (
+            "second PPS for a workload",
+            body(review(
+                kind("v1beta1"),
+                "CREATE",
+                pps_object("v1beta1", "b", "busy", 5),
+                None,
+            )),
+            Answer::Denied(422, "already targets"),
+        ),
+        (
+            "changed target",
+            body(review(
+                kind("v1beta1"),
+                "UPDATE",
+                pps_object("v1beta1", "a", "x", 5),
+                Some(pps_object("v1beta1", "a", "a", 5)),
+            )),
+            Answer::Denied(422, "targetRef"),
+        ),
+        (
+            "a delete is not looked at",
+            body(review(
+                kind("v1beta1"),
+                "DELETE",
+                Value::Null,
+                Some(pps_object("v1beta1", "a", "a", 0)),
+            )),
+            Answer::Allowed,
+        ),
+        ("not JSON", b"\xff\xfe".to_vec(), Answer::Error(400)),
+    ];
+    for (what, request, want) in cases {
+        let (status, json) = post(&synced, validate_pps::PATH, request).await;
+        assert_eq!(answer(status, &json), want, "{what}: {json}");
+    }
+    let (status, json) = post(
+        &state(false),
+        validate_pps::PATH,
+        body(review(
+            kind("v1beta1"),
+            "CREATE",
+            pps_object("v1beta1", "a", "a", 50),
+            None,
+        )),
+    )
+    .await;
+    assert_eq!(
+        answer(status, &json),
+        Answer::Error(503),
+        "uniqueness needs the caches"
+    );
+}
+
+fn conversion(desired: &str, objects: Vec<Value>) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {"uid": "conv-1", "desiredAPIVersion": desired, "objects": objects}
+    }))
+    .expect("json")
+}
+
+#[tokio::test]
+async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
+    // Conversion needs no cache: served before the caches synced.
+    let unsynced = state(false);
+    let alpha = pps_object("v1alpha1", "a", "a", 50);
+    let beta = pps_object("v1beta1", "a", "a", 50);
+    for (from, to, want) in [
+        (&alpha, "apps.kruise.io/v1beta1", &beta),
+        (&beta, "apps.kruise.io/v1alpha1", &alpha),
+    ] {
+        let (status, json) =
+            post(&unsynced, convert::PATH, conversion(to, vec![from.clone()])).await;
+        assert_eq!(status, StatusCode::OK, "{json}");
+        assert_eq!(json["response"]["uid"], "conv-1");
+        assert_eq!(json["response"]["result"]["status"], "Success", "{json}");
+        assert_eq!(&json["response"]["convertedObjects"][0], want);
+    }
+    let (status, json) = post(
+        &unsynced,
+        convert::PATH,
+        conversion("apps.kruise.io/v9", vec![alpha.clone()]),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(json["response"]["uid"], "conv-1");
+    assert_eq!(json["response"]["result"]["status"], "Failure", "{json}");
+    for bad in [
+        &b"nope"[..],
+        br#"{"kind": "ConversionReview"}"#,
+        br#"{"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview"}"#,
+    ] {
+        let (status, json) = post(&unsynced, convert::PATH, bad.to_vec()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{json}");
+        assert!(json["error"].is_string());
+    }
+}
