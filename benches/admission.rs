@@ -10,6 +10,7 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use persistent_pod_state::api::PersistentPodState;
+use persistent_pod_state::placement::Required;
 use persistent_pod_state::state::index::{ByWorkload, Shared, pps_target};
 use persistent_pod_state::webhook::inject::injection_for;
 use persistent_pod_state::workload::pod_workload;
@@ -58,7 +59,10 @@ fn main() {
                 .expect("pod")
             })
             .collect();
-        let anywhere = |_: &BTreeMap<String, String>| true;
+        let anywhere = |recorded: &BTreeMap<String, String>| Required {
+            kept: recorded.clone(),
+            dropped: None,
+        };
 
         let start = Instant::now();
         for n in 0..ADMISSIONS {

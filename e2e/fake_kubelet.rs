@@ -5,14 +5,20 @@
 //! - marks every pod bound to one of its nodes Running and Ready, with a pod IP given the way
 //!   the seeds' patched host-local does: the same pod name on the same node gets the same IP
 //!   back; another node gives another IP;
-//! - deletes pods that have a deletionTimestamp (there are no containers to stop).
+//! - deletes pods that have a deletionTimestamp (there are no containers to stop);
+//! - does nothing for a node whose `Ready` condition is not `True`: a test marks a node dead as
+//!   the node lifecycle controller would (`Unknown`, tainted unreachable), and like a dead
+//!   kubelet this one then neither starts nor finalizes pods there, until the node is Ready
+//!   again (then it catches up with every pod bound to it).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -94,11 +100,27 @@ fn chrono_now() -> String {
         .unwrap_or_default()
 }
 
-async fn handle(pods: &Client, ipam: &mut Ipam, pod: &Pod) -> anyhow::Result<()> {
+fn is_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+async fn handle(
+    pods: &Client,
+    ipam: &Mutex<Ipam>,
+    nodes: &Store<Node>,
+    pod: &Pod,
+) -> anyhow::Result<()> {
     let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
         return Ok(());
     };
-    if !ipam.subnets.contains_key(&node) {
+    let ours = lock(ipam).subnets.contains_key(&node);
+    let alive = nodes
+        .get(&ObjectRef::new(&node))
+        .is_some_and(|n| is_ready(&n));
+    if !ours || !alive {
         return Ok(());
     }
     let ns = pod.namespace().unwrap_or_default();
@@ -120,7 +142,7 @@ async fn handle(pods: &Client, ipam: &mut Ipam, pod: &Pod) -> anyhow::Result<()>
     if running {
         return Ok(());
     }
-    let Some(ip) = ipam.ip_for(&node, &format!("{ns}/{name}")) else {
+    let Some(ip) = lock(ipam).ip_for(&node, &format!("{ns}/{name}")) else {
         anyhow::bail!("no free address on {node}");
     };
     let now = chrono_now();
@@ -183,6 +205,33 @@ async fn main() -> anyhow::Result<()> {
         ipam.subnets.insert(name.clone(), u8::try_from(i + 1)?);
         tracing::info!(node = %name, %zone, "node registered");
     }
+    let ipam = Arc::new(Mutex::new(ipam));
+    let (store, writer) = reflector::store::<Node>();
+    let node_events = reflector::reflector(writer, watcher(nodes, watcher::Config::default()))
+        .default_backoff()
+        .applied_objects();
+    // A node that comes back to Ready: catch up with every pod bound to it.
+    let revived = tokio::spawn({
+        let (client, ipam, store) = (client.clone(), ipam.clone(), store.clone());
+        async move {
+            futures::pin_mut!(node_events);
+            let mut ready: HashMap<String, bool> = HashMap::new();
+            loop {
+                match node_events.try_next().await {
+                    Ok(Some(node)) => {
+                        let name = node.name_any();
+                        let now = is_ready(&node);
+                        if ready.insert(name.clone(), now) == Some(false) && now {
+                            catch_up(&client, &ipam, &store, &name).await;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(error) => tracing::warn!(%error, "node watch failed; retrying"),
+                }
+            }
+        }
+    });
+    store.wait_until_ready().await?;
     let pods: Api<Pod> = Api::all(client.clone());
     let events = watcher(pods, watcher::Config::default())
         .default_backoff()
@@ -191,12 +240,35 @@ async fn main() -> anyhow::Result<()> {
     loop {
         match events.try_next().await {
             Ok(Some(pod)) => {
-                if let Err(error) = handle(&client, &mut ipam, &pod).await {
+                if let Err(error) = handle(&client, &ipam, &store, &pod).await {
                     tracing::warn!(pod = %pod.name_any(), %error, "pod not handled");
                 }
             }
-            Ok(None) => return Ok(()),
+            Ok(None) => break,
             Err(error) => tracing::warn!(%error, "pod watch failed; retrying"),
         }
+    }
+    revived.abort();
+    Ok(())
+}
+
+fn lock(ipam: &Mutex<Ipam>) -> std::sync::MutexGuard<'_, Ipam> {
+    ipam.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Handles every pod bound to `node` (after it came back).
+async fn catch_up(client: &Client, ipam: &Mutex<Ipam>, nodes: &Store<Node>, node: &str) {
+    let pods: Api<Pod> = Api::all(client.clone());
+    let bound = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+    match pods.list(&bound).await {
+        Ok(list) => {
+            for pod in list.items {
+                if let Err(error) = handle(client, ipam, nodes, &pod).await {
+                    tracing::warn!(pod = %pod.name_any(), %error, "pod not handled");
+                }
+            }
+        }
+        Err(error) => tracing::warn!(%node, %error, "cannot list the pods of a revived node"),
     }
 }

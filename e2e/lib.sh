@@ -200,52 +200,34 @@ serve_up() {
 }
 
 # register_webhook: the Mutating (pod CREATE) and Validating (PersistentPodState CREATE/UPDATE)
-# WebhookConfigurations, pointing at WEBHOOK_HOST.
+# WebhookConfigurations exactly as the manifests ship them, with the pre-1.28 component (this
+# API server is v1.20: no matchConditions), reached at WEBHOOK_HOST instead of the Service.
 register_webhook() {
-  local ca
+  local ca dir="$CLUSTER_DIR/registration" url="https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT" manifests
   ca=$(base64 -w0 <"$CLUSTER_DIR/webhook-certs/ca.crt")
-  kubectl apply -f - >/dev/null <<YAML
-apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingWebhookConfiguration
-metadata:
-  name: persistent-pod-state
-webhooks:
-- name: mutate-pod.persistent-pod-state.apps.kruise.io
-  admissionReviewVersions: ["v1"]
-  clientConfig:
-    url: https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/mutate-pod
-    caBundle: $ca
-  failurePolicy: Fail
-  sideEffects: NoneOnDryRun
-  timeoutSeconds: 5
-  reinvocationPolicy: Never
-  rules:
-  - apiGroups: [""]
-    apiVersions: ["v1"]
-    operations: ["CREATE"]
-    resources: ["pods"]
-    scope: Namespaced
----
-apiVersion: admissionregistration.k8s.io/v1
-kind: ValidatingWebhookConfiguration
-metadata:
-  name: persistent-pod-state
-webhooks:
-- name: validate-persistentpodstate.persistent-pod-state.apps.kruise.io
-  admissionReviewVersions: ["v1"]
-  clientConfig:
-    url: https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/validate-persistentpodstate
-    caBundle: $ca
-  failurePolicy: Fail
-  sideEffects: None
-  timeoutSeconds: 5
-  rules:
-  - apiGroups: ["apps.kruise.io"]
-    apiVersions: ["v1alpha1", "v1beta1"]
-    operations: ["CREATE", "UPDATE"]
-    resources: ["persistentpodstates"]
-    scope: Namespaced
+  mkdir -p "$dir"
+  # kustomize takes components by relative path only.
+  manifests=$(realpath --relative-to="$dir" "$ROOT/manifests")
+  cat >"$dir/kustomization.yaml" <<YAML
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $manifests/base/webhooks.yaml
+components:
+  - $manifests/components/pre-1.28
+patches:
+  - target: {kind: MutatingWebhookConfiguration, name: persistent-pod-state}
+    patch: |-
+      - op: replace
+        path: /webhooks/0/clientConfig
+        value: {url: "$url/mutate-pod", caBundle: "$ca"}
+  - target: {kind: ValidatingWebhookConfiguration, name: persistent-pod-state}
+    patch: |-
+      - op: replace
+        path: /webhooks/0/clientConfig
+        value: {url: "$url/validate-persistentpodstate", caBundle: "$ca"}
 YAML
+  kubectl kustomize --load-restrictor LoadRestrictionsNone "$dir" | kubectl apply -f - >/dev/null
 }
 
 unregister_webhook() {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the end-to-end suite: builds what is needed (the control plane once, cached), starts a
 # fresh local control plane with 4 fake-kubelet nodes in 2 zones, the webhook server, registers
-# the webhook, runs `cargo test --features e2e --test e2e`, and tears everything down.
+# the webhook, runs `cargo test --features e2e --test e2e`, and tears everything down. Arguments
+# are passed to the test binary (e.g. `bash e2e/run.sh migration` runs the tests matching it).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -35,4 +36,4 @@ log "control plane, fake kubelet and 2 webhook replicas are up; running the e2e 
 
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
   E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
-  cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture
+  cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture "$@"

@@ -2,11 +2,21 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::discovery::parse_group_kind;
 use crate::workload::GroupKind;
+
+/// Parses a duration such as `5m`, `90s`, `1h 30m` or `PT5M`; it must not be negative.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let d: k8s_openapi::jiff::SignedDuration = text
+        .trim()
+        .parse()
+        .map_err(|e| format!("{text:?} is not a duration such as 5m, 90s or 1h: {e}"))?;
+    Duration::try_from(d).map_err(|_| format!("{text:?} is negative"))
+}
 
 /// Keeps StatefulSet pods on their node, zone and IP across re-creation (PersistentPodState).
 #[derive(Debug, Parser)]
@@ -62,6 +72,10 @@ pub struct ServeArgs {
     /// A file listing more custom kinds (`customWorkloads: [GROUP/KIND, ...]`), re-read when it changes.
     #[arg(long, env = "PPS_CUSTOM_WORKLOAD_CONFIG")]
     pub custom_workload_config: Option<PathBuf>,
+    /// How long a node may be not ready (or tainted unreachable/not-ready) before a required
+    /// pin to it is left out of re-created pods (e.g. `5m`, `90s`, `1h`).
+    #[arg(long, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
+    pub node_lost_after: Duration,
     /// Leader election.
     #[command(flatten)]
     pub lease: LeaseArgs,
@@ -158,6 +172,22 @@ mod tests {
         assert_eq!(args.probe_listen.to_string(), "0.0.0.0:8080");
         assert_eq!(args.tls_cert, PathBuf::from("certs/tls.crt"));
         assert_eq!(args.tls_key, PathBuf::from("certs/tls.key"));
+    }
+
+    #[test]
+    fn durations_parse_in_friendly_and_iso_forms() {
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("PT2M"), Ok(Duration::from_secs(120)));
+        for bad in ["", "soon", "-5m", "5"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        let cli = Cli::try_parse_from(["persistent-pod-state", "serve"]).expect("parses");
+        let Command::Serve(args) = cli.command else {
+            panic!("serve expected")
+        };
+        assert_eq!(args.node_lost_after, Duration::from_secs(300));
     }
 
     #[test]

@@ -9,6 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::placement::DropReason;
+
 /// Outcome of one admission request.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum AdmissionResult {
@@ -82,6 +84,29 @@ pub struct SkipLabels {
     pub reason: SkipReason,
 }
 
+/// Labels of the counter of required values left out.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DropLabels {
+    /// Why they were left out.
+    pub reason: DropReason,
+}
+
+/// A write of the PersistentPodState generator.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum GeneratorAction {
+    /// Server-side apply of a generated PersistentPodState.
+    Apply,
+    /// Deletion of a generated PersistentPodState.
+    Delete,
+}
+
+/// Labels of the generator write counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GeneratorLabels {
+    /// What was written.
+    pub action: GeneratorAction,
+}
+
 /// Which controller a reconcile belongs to.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Reconciler {
@@ -132,6 +157,11 @@ snake_case_label!(AdmissionResult {
     Patched => "patched", Allowed => "allowed", Denied => "denied", InvalidObject => "invalid_object",
     BadRequest => "bad_request", Unavailable => "unavailable",
 });
+snake_case_label!(DropReason {
+    NodeGone => "node_gone", NodeLost => "node_lost", PodConstraints => "pod_constraints",
+});
+
+snake_case_label!(GeneratorAction { Apply => "apply", Delete => "delete" });
 snake_case_label!(Reconciler { Status => "status", Generator => "generator" });
 snake_case_label!(InjectionKind { Required => "required", Preferred => "preferred", Annotations => "annotations" });
 snake_case_label!(SkipReason {
@@ -258,8 +288,8 @@ pub struct Metrics {
     pub injections: Family<InjectionLabels, Counter>,
     /// Recorded nodeSelector values not injected because the pod sets another value.
     pub injection_conflicts: Counter,
-    /// Required parts not injected because no node has the recorded values (node or zone gone).
-    pub required_unplaceable: Counter,
+    /// Recorded required values left out of an injection so the pod is not stranded, by reason.
+    pub required_dropped: Family<DropLabels, Counter>,
     /// States whose required values no node has, seen by the controller.
     pub states_unplaceable: Gauge,
     /// Pods let through without a patch, by reason.
@@ -272,6 +302,10 @@ pub struct Metrics {
     pub reconcile_errors: Family<ReconcilerLabels, Counter>,
     /// Reconcile duration, by controller.
     pub reconcile_duration: Family<ReconcilerLabels, Histogram, fn() -> Histogram>,
+    /// Requests sent by the PersistentPodState generator, by action.
+    pub generator_writes: Family<GeneratorLabels, Counter>,
+    /// PersistentPodStates shadowed by an older one targeting the same workload.
+    pub shadowed_persistent_pod_states: Gauge,
     /// 1 while this replica holds the Lease and runs the controllers.
     pub leader: Gauge,
     /// Process metrics (`process_*`), refreshed at each scrape.
@@ -303,7 +337,7 @@ impl Metrics {
             admission_duration: Family::new_with_constructor(latency_histogram),
             injections: Family::default(),
             injection_conflicts: Counter::default(),
-            required_unplaceable: Counter::default(),
+            required_dropped: Family::default(),
             states_unplaceable: Gauge::default(),
             skipped: Family::default(),
             states_recorded: Counter::default(),
@@ -312,6 +346,8 @@ impl Metrics {
             reconcile_duration: Family::new_with_constructor(latency_histogram),
             cached_persistent_pod_states: Gauge::default(),
             leader: Gauge::default(),
+            generator_writes: Family::default(),
+            shadowed_persistent_pod_states: Gauge::default(),
             registry: Registry::default(),
             process: ProcessMetrics::default(),
             cached_pods: Gauge::default(),
@@ -336,9 +372,9 @@ impl Metrics {
             m.injection_conflicts.clone(),
         );
         registry.register(
-            "required_unplaceable",
-            "Required parts not injected because no node has the recorded values",
-            m.required_unplaceable.clone(),
+            "required_dropped",
+            "Admissions whose recorded required values were partly or wholly left out, by reason",
+            m.required_dropped.clone(),
         );
         registry.register(
             "states_unplaceable",
@@ -369,6 +405,16 @@ impl Metrics {
             "reconcile_duration_seconds",
             "Reconcile duration",
             m.reconcile_duration.clone(),
+        );
+        registry.register(
+            "generator_writes",
+            "Requests sent by the PersistentPodState generator, by action",
+            m.generator_writes.clone(),
+        );
+        registry.register(
+            "shadowed_persistent_pod_states",
+            "PersistentPodStates that record nothing because an older one targets the same workload",
+            m.shadowed_persistent_pod_states.clone(),
         );
         registry.register(
             "leader",
@@ -418,6 +464,13 @@ impl Metrics {
                 .clone(),
             start: Instant::now(),
         }
+    }
+
+    /// Counts one request of the generator.
+    pub fn generator_write(&self, action: GeneratorAction) {
+        self.generator_writes
+            .get_or_create(&GeneratorLabels { action })
+            .inc();
     }
 
     /// Counts one failed reconcile of `controller`.
@@ -489,11 +542,15 @@ mod tests {
     #[test]
     fn counters_are_exposed_with_their_total_suffix() {
         let m = Metrics::new();
-        m.required_unplaceable.inc();
+        m.required_dropped
+            .get_or_create(&DropLabels {
+                reason: DropReason::NodeLost,
+            })
+            .inc();
         m.leader.set(1);
         let text = m.encode();
         assert!(
-            text.contains("\npps_required_unplaceable_total 1\n"),
+            text.contains("\npps_required_dropped_total{reason=\"node_lost\"} 1\n"),
             "{text}"
         );
         assert!(text.contains("\npps_leader 1\n"), "{text}");

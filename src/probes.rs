@@ -54,6 +54,8 @@ async fn metrics(State(health): State<Arc<Health>>) -> Response {
     m.cached_persistent_pod_states.set(c.pps.len() as i64);
     m.cached_pods.set(c.pods.len() as i64);
     m.cached_nodes.set(c.nodes.len() as i64);
+    m.shadowed_persistent_pod_states
+        .set(c.shadowed_pps() as i64);
     let kinds = c.workload_kinds();
     m.watched_workload_kinds.set(kinds.len() as i64);
     m.cached_workloads
@@ -80,8 +82,10 @@ mod tests {
     use tower::ServiceExt;
 
     use crate::metrics::{
-        AdmissionResult, InjectionKind, InjectionLabels, Reconciler, SkipLabels, SkipReason,
+        AdmissionResult, DropLabels, GeneratorAction, InjectionKind, InjectionLabels, Reconciler,
+        SkipLabels, SkipReason,
     };
+    use crate::placement::DropReason;
 
     /// Metric names and their label names, from the exposition of a scrape: each `# TYPE`
     /// line declares a family (counters are sampled as `NAME_total`), each sample carries labels.
@@ -176,6 +180,13 @@ mod tests {
                 reason: SkipReason::NoState,
             })
             .inc();
+        metrics
+            .required_dropped
+            .get_or_create(&DropLabels {
+                reason: DropReason::NodeLost,
+            })
+            .inc();
+        metrics.generator_write(GeneratorAction::Apply);
         drop(metrics.reconcile_timer(Reconciler::Status));
         metrics.reconcile_error(Reconciler::Generator);
         let health = Arc::new(Health {

@@ -75,6 +75,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         caches: caches.clone(),
         metrics: metrics.clone(),
         custom_kinds: custom_kinds.clone(),
+        node_lost_after: args.node_lost_after,
     }));
     let webhook_server = tokio::spawn(webhook::server::serve_tls(
         webhook_listener,
@@ -101,6 +102,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             caches.clone(),
             metrics.clone(),
             events.clone(),
+            args.node_lost_after,
         ));
         let shutdown = shutdown.clone();
         let lease = LeaseConfig::from_args(&args.lease);

@@ -40,9 +40,11 @@ const SHIM: &str = r#"#!/usr/bin/env bash
 if [[ $1 == apply && " $* " != *" --dry-run"* ]]; then
   shift
   if [[ $1 == -k ]]; then src=$("$REAL_KUBECTL" kustomize "$2"); else src=$(cat "$2"); fi
-  # v1.20 serves PodDisruptionBudget as policy/v1beta1 only.
+  # v1.20 serves PodDisruptionBudget as policy/v1beta1 only, and does not know the pod
+  # webhook's matchConditions (1.28+): kubectl's client-side schema check is skipped so the
+  # server checks the rest and drops that field, as a v1.20 server does.
   printf '%s\n' "$src" | sed 's#^apiVersion: policy/v1$#apiVersion: policy/v1beta1#' |
-    "$REAL_KUBECTL" apply --dry-run=server -f -
+    "$REAL_KUBECTL" apply --dry-run=server --validate=false -f -
   exit "${PIPESTATUS[2]}"
 fi
 exec "$REAL_KUBECTL" "$@"

@@ -204,3 +204,71 @@ async fn generation_follows_annotations_and_never_touches_hand_made_pps() {
     assert!(now.metadata.owner_references.unwrap_or_default().is_empty());
     delete_namespace(c, &ns).await;
 }
+
+/// Issue 8.5: a user's edit of what the annotations cannot express (the retention policy) is
+/// kept, and once the generated PPS is as asked the generator sends nothing at all: its
+/// reconciles go on (an unrelated annotation triggers one) without a request or a new
+/// generation.
+#[tokio::test]
+async fn a_users_edit_of_a_generated_pps_stays_and_the_steady_state_writes_nothing() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-generator-steady").await;
+    let api = pps_api(c, &ns);
+    create_sts(c, &ns, &statefulset("steady", 1, &GENERATE)).await;
+    wait_for("generated PPS", TIMEOUT, || async {
+        api.get_opt("steady").await.ok()?
+    })
+    .await;
+    api.patch(
+        "steady",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"persistentPodStateRetentionPolicy": "WhenDeleted"}})),
+    )
+    .await
+    .expect("the user's edit");
+    let generation = api.get("steady").await.expect("pps").metadata.generation;
+    let reconciles = "pps_reconcile_duration_seconds_count{controller=\"generator\"}";
+    let writes = |text: &str| {
+        metric(text, "pps_generator_writes_total{action=\"apply\"}")
+            + metric(text, "pps_generator_writes_total{action=\"delete\"}")
+    };
+    let before = scrape(&env).await;
+    for round in 0..3 {
+        let seen = metric(&scrape(&env).await, reconciles);
+        set_annotations(
+            c,
+            &ns,
+            "steady",
+            json!({"example.com/unrelated": round.to_string()}),
+        )
+        .await;
+        wait_for(
+            "a generator reconcile of the annotated workload",
+            TIMEOUT,
+            || async { (metric(&scrape(&env).await, reconciles) > seen).then_some(()) },
+        )
+        .await;
+    }
+    let after = scrape(&env).await;
+    let now = api.get("steady").await.expect("pps");
+    assert_eq!(
+        now.spec
+            .persistent_pod_state_retention_policy
+            .map(|r| format!("{r:?}")),
+        Some("WhenDeleted".to_string()),
+        "the user's retention policy stays"
+    );
+    assert_eq!(now.metadata.generation, generation, "no new generation");
+    assert_eq!(
+        writes(&after),
+        writes(&before),
+        "the generator sent nothing"
+    );
+    println!(
+        "3 generator reconciles of an up-to-date PPS: {} requests, generation {:?} unchanged",
+        writes(&after) - writes(&before),
+        generation
+    );
+    delete_namespace(c, &ns).await;
+}

@@ -11,6 +11,7 @@ mod docs;
 mod ha;
 mod lifecycle;
 mod manifests;
+mod migration;
 mod passthrough;
 mod placement;
 mod rotation;

@@ -56,9 +56,9 @@ fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("{kind} {name} rendered"))
 }
 
-/// Issue 4.1: base, self-signed, cert-manager and cert-manager-1.28 render; the first three are
-/// accepted by the API server (server-side dry run: applied for real, the webhook
-/// configurations would send this cluster's pods to a Service with no backend here).
+/// Issue 4.1: base and every overlay render; the pre-1.28 overlays are accepted by this v1.20
+/// API server (server-side dry run: applied for real, the webhook configurations would send
+/// this cluster's pods to a Service with no backend here).
 #[tokio::test]
 async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
     let env = env().await;
@@ -156,24 +156,48 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
     }
     find(&cert_manager, "Certificate", "persistent-pod-state");
 
-    let newer = render(&env, "manifests/overlays/cert-manager-1.28").await;
-    let conditions = &find(
-        &newer,
-        "MutatingWebhookConfiguration",
-        "persistent-pod-state",
-    )["webhooks"][0]["matchConditions"];
-    assert!(
-        conditions[0]["expression"]
-            .as_str()
-            .is_some_and(|e| e.contains("ownerReferences"))
-    );
+    // Issue 8.2: the pod webhook gets only StatefulSet pods where matchConditions exist (the
+    // expression itself is evaluated by tests/match_conditions.rs); the pre-1.28 overlays
+    // register it without them.
+    let pod_hook = |objects: &[Value]| {
+        find(
+            objects,
+            "MutatingWebhookConfiguration",
+            "persistent-pod-state",
+        )["webhooks"][0]
+            .clone()
+    };
+    for overlay in [
+        "manifests/base",
+        "manifests/overlays/cert-manager",
+        "manifests/overlays/self-signed",
+    ] {
+        let hook = pod_hook(&render(&env, overlay).await);
+        assert!(
+            hook["matchConditions"][0]["expression"]
+                .as_str()
+                .is_some_and(|e| e.contains("'StatefulSet'")),
+            "{overlay}: {hook}"
+        );
+    }
+    for overlay in [
+        "manifests/overlays/cert-manager-pre-1.28",
+        "manifests/overlays/self-signed-pre-1.28",
+    ] {
+        let objects = render(&env, overlay).await;
+        let hook = pod_hook(&objects);
+        assert!(hook.get("matchConditions").is_none(), "{overlay}: {hook}");
+        assert_eq!(hook["sideEffects"], "NoneOnDryRun", "{overlay}");
+        find(&objects, "Deployment", "persistent-pod-state");
+    }
 
     stub_cert_manager_crds(&env).await;
     let (ok, out) = kubectl(&env, &["create", "namespace", "persistent-pod-state"], None).await;
     assert!(ok || out.contains("AlreadyExists"), "{out}");
+    // Applied for real on this v1.20 API server: the overlays for clusters before 1.28.
     for overlay in [
-        "manifests/overlays/self-signed",
-        "manifests/overlays/cert-manager",
+        "manifests/overlays/self-signed-pre-1.28",
+        "manifests/overlays/cert-manager-pre-1.28",
     ] {
         let (ok, yaml) = kubectl(&env, &["kustomize", overlay], None).await;
         assert!(ok, "{yaml}");

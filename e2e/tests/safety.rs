@@ -1,4 +1,5 @@
-//! Never strand a pod: recorded required values no node has are not injected; node label
+//! Never strand a pod: recorded required values that no usable node meeting the pod's own
+//! constraints has are not injected (node gone, node lost, pod's own affinity); node label
 //! changes re-record the affected states.
 
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -7,6 +8,8 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use persistent_pod_state::api::INJECTED_ANNOTATION;
 use serde_json::json;
+
+use std::time::Duration;
 
 use crate::support::*;
 
@@ -81,7 +84,7 @@ async fn a_required_zone_that_is_gone_is_not_injected_and_the_pod_runs() {
     );
 
     let after = scrape(&env).await;
-    let series = "pps_required_unplaceable_total";
+    let series = "pps_required_dropped_total{reason=\"node_gone\"}";
     assert!(
         metric(&after, series) > metric(&before, series),
         "{series} counted"
@@ -206,5 +209,114 @@ async fn a_pods_own_node_selector_wins_over_the_recorded_value() {
         "{series} counted"
     );
     wait_event(c, &ns, "moving", "NodeSelectorConflict").await;
+    delete_namespace(c, &ns).await;
+}
+
+/// Issue 8.1: the recorded node of a hostname-required PPS has been NotReady for an hour and is
+/// tainted unreachable: the re-created pod is not pinned to it and runs on another node.
+#[tokio::test]
+async fn a_pod_pinned_to_a_lost_node_runs_on_another_node() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-lost-node").await;
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "pinned",
+            1,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                ("kruise.io/required-persistent-topology", HOST),
+            ],
+        ),
+    )
+    .await;
+    wait_sts_rolled(c, &ns, "pinned", 1).await;
+    let placed = placements(c, &ns, &pod_names("pinned", 1)).await;
+    wait_states(c, &ns, "pinned", &placed).await;
+    let dead = placed["pinned-0"].node.clone();
+    let before = scrape(&env).await;
+
+    let lost = mark_node_lost(c, &dead, Duration::from_secs(3600)).await;
+    let old_uid = force_delete_pod(c, &ns, "pinned-0").await;
+    let pod = wait_replaced(c, &ns, "pinned-0", &old_uid).await;
+    let now = placement(&pod).expect("placed");
+    assert_ne!(now.node, dead, "not stranded on the lost node");
+    let selector = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.clone())
+        .unwrap_or_default();
+    assert!(
+        !selector.contains_key(HOST),
+        "no pin to the lost node: {selector:?}"
+    );
+    println!(
+        "pinned-0: recorded on {dead} (NotReady for an hour), now runs on {}",
+        now.node
+    );
+    let series = "pps_required_dropped_total{reason=\"node_lost\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    wait_event(c, &ns, "pinned", "RequiredTopologySkipped").await;
+    lost.revive().await;
+    delete_namespace(c, &ns).await;
+}
+
+/// Issue 8.1: a StatefulSet rolled to a template whose required node affinity excludes the
+/// recorded zone: the recorded zone is left out and the new pod runs in another zone.
+#[tokio::test]
+async fn a_template_excluding_the_recorded_zone_moves_the_pod_to_another_zone() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-own-affinity").await;
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "zoned",
+            1,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                ("kruise.io/required-persistent-topology", ZONE),
+            ],
+        ),
+    )
+    .await;
+    wait_sts_rolled(c, &ns, "zoned", 1).await;
+    let placed = placements(c, &ns, &pod_names("zoned", 1)).await;
+    wait_states(c, &ns, "zoned", &placed).await;
+    let zone = node_labels(c, &placed["zoned-0"].node)
+        .await
+        .get(ZONE)
+        .cloned()
+        .expect("zone label");
+    let before = scrape(&env).await;
+
+    let exclude = json!({"spec": {"template": {"spec": {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": ZONE, "operator": "NotIn", "values": [zone]}]}]}}}}}}});
+    Api::<StatefulSet>::namespaced(c.clone(), &ns)
+        .patch("zoned", &PatchParams::default(), &Patch::Merge(&exclude))
+        .await
+        .expect("exclude the zone");
+    wait_sts_rolled(c, &ns, "zoned", 1).await;
+    let after = placements(c, &ns, &pod_names("zoned", 1)).await;
+    let new_zone = node_labels(c, &after["zoned-0"].node)
+        .await
+        .get(ZONE)
+        .cloned()
+        .expect("zone label");
+    assert_ne!(new_zone, zone, "runs outside the excluded zone");
+    println!("zoned-0: recorded in {zone}, the new template excludes it, now runs in {new_zone}");
+    let series = "pps_required_dropped_total{reason=\"pod_constraints\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    wait_event(c, &ns, "zoned", "RequiredTopologySkipped").await;
     delete_namespace(c, &ns).await;
 }

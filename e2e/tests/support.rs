@@ -226,23 +226,11 @@ pub fn pod_names(sts: &str, replicas: i32) -> Vec<String> {
 /// Deletes a pod and waits for its replacement (another uid) to run; returns it.
 pub async fn recreate_pod(client: &Client, ns: &str, name: &str) -> Pod {
     let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let old_uid = api.get(name).await.expect("pod").uid();
+    let old_uid = api.get(name).await.expect("pod").uid().unwrap_or_default();
     api.delete(name, &DeleteParams::default())
         .await
         .expect("delete pod");
-    wait_for(
-        &format!("pod {ns}/{name} to be re-created and Ready"),
-        TIMEOUT,
-        || async {
-            let pod = api.get_opt(name).await.ok()??;
-            let fresh = pod.uid() != old_uid && pod.metadata.deletion_timestamp.is_none();
-            (fresh
-                && persistent_pod_state::controller::record::is_ready(&pod)
-                && placement(&pod).is_some())
-            .then_some(pod)
-        },
-    )
-    .await
+    wait_replaced(client, ns, name, &old_uid).await
 }
 
 pub fn pps_api(client: &Client, ns: &str) -> Api<PersistentPodState> {
@@ -455,4 +443,114 @@ pub fn serve_command(
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     command
+}
+
+/// A node marked lost by [`mark_node_lost`]; [`LostNode::revive`] brings it back (and so does
+/// dropping it, should the test fail first), so later tests find every node Ready.
+pub struct LostNode {
+    client: Client,
+    node: String,
+    revived: bool,
+}
+
+async fn set_node_health(client: &Client, node: &str, lost_since: Option<&str>) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let (status, reason, since, taints) = match lost_since {
+        Some(since) => (
+            "Unknown",
+            "NodeStatusUnknown",
+            since.to_owned(),
+            json!([
+                {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule", "timeAdded": since},
+                {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": since}
+            ]),
+        ),
+        None => ("True", "KubeletReady", now.clone(), Value::Null),
+    };
+    let condition = json!({"status": {"conditions": [{"type": "Ready", "status": status,
+        "reason": reason, "message": "set by the e2e suite", "lastHeartbeatTime": since,
+        "lastTransitionTime": since}]}});
+    nodes
+        .patch_status(node, &PatchParams::default(), &Patch::Strategic(condition))
+        .await
+        .expect("node condition");
+    nodes
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"taints": taints}})),
+        )
+        .await
+        .expect("node taints");
+}
+
+/// Marks `node` as the node lifecycle controller (not running here) marks a node whose kubelet
+/// stopped reporting `ago` before now: `Ready` `Unknown` since then, tainted `unreachable`
+/// (NoSchedule and NoExecute) since then. The fake kubelet then leaves the node's pods alone.
+pub async fn mark_node_lost(client: &Client, node: &str, ago: Duration) -> LostNode {
+    let secs = i64::try_from(ago.as_secs()).expect("seconds");
+    let since = k8s_openapi::jiff::Timestamp::now()
+        .checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(secs))
+        .expect("time")
+        .to_string();
+    set_node_health(client, node, Some(&since)).await;
+    LostNode {
+        client: client.clone(),
+        node: node.to_owned(),
+        revived: false,
+    }
+}
+
+impl LostNode {
+    /// The kubelet reports again: Ready, untainted.
+    pub async fn revive(mut self) {
+        set_node_health(&self.client, &self.node, None).await;
+        self.revived = true;
+    }
+}
+
+impl Drop for LostNode {
+    fn drop(&mut self) {
+        if self.revived {
+            return;
+        }
+        let (client, node) = (self.client.clone(), self.node.clone());
+        // A failing test unwinds here: revive on a runtime of its own, so the next test has it.
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Runtime::new() {
+                rt.block_on(set_node_health(&client, &node, None));
+            }
+        })
+        .join();
+    }
+}
+
+/// Deletes a pod at once (grace period 0), as an operator does for a pod on a dead node.
+pub async fn force_delete_pod(client: &Client, ns: &str, name: &str) -> String {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let uid = api.get(name).await.expect("pod").uid().unwrap_or_default();
+    api.delete(name, &DeleteParams::default().grace_period(0))
+        .await
+        .expect("force delete");
+    uid
+}
+
+/// Waits until the pod `name` is a new one (not `old_uid`), Ready, and returns it.
+pub async fn wait_replaced(client: &Client, ns: &str, name: &str, old_uid: &str) -> Pod {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait_for(
+        &format!("pod {ns}/{name} to be replaced and Ready"),
+        TIMEOUT,
+        || async {
+            let pod = api.get_opt(name).await.ok()??;
+            let fresh =
+                pod.uid().as_deref() != Some(old_uid) && pod.metadata.deletion_timestamp.is_none();
+            (fresh
+                && persistent_pod_state::controller::record::is_ready(&pod)
+                && placement(&pod).is_some())
+            .then_some(pod)
+        },
+    )
+    .await
 }

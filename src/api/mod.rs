@@ -45,13 +45,10 @@ pub const INJECTED_ANNOTATION: &str = "kruise.io/injected-persistent-pod-state";
 #[serde(rename_all = "camelCase")]
 pub struct TargetReference {
     /// API version of the workload, e.g. `apps/v1`; only its group is matched.
-    #[schemars(length(min = 1))]
     pub api_version: String,
     /// Kind of the workload, e.g. `StatefulSet`.
-    #[schemars(length(min = 1))]
     pub kind: String,
     /// Name of the workload, in the PersistentPodState's namespace.
-    #[schemars(length(min = 1))]
     pub name: String,
 }
 
@@ -83,7 +80,6 @@ pub fn api_group(api_version: &str) -> &str {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct PersistentPodAnnotation {
     /// The annotation key.
-    #[schemars(length(min = 1))]
     pub key: String,
 }
 
@@ -162,6 +158,16 @@ pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomRes
         "v1beta1",
     )
     .unwrap_or_else(|e| unreachable!("both versions derive from one definition: {e}"));
+    // Upstream's schema does not require `spec` (kube-derive's does): no stricter than upstream.
+    for version in &mut crd.spec.versions {
+        if let Some(root) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        {
+            root.required = None;
+        }
+    }
     let (url, service) = match endpoint {
         ConversionEndpoint::Url(url) => (Some(url.clone()), None),
         ConversionEndpoint::Service { namespace, name } => (
@@ -301,5 +307,104 @@ mod crd_tests {
             Some("https://127.0.0.1:9443/convert")
         );
         assert_eq!(client.ca_bundle.map(|b| b.0), Some(b"PEM".to_vec()));
+    }
+}
+
+#[cfg(test)]
+mod upstream_schema_tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    /// Every constraint in a schema, as `(path, keyword, value)`.
+    fn constraints(schema: &Value, path: &str, out: &mut Vec<(String, String, Value)>) {
+        let Some(obj) = schema.as_object() else {
+            return;
+        };
+        for (key, value) in obj {
+            match key.as_str() {
+                "properties" => {
+                    for (name, sub) in value.as_object().into_iter().flatten() {
+                        constraints(sub, &format!("{path}.{name}"), out);
+                    }
+                }
+                "items" => constraints(value, &format!("{path}[]"), out),
+                "additionalProperties" => constraints(value, &format!("{path}{{}}"), out),
+                "description" | "title" | "type" | "format" | "nullable" | "default" => {}
+                _ => out.push((path.to_owned(), key.clone(), value.clone())),
+            }
+        }
+    }
+
+    /// Issue 8.3: an object upstream's CRD accepts is accepted by ours. Upstream's constraints,
+    /// per version: the required fields below; v1beta1 adds `weight >= 0` and the retention
+    /// enum (ours leaves those two out: see `versioned.rs`). Anything else (a length, a range,
+    /// a pattern) would be stricter.
+    #[test]
+    fn the_crd_schema_is_no_stricter_than_upstreams() {
+        let crd = serde_json::to_value(crd(&ConversionEndpoint::default(), None)).expect("json");
+        for version in crd["spec"]["versions"].as_array().expect("versions") {
+            let name = version["name"].as_str().expect("name");
+            let keys = keys_field(name).expect("served");
+            let mut allowed: Vec<(String, String, Value)> = vec![
+                (".spec".into(), "required".into(), json!(["targetRef"])),
+                (
+                    ".spec.targetRef".into(),
+                    "required".into(),
+                    json!(["apiVersion", "kind", "name"]),
+                ),
+                (
+                    ".spec.requiredPersistentTopology".into(),
+                    "required".into(),
+                    json!([keys]),
+                ),
+                (
+                    ".spec.preferredPersistentTopology[]".into(),
+                    "required".into(),
+                    json!(["preference", "weight"]),
+                ),
+                (
+                    ".spec.preferredPersistentTopology[].preference".into(),
+                    "required".into(),
+                    json!([keys]),
+                ),
+                (
+                    ".spec.persistentPodAnnotations[]".into(),
+                    "required".into(),
+                    json!(["key"]),
+                ),
+            ];
+            if name == "v1beta1" {
+                allowed.push((
+                    ".spec.preferredPersistentTopology[].weight".into(),
+                    "minimum".into(),
+                    json!(0.0),
+                ));
+                allowed.push((
+                    ".spec.persistentPodStateRetentionPolicy".into(),
+                    "enum".into(),
+                    json!(["WhenScaled", "WhenDeleted"]),
+                ));
+            }
+            let mut found = Vec::new();
+            constraints(&version["schema"]["openAPIV3Schema"], "", &mut found);
+            for (path, keyword, value) in found {
+                // A required list may name fewer fields than upstream's, never more.
+                let ok = allowed.iter().any(|(p, k, v)| {
+                    *p == path
+                        && *k == keyword
+                        && (*v == value
+                            || (keyword == "required"
+                                && value.as_array().is_some_and(|fields| {
+                                    fields
+                                        .iter()
+                                        .all(|f| v.as_array().is_some_and(|a| a.contains(f)))
+                                })))
+                });
+                assert!(
+                    ok,
+                    "{name}: {path} has {keyword}: {value}, which upstream's schema does not"
+                );
+            }
+        }
     }
 }

@@ -116,38 +116,73 @@ fn check_keys(errors: &mut Errors, path: &str, list: Option<&Vec<Value>>) {
 }
 
 /// Validates `object` (raw JSON of the client's version) on CREATE (`old` is `None`) or UPDATE.
+///
+/// On UPDATE the rules apply only to the spec fields that changed (ratcheting, as the API server
+/// does for CRD schemas): an object stored before these rules (by upstream OpenKruise, say) keeps
+/// accepting metadata changes, finalizers and ownerReferences, and edits of its other fields.
+/// `targetRef` stays immutable.
 pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<FieldError> {
+    let mut errors = rules(object, ctx);
+    if let Some(old) = old {
+        errors.retain(|e| changed(&e.path, object, old));
+        // The target is its group, kind and name (the version in apiVersion may differ).
+        let identity = |o: &Value| {
+            let part = |name: &str| {
+                o.pointer(&format!("/spec/targetRef/{name}"))
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            (
+                api_group(&part("apiVersion")).to_owned(),
+                part("kind"),
+                part("name"),
+            )
+        };
+        if identity(old) != identity(object) {
+            errors.insert(
+                0,
+                FieldError {
+                    path: "spec.targetRef".into(),
+                    message: "Invalid value: field is immutable".into(),
+                },
+            );
+        }
+    }
+    errors
+}
+
+/// Whether the spec field an error at `path` belongs to differs between `new` and `old`. The
+/// error for "no topology at all" (path `spec`) belongs to the three topology fields together.
+fn changed(path: &str, new: &Value, old: &Value) -> bool {
+    let fields: &[&str] = match path.strip_prefix("spec.") {
+        Some(rest) => &[rest.split(['.', '[']).next().unwrap_or(rest)],
+        None => &[
+            "requiredPersistentTopology",
+            "preferredPersistentTopology",
+            "persistentPodAnnotations",
+        ],
+    };
+    fields.iter().any(|f| {
+        let pointer = format!("/spec/{f}");
+        new.pointer(&pointer) != old.pointer(&pointer)
+    })
+}
+
+/// Every rule, on the object alone.
+fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
     let mut errors = Errors(Vec::new());
     let null = Value::Null;
     let spec = object.get("spec").unwrap_or(&null);
     let kf = ctx.keys_field;
 
-    // targetRef: every part set, immutable, a handled kind.
+    // targetRef: every part set, a handled kind (immutability: see `validate`).
     let target = spec.get("targetRef").unwrap_or(&null);
     let part = |name: &str| target.get(name).and_then(Value::as_str).unwrap_or_default();
     for name in ["apiVersion", "kind", "name"] {
         if part(name).is_empty() {
             errors.push(format!("spec.targetRef.{name}"), "Required value");
         }
-    }
-    // The target is its group, kind and name (the version in apiVersion may differ).
-    let identity = |t: &Value| {
-        let part = |name: &str| {
-            t.get(name)
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned()
-        };
-        (
-            api_group(&part("apiVersion")).to_owned(),
-            part("kind"),
-            part("name"),
-        )
-    };
-    if let Some(old_target) = old.and_then(|o| o.pointer("/spec/targetRef"))
-        && identity(old_target) != identity(target)
-    {
-        errors.push("spec.targetRef", "Invalid value: field is immutable");
     }
     let (group, kind) = (api_group(part("apiVersion")), part("kind"));
     let statefulset = GroupKind::new(group, kind).is_statefulset();
@@ -419,6 +454,43 @@ mod tests {
         assert!(
             dup[0].contains("Duplicate value") && dup[0].contains("first"),
             "{dup:?}"
+        );
+    }
+
+    #[test]
+    fn updates_are_checked_only_where_the_spec_changed() {
+        // Stored before these rules (upstream accepted it): weight 0, an empty key list, an
+        // empty retention policy, and a second PPS for the workload.
+        let legacy = with(json!({"spec": {
+            "requiredPersistentTopology": {"keys": []},
+            "preferredPersistentTopology": [{"weight": 0, "preference": {"keys": ["kubernetes.io/hostname"]}}],
+            "persistentPodStateRetentionPolicy": ""
+        }}));
+        assert_eq!(
+            check(&legacy, None, &["first".into()]).len(),
+            4,
+            "all rules apply on CREATE"
+        );
+        let mut labelled = legacy.clone();
+        labelled["metadata"]["labels"] = json!({"team": "a"});
+        labelled["metadata"]["finalizers"] = json!(["example.com/keep"]);
+        assert!(
+            check(&labelled, Some(&legacy), &["first".into()]).is_empty(),
+            "metadata changes pass"
+        );
+        let mut reweighted = legacy.clone();
+        reweighted["spec"]["preferredPersistentTopology"][0]["weight"] = json!(500);
+        let errors = check(&reweighted, Some(&legacy), &["first".into()]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("spec.preferredPersistentTopology[0].weight"),
+            "{errors:?}"
+        );
+        let mut retained = legacy.clone();
+        retained["spec"]["persistentPodStateRetentionPolicy"] = json!("WhenDeleted");
+        assert!(
+            check(&retained, Some(&legacy), &["first".into()]).is_empty(),
+            "fixing one field does not require fixing the others"
         );
     }
 

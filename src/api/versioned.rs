@@ -3,6 +3,13 @@
 
 /// Generates a version's `PersistentPodState` root type (through kube-derive), its spec, and
 /// its topology term types, with the key list named `$keys`.
+///
+/// The schema constrains only what upstream's requires of every version (the fields listed as
+/// required): no range on `weight`, no enum on the retention policy. Upstream's v1beta1 has
+/// both, but an object created through v1alpha1 (which has neither) is stored as v1beta1, and
+/// the API server validates every later write against the stored version's schema, status
+/// writes included: with those constraints such an object could never be recorded again. The
+/// rules live in the validating webhook, which applies them to what changes.
 macro_rules! versioned_types {
     ($version:tt, $keys:ident) => {
         use kube::CustomResource;
@@ -46,6 +53,7 @@ macro_rules! versioned_types {
             pub persistent_pod_annotations: Vec<PersistentPodAnnotation>,
             /// When recorded states are dropped; `WhenScaled` by default.
             #[serde(default, skip_serializing_if = "Option::is_none")]
+            #[schemars(with = "Option<String>")]
             pub persistent_pod_state_retention_policy: Option<RetentionPolicy>,
         }
 
@@ -54,15 +62,14 @@ macro_rules! versioned_types {
         #[serde(rename_all = "camelCase")]
         pub struct NodeTopologyTerm {
             /// Node label keys, e.g. `kubernetes.io/hostname`.
-            #[schemars(length(min = 1))]
             pub $keys: Vec<String>,
         }
 
         /// A weighted preferred topology term.
         #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
         pub struct PreferredTopologyTerm {
-            /// Weight of the injected preferred node affinity term, 1 to 100.
-            #[schemars(range(min = 1, max = 100))]
+            /// Weight of the injected preferred node affinity term, 1 to 100 (validated by the
+            /// webhook; out-of-range values stored earlier are clamped when injected).
             pub weight: i32,
             /// The node label keys of this term.
             pub preference: NodeTopologyTerm,

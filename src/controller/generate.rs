@@ -111,7 +111,8 @@ pub enum Leave {
     HandMade,
     /// Another PersistentPodState targets the workload.
     OtherTargets,
-    /// The generated PersistentPodState is as the annotations ask.
+    /// The generated PersistentPodState is as the annotations ask (fields they cannot express,
+    /// such as the retention policy, are the user's).
     UpToDate,
 }
 
@@ -183,7 +184,11 @@ pub fn plan(
         if written.group() == spec.target_ref.group() && written.kind == spec.target_ref.kind {
             spec.target_ref.api_version = written.api_version.clone();
         }
-        if current.spec == spec {
+        // Only what the annotations express is compared: a user's edit of the rest (the
+        // retention policy) stays, and the steady state sends nothing.
+        let mut expressed = current.spec.clone();
+        expressed.persistent_pod_state_retention_policy = None;
+        if expressed == spec {
             return Plan::Leave(Leave::UpToDate);
         }
     }
@@ -400,6 +405,26 @@ mod tests {
         for (i, (got, want)) in cases.into_iter().enumerate() {
             assert_eq!(format!("{got:?}"), want, "case {i}");
         }
+    }
+
+    #[test]
+    fn a_users_retention_policy_on_a_generated_pps_is_kept() {
+        let zone = asking("zone");
+        let mut edited = existing(Some("u1"), "apps/v1", &["zone"]);
+        edited.spec.persistent_pod_state_retention_policy =
+            Some(crate::api::RetentionPolicy::WhenDeleted);
+        assert!(matches!(
+            plan(&workload(&zone), Some(&edited), &["web".into()]),
+            Plan::Leave(Leave::UpToDate)
+        ));
+        let Plan::Apply(applied) = plan(&workload(&asking("host")), Some(&edited), &["web".into()])
+        else {
+            panic!("the required keys changed")
+        };
+        assert_eq!(
+            applied.spec.persistent_pod_state_retention_policy, None,
+            "server-side apply leaves the user's field alone because it is not sent"
+        );
     }
 
     #[test]

@@ -25,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 use crate::api::PersistentPodState;
 use crate::api::PersistentPodStateStatus;
 use crate::events::Events;
-use crate::metrics::{Metrics, Reconciler};
+use crate::metrics::{GeneratorAction, Metrics, Reconciler};
+use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
 use generate::{Leave, Plan};
@@ -47,6 +48,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Publishes Events on PersistentPodStates.
     pub events: Arc<Events>,
+    /// How long a node may be not ready before a required pin to it is left out.
+    pub node_lost_after: Duration,
     /// Unplaceable states already reported, by PersistentPodState.
     reported_unplaceable: Mutex<HashMap<ObjectRef<PersistentPodState>, BTreeSet<String>>>,
 }
@@ -58,12 +61,14 @@ impl Context {
         caches: Arc<Caches>,
         metrics: Arc<Metrics>,
         events: Arc<Events>,
+        node_lost_after: Duration,
     ) -> Self {
         Self {
             client,
             caches,
             metrics,
             events,
+            node_lost_after,
             reported_unplaceable: Mutex::default(),
         }
     }
@@ -178,6 +183,19 @@ pub async fn reconcile_pps(
     let (Some(namespace), Some(target)) = (pps.namespace(), pps_target(&pps)) else {
         return Ok(Action::await_change());
     };
+    if let Some(in_force) = ctx.caches.pps_for(&target)
+        && in_force.metadata.name != pps.metadata.name
+    {
+        let older = in_force.name_any();
+        tracing::warn!(%older, "another PersistentPodState targets the workload and is older; recording nothing");
+        let note = format!(
+            "PersistentPodState {older} targets {}/{} {} too and is older: it is the one in force; this one records nothing",
+            target.kind.group, target.kind.kind, target.name
+        );
+        ctx.events
+            .publish(&pps, EventType::Warning, "DuplicateTarget", "Record", note);
+        return Ok(Action::requeue(RESYNC));
+    }
     let desired = {
         let caches = &ctx.caches;
         let pods = caches.pods_of(&target);
@@ -237,20 +255,43 @@ pub async fn reconcile_pps(
                 .publish(&pps, EventType::Normal, "StatesPruned", "Prune", note);
         }
     }
-    report_unplaceable(&ctx, &pps, &desired);
-    Ok(Action::requeue(RESYNC))
+    let health = Health::now(ctx.node_lost_after);
+    report_unplaceable(&ctx, &pps, &desired, &health);
+    Ok(Action::requeue(next_look(&ctx.caches, &desired, &health)))
+}
+
+/// When to look at a PersistentPodState again without a change: at the resync period, or just
+/// after a recorded node that is not ready now would count as lost (so the report follows).
+fn next_look(caches: &Caches, status: &PersistentPodStateStatus, health: &Health) -> Duration {
+    status
+        .pod_states
+        .values()
+        .filter_map(|s| s.node_name.as_deref())
+        .filter_map(|name| caches.node(name))
+        .filter_map(|node| health.lost_at(&node))
+        .filter(|at| *at > health.now)
+        .map(|at| {
+            let secs = at.as_second().saturating_sub(health.now.as_second());
+            Duration::from_secs(u64::try_from(secs).unwrap_or(0) + 1)
+        })
+        .fold(RESYNC, Duration::min)
 }
 
 /// Publishes a Warning Event for each state that newly became unplaceable (its required node or
-/// zone is gone), and keeps the gauge of such states current.
-fn report_unplaceable(ctx: &Context, pps: &PersistentPodState, status: &PersistentPodStateStatus) {
-    let unplaceable = {
-        let nodes = ctx.caches.node_labels.read();
-        let any_node_with = |labels: &BTreeMap<String, String>| nodes.any_with(labels);
-        record::unplaceable_states(&pps.spec, status, &any_node_with)
+/// zone is gone or lost), and keeps the gauge of such states current.
+fn report_unplaceable(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    status: &PersistentPodStateStatus,
+    health: &Health,
+) {
+    let demands = PodDemands::default();
+    let place = |recorded: &BTreeMap<String, String>| {
+        placement::required(recorded, &demands, ctx.caches.as_ref(), health)
     };
+    let unplaceable = record::unplaceable_states(&pps.spec, status, &place);
     let key = ObjectRef::from_obj(pps);
-    let newly: Vec<(String, BTreeMap<String, String>)> = {
+    let newly: Vec<(String, Dropped)> = {
         let mut reported = ctx
             .reported_unplaceable
             .lock()
@@ -270,11 +311,16 @@ fn report_unplaceable(ctx: &Context, pps: &PersistentPodState, status: &Persiste
         ctx.metrics.states_unplaceable.set(total as i64);
         newly
     };
-    for (pod, values) in newly {
-        let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    for (pod, dropped) in newly {
+        let wanted: Vec<String> = dropped
+            .values
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         let note = format!(
-            "no node has {} recorded for pod {pod}: a re-created pod gets only the preferred placement",
-            wanted.join(",")
+            "required {} recorded for pod {pod} will be left out of a re-created pod: {}",
+            wanted.join(","),
+            dropped.reason.describe()
         );
         ctx.events.publish(
             pps,
@@ -368,6 +414,7 @@ pub async fn reconcile_workload(
                 &Patch::Apply(&pps),
             )
             .await?;
+            ctx.metrics.generator_write(GeneratorAction::Apply);
             tracing::info!("generated PersistentPodState applied");
         }
         Plan::Delete { uid } => {
@@ -378,7 +425,9 @@ pub async fn reconcile_workload(
                 }),
                 ..DeleteParams::default()
             };
-            match api.delete(&name, &params).await {
+            let deleted = api.delete(&name, &params).await;
+            ctx.metrics.generator_write(GeneratorAction::Delete);
+            match deleted {
                 Ok(_) => tracing::info!("generated PersistentPodState deleted"),
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 Err(e) => return Err(e.into()),

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::api::PersistentPodStateSpec;
 use crate::api::{PersistentPodStateStatus, PodState, RetentionPolicy};
+use crate::placement::{Dropped, Required};
 use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
 
 /// What is known about the target workload.
@@ -133,19 +134,21 @@ pub fn desired_status(
     status
 }
 
-/// The recorded states whose required values no existing node carries (their node or zone is
-/// gone): a re-created pod gets only the preferred part of its placement. Values by pod name.
+/// The recorded states whose required values cannot all be injected now (their node or zone is
+/// gone or lost, as `place` judges): a re-created pod gets less than was recorded. What is left
+/// out, by pod name.
 pub fn unplaceable_states(
     spec: &PersistentPodStateSpec,
     status: &PersistentPodStateStatus,
-    any_node_with: &dyn Fn(&BTreeMap<String, String>) -> bool,
-) -> BTreeMap<String, BTreeMap<String, String>> {
+    place: &dyn Fn(&BTreeMap<String, String>) -> Required,
+) -> BTreeMap<String, Dropped> {
     status
         .pod_states
         .iter()
         .filter_map(|(pod, state)| {
-            let required = spec.required_values(state);
-            (!required.is_empty() && !any_node_with(&required)).then(|| (pod.clone(), required))
+            place(&spec.required_values(state))
+                .dropped
+                .map(|d| (pod.clone(), d))
         })
         .collect()
 }
@@ -182,6 +185,7 @@ mod tests {
     use super::*;
     use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
+    use crate::placement::DropReason;
     use serde_json::json;
 
     const HOST: &str = "kubernetes.io/hostname";
@@ -429,13 +433,25 @@ mod tests {
             ]
             .into(),
         };
-        let only_z2 = |l: &BTreeMap<String, String>| l.get(ZONE).map(String::as_str) == Some("z2");
+        let only_z2 = |l: &BTreeMap<String, String>| {
+            let kept = l.get(ZONE).map(String::as_str) == Some("z2");
+            Required {
+                kept: if kept { l.clone() } else { BTreeMap::new() },
+                dropped: (!kept && !l.is_empty()).then(|| Dropped {
+                    values: l.clone(),
+                    reason: DropReason::NodeGone,
+                }),
+            }
+        };
         let out = unplaceable_states(&spec(None), &status, &only_z2);
         assert_eq!(out.keys().collect::<Vec<_>>(), ["web-0"]);
-        assert_eq!(out["web-0"], [(ZONE.to_string(), "z1".to_string())].into());
+        assert_eq!(
+            out["web-0"].values,
+            BTreeMap::from([(ZONE.to_string(), "z1".to_string())])
+        );
         let mut no_required = spec(None);
         no_required.required_persistent_topology = None;
-        assert!(unplaceable_states(&no_required, &status, &|_| false).is_empty());
+        assert!(unplaceable_states(&no_required, &status, &only_z2).is_empty());
     }
 
     #[test]

@@ -36,7 +36,13 @@ fn context(caches: Arc<Caches>) -> (Arc<Context>, Handle) {
     let (client, handle) = mock_client();
     let (events_client, _) = mock_client();
     let events = Arc::new(Events::new(events_client, None, Duration::from_secs(30)));
-    let ctx = Context::new(client, caches, Arc::new(Metrics::new()), events);
+    let ctx = Context::new(
+        client,
+        caches,
+        Arc::new(Metrics::new()),
+        events,
+        Duration::from_secs(300),
+    );
     (Arc::new(ctx), handle)
 }
 
@@ -176,6 +182,30 @@ async fn status_reconcile_sends_nothing_when_nothing_changed() {
     let pps = Arc::new(pps(json!({"observedGeneration": 2, "podStates": recorded})));
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, vec![]).await;
     assert!(sent.is_empty(), "{sent:?}");
+}
+
+#[tokio::test]
+async fn a_pps_shadowed_by_an_older_one_records_nothing() {
+    let caches = world();
+    let mut older = pps(json!({"observedGeneration": 2}));
+    older.metadata.name = Some("older".into());
+    older.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-01-01T00:00:00Z".parse().expect("time"),
+    ));
+    caches.apply_pps(watcher::Event::Apply(older));
+    let mut newer = pps(json!({"observedGeneration": 2}));
+    newer.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-01-02T00:00:00Z".parse().expect("time"),
+    ));
+    caches.apply_pps(watcher::Event::Apply(newer.clone()));
+    let (ctx, mut handle) = context(caches);
+    let sent = drive(
+        reconcile_pps(Arc::new(newer), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "the newer one writes no status: {sent:?}");
 }
 
 fn generator(caches: &Arc<Caches>) -> (Arc<WorkloadContext>, Handle) {

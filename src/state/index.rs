@@ -143,6 +143,11 @@ impl ByWorkload {
             .flat_map(|names| names.iter().map(String::as_str))
     }
 
+    /// How many objects share a workload with another one (beyond the first of each).
+    pub fn shadowed(&self) -> usize {
+        self.names.values().map(|n| n.len().saturating_sub(1)).sum()
+    }
+
     fn forget(&mut self, id: &(String, String)) -> bool {
         let Some(old) = self.workload_of.remove(id) else {
             return false;

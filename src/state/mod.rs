@@ -12,7 +12,7 @@ pub mod index;
 pub mod triggers;
 pub mod trim;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, Resource};
+use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
 pub use index::pps_target;
@@ -29,6 +29,7 @@ use index::{ByWorkload, NodesByLabel, Shared};
 pub use triggers::Triggers;
 
 use crate::api::PersistentPodState;
+use crate::placement::{Nodes, health_fields};
 use crate::workload::{GroupKind, WorkloadRef, native_statefulset_resource};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -152,9 +153,18 @@ impl Caches {
     pub fn start(client: &Client) -> Arc<Self> {
         let caches = Self::build(Some(client.clone()));
         let c = caches.clone();
-        spawn_watch("PersistentPodState", Api::all(client.clone()), move |ev| {
-            c.apply_pps(ev)
-        });
+        // Read as plain objects and decoded one by one, so one unreadable object (stored by an
+        // older schema, say) is skipped instead of failing every list of the kind.
+        let ar = ApiResource::erase::<PersistentPodState>(&());
+        spawn_watch(
+            "PersistentPodState",
+            Api::<DynamicObject>::all_with(client.clone(), &ar),
+            move |ev| {
+                if let Some(ev) = decode_pps(ev) {
+                    c.apply_pps(ev);
+                }
+            },
+        );
         let c = caches.clone();
         spawn_watch("Pod", Api::all(client.clone()), move |ev| c.apply_pod(ev));
         let c = caches.clone();
@@ -183,10 +193,17 @@ impl Caches {
     /// Applies one Node watch event.
     pub fn apply_node(&self, event: watcher::Event<Node>) {
         let event = event.modify(trim::node);
+        let health_changed = match &event {
+            watcher::Event::Apply(node) => self
+                .node(&node.name_any())
+                .is_none_or(|old| health_fields(&old) != health_fields(node)),
+            watcher::Event::Delete(_) => true,
+            _ => false,
+        };
         lock(&self.nodes_writer).apply_watcher_event(&event);
         let labels_changed = self.node_labels.apply(&event);
         self.listed_if_done(&event, &self.listed.nodes);
-        self.trigger_for_node(labels_changed);
+        self.trigger_for_node(labels_changed || health_changed);
     }
 
     /// Applies one watch event of a workload kind (ignored if the kind is not registered).
@@ -325,12 +342,28 @@ impl Caches {
             .cloned()
     }
 
-    /// The PersistentPodState that targets `workload` (the first by name if several do).
+    /// The PersistentPodState in force for `workload`: when several target it (made before
+    /// validation, or in a race), the oldest by creation time, then by name. The webhook and
+    /// the controller both use this one; the others record nothing.
     pub fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
-        self.pps_by_target.read().get(workload).find_map(|name| {
-            self.pps
-                .get(&ObjectRef::new(name).within(&workload.namespace))
-        })
+        let names = self.pps_names_for(workload);
+        names
+            .iter()
+            .filter_map(|name| {
+                self.pps
+                    .get(&ObjectRef::new(name).within(&workload.namespace))
+            })
+            .min_by(|a, b| {
+                let created = |p: &PersistentPodState| p.metadata.creation_timestamp.clone();
+                created(a)
+                    .cmp(&created(b))
+                    .then_with(|| a.metadata.name.cmp(&b.metadata.name))
+            })
+    }
+
+    /// How many PersistentPodStates are shadowed by an older one targeting the same workload.
+    pub fn shadowed_pps(&self) -> usize {
+        self.pps_by_target.read().shadowed()
     }
 
     /// Names of the PersistentPodStates that target `workload`, sorted.
@@ -386,6 +419,60 @@ impl Caches {
             None => WorkloadLookup::Absent,
         }
     }
+}
+
+impl Nodes for Caches {
+    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+        let index = self.node_labels.read();
+        match index.with_all(labels) {
+            Some(names) => names
+                .into_iter()
+                .filter_map(|name| self.node(name))
+                .collect(),
+            None => self.nodes.state(),
+        }
+    }
+
+    fn all(&self) -> Vec<Arc<Node>> {
+        self.nodes.state()
+    }
+}
+
+/// A PersistentPodState watch event decoded from a plain object. An object that does not decode
+/// is logged and treated as absent (an `Apply` of it removes what was cached under its name).
+fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<PersistentPodState>> {
+    let decode = |obj: DynamicObject| {
+        let (namespace, name) = (obj.namespace(), obj.name_any());
+        serde_json::to_value(obj)
+            .and_then(serde_json::from_value::<PersistentPodState>)
+            .map_err(|error| {
+                tracing::warn!(namespace = namespace.unwrap_or_default(), %name, %error,
+                    "PersistentPodState cannot be read; ignored until it changes");
+            })
+            .ok()
+    };
+    // What stands for an unreadable object when it has to be removed from the cache.
+    let unreadable = |metadata| PersistentPodState {
+        metadata,
+        spec: Default::default(),
+        status: None,
+    };
+    Some(match event {
+        watcher::Event::Apply(obj) => {
+            let meta = obj.metadata.clone();
+            match decode(obj) {
+                Some(pps) => watcher::Event::Apply(pps),
+                None => watcher::Event::Delete(unreadable(meta)),
+            }
+        }
+        watcher::Event::Delete(obj) => {
+            let meta = obj.metadata.clone();
+            watcher::Event::Delete(decode(obj).unwrap_or_else(|| unreadable(meta)))
+        }
+        watcher::Event::InitApply(obj) => watcher::Event::InitApply(decode(obj)?),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    })
 }
 
 /// Runs one watch for the life of the process, handing each event to `apply`. Watch errors are
@@ -450,6 +537,85 @@ mod tests {
                 .get(&ObjectRef::new("web").within("ns"))
                 .is_some()
         );
+    }
+
+    #[test]
+    fn an_unreadable_pps_is_skipped_and_the_others_kept() {
+        let object = |name: &str, spec: serde_json::Value| -> DynamicObject {
+            serde_json::from_value(json!({
+                "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+                "metadata": {"name": name, "namespace": "ns"}, "spec": spec
+            }))
+            .expect("object")
+        };
+        let good = || {
+            object(
+                "good",
+                json!({"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}),
+            )
+        };
+        let caches = Caches::new();
+        for ev in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(object("no-target", json!({}))),
+            watcher::Event::InitApply(good()),
+            watcher::Event::InitDone,
+        ] {
+            if let Some(ev) = decode_pps(ev) {
+                caches.apply_pps(ev);
+            }
+        }
+        let get = |name: &str| caches.pps.get(&ObjectRef::new(name).within("ns"));
+        assert!(get("good").is_some());
+        assert!(get("no-target").is_none());
+        // A readable object that turns unreadable is dropped from the cache.
+        let bad = object("good", json!({"targetRef": 5}));
+        caches.apply_pps(decode_pps(watcher::Event::Apply(bad)).expect("an event"));
+        assert!(get("good").is_none());
+    }
+
+    #[test]
+    fn the_oldest_pps_of_a_workload_is_in_force() {
+        let caches = Caches::new();
+        let named = |name: &str, created: &str| {
+            let mut p = pps();
+            p.metadata.name = Some(name.into());
+            p.metadata.creation_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    created.parse().expect("time"),
+                ));
+            p
+        };
+        let web = WorkloadRef {
+            namespace: "ns".into(),
+            kind: GroupKind::native_statefulset(),
+            name: "web".into(),
+        };
+        caches.apply_pps(watcher::Event::Apply(named(
+            "b-newer",
+            "2026-01-02T00:00:00Z",
+        )));
+        caches.apply_pps(watcher::Event::Apply(named(
+            "z-oldest",
+            "2026-01-01T00:00:00Z",
+        )));
+        caches.apply_pps(watcher::Event::Apply(named(
+            "a-newer",
+            "2026-01-02T00:00:00Z",
+        )));
+        let in_force = |c: &Caches| c.pps_for(&web).and_then(|p| p.metadata.name.clone());
+        assert_eq!(in_force(&caches).as_deref(), Some("z-oldest"));
+        assert_eq!(caches.shadowed_pps(), 2);
+        caches.apply_pps(watcher::Event::Delete(named(
+            "z-oldest",
+            "2026-01-01T00:00:00Z",
+        )));
+        assert_eq!(
+            in_force(&caches).as_deref(),
+            Some("a-newer"),
+            "then by name"
+        );
+        assert_eq!(caches.shadowed_pps(), 1);
     }
 
     #[test]

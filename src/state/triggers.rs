@@ -86,10 +86,10 @@ impl Caches {
         }
     }
 
-    /// Node labels changed (rare: operator actions): every PersistentPodState re-records what
-    /// it must.
-    pub(super) fn trigger_for_node(&self, labels_changed: bool) {
-        if labels_changed {
+    /// A node's labels or health changed (rare: operator actions, node failures): every
+    /// PersistentPodState re-records what it must and reports what cannot be injected.
+    pub(super) fn trigger_for_node(&self, changed: bool) {
+        if changed {
             self.triggers.pps(self.all_pps());
         }
     }

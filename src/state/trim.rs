@@ -1,7 +1,7 @@
 //! What the caches keep of each object: only the fields the code reads, so memory follows the
 //! number of objects, not their size.
 
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, Pod, PodSpec, PodStatus};
 use kube::Resource;
 use kube::api::DynamicObject;
 
@@ -26,11 +26,23 @@ pub fn pod(pod: &mut Pod) {
     });
 }
 
-/// Keeps of a node its metadata and spec (labels, taints, unschedulable) and its conditions.
+/// Keeps of a node its name, labels, spec (taints, unschedulable) and the status and transition
+/// time of its `Ready` condition: what placement reads.
 pub fn node(node: &mut Node) {
     meta(node);
+    node.metadata.annotations = None;
     node.status = node.status.take().map(|s| NodeStatus {
-        conditions: s.conditions,
+        conditions: s.conditions.map(|cs| {
+            cs.into_iter()
+                .filter(|c| c.type_ == "Ready")
+                .map(|c| NodeCondition {
+                    type_: c.type_,
+                    status: c.status,
+                    last_transition_time: c.last_transition_time,
+                    ..NodeCondition::default()
+                })
+                .collect()
+        }),
         ..NodeStatus::default()
     });
 }

@@ -13,16 +13,17 @@ use serde_json::Value;
 use super::inject::{Injection, injection_for};
 use crate::api::PersistentPodState;
 use crate::metrics::SkipReason;
+use crate::placement::{self, Health, Nodes, PodDemands};
 use crate::workload::{GroupKind, WorkloadRef, pod_workload};
 
 /// What the decision reads from the caches.
-pub trait Lookup {
+pub trait Lookup: Nodes {
     /// Whether pods controlled by `kind` are handled (StatefulSets and configured kinds).
     fn handles(&self, kind: &GroupKind) -> bool;
     /// The PersistentPodState that targets `workload`.
     fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>>;
-    /// Whether some node carries every `key=value` of `labels`.
-    fn any_node_with(&self, labels: &BTreeMap<String, String>) -> bool;
+    /// How node loss is judged now.
+    fn health(&self) -> Health;
 }
 
 /// An injection decided for a pod.
@@ -96,8 +97,11 @@ pub fn admit(
         return Outcome::Skip(SkipReason::NoState);
     };
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
-    let any_node_with = |labels: &BTreeMap<String, String>| lookup.any_node_with(labels);
-    let injection = injection_for(&pod, pps_name, &pps.spec, state, &any_node_with);
+    let (demands, health) = (PodDemands::of(&pod), lookup.health());
+    let place = |recorded: &BTreeMap<String, String>| {
+        placement::required(recorded, &demands, lookup, &health)
+    };
+    let injection = injection_for(&pod, pps_name, &pps.spec, state, &place);
     Outcome::Inject(Box::new(Decision {
         pps: pps.clone(),
         namespace,
@@ -109,12 +113,26 @@ pub fn admit(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Node;
     use kube::core::admission::AdmissionReview;
     use serde_json::json;
 
     struct Fake {
         pps: Option<Arc<PersistentPodState>>,
         nodes: bool,
+    }
+
+    impl Nodes for Fake {
+        fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+            let node = json!({"metadata": {"name": "n1", "labels": labels}});
+            self.nodes
+                .then(|| Arc::new(serde_json::from_value(node).expect("node")))
+                .into_iter()
+                .collect()
+        }
+        fn all(&self) -> Vec<Arc<Node>> {
+            Vec::new()
+        }
     }
 
     impl Lookup for Fake {
@@ -124,8 +142,8 @@ mod tests {
         fn pps_for(&self, _: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
             self.pps.clone()
         }
-        fn any_node_with(&self, _: &BTreeMap<String, String>) -> bool {
-            self.nodes
+        fn health(&self) -> Health {
+            Health::now(std::time::Duration::from_secs(300))
         }
     }
 
@@ -250,9 +268,6 @@ mod tests {
             panic!("injects")
         };
         assert_eq!(decision.pod, "web-0");
-        assert!(
-            decision.injection.unplaceable.is_some(),
-            "no node has zone=z1"
-        );
+        assert!(decision.injection.dropped.is_some(), "no node has zone=z1");
     }
 }

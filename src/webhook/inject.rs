@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 
 use crate::api::PersistentPodStateSpec;
 use crate::api::{INJECTED_ANNOTATION, PodState};
+use crate::placement::{Dropped, Required};
 
 const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
 
@@ -38,9 +39,10 @@ pub struct Injection {
     pub annotations: usize,
     /// Required keys left as the pod set them.
     pub conflicts: Vec<Conflict>,
-    /// The recorded required values, when no existing node has them all (node or zone gone):
-    /// they were not injected, so the pod is not stranded.
-    pub unplaceable: Option<BTreeMap<String, String>>,
+    /// Recorded required values left out so the pod is not stranded, and why.
+    pub dropped: Option<Dropped>,
+    /// The recorded required values the pod is held to (injected now or set by the pod).
+    pub kept_required: BTreeMap<String, String>,
 }
 
 fn pointer(tokens: &[&str]) -> PointerBuf {
@@ -58,14 +60,15 @@ fn add(ops: &mut Vec<PatchOperation>, tokens: &[&str], value: Value) {
 ///
 /// The patch applies to the pod exactly as the API server sent it: missing maps and lists are
 /// created, what the pod already has is kept, and keys are escaped in JSON Pointers. Constraints
-/// the pod sets itself are never overridden. The required part is left out when
-/// `any_node_with` says no node carries all its values, so a pod is never pinned to nowhere.
+/// the pod sets itself are never overridden. Of the recorded required values, only those that
+/// `place` keeps are injected (see [`crate::placement::required`]), so a pod is never pinned to
+/// nowhere; the preferred part is injected whatever happens to the required one.
 pub fn injection_for(
     pod: &Pod,
     pps_name: &str,
     spec: &PersistentPodStateSpec,
     state: &PodState,
-    any_node_with: &dyn Fn(&BTreeMap<String, String>) -> bool,
+    place: &dyn Fn(&BTreeMap<String, String>) -> Required,
 ) -> Injection {
     let mut out = Injection::default();
     let Some(pod_spec) = pod.spec.as_ref() else {
@@ -76,9 +79,24 @@ pub fn injection_for(
     // a. required keys -> spec.nodeSelector
     let recorded = |key: &str| state.node_topology_labels.get(key).cloned();
     let mut required = spec.required_values(state);
-    if !required.is_empty() && !any_node_with(&required) {
-        out.unplaceable = Some(std::mem::take(&mut required));
+    // A key the pod sets itself to another value keeps the pod's value.
+    if let Some(own) = &pod_spec.node_selector {
+        required.retain(|key, value| match own.get(key) {
+            Some(v) if v != value => {
+                out.conflicts.push(Conflict {
+                    key: key.clone(),
+                    pod_value: v.clone(),
+                    recorded_value: value.clone(),
+                });
+                false
+            }
+            _ => true,
+        });
     }
+    let placed = place(&required);
+    out.dropped = placed.dropped;
+    out.kept_required = placed.kept.clone();
+    let required = placed.kept;
     match &pod_spec.node_selector {
         None if !required.is_empty() => {
             out.required = required.len();
@@ -87,17 +105,9 @@ pub fn injection_for(
         None => {}
         Some(existing) => {
             for (key, value) in &required {
-                match existing.get(key) {
-                    Some(v) if v == value => {}
-                    Some(v) => out.conflicts.push(Conflict {
-                        key: key.clone(),
-                        pod_value: v.clone(),
-                        recorded_value: value.clone(),
-                    }),
-                    None => {
-                        out.required += 1;
-                        add(&mut ops, &["spec", "nodeSelector", key], json!(value));
-                    }
+                if !existing.contains_key(key) {
+                    out.required += 1;
+                    add(&mut ops, &["spec", "nodeSelector", key], json!(value));
                 }
             }
         }
@@ -216,6 +226,7 @@ mod tests {
     use super::*;
     use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
+    use crate::placement::DropReason;
 
     const ZONE: &str = "topology.kubernetes.io/zone";
     const HOST: &str = "kubernetes.io/hostname";
@@ -267,8 +278,11 @@ mod tests {
         (serde_json::from_value(v.clone()).expect("valid pod"), v)
     }
 
-    fn anywhere(_: &BTreeMap<String, String>) -> bool {
-        true
+    fn anywhere(recorded: &BTreeMap<String, String>) -> Required {
+        Required {
+            kept: recorded.clone(),
+            dropped: None,
+        }
     }
 
     /// Applies the injection to the raw pod and returns the patched JSON.
@@ -464,10 +478,16 @@ mod tests {
     }
 
     #[test]
-    fn upstream_bug_10_required_values_no_node_has_are_not_injected_but_preferred_still_is() {
+    fn upstream_bug_10_required_values_left_out_are_not_injected_but_preferred_still_is() {
         let (p, raw) = bare_pod();
         let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
-        let gone = |_: &BTreeMap<String, String>| false;
+        let gone = |recorded: &BTreeMap<String, String>| Required {
+            kept: BTreeMap::new(),
+            dropped: Some(Dropped {
+                values: recorded.clone(),
+                reason: DropReason::NodeGone,
+            }),
+        };
         let inj = injection_for(
             &p,
             "web",
@@ -485,10 +505,52 @@ mod tests {
             100
         );
         assert_eq!(
-            inj.unplaceable,
+            inj.dropped.map(|d| d.values),
             Some([(ZONE.to_string(), "z-gone".to_string())].into())
         );
         assert_eq!(inj.required, 0);
+    }
+
+    #[test]
+    fn only_the_kept_required_values_are_injected_and_conflicts_are_not_placed() {
+        let (p, raw) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
+            "containers": [{"name": "c"}], "nodeSelector": {"disk": "ssd", "rack": "own"}}}));
+        let s = spec(&[ZONE, HOST, "rack"], &[], &[]);
+        let seen = std::cell::RefCell::new(BTreeMap::new());
+        let keep_zone = |recorded: &BTreeMap<String, String>| {
+            *seen.borrow_mut() = recorded.clone();
+            let mut kept = recorded.clone();
+            let host = kept.remove(HOST);
+            Required {
+                kept,
+                dropped: host.map(|v| Dropped {
+                    values: [(HOST.to_string(), v)].into(),
+                    reason: DropReason::NodeLost,
+                }),
+            }
+        };
+        let inj = injection_for(
+            &p,
+            "web",
+            &s,
+            &state(&[(ZONE, "z1"), (HOST, "n1"), ("rack", "r9")], &[]),
+            &keep_zone,
+        );
+        assert_eq!(
+            *seen.borrow(),
+            BTreeMap::from([
+                (HOST.to_string(), "n1".to_string()),
+                (ZONE.to_string(), "z1".to_string())
+            ]),
+            "the conflicting key is not offered to placement"
+        );
+        let out = apply(&raw, &inj);
+        assert_eq!(
+            out["spec"]["nodeSelector"],
+            json!({"disk": "ssd", "rack": "own", ZONE: "z1"})
+        );
+        assert_eq!(inj.conflicts.len(), 1);
+        assert_eq!(inj.dropped.map(|d| d.reason), Some(DropReason::NodeLost));
     }
 
     #[test]

@@ -11,7 +11,7 @@ pub mod tls;
 pub mod validate_pps;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -38,6 +38,8 @@ pub struct WebhookState {
     pub events: Option<Arc<Events>>,
     /// Configured custom StatefulSet-like kinds.
     pub custom_kinds: Arc<CustomKinds>,
+    /// How long a node may be not ready before a required pin to it is dropped.
+    pub node_lost_after: Duration,
 }
 
 /// The metric label of a request path: one of the served paths, or `other`.
@@ -109,6 +111,7 @@ pub(crate) mod testing {
             metrics: Arc::new(Metrics::new()),
             events: None,
             custom_kinds: Arc::new(CustomKinds::default()),
+            node_lost_after: Duration::from_secs(300),
         })
     }
 

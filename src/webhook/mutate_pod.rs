@@ -10,6 +10,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use k8s_openapi::api::core::v1::Node;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse};
 use kube::runtime::events::EventType;
@@ -18,11 +19,22 @@ use super::WebhookState;
 use super::admit::{Decision, Lookup, Outcome, admit};
 use super::review::Review;
 use crate::api::PersistentPodState;
-use crate::metrics::{AdmissionResult, InjectionKind, InjectionLabels, SkipLabels};
+use crate::metrics::{AdmissionResult, DropLabels, InjectionKind, InjectionLabels, SkipLabels};
+use crate::placement::{Health, Nodes};
 use crate::workload::{GroupKind, WorkloadRef};
 
 /// The path this handler is mounted on.
 pub const PATH: &str = "/mutate-pod";
+
+impl Nodes for WebhookState {
+    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+        self.caches.with_labels(labels)
+    }
+
+    fn all(&self) -> Vec<Arc<Node>> {
+        self.caches.all()
+    }
+}
 
 impl Lookup for WebhookState {
     fn handles(&self, kind: &GroupKind) -> bool {
@@ -33,8 +45,8 @@ impl Lookup for WebhookState {
         self.caches.pps_for(workload)
     }
 
-    fn any_node_with(&self, labels: &BTreeMap<String, String>) -> bool {
-        self.caches.node_labels.read().any_with(labels)
+    fn health(&self) -> Health {
+        Health::now(self.node_lost_after)
     }
 }
 
@@ -112,18 +124,31 @@ fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
         }
     }
     let events = state.events.as_ref().filter(|_| !dry_run);
-    if let Some(values) = &injection.unplaceable {
-        m.required_unplaceable.inc();
-        tracing::warn!(
-            pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
-            ?values,
-            "no node has the recorded required values; injecting only the preferred part"
-        );
+    if let Some(dropped) = &injection.dropped {
+        m.required_dropped
+            .get_or_create(&DropLabels {
+                reason: dropped.reason,
+            })
+            .inc();
+        let values: Vec<String> = dropped
+            .values
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        tracing::warn!(pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
+            values = %values.join(","), reason = dropped.reason.describe(),
+            "recorded required values left out so the pod is not stranded");
         if let Some(events) = events {
-            let wanted: Vec<String> = values.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let kept: Vec<String> = injection
+                .kept_required
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
             let note = format!(
-                "pod {pod}: no node has {}; injected only the preferred placement",
-                wanted.join(",")
+                "pod {pod}: left out required {} ({}); kept required [{}]; preferred placement injected",
+                values.join(","),
+                dropped.reason.describe(),
+                kept.join(",")
             );
             events.publish(
                 &decision.pps,

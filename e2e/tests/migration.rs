@@ -1,0 +1,269 @@
+//! Migration from OpenKruise (issue 8.3, 8.4): objects that upstream's CRD and webhook accepted
+//! keep working once this service's CRD and validating webhook replace upstream's.
+
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use persistent_pod_state::api::INJECTED_ANNOTATION;
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+const CRD: &str = "persistentpodstates.apps.kruise.io";
+const HOST: &str = "kubernetes.io/hostname";
+
+/// Upstream's CRD as it differs from ours: no printer columns, a status that requires
+/// `observedGeneration`, and in v1beta1 a minimum weight of 0 and an enum on the retention
+/// policy (ours has neither: an object created through v1alpha1 with an empty retention policy
+/// is stored as v1beta1 and could not be written again under that enum). The conversion
+/// webhook stays: OpenKruise's own converts the same way.
+fn upstream_shaped(ours: &CustomResourceDefinition) -> CustomResourceDefinition {
+    let mut crd = ours.clone();
+    crd.metadata.managed_fields = None;
+    for version in &mut crd.spec.versions {
+        version.additional_printer_columns = None;
+        let v1beta1 = version.name == "v1beta1";
+        let Some(props) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+            .and_then(|root| root.properties.as_mut())
+        else {
+            continue;
+        };
+        if let Some(status) = props.get_mut("status") {
+            status.required = Some(vec!["observedGeneration".into()]);
+        }
+        let spec = props.get_mut("spec").and_then(|s| s.properties.as_mut());
+        if let (true, Some(spec)) = (v1beta1, spec) {
+            if let Some(retention) = spec.get_mut("persistentPodStateRetentionPolicy") {
+                retention.enum_ = Some(vec![
+                    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON(
+                        json!("WhenScaled"),
+                    ),
+                    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON(
+                        json!("WhenDeleted"),
+                    ),
+                ]);
+            }
+            if let Some(weight) = spec
+                .get_mut("preferredPersistentTopology")
+                .and_then(|p| p.items.as_mut())
+                .and_then(|items| match items {
+                    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaPropsOrArray::Schema(s) => s.properties.as_mut(),
+                    _ => None,
+                })
+                .and_then(|p| p.get_mut("weight"))
+            {
+                weight.minimum = Some(0.0);
+            }
+        }
+    }
+    crd
+}
+
+/// Puts our CRD and validating webhook back, also when the test fails half-way.
+struct Switch {
+    client: Client,
+    ours: CustomResourceDefinition,
+    hook: ValidatingWebhookConfiguration,
+    done: bool,
+}
+
+impl Switch {
+    async fn to_ours(
+        client: Client,
+        ours: CustomResourceDefinition,
+        mut hook: ValidatingWebhookConfiguration,
+    ) {
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        let mut crd = ours;
+        crd.metadata.resource_version = crds.get(CRD).await.ok().and_then(|c| c.resource_version());
+        crds.replace(CRD, &PostParams::default(), &crd)
+            .await
+            .expect("our CRD back");
+        hook.metadata.resource_version = None;
+        hook.metadata.uid = None;
+        hook.metadata.managed_fields = None;
+        let hooks: Api<ValidatingWebhookConfiguration> = Api::all(client);
+        match hooks.create(&PostParams::default(), &hook).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("registering the validating webhook again: {e}"),
+        }
+    }
+
+    async fn finish(mut self) {
+        Self::to_ours(self.client.clone(), self.ours.clone(), self.hook.clone()).await;
+        self.done = true;
+    }
+}
+
+impl Drop for Switch {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let (client, ours, hook) = (self.client.clone(), self.ours.clone(), self.hook.clone());
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Runtime::new() {
+                rt.block_on(Switch::to_ours(client, ours, hook));
+            }
+        })
+        .join();
+    }
+}
+
+async fn kubectl(args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new("kubectl")
+        .args(args)
+        .output()
+        .await
+        .expect("kubectl runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn objects_upstream_accepted_keep_working_after_switching() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-migration").await;
+    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
+    let hooks: Api<ValidatingWebhookConfiguration> = Api::all(c.clone());
+    let ours = crds.get(CRD).await.expect("our CRD");
+    let hook = hooks
+        .get("persistent-pod-state")
+        .await
+        .expect("our validating webhook");
+
+    // The OpenKruise era: upstream's CRD, and upstream's (laxer) validation instead of ours.
+    crds.replace(CRD, &PostParams::default(), &upstream_shaped(&ours))
+        .await
+        .expect("upstream-shaped CRD");
+    let switch = Switch {
+        client: c.clone(),
+        ours,
+        hook,
+        done: false,
+    };
+    hooks
+        .delete("persistent-pod-state", &DeleteParams::default())
+        .await
+        .expect("unregister validation");
+    let dynamic = |version: &str| {
+        let ar = kube::api::ApiResource {
+            group: "apps.kruise.io".into(),
+            version: version.into(),
+            api_version: format!("apps.kruise.io/{version}"),
+            kind: "PersistentPodState".into(),
+            plural: "persistentpodstates".into(),
+        };
+        Api::<kube::api::DynamicObject>::namespaced_with(c.clone(), &ns, &ar)
+    };
+    let create = |version: &'static str, object: Value| {
+        let api = dynamic(version);
+        async move {
+            let obj: kube::api::DynamicObject = serde_json::from_value(object).expect("object");
+            api.create(&PostParams::default(), &obj)
+                .await
+                .expect("upstream accepted it");
+        }
+    };
+    // Weight 0, an empty required key list, an empty retention policy (v1alpha1 has no enum).
+    create("v1alpha1", json!({
+        "apiVersion": "apps.kruise.io/v1alpha1", "kind": "PersistentPodState",
+        "metadata": {"name": "web-a"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                 "requiredPersistentTopology": {"nodeTopologyKeys": []},
+                 "preferredPersistentTopology": [{"weight": 0, "preference": {"nodeTopologyKeys": [HOST]}}],
+                 "persistentPodStateRetentionPolicy": ""}
+    }))
+    .await;
+    // A second PPS for the same workload, weight above 100.
+    create("v1beta1", json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": "web-b"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                 "preferredPersistentTopology": [{"weight": 200, "preference": {"keys": [HOST]}}]}
+    }))
+    .await;
+
+    // The switch: our CRD and webhook again.
+    switch.finish().await;
+    crate::support::wait_for("our validating webhook to take effect", TIMEOUT, || async {
+        // A new invalid object is refused again (as soon as the registration is in force).
+        let bad: kube::api::DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "probe"},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "probe"},
+                     "preferredPersistentTopology": [{"weight": 0, "preference": {"keys": [HOST]}}]}
+        }))
+        .expect("object");
+        match dynamic("v1beta1")
+            .create(&PostParams::default(), &bad)
+            .await
+        {
+            Err(kube::Error::Api(e)) if e.message.contains("weight") => Some(()),
+            Ok(_) => {
+                let _ = dynamic("v1beta1")
+                    .delete("probe", &DeleteParams::default())
+                    .await;
+                None
+            }
+            Err(_) => None,
+        }
+    })
+    .await;
+
+    create_sts(c, &ns, &statefulset("web", 2, &[])).await;
+    wait_sts_rolled(c, &ns, "web", 2).await;
+    let placed = placements(c, &ns, &pod_names("web", 2)).await;
+    // The oldest records; the other records nothing and says why.
+    wait_states(c, &ns, "web-a", &placed).await;
+    wait_event(c, &ns, "web-b", "DuplicateTarget").await;
+    let b = pps_api(c, &ns).get("web-b").await.expect("web-b");
+    assert!(
+        b.status.is_none_or(|s| s.pod_states.is_empty()),
+        "the newer PPS records nothing"
+    );
+    assert!(
+        metric(&scrape(&env).await, "pps_shadowed_persistent_pod_states") >= 1.0,
+        "counted as shadowed"
+    );
+
+    // Metadata updates pass (ratcheting); a change of a field to an invalid value does not.
+    for name in ["web-a", "web-b"] {
+        let (ok, out) = kubectl(&["-n", &ns, "label", "pps", name, "team=storage"]).await;
+        assert!(ok, "kubectl label pps {name}: {out}");
+    }
+    let reweigh = json!({"spec": {"preferredPersistentTopology": [{"weight": 500, "preference": {"keys": [HOST]}}]}});
+    let refused = dynamic("v1beta1")
+        .patch("web-a", &PatchParams::default(), &Patch::Merge(&reweigh))
+        .await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.message.contains("weight")),
+        "an invalid new weight is refused: {refused:?}"
+    );
+
+    // A re-created pod runs, steered by the PPS in force.
+    let pod: Pod = recreate_pod(c, &ns, "web-0").await;
+    assert_eq!(
+        pod.annotations()
+            .get(INJECTED_ANNOTATION)
+            .map(String::as_str),
+        Some("web-a")
+    );
+    println!(
+        "web-0 re-created on {} (recorded {}), injected from web-a",
+        placement(&pod).map(|p| p.node).unwrap_or_default(),
+        placed["web-0"].node
+    );
+    delete_namespace(c, &ns).await;
+}

@@ -1,0 +1,712 @@
+//! Where a pod can go, pure: whether a node is usable (exists and is not lost), what the pod
+//! itself demands of a node (its nodeSelector, required node affinity and taint tolerations),
+//! and which recorded required values can be injected without stranding the pod.
+//!
+//! Rules for odd input (never a crash):
+//! - a node without a `Ready` condition has not reported yet and is usable;
+//! - a `Ready` status other than `True` (`False`, `Unknown` or anything else) counts as not
+//!   ready; without a `lastTransitionTime` it has been so for an unknown time and the node is
+//!   lost at once (dropping a pin is safe: the preferred part still steers the pod back);
+//! - likewise a `node.kubernetes.io/unreachable` or `not-ready` taint without `timeAdded`;
+//! - a node selector requirement with an unknown operator, or a `Gt`/`Lt` value that is not
+//!   one integer, matches no node (as the scheduler does).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{
+    Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration,
+};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+
+/// Taint of a node whose kubelet stopped reporting (node lifecycle controller).
+pub const UNREACHABLE_TAINT: &str = "node.kubernetes.io/unreachable";
+/// Taint of a node whose kubelet reports not ready.
+pub const NOT_READY_TAINT: &str = "node.kubernetes.io/not-ready";
+/// Taint of a cordoned node: maintenance, not loss.
+pub const UNSCHEDULABLE_TAINT: &str = "node.kubernetes.io/unschedulable";
+
+/// How node loss is judged.
+#[derive(Clone, Copy, Debug)]
+pub struct Health {
+    /// The time of the judgement.
+    pub now: Timestamp,
+    /// How long a node may be not ready (or carry an unreachable/not-ready taint) before it
+    /// counts as lost.
+    pub lost_after: Duration,
+}
+
+impl Health {
+    /// Judged now, with `lost_after`.
+    pub fn now(lost_after: Duration) -> Self {
+        Self {
+            now: Timestamp::now(),
+            lost_after,
+        }
+    }
+
+    /// When `node` is (or will be) lost: `None` while it is ready and untainted.
+    pub fn lost_at(&self, node: &Node) -> Option<Timestamp> {
+        let after = i64::try_from(self.lost_after.as_secs()).unwrap_or(i64::MAX);
+        let since = |t: Option<Timestamp>| match t {
+            Some(t) => Timestamp::from_second(t.as_second().saturating_add(after))
+                .unwrap_or(Timestamp::MAX),
+            // Not ready for an unknown time: lost now.
+            None => Timestamp::MIN,
+        };
+        let mut lost: Option<Timestamp> = None;
+        let mut earliest = |t: Timestamp| lost = Some(lost.map_or(t, |l| l.min(t)));
+        let ready = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+        if let Some(c) = ready.filter(|c| c.status != "True") {
+            earliest(since(c.last_transition_time.as_ref().map(|t| t.0)));
+        }
+        for taint in taints(node) {
+            if taint.key == UNREACHABLE_TAINT || taint.key == NOT_READY_TAINT {
+                earliest(since(taint.time_added.as_ref().map(|t| t.0)));
+            }
+        }
+        lost
+    }
+
+    /// Whether `node` is lost: not ready, or tainted unreachable/not-ready, for longer than
+    /// `lost_after`. A cordoned node is not lost.
+    pub fn is_lost(&self, node: &Node) -> bool {
+        self.lost_at(node).is_some_and(|t| t <= self.now)
+    }
+}
+
+/// What node loss is judged from: the `Ready` condition and the health and cordon taints. A
+/// change in it may change which recorded states can be injected.
+pub fn health_fields(node: &Node) -> (Option<(&str, Option<Timestamp>)>, Vec<&Taint>) {
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| {
+            (
+                c.status.as_str(),
+                c.last_transition_time.as_ref().map(|t| t.0),
+            )
+        });
+    let lifecycle = taints(node)
+        .iter()
+        .filter(|t| {
+            [UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT].contains(&t.key.as_str())
+        })
+        .collect();
+    (ready, lifecycle)
+}
+
+fn taints(node: &Node) -> &[Taint] {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or_default()
+}
+
+/// What a pod itself demands of a node.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PodDemands<'a> {
+    node_selector: Option<&'a BTreeMap<String, String>>,
+    required: Option<&'a NodeSelector>,
+    tolerations: &'a [Toleration],
+}
+
+impl<'a> PodDemands<'a> {
+    /// The demands of `pod` as it is created.
+    pub fn of(pod: &'a Pod) -> Self {
+        let spec = pod.spec.as_ref();
+        Self {
+            node_selector: spec.and_then(|s| s.node_selector.as_ref()),
+            required: spec
+                .and_then(|s| s.affinity.as_ref())
+                .and_then(|a| a.node_affinity.as_ref())
+                .and_then(|na| {
+                    na.required_during_scheduling_ignored_during_execution
+                        .as_ref()
+                }),
+            tolerations: spec
+                .and_then(|s| s.tolerations.as_deref())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether `node` meets them: the pod's nodeSelector, its required node affinity, and every
+    /// NoSchedule/NoExecute taint tolerated. Taints of node health and cordoning are judged
+    /// by [`Health`] instead (a cordoned node is waited for; a not-ready one only once lost).
+    pub fn admit(&self, node: &Node) -> bool {
+        let labels = node.labels();
+        let selector_ok = self
+            .node_selector
+            .is_none_or(|sel| sel.iter().all(|(k, v)| labels.get(k) == Some(v)));
+        let affinity_ok = self
+            .required
+            .is_none_or(|sel| selector_matches(sel, &node.name_any(), labels));
+        selector_ok && affinity_ok && self.tolerates(taints(node))
+    }
+
+    fn tolerates(&self, taints: &[Taint]) -> bool {
+        taints
+            .iter()
+            .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
+            .filter(|t| {
+                ![UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT].contains(&t.key.as_str())
+            })
+            .all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
+    }
+}
+
+fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
+    let effect_ok = toleration
+        .effect
+        .as_deref()
+        .is_none_or(|e| e.is_empty() || e == taint.effect);
+    let key = toleration.key.as_deref().unwrap_or_default();
+    let operator = toleration.operator.as_deref().unwrap_or("Equal");
+    let key_ok = key == taint.key || (key.is_empty() && operator == "Exists");
+    let value_ok = match operator {
+        "Exists" => true,
+        "Equal" => {
+            toleration.value.as_deref().unwrap_or_default()
+                == taint.value.as_deref().unwrap_or_default()
+        }
+        _ => false,
+    };
+    effect_ok && key_ok && value_ok
+}
+
+/// Whether a node (name and labels) matches a required node selector: any of its terms.
+pub fn selector_matches(
+    selector: &NodeSelector,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    selector
+        .node_selector_terms
+        .iter()
+        .any(|term| term_matches(term, name, labels))
+}
+
+/// A term matches when it has at least one requirement and all of them hold.
+fn term_matches(term: &NodeSelectorTerm, name: &str, labels: &BTreeMap<String, String>) -> bool {
+    let expressions = term.match_expressions.as_deref().unwrap_or_default();
+    let fields = term.match_fields.as_deref().unwrap_or_default();
+    if expressions.is_empty() && fields.is_empty() {
+        return false;
+    }
+    expressions
+        .iter()
+        .all(|r| requirement_holds(r, labels.get(&r.key).map(String::as_str)))
+        && fields.iter().all(|r| {
+            r.key == "metadata.name"
+                && matches!(r.operator.as_str(), "In" | "NotIn")
+                && requirement_holds(r, Some(name))
+        })
+}
+
+fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> bool {
+    let values = r.values.as_deref().unwrap_or_default();
+    let number = |s: &str| s.parse::<i64>().ok();
+    let compare = |ord: std::cmp::Ordering| match (value.and_then(number), values) {
+        (Some(have), [want]) => number(want).is_some_and(|want| have.cmp(&want) == ord),
+        _ => false,
+    };
+    match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
+        "NotIn" => value.is_none_or(|v| !values.iter().any(|x| x == v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" => compare(std::cmp::Ordering::Greater),
+        "Lt" => compare(std::cmp::Ordering::Less),
+        _ => false,
+    }
+}
+
+/// The nodes a placement decision looks at.
+pub trait Nodes {
+    /// The nodes carrying every `key=value` of `labels` (a small set, from an index).
+    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>>;
+    /// Every node.
+    fn all(&self) -> Vec<Arc<Node>>;
+}
+
+/// Why recorded required values were left out.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum DropReason {
+    /// No node carries them (node or zone decommissioned).
+    NodeGone,
+    /// The nodes carrying them are lost (not ready or unreachable for too long).
+    NodeLost,
+    /// The usable nodes carrying them do not meet the pod's own constraints.
+    PodConstraints,
+}
+
+impl DropReason {
+    /// A short explanation, for Events and logs.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::NodeGone => "no node has them",
+            Self::NodeLost => "their node is lost (not ready or unreachable for too long)",
+            Self::PodConstraints => "no usable node that has them meets the pod's own constraints",
+        }
+    }
+}
+
+/// Recorded required values left out, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dropped {
+    /// The values left out.
+    pub values: BTreeMap<String, String>,
+    /// Why.
+    pub reason: DropReason,
+}
+
+/// Which recorded required values can be injected.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Required {
+    /// Injected: some usable node meeting the pod's demands has them all.
+    pub kept: BTreeMap<String, String>,
+    /// Left out, if any.
+    pub dropped: Option<Dropped>,
+}
+
+/// Decides which of the `recorded` required values to inject: all of them when a usable node
+/// meeting `demands` has them all (the usual case, answered from the label index); otherwise
+/// the largest subset some such node has (ties: the subset more nodes have, then key order),
+/// so a lost hostname degrades to its zone. What is left out is reported with its reason.
+pub fn required(
+    recorded: &BTreeMap<String, String>,
+    demands: &PodDemands<'_>,
+    nodes: &dyn Nodes,
+    health: &Health,
+) -> Required {
+    if recorded.is_empty() {
+        return Required::default();
+    }
+    let usable = |n: &Node| !health.is_lost(n) && demands.admit(n);
+    let carriers = nodes.with_labels(recorded);
+    if carriers.iter().any(|n| usable(n)) {
+        return Required {
+            kept: recorded.clone(),
+            dropped: None,
+        };
+    }
+    let reason = if carriers.is_empty() {
+        DropReason::NodeGone
+    } else if carriers.iter().any(|n| !health.is_lost(n)) {
+        DropReason::PodConstraints
+    } else {
+        DropReason::NodeLost
+    };
+    // Degrade: the largest subset of the recorded values some usable node still has.
+    let pairs: Vec<(&String, &String)> = recorded.iter().collect();
+    let mut subsets: HashMap<Vec<bool>, usize> = HashMap::new();
+    for node in nodes.all().iter().filter(|n| usable(n)) {
+        let labels = node.labels();
+        let mask: Vec<bool> = pairs
+            .iter()
+            .map(|(k, v)| labels.get(*k) == Some(*v))
+            .collect();
+        *subsets.entry(mask).or_default() += 1;
+    }
+    let best = subsets
+        .into_iter()
+        .max_by(|(a, na), (b, nb)| {
+            let count = |m: &[bool]| m.iter().filter(|x| **x).count();
+            count(a)
+                .cmp(&count(b))
+                .then(na.cmp(nb))
+                // Earlier keys first: a mask holding an earlier key ranks higher.
+                .then_with(|| a.cmp(b))
+        })
+        .map(|(mask, _)| mask)
+        .unwrap_or_default();
+    let mut kept = BTreeMap::new();
+    let mut left = BTreeMap::new();
+    for (i, (k, v)) in pairs.into_iter().enumerate() {
+        let target = if best.get(i).copied().unwrap_or(false) {
+            &mut kept
+        } else {
+            &mut left
+        };
+        target.insert(k.clone(), v.clone());
+    }
+    Required {
+        kept,
+        dropped: Some(Dropped {
+            values: left,
+            reason,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    const HOST: &str = "kubernetes.io/hostname";
+    const ZONE: &str = "topology.kubernetes.io/zone";
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn at(text: &str) -> Timestamp {
+        text.parse().expect("timestamp")
+    }
+
+    fn health() -> Health {
+        Health {
+            now: at("2026-11-22T12:00:00Z"),
+            lost_after: Duration::from_secs(300),
+        }
+    }
+
+    fn node(name: &str, zone: &str, extra: Value) -> Node {
+        let mut v = json!({"metadata": {"name": name, "labels": {HOST: name, ZONE: zone, "rack": "r1", "gen": "5"}}});
+        if let (Some(obj), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+            for (k, val) in extra {
+                obj.insert(k.clone(), val.clone());
+            }
+        }
+        serde_json::from_value(v).expect("node")
+    }
+
+    fn ready(status: &str, since: Option<&str>) -> Value {
+        json!({"status": {"conditions": [{"type": "Ready", "status": status, "lastTransitionTime": since}]}})
+    }
+
+    fn tainted(key: &str, effect: &str, added: Option<&str>) -> Value {
+        json!({"spec": {"taints": [{"key": key, "effect": effect, "timeAdded": added}]}})
+    }
+
+    #[test]
+    fn a_node_is_lost_only_after_lost_after_and_never_for_being_cordoned() {
+        let h = health();
+        let cases = [
+            ("no Ready condition yet", json!({}), false),
+            ("ready", ready("True", Some("2026-11-22T11:00:00Z")), false),
+            (
+                "not ready for an hour",
+                ready("False", Some("2026-11-22T11:00:00Z")),
+                true,
+            ),
+            (
+                "unknown for an hour",
+                ready("Unknown", Some("2026-11-22T11:00:00Z")),
+                true,
+            ),
+            (
+                "not ready for a minute",
+                ready("False", Some("2026-11-22T11:59:00Z")),
+                false,
+            ),
+            ("garbage status, no time", ready("Maybe", None), true),
+            (
+                "unreachable for an hour",
+                tainted(UNREACHABLE_TAINT, "NoExecute", Some("2026-11-22T11:00:00Z")),
+                true,
+            ),
+            (
+                "not-ready taint for a minute",
+                tainted(NOT_READY_TAINT, "NoSchedule", Some("2026-11-22T11:59:00Z")),
+                false,
+            ),
+            (
+                "unreachable taint, no time",
+                tainted(UNREACHABLE_TAINT, "NoSchedule", None),
+                true,
+            ),
+            (
+                "cordoned",
+                json!({"spec": {"unschedulable": true, "taints": [{"key": UNSCHEDULABLE_TAINT, "effect": "NoSchedule"}]}}),
+                false,
+            ),
+            (
+                "a garbage taint",
+                json!({"spec": {"taints": [{"key": "", "effect": "Whatever"}]}}),
+                false,
+            ),
+        ];
+        for (what, extra, lost) in cases {
+            assert_eq!(h.is_lost(&node("n", "z", extra)), lost, "{what}");
+        }
+        let later = Health {
+            lost_after: HOUR * 2,
+            ..h
+        };
+        assert!(!later.is_lost(&node(
+            "n",
+            "z",
+            ready("False", Some("2026-11-22T11:00:00Z"))
+        )));
+        assert_eq!(
+            later.lost_at(&node(
+                "n",
+                "z",
+                ready("False", Some("2026-11-22T11:00:00Z"))
+            )),
+            Some(at("2026-11-22T13:00:00Z"))
+        );
+    }
+
+    fn pod(spec: Value) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "p"}, "spec": spec})).expect("pod")
+    }
+
+    fn affinity(terms: Value) -> Value {
+        json!({"containers": [], "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}})
+    }
+
+    fn expr(key: &str, op: &str, values: &[&str]) -> Value {
+        json!({"key": key, "operator": op, "values": values})
+    }
+
+    #[test]
+    fn pod_demands_follow_the_schedulers_rules() {
+        let n1 = node("n1", "a", json!({}));
+        let cases = [
+            ("nothing", json!({"containers": []}), true),
+            (
+                "own selector met",
+                json!({"containers": [], "nodeSelector": {ZONE: "a"}}),
+                true,
+            ),
+            (
+                "own selector not met",
+                json!({"containers": [], "nodeSelector": {ZONE: "b"}}),
+                false,
+            ),
+            (
+                "In",
+                affinity(json!([{"matchExpressions": [expr(ZONE, "In", &["a", "b"])]}])),
+                true,
+            ),
+            (
+                "NotIn",
+                affinity(json!([{"matchExpressions": [expr(ZONE, "NotIn", &["a"])]}])),
+                false,
+            ),
+            (
+                "NotIn an absent key",
+                affinity(json!([{"matchExpressions": [expr("x", "NotIn", &["a"])]}])),
+                true,
+            ),
+            (
+                "Exists",
+                affinity(json!([{"matchExpressions": [expr("rack", "Exists", &[])]}])),
+                true,
+            ),
+            (
+                "DoesNotExist",
+                affinity(json!([{"matchExpressions": [expr("rack", "DoesNotExist", &[])]}])),
+                false,
+            ),
+            (
+                "Gt",
+                affinity(json!([{"matchExpressions": [expr("gen", "Gt", &["4"])]}])),
+                true,
+            ),
+            (
+                "Lt",
+                affinity(json!([{"matchExpressions": [expr("gen", "Lt", &["4"])]}])),
+                false,
+            ),
+            (
+                "Gt not a number",
+                affinity(json!([{"matchExpressions": [expr("gen", "Gt", &["x"])]}])),
+                false,
+            ),
+            (
+                "unknown operator",
+                affinity(json!([{"matchExpressions": [expr("gen", "Near", &["5"])]}])),
+                false,
+            ),
+            (
+                "terms are ORed",
+                affinity(
+                    json!([{"matchExpressions": [expr(ZONE, "In", &["b"])]}, {"matchExpressions": [expr(ZONE, "In", &["a"])]}]),
+                ),
+                true,
+            ),
+            (
+                "an empty term matches nothing",
+                affinity(json!([{}])),
+                false,
+            ),
+            (
+                "matchFields on the name",
+                affinity(json!([{"matchFields": [expr("metadata.name", "In", &["n1"])]}])),
+                true,
+            ),
+            (
+                "matchFields NotIn the name",
+                affinity(json!([{"matchFields": [expr("metadata.name", "NotIn", &["n1"])]}])),
+                false,
+            ),
+            (
+                "matchFields on another field",
+                affinity(json!([{"matchFields": [expr("spec.x", "In", &["n1"])]}])),
+                false,
+            ),
+        ];
+        for (what, spec, admitted) in cases {
+            let p = pod(spec);
+            assert_eq!(PodDemands::of(&p).admit(&n1), admitted, "{what}");
+        }
+    }
+
+    #[test]
+    fn untolerated_taints_exclude_a_node_but_health_and_cordon_taints_do_not() {
+        let taint = |key: &str, effect: &str| json!({"spec": {"taints": [{"key": key, "value": "v", "effect": effect}]}});
+        let tol = |t: Value| pod(json!({"containers": [], "tolerations": [t]}));
+        let none = pod(json!({"containers": []}));
+        let cases = [
+            ("NoSchedule", taint("dedicated", "NoSchedule"), &none, false),
+            ("NoExecute", taint("dedicated", "NoExecute"), &none, false),
+            (
+                "PreferNoSchedule",
+                taint("dedicated", "PreferNoSchedule"),
+                &none,
+                true,
+            ),
+            (
+                "cordoned",
+                taint(UNSCHEDULABLE_TAINT, "NoSchedule"),
+                &none,
+                true,
+            ),
+            (
+                "unreachable (judged by health)",
+                taint(UNREACHABLE_TAINT, "NoExecute"),
+                &none,
+                true,
+            ),
+        ];
+        for (what, extra, p, admitted) in cases {
+            assert_eq!(
+                PodDemands::of(p).admit(&node("n", "a", extra)),
+                admitted,
+                "{what}"
+            );
+        }
+        let tainted = node("n", "a", taint("dedicated", "NoSchedule"));
+        for (what, t, admitted) in [
+            (
+                "Equal",
+                json!({"key": "dedicated", "operator": "Equal", "value": "v"}),
+                true,
+            ),
+            (
+                "Equal, other value",
+                json!({"key": "dedicated", "value": "w"}),
+                false,
+            ),
+            (
+                "Exists",
+                json!({"key": "dedicated", "operator": "Exists"}),
+                true,
+            ),
+            ("everything", json!({"operator": "Exists"}), true),
+            (
+                "other effect",
+                json!({"key": "dedicated", "operator": "Exists", "effect": "NoExecute"}),
+                false,
+            ),
+        ] {
+            assert_eq!(PodDemands::of(&tol(t)).admit(&tainted), admitted, "{what}");
+        }
+    }
+
+    struct Fleet(Vec<Arc<Node>>);
+
+    impl Nodes for Fleet {
+        fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+            self.0
+                .iter()
+                .filter(|n| labels.iter().all(|(k, v)| n.labels().get(k) == Some(v)))
+                .cloned()
+                .collect()
+        }
+        fn all(&self) -> Vec<Arc<Node>> {
+            self.0.clone()
+        }
+    }
+
+    fn recorded(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn required_values_degrade_per_key_and_say_why() {
+        let lost = ready("Unknown", Some("2026-11-22T11:00:00Z"));
+        let fleet = Fleet(vec![
+            Arc::new(node("a1", "a", lost.clone())),
+            Arc::new(node("a2", "a", json!({}))),
+            Arc::new(node("b1", "b", json!({}))),
+            Arc::new(node("c1", "c", lost)),
+        ]);
+        let h = health();
+        let free = pod(json!({"containers": []}));
+        let not_a = pod(affinity(
+            json!([{"matchExpressions": [expr(ZONE, "NotIn", &["a"])]}]),
+        ));
+        let choose = |pairs: &[(&str, &str)], p: &Pod| {
+            required(&recorded(pairs), &PodDemands::of(p), &fleet, &h)
+        };
+        let dropped = |pairs: &[(&str, &str)], reason| {
+            Some(Dropped {
+                values: recorded(pairs),
+                reason,
+            })
+        };
+
+        let all_kept = choose(&[(HOST, "a2"), (ZONE, "a")], &free);
+        assert_eq!(
+            (all_kept.kept, all_kept.dropped),
+            (recorded(&[(HOST, "a2"), (ZONE, "a")]), None)
+        );
+
+        let host_lost = choose(&[(HOST, "a1"), (ZONE, "a")], &free);
+        assert_eq!(
+            host_lost.kept,
+            recorded(&[(ZONE, "a")]),
+            "the zone stays required"
+        );
+        assert_eq!(
+            host_lost.dropped,
+            dropped(&[(HOST, "a1")], DropReason::NodeLost)
+        );
+
+        let zone_lost = choose(&[(ZONE, "c")], &free);
+        assert_eq!(
+            (zone_lost.kept, zone_lost.dropped),
+            (
+                BTreeMap::new(),
+                dropped(&[(ZONE, "c")], DropReason::NodeLost)
+            )
+        );
+
+        let gone = choose(&[(HOST, "z9"), (ZONE, "b")], &free);
+        assert_eq!(gone.kept, recorded(&[(ZONE, "b")]));
+        assert_eq!(gone.dropped, dropped(&[(HOST, "z9")], DropReason::NodeGone));
+
+        let excluded = choose(&[(HOST, "a2"), (ZONE, "a")], &not_a);
+        assert_eq!(excluded.kept, BTreeMap::new(), "the pod excludes zone a");
+        assert_eq!(
+            excluded.dropped,
+            dropped(&[(HOST, "a2"), (ZONE, "a")], DropReason::PodConstraints)
+        );
+
+        let nothing = choose(&[], &free);
+        assert_eq!(nothing, Required::default());
+    }
+}
