@@ -77,7 +77,7 @@ fn main() {
             let p = &by_name[&("ns-3".to_string(), name)];
             let state = &p.status.as_ref().expect("status").pod_states
                 [pod.metadata.name.as_deref().expect("name")];
-            black_box(injection_for(pod, "web", &p.spec, state, &anywhere));
+            black_box(injection_for(pod, "web", &p.spec, state, &anywhere, None));
         }
         let indexed = start.elapsed().as_nanos() / ADMISSIONS as u128;
 
@@ -97,7 +97,7 @@ fn main() {
                 .expect("found");
             let state = &p.status.as_ref().expect("status").pod_states
                 [pod.metadata.name.as_deref().expect("name")];
-            black_box(injection_for(pod, "web", &p.spec, state, &anywhere));
+            black_box(injection_for(pod, "web", &p.spec, state, &anywhere, None));
         }
         let scanned = start.elapsed().as_nanos() / scans as u128;
         println!("{total:>10} {indexed:>22} {scanned:>26}");

@@ -1,99 +1,157 @@
 //! A fake kubelet for the e2e control plane, where no real kubelet can run.
 //!
-//! - registers Ready nodes (`--node NAME=ZONE`, repeatable) with hostname and zone labels, and
-//!   removes the `not-ready` taint the API server adds on registration;
-//! - marks every pod bound to one of its nodes Running and Ready, with a pod IP given the way
-//!   the seeds' patched host-local does: the same pod name on the same node gets the same IP
-//!   back; another node gives another IP;
+//! - registers Ready nodes (`--node NAME=ZONE`, repeatable) with hostname and zone labels, plus
+//!   `--node-label K=V` and `--node-taint K=V:EFFECT` on each;
+//! - marks every pod bound to one of its nodes Running and Ready, with a pod IP from its IPAM
+//!   (`--ipam`):
+//!   - `host-local` (default) as the seeds' patched host-local: per node a /24, the same pod
+//!     name on the same node gets the same IP back, another node another IP;
+//!   - `calico` as calico-ipam: per node a block of a cluster-wide pool (10.245.0.0/16); a pod
+//!     annotated `cni.projectcalico.org/ipAddrs` (a JSON array) gets the requested IPv4 address
+//!     on any node, provided it is in the pool and no running pod holds it; otherwise the
+//!     sandbox fails, as Calico's CNI ADD does ("resource already exists"): a
+//!     `FailedCreatePodSandBox` Event, and a retry every second until it can be honoured. An
+//!     address is released when its pod is gone;
 //! - deletes pods that have a deletionTimestamp (there are no containers to stop);
 //! - does nothing for a node whose `Ready` condition is not `True`: a test marks a node dead as
 //!   the node lifecycle controller would (`Unknown`, tainted unreachable), and like a dead
 //!   kubelet this one then neither starts nor finalizes pods there, until the node is Ready
 //!   again (then it catches up with every pod bound to it).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, ResourceExt};
-use serde_json::json;
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::{Value, json};
 
-/// host-local's allocation: per node a /24, per (namespace/pod name) one address, kept forever.
-struct Ipam {
-    subnets: HashMap<String, u8>,
-    allocated: HashMap<String, BTreeMap<String, u8>>,
+const CALICO_IP_ANNOTATION: &str = "cni.projectcalico.org/ipAddrs";
+
+/// How pod addresses are given.
+enum Ipam {
+    /// Per node a /24 (10.244.N.0/24), per namespace/pod name one address, kept forever.
+    HostLocal {
+        subnets: HashMap<String, u8>,
+        allocated: HashMap<String, BTreeMap<String, u8>>,
+    },
+    /// Per node a block (10.245.N.0/24) of the pool 10.245.0.0/16; requested addresses
+    /// anywhere in the pool; an address is held by one pod uid until that pod is gone.
+    Calico {
+        blocks: HashMap<String, u8>,
+        held: HashMap<Ipv4Addr, String>,
+    },
 }
+
+/// Why a sandbox could not be created.
+struct SandboxError(String);
 
 impl Ipam {
-    fn ip_for(&mut self, node: &str, pod_key: &str) -> Option<String> {
-        let subnet = *self.subnets.get(node)?;
-        let table = self.allocated.entry(node.to_owned()).or_default();
-        let host = match table.get(pod_key) {
-            Some(h) => *h,
-            None => {
-                let used: Vec<u8> = table.values().copied().collect();
-                let free = (2..=254).find(|h| !used.contains(h))?;
-                table.insert(pod_key.to_owned(), free);
-                free
-            }
+    fn knows(&self, node: &str) -> bool {
+        match self {
+            Self::HostLocal { subnets, .. } => subnets.contains_key(node),
+            Self::Calico { blocks, .. } => blocks.contains_key(node),
+        }
+    }
+
+    fn add_node(&mut self, node: &str, index: u8) {
+        match self {
+            Self::HostLocal { subnets, .. } => subnets.insert(node.to_owned(), index),
+            Self::Calico { blocks, .. } => blocks.insert(node.to_owned(), index),
         };
-        Some(format!("10.244.{subnet}.{host}"))
+    }
+
+    /// The address of `pod` on `node` (already allocated to it, or newly).
+    fn address(&mut self, node: &str, pod: &Pod) -> Result<String, SandboxError> {
+        let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        match self {
+            Self::HostLocal { subnets, allocated } => {
+                let subnet = *subnets
+                    .get(node)
+                    .ok_or_else(|| SandboxError("unknown node".into()))?;
+                let table = allocated.entry(node.to_owned()).or_default();
+                let host = match table.get(&key) {
+                    Some(h) => *h,
+                    None => {
+                        let used: Vec<u8> = table.values().copied().collect();
+                        let free = (2..=254)
+                            .find(|h| !used.contains(h))
+                            .ok_or_else(|| SandboxError("no free address".into()))?;
+                        table.insert(key, free);
+                        free
+                    }
+                };
+                Ok(format!("10.244.{subnet}.{host}"))
+            }
+            Self::Calico { blocks, held } => {
+                let uid = pod.uid().unwrap_or_default();
+                if let Some((ip, _)) = held.iter().find(|(_, u)| **u == uid) {
+                    return Ok(ip.to_string());
+                }
+                let requested = pod.annotations().get(CALICO_IP_ANNOTATION);
+                let ip = match requested {
+                    Some(text) => {
+                        let list: Vec<String> = serde_json::from_str(text).map_err(|e| {
+                            SandboxError(format!("{CALICO_IP_ANNOTATION} is not a JSON list: {e}"))
+                        })?;
+                        let ip = list
+                            .iter()
+                            .find_map(|s| s.parse::<Ipv4Addr>().ok())
+                            .ok_or_else(|| SandboxError("no IPv4 address requested".into()))?;
+                        if ip.octets()[..2] != [10, 245] {
+                            return Err(SandboxError(format!("{ip} is not in any pool")));
+                        }
+                        if let Some(other) = held.get(&ip) {
+                            return Err(SandboxError(format!(
+                                "failed to request IP {ip}: resource already exists (held by pod uid {other})"
+                            )));
+                        }
+                        ip
+                    }
+                    None => {
+                        let block = *blocks
+                            .get(node)
+                            .ok_or_else(|| SandboxError("unknown node".into()))?;
+                        (2..=254)
+                            .map(|h| Ipv4Addr::new(10, 245, block, h))
+                            .find(|ip| !held.contains_key(ip))
+                            .ok_or_else(|| SandboxError("block exhausted".into()))?
+                    }
+                };
+                held.insert(ip, uid);
+                Ok(ip.to_string())
+            }
+        }
+    }
+
+    /// Releases what `uid` holds (its pod is gone).
+    fn release(&mut self, uid: &str) {
+        if let Self::Calico { held, .. } = self {
+            held.retain(|_, u| u != uid);
+        }
     }
 }
 
-async fn register(nodes: &Api<Node>, name: &str, zone: &str) -> anyhow::Result<()> {
-    let node = json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {
-            "kubernetes.io/hostname": name,
-            "kubernetes.io/os": "linux",
-            "kubernetes.io/arch": "amd64",
-            "topology.kubernetes.io/zone": zone,
-            "failure-domain.beta.kubernetes.io/zone": zone,
-        }},
-    });
-    match nodes
-        .create(&PostParams::default(), &serde_json::from_value(node)?)
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => return Err(e).context("creating node"),
-    }
-    let resources = json!({"cpu": "8", "memory": "32Gi", "pods": "110"});
-    let now = chrono_now();
-    let status = json!({"status": {
-        "capacity": resources, "allocatable": resources,
-        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                        "message": "fake kubelet", "lastHeartbeatTime": now, "lastTransitionTime": now}],
-        "nodeInfo": {"kubeletVersion": "v1.20.2-fake", "machineID": "", "systemUUID": "", "bootID": "",
-            "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "", "kubeProxyVersion": "",
-            "operatingSystem": "linux", "architecture": "amd64"},
-    }});
-    nodes
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .context("marking node Ready")?;
-    // The API server taints new nodes not-ready; the node lifecycle controller that would lift
-    // it does not run here.
-    nodes
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"taints": null}})),
-        )
-        .await
-        .context("removing taints")?;
-    Ok(())
+/// The kubelet's state shared by its loops.
+struct Kubelet {
+    client: Client,
+    ipam: Mutex<Ipam>,
+    nodes: Store<Node>,
+    /// Pods whose sandbox failed, retried every second: (namespace, name).
+    retry: Mutex<BTreeSet<(String, String)>>,
 }
 
-fn chrono_now() -> String {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn now() -> String {
     k8s_openapi::jiff::Timestamp::now()
         .round(k8s_openapi::jiff::Unit::Second)
         .map(|t| t.to_string())
@@ -107,70 +165,220 @@ fn is_ready(node: &Node) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-async fn handle(
-    pods: &Client,
-    ipam: &Mutex<Ipam>,
-    nodes: &Store<Node>,
-    pod: &Pod,
+async fn register(
+    nodes: &Api<Node>,
+    name: &str,
+    zone: &str,
+    labels: &[(String, String)],
+    taints: &[Value],
 ) -> anyhow::Result<()> {
-    let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
-        return Ok(());
-    };
-    let ours = lock(ipam).subnets.contains_key(&node);
-    let alive = nodes
-        .get(&ObjectRef::new(&node))
-        .is_some_and(|n| is_ready(&n));
-    if !ours || !alive {
-        return Ok(());
+    let mut all = json!({
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "topology.kubernetes.io/zone": zone,
+        "failure-domain.beta.kubernetes.io/zone": zone,
+    });
+    for (k, v) in labels {
+        all[k] = json!(v);
     }
-    let ns = pod.namespace().unwrap_or_default();
-    let name = pod.name_any();
-    let api: Api<Pod> = Api::namespaced(pods.clone(), &ns);
-    if pod.metadata.deletion_timestamp.is_some() {
-        match api
-            .delete(&name, &DeleteParams::default().grace_period(0))
-            .await
-        {
-            Ok(_) | Err(kube::Error::Api(_)) => return Ok(()),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let running = pod
-        .status
-        .as_ref()
-        .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some());
-    if running {
-        return Ok(());
-    }
-    let Some(ip) = lock(ipam).ip_for(&node, &format!("{ns}/{name}")) else {
-        anyhow::bail!("no free address on {node}");
-    };
-    let now = chrono_now();
-    let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
-    let containers: Vec<_> =
-        pod.spec
-            .as_ref()
-            .map(|s| {
-                s.containers.iter().map(|c| json!({
-            "name": c.name, "image": c.image.clone().unwrap_or_default(), "imageID": "",
-            "ready": true, "started": true, "restartCount": 0,
-            "state": {"running": {"startedAt": now}},
-        })).collect()
-            })
-            .unwrap_or_default();
-    let status = json!({"status": {
-        "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "podIPs": [{"ip": ip}],
-        "startTime": now,
-        "conditions": [cond("Initialized"), cond("Ready"), cond("ContainersReady"), cond("PodScheduled")],
-        "containerStatuses": containers,
-    }});
-    match api
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+    let node =
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": all}});
+    match nodes
+        .create(&PostParams::default(), &serde_json::from_value(node)?)
         .await
     {
-        Ok(_) | Err(kube::Error::Api(_)) => Ok(()),
-        Err(e) => Err(e.into()),
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => return Err(e).context("creating node"),
     }
+    let resources = json!({"cpu": "8", "memory": "32Gi", "pods": "110"});
+    let now = now();
+    let status = json!({"status": {
+        "capacity": resources, "allocatable": resources,
+        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "message": "fake kubelet", "lastHeartbeatTime": now, "lastTransitionTime": now}],
+        "nodeInfo": {"kubeletVersion": "v1.20.2-fake", "machineID": "", "systemUUID": "", "bootID": "",
+            "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "", "kubeProxyVersion": "",
+            "operatingSystem": "linux", "architecture": "amd64"},
+    }});
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .context("marking node Ready")?;
+    // The taints asked for, and none else (the node lifecycle controller that would lift a
+    // registration taint does not run here).
+    let taints = if taints.is_empty() {
+        Value::Null
+    } else {
+        json!(taints)
+    };
+    nodes
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"taints": taints}})),
+        )
+        .await
+        .context("setting taints")?;
+    Ok(())
+}
+
+impl Kubelet {
+    /// Starts `pod` if it is bound to a live node of ours, finalizes it if it is being deleted.
+    async fn handle(&self, pod: &Pod) -> anyhow::Result<()> {
+        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+            return Ok(());
+        };
+        let ours = lock(&self.ipam).knows(&node);
+        let alive = self
+            .nodes
+            .get(&ObjectRef::new(&node))
+            .is_some_and(|n| is_ready(&n));
+        if !ours || !alive {
+            return Ok(());
+        }
+        let ns = pod.namespace().unwrap_or_default();
+        let name = pod.name_any();
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        // Writes name this very pod (its uid): an event of an older pod of the same name must
+        // not act on its successor.
+        let uid = pod.uid().unwrap_or_default();
+        if pod.metadata.deletion_timestamp.is_some() {
+            lock(&self.retry).remove(&(ns.clone(), name.clone()));
+            let params = DeleteParams {
+                preconditions: Some(kube::api::Preconditions {
+                    uid: Some(uid),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default().grace_period(0)
+            };
+            match api.delete(&name, &params).await {
+                Ok(_) | Err(kube::Error::Api(_)) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let running = pod
+            .status
+            .as_ref()
+            .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some());
+        if running {
+            return Ok(());
+        }
+        let address = lock(&self.ipam).address(&node, pod);
+        let ip = match address {
+            Ok(ip) => {
+                lock(&self.retry).remove(&(ns.clone(), name.clone()));
+                ip
+            }
+            Err(SandboxError(message)) => {
+                let first = lock(&self.retry).insert((ns.clone(), name.clone()));
+                if first {
+                    self.sandbox_failed(pod, &node, &message).await;
+                }
+                return Ok(());
+            }
+        };
+        let now = now();
+        let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
+        let containers: Vec<_> = pod
+            .spec
+            .as_ref()
+            .map(|s| {
+                s.containers
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "name": c.name, "image": c.image.clone().unwrap_or_default(), "imageID": "",
+                            "ready": true, "started": true, "restartCount": 0,
+                            "state": {"running": {"startedAt": now}},
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let status = json!({"metadata": {"uid": uid}, "status": {
+            "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "podIPs": [{"ip": ip}],
+            "startTime": now,
+            "conditions": [cond("Initialized"), cond("Ready"), cond("ContainersReady"), cond("PodScheduled")],
+            "containerStatuses": containers,
+        }});
+        match api
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+        {
+            Ok(_) | Err(kube::Error::Api(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The kubelet's Event for a sandbox that could not be created.
+    async fn sandbox_failed(&self, pod: &Pod, node: &str, message: &str) {
+        tracing::warn!(pod = %pod.name_any(), %message, "sandbox not created; retrying");
+        let ns = pod.namespace().unwrap_or_default();
+        let events: Api<k8s_openapi::api::core::v1::Event> =
+            Api::namespaced(self.client.clone(), &ns);
+        let event = json!({
+            "metadata": {"generateName": format!("{}.", pod.name_any())},
+            "involvedObject": pod.object_ref(&()),
+            "reason": "FailedCreatePodSandBox", "type": "Warning",
+            "message": format!("Failed to create pod sandbox: {message}"),
+            "source": {"component": "kubelet", "host": node},
+            "firstTimestamp": now(), "lastTimestamp": now(), "count": 1,
+        });
+        if let Ok(event) = serde_json::from_value(event)
+            && let Err(error) = events.create(&PostParams::default(), &event).await
+        {
+            tracing::warn!(%error, "could not publish the sandbox Event");
+        }
+    }
+
+    /// Handles every pod bound to `node` (after it came back).
+    async fn catch_up(&self, node: &str) {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let bound = ListParams::default().fields(&format!("spec.nodeName={node}"));
+        match pods.list(&bound).await {
+            Ok(list) => {
+                for pod in list.items {
+                    if let Err(error) = self.handle(&pod).await {
+                        tracing::warn!(pod = %pod.name_any(), %error, "pod not handled");
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(%node, %error, "cannot list the pods of a revived node"),
+        }
+    }
+
+    /// Retries the pods whose sandbox failed, every second.
+    async fn retry_sandboxes(&self) {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let pending: Vec<(String, String)> = lock(&self.retry).iter().cloned().collect();
+            for (ns, name) in pending {
+                let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+                match api.get_opt(&name).await {
+                    Ok(Some(pod)) => {
+                        if let Err(error) = self.handle(&pod).await {
+                            tracing::warn!(pod = %name, %error, "pod not handled");
+                        }
+                    }
+                    Ok(None) => {
+                        lock(&self.retry).remove(&(ns, name));
+                    }
+                    Err(error) => tracing::warn!(pod = %name, %error, "cannot read pod"),
+                }
+            }
+        }
+    }
+}
+
+fn parse_taint(spec: &str) -> anyhow::Result<Value> {
+    let (kv, effect) = spec
+        .rsplit_once(':')
+        .context("--node-taint needs K=V:EFFECT")?;
+    let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
+    Ok(json!({"key": key, "value": value, "effect": effect}))
 }
 
 #[tokio::main]
@@ -179,40 +387,67 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
-    let mut node_args = Vec::new();
+    let usage = "usage: fake-kubelet [--ipam host-local|calico] [--node-label K=V]... [--node-taint K=V:EFFECT]... --node NAME=ZONE...";
+    let (mut node_args, mut labels, mut taints) = (Vec::new(), Vec::new(), Vec::new());
+    let mut ipam = Ipam::HostLocal {
+        subnets: HashMap::new(),
+        allocated: HashMap::new(),
+    };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .with_context(|| format!("{arg} needs a value; {usage}"))
+        };
         match arg.as_str() {
             "--node" => {
-                let spec = args.next().context("--node needs NAME=ZONE")?;
+                let spec = value()?;
                 let (name, zone) = spec.split_once('=').context("--node needs NAME=ZONE")?;
                 node_args.push((name.to_owned(), zone.to_owned()));
             }
-            other => {
-                anyhow::bail!("unknown argument {other}; usage: fake-kubelet --node NAME=ZONE...")
+            "--node-label" => {
+                let spec = value()?;
+                let (k, v) = spec.split_once('=').context("--node-label needs K=V")?;
+                labels.push((k.to_owned(), v.to_owned()));
             }
+            "--node-taint" => taints.push(parse_taint(&value()?)?),
+            "--ipam" => {
+                ipam = match value()?.as_str() {
+                    "host-local" => Ipam::HostLocal {
+                        subnets: HashMap::new(),
+                        allocated: HashMap::new(),
+                    },
+                    "calico" => Ipam::Calico {
+                        blocks: HashMap::new(),
+                        held: HashMap::new(),
+                    },
+                    other => anyhow::bail!("unknown IPAM {other}; {usage}"),
+                }
+            }
+            other => anyhow::bail!("unknown argument {other}; {usage}"),
         }
     }
     anyhow::ensure!(!node_args.is_empty(), "give at least one --node NAME=ZONE");
     let client = Client::try_default().await?;
     let nodes: Api<Node> = Api::all(client.clone());
-    let mut ipam = Ipam {
-        subnets: HashMap::new(),
-        allocated: HashMap::new(),
-    };
     for (i, (name, zone)) in node_args.iter().enumerate() {
-        register(&nodes, name, zone).await?;
-        ipam.subnets.insert(name.clone(), u8::try_from(i + 1)?);
+        register(&nodes, name, zone, &labels, &taints).await?;
+        ipam.add_node(name, u8::try_from(i + 1)?);
         tracing::info!(node = %name, %zone, "node registered");
     }
-    let ipam = Arc::new(Mutex::new(ipam));
     let (store, writer) = reflector::store::<Node>();
+    let kubelet = Arc::new(Kubelet {
+        client: client.clone(),
+        ipam: Mutex::new(ipam),
+        nodes: store.clone(),
+        retry: Mutex::default(),
+    });
     let node_events = reflector::reflector(writer, watcher(nodes, watcher::Config::default()))
         .default_backoff()
         .applied_objects();
     // A node that comes back to Ready: catch up with every pod bound to it.
     let revived = tokio::spawn({
-        let (client, ipam, store) = (client.clone(), ipam.clone(), store.clone());
+        let kubelet = kubelet.clone();
         async move {
             futures::pin_mut!(node_events);
             let mut ready: HashMap<String, bool> = HashMap::new();
@@ -222,7 +457,7 @@ async fn main() -> anyhow::Result<()> {
                         let name = node.name_any();
                         let now = is_ready(&node);
                         if ready.insert(name.clone(), now) == Some(false) && now {
-                            catch_up(&client, &ipam, &store, &name).await;
+                            kubelet.catch_up(&name).await;
                         }
                     }
                     Ok(None) => return,
@@ -231,44 +466,30 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     });
+    let retries = tokio::spawn({
+        let kubelet = kubelet.clone();
+        async move { kubelet.retry_sandboxes().await }
+    });
     store.wait_until_ready().await?;
     let pods: Api<Pod> = Api::all(client.clone());
-    let events = watcher(pods, watcher::Config::default())
-        .default_backoff()
-        .applied_objects();
+    let events = watcher(pods, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
     loop {
         match events.try_next().await {
-            Ok(Some(pod)) => {
-                if let Err(error) = handle(&client, &ipam, &store, &pod).await {
+            Ok(Some(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod))) => {
+                if let Err(error) = kubelet.handle(&pod).await {
                     tracing::warn!(pod = %pod.name_any(), %error, "pod not handled");
                 }
             }
+            Ok(Some(watcher::Event::Delete(pod))) => {
+                lock(&kubelet.ipam).release(&pod.uid().unwrap_or_default());
+            }
+            Ok(Some(watcher::Event::Init | watcher::Event::InitDone)) => {}
             Ok(None) => break,
             Err(error) => tracing::warn!(%error, "pod watch failed; retrying"),
         }
     }
     revived.abort();
+    retries.abort();
     Ok(())
-}
-
-fn lock(ipam: &Mutex<Ipam>) -> std::sync::MutexGuard<'_, Ipam> {
-    ipam.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Handles every pod bound to `node` (after it came back).
-async fn catch_up(client: &Client, ipam: &Mutex<Ipam>, nodes: &Store<Node>, node: &str) {
-    let pods: Api<Pod> = Api::all(client.clone());
-    let bound = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
-    match pods.list(&bound).await {
-        Ok(list) => {
-            for pod in list.items {
-                if let Err(error) = handle(client, ipam, nodes, &pod).await {
-                    tracing::warn!(pod = %pod.name_any(), %error, "pod not handled");
-                }
-            }
-        }
-        Err(error) => tracing::warn!(%node, %error, "cannot list the pods of a revived node"),
-    }
 }

@@ -20,6 +20,10 @@ PPS_BIN="${PPS_BIN:-$ROOT/target/debug/persistent-pod-state}"
 KUBELET_BIN="${KUBELET_BIN:-$ROOT/target/debug/fake-kubelet}"
 LB_BIN="${LB_BIN:-$ROOT/target/debug/loopback-lb}"
 NODES=(node-a1=zone-a node-a2=zone-a node-b1=zone-b node-b2=zone-b)
+# Nodes whose pod network is Calico-like (IP requests honoured on any node): tainted, so only
+# pods that tolerate it (the IP tests' StatefulSets) land there.
+CALICO_NODES=(node-c1=zone-c node-c2=zone-c node-c3=zone-c)
+CALICO_MARK=e2e.persistent-pod-state.io/cni
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -140,7 +144,7 @@ cluster_down() {
   for c in "$CLUSTER_DIR"/persistent-pod-state*.pid; do
     [[ -f $c ]] && stop_bg "$(basename "$c" .pid)"
   done
-  for c in loopback-lb fake-kubelet kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  for c in loopback-lb fake-kubelet fake-kubelet-calico kube-scheduler kube-controller-manager kube-apiserver etcd; do
     stop_bg "$c"
   done
 }
@@ -151,7 +155,13 @@ nodes_up() {
   log "starting the fake kubelet for ${NODES[*]}"
   start_bg fake-kubelet "$KUBELET_BIN" "${args[@]}"
   wait_until 60 "${#NODES[@]} ready nodes" bash -c \
-    "[[ \$(kubectl get nodes -o jsonpath='{range .items[*]}{.spec.taints}{\"|\"}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^|True$') -eq ${#NODES[@]} ]]"
+    "[[ \$(kubectl get nodes -l '!$CALICO_MARK' -o jsonpath='{range .items[*]}{.spec.taints}{\"|\"}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^|True$') -eq ${#NODES[@]} ]]"
+  args=(--ipam calico --node-label "$CALICO_MARK=calico" --node-taint "$CALICO_MARK=calico:NoSchedule")
+  for n in "${CALICO_NODES[@]}"; do args+=(--node "$n"); done
+  log "starting the Calico-like fake kubelet for ${CALICO_NODES[*]}"
+  start_bg fake-kubelet-calico "$KUBELET_BIN" "${args[@]}"
+  wait_until 60 "${#CALICO_NODES[@]} ready Calico-like nodes" bash -c \
+    "[[ \$(kubectl get nodes -l '$CALICO_MARK=calico' -o jsonpath='{range .items[*]}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^True$') -eq ${#CALICO_NODES[@]} ]]"
 }
 
 # install_crd: the CRD, its conversion webhook pointing at WEBHOOK_HOST (needs webhook_certs).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the end-to-end suite: builds what is needed (the control plane once, cached), starts a
-# fresh local control plane with 4 fake-kubelet nodes in 2 zones, the webhook server, registers
+# fresh local control plane with 4 fake-kubelet nodes in 2 zones (and 3 Calico-like ones), the webhook server, registers
 # the webhook, runs `cargo test --features e2e --test e2e`, and tears everything down. Arguments
 # are passed to the test binary (e.g. `bash e2e/run.sh migration` runs the tests matching it).
 set -euo pipefail
@@ -17,7 +17,7 @@ cargo build --locked --features e2e --bins
 on_exit() {
   local rc=$?
   if ((rc != 0)); then
-    for f in "$CLUSTER_DIR"/logs/persistent-pod-state-*.log "$CLUSTER_DIR"/logs/fake-kubelet.log; do
+    for f in "$CLUSTER_DIR"/logs/persistent-pod-state-*.log "$CLUSTER_DIR"/logs/fake-kubelet*.log; do
       [[ -f $f ]] && { echo "--- last lines of $f"; tail -n 40 "$f"; }
     done
   fi

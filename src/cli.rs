@@ -49,6 +49,34 @@ pub enum Command {
     /// Write a self-signed CA (ca.crt, ca.key) and a serving certificate (tls.crt, tls.key); with a
     /// CA already in the directory, renew only the serving certificate under it.
     Certs(CertsArgs),
+    /// Show what a re-created pod would get now (uses $KUBECONFIG): the PersistentPodState in
+    /// force, the recorded state, the exact patch, and every part left out and why.
+    Explain(ExplainArgs),
+}
+
+/// Flags of `explain`.
+#[derive(Debug, Args)]
+pub struct ExplainArgs {
+    /// The pod (it may be gone, e.g. scaled down, if a PersistentPodState records it).
+    pub pod: String,
+    /// Its namespace.
+    #[arg(short = 'n', long, default_value = "default")]
+    pub namespace: String,
+    /// As `serve --node-lost-after` (what the webhook is run with).
+    #[arg(long, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
+    pub node_lost_after: Duration,
+    /// Output: human-readable text or JSON.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
+    pub output: OutputFormat,
+}
+
+/// Output formats of `explain`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Human-readable.
+    Text,
+    /// One JSON document.
+    Json,
 }
 
 /// Flags of `serve`.

@@ -53,7 +53,8 @@ impl Events {
         true
     }
 
-    /// Publishes an Event about `pps` in the background, unless rate-limited.
+    /// Publishes an Event about `pps` in the background, unless rate-limited (per object and
+    /// reason).
     pub fn publish(
         &self,
         pps: &PersistentPodState,
@@ -62,10 +63,24 @@ impl Events {
         action: &str,
         note: String,
     ) {
+        self.publish_about(pps, "", type_, reason, action, note);
+    }
+
+    /// Publishes an Event about `pps` concerning `subject` (a pod), rate-limited per object,
+    /// reason and subject: Events about different pods are not folded into one.
+    pub fn publish_about(
+        &self,
+        pps: &PersistentPodState,
+        subject: &str,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let key = (
             pps.namespace().unwrap_or_default(),
             pps.name_any(),
-            reason.to_owned(),
+            format!("{reason}/{subject}"),
         );
         if !self.allow(key) {
             return;

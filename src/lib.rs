@@ -6,7 +6,8 @@
 //! Layout: [`api`] (types), [`workload`] (what a StatefulSet-like workload is), [`state`]
 //! (shared stores, indexes, triggers), [`controller`] (status recording and PPS generation),
 //! [`webhook`] (HTTPS server and admission handlers), [`placement`] (usable nodes, what a pod
-//! demands, which required values to inject), [`discovery`] (which workload kinds are
+//! demands, which required values to inject), [`ip_request`] (asking the CNI for recorded IPs),
+//! [`explain`] (what a re-created pod would get), [`discovery`] (which workload kinds are
 //! watched), [`leader`], [`events`], [`probes`], [`metrics`], [`certs`], [`files`], [`cli`],
 //! [`serve`].
 
@@ -18,7 +19,9 @@ pub mod cli;
 pub mod controller;
 pub mod discovery;
 pub mod events;
+pub mod explain;
 pub mod files;
+pub mod ip_request;
 pub mod leader;
 pub mod metrics;
 pub mod placement;

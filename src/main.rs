@@ -2,8 +2,8 @@
 
 use anyhow::Context;
 use clap::Parser;
-use persistent_pod_state::cli::{Cli, Command, LogFormat};
-use persistent_pod_state::{api, certs, serve};
+use persistent_pod_state::cli::{Cli, Command, LogFormat, OutputFormat};
+use persistent_pod_state::{api, certs, explain, serve};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -41,6 +41,18 @@ async fn main() -> anyhow::Result<()> {
                 None => None,
             };
             print!("{}", api::crd_yaml(&endpoint, ca.as_deref())?);
+            Ok(())
+        }
+        Command::Explain(args) => {
+            let client = kube::Client::try_default()
+                .await
+                .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+            let e =
+                explain::explain(&client, &args.namespace, &args.pod, args.node_lost_after).await?;
+            match args.output {
+                OutputFormat::Text => print!("{}", e.text()),
+                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&e)?),
+            }
             Ok(())
         }
         Command::Certs(args) => {

@@ -9,7 +9,16 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::api::{IpRestore, NodeRestore};
+use crate::ip_request::IpSkipReason;
 use crate::placement::DropReason;
+
+/// The served webhook paths, as the `endpoint` label.
+const ENDPOINTS: [&str; 3] = [
+    crate::webhook::mutate_pod::PATH,
+    crate::webhook::validate_pps::PATH,
+    crate::webhook::convert::PATH,
+];
 
 /// Outcome of one admission request.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -91,6 +100,40 @@ pub struct DropLabels {
     pub reason: DropReason,
 }
 
+/// What became of an IP request a PersistentPodState asks for.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum IpRequestResult {
+    /// The recorded IPs were requested.
+    Requested,
+    /// The pod already carried the same request (the webhook was invoked again).
+    AlreadyRequested,
+    /// Not requested (see `pps_ip_request_skipped_total`).
+    Skipped,
+}
+
+/// Labels of the IP request counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpRequestLabels {
+    /// What became of it.
+    pub result: IpRequestResult,
+}
+
+/// Labels of the skipped IP request counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpSkipLabels {
+    /// Why no request was made.
+    pub reason: IpSkipReason,
+}
+
+/// Labels of the restoration counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RestoreLabels {
+    /// `kept` or `moved`.
+    pub node: NodeRestore,
+    /// `kept`, `changed` or `none`.
+    pub ip: IpRestore,
+}
+
 /// A write of the PersistentPodState generator.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum GeneratorAction {
@@ -140,6 +183,9 @@ impl Drop for DropTimer {
 macro_rules! snake_case_label {
     ($ty:ty { $($variant:ident => $text:literal),* $(,)? }) => {
         impl $ty {
+            /// Every value, so each label set can be exposed (at 0) from the start.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),*];
+
             /// The label value.
             pub fn as_str(self) -> &'static str {
                 match self { $(Self::$variant => $text),* }
@@ -161,6 +207,16 @@ snake_case_label!(DropReason {
     NodeGone => "node_gone", NodeLost => "node_lost", PodConstraints => "pod_constraints",
 });
 
+snake_case_label!(IpRequestResult {
+    Requested => "requested", AlreadyRequested => "already_requested", Skipped => "skipped",
+});
+snake_case_label!(IpSkipReason {
+    InvalidRequest => "invalid_request", NoRecordedIp => "no_recorded_ip",
+    InvalidRecordedIp => "invalid_recorded_ip", IpHeld => "ip_held",
+    PodRequestsOwn => "pod_requests_own", AntreaNoPool => "antrea_no_pool",
+});
+snake_case_label!(NodeRestore { Kept => "kept", Moved => "moved" });
+snake_case_label!(IpRestore { Kept => "kept", Changed => "changed", None => "none" });
 snake_case_label!(GeneratorAction { Apply => "apply", Delete => "delete" });
 snake_case_label!(Reconciler { Status => "status", Generator => "generator" });
 snake_case_label!(InjectionKind { Required => "required", Preferred => "preferred", Annotations => "annotations" });
@@ -302,6 +358,12 @@ pub struct Metrics {
     pub reconcile_errors: Family<ReconcilerLabels, Counter>,
     /// Reconcile duration, by controller.
     pub reconcile_duration: Family<ReconcilerLabels, Histogram, fn() -> Histogram>,
+    /// IP requests asked for by PersistentPodStates, by what became of them.
+    pub ip_requests: Family<IpRequestLabels, Counter>,
+    /// IP requests not made, by reason.
+    pub ip_request_skipped: Family<IpSkipLabels, Counter>,
+    /// Re-created pods that were steered back, by whether they kept their node and IP.
+    pub restored: Family<RestoreLabels, Counter>,
     /// Requests sent by the PersistentPodState generator, by action.
     pub generator_writes: Family<GeneratorLabels, Counter>,
     /// PersistentPodStates shadowed by an older one targeting the same workload.
@@ -347,6 +409,9 @@ impl Metrics {
             cached_persistent_pod_states: Gauge::default(),
             leader: Gauge::default(),
             generator_writes: Family::default(),
+            restored: Family::default(),
+            ip_requests: Family::default(),
+            ip_request_skipped: Family::default(),
             shadowed_persistent_pod_states: Gauge::default(),
             registry: Registry::default(),
             process: ProcessMetrics::default(),
@@ -407,6 +472,21 @@ impl Metrics {
             m.reconcile_duration.clone(),
         );
         registry.register(
+            "ip_requests",
+            "IP requests asked for by PersistentPodStates, by result",
+            m.ip_requests.clone(),
+        );
+        registry.register(
+            "ip_request_skipped",
+            "IP requests not made, by reason",
+            m.ip_request_skipped.clone(),
+        );
+        registry.register(
+            "restored",
+            "Re-created pods steered back by the webhook, by whether they kept their node and IP",
+            m.restored.clone(),
+        );
+        registry.register(
             "generator_writes",
             "Requests sent by the PersistentPodState generator, by action",
             m.generator_writes.clone(),
@@ -439,9 +519,61 @@ impl Metrics {
             m.watched_workload_kinds.clone(),
         );
         m.process.register(&mut root);
+        m.expose_every_label_set();
         Self {
             registry: root,
             ..m
+        }
+    }
+
+    /// Creates every label set of every family (they are all small enums), so each series is
+    /// exposed from the start at 0: `rate()` and absence alerts work, and a scrape lists every
+    /// metric the process has.
+    fn expose_every_label_set(&self) {
+        for endpoint in ENDPOINTS {
+            for &result in AdmissionResult::ALL {
+                let _ = self
+                    .admission_requests
+                    .get_or_create(&AdmissionLabels { endpoint, result });
+            }
+            let _ = self
+                .admission_duration
+                .get_or_create(&EndpointLabels { endpoint });
+        }
+        for &kind in InjectionKind::ALL {
+            let _ = self.injections.get_or_create(&InjectionLabels { kind });
+        }
+        for &reason in SkipReason::ALL {
+            let _ = self.skipped.get_or_create(&SkipLabels { reason });
+        }
+        for &reason in DropReason::ALL {
+            let _ = self.required_dropped.get_or_create(&DropLabels { reason });
+        }
+        for &controller in Reconciler::ALL {
+            let _ = self
+                .reconcile_errors
+                .get_or_create(&ReconcilerLabels { controller });
+            let _ = self
+                .reconcile_duration
+                .get_or_create(&ReconcilerLabels { controller });
+        }
+        for &action in GeneratorAction::ALL {
+            let _ = self
+                .generator_writes
+                .get_or_create(&GeneratorLabels { action });
+        }
+        for &result in IpRequestResult::ALL {
+            let _ = self.ip_requests.get_or_create(&IpRequestLabels { result });
+        }
+        for &reason in IpSkipReason::ALL {
+            let _ = self
+                .ip_request_skipped
+                .get_or_create(&IpSkipLabels { reason });
+        }
+        for &node in NodeRestore::ALL {
+            for &ip in IpRestore::ALL {
+                let _ = self.restored.get_or_create(&RestoreLabels { node, ip });
+            }
         }
     }
 

@@ -75,17 +75,10 @@ async fn metrics(State(health): State<Arc<Health>>) -> Response {
 mod tests {
     use super::*;
     use std::collections::{BTreeMap, BTreeSet};
-    use std::time::Instant;
 
     use axum::body::Body;
     use http_body_util::BodyExt;
     use tower::ServiceExt;
-
-    use crate::metrics::{
-        AdmissionResult, DropLabels, GeneratorAction, InjectionKind, InjectionLabels, Reconciler,
-        SkipLabels, SkipReason,
-    };
-    use crate::placement::DropReason;
 
     /// Metric names and their label names, from the exposition of a scrape: each `# TYPE`
     /// line declares a family (counters are sampled as `NAME_total`), each sample carries labels.
@@ -165,30 +158,8 @@ mod tests {
 
     #[tokio::test]
     async fn docs_metrics_lists_exactly_the_names_and_labels_a_scrape_exposes() {
+        // Every label set is exposed from the start: a fresh registry lists every metric.
         let metrics = Arc::new(Metrics::new());
-        // Families show samples only once a label set was used: use one of each.
-        metrics.admission("/mutate-pod", AdmissionResult::Patched, Instant::now());
-        metrics
-            .injections
-            .get_or_create(&InjectionLabels {
-                kind: InjectionKind::Required,
-            })
-            .inc();
-        metrics
-            .skipped
-            .get_or_create(&SkipLabels {
-                reason: SkipReason::NoState,
-            })
-            .inc();
-        metrics
-            .required_dropped
-            .get_or_create(&DropLabels {
-                reason: DropReason::NodeLost,
-            })
-            .inc();
-        metrics.generator_write(GeneratorAction::Apply);
-        drop(metrics.reconcile_timer(Reconciler::Status));
-        metrics.reconcile_error(Reconciler::Generator);
         let health = Arc::new(Health {
             caches: Caches::new(),
             shutting_down: false.into(),

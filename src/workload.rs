@@ -113,6 +113,17 @@ pub fn pod_workload(pod: &Pod, namespace: &str) -> Option<WorkloadRef> {
     })
 }
 
+/// The pod's IPs, every family (`status.podIPs`, else `status.podIP`).
+pub fn pod_ips(pod: &Pod) -> Vec<String> {
+    let Some(status) = pod.status.as_ref() else {
+        return Vec::new();
+    };
+    match status.pod_ips.as_deref() {
+        Some(ips) if !ips.is_empty() => ips.iter().map(|ip| ip.ip.clone()).collect(),
+        _ => status.pod_ip.iter().cloned().collect(),
+    }
+}
+
 /// The ordinal of a pod: the integer after the last `-` of its name.
 pub fn pod_ordinal(pod_name: &str) -> Option<i32> {
     let (_, ordinal) = pod_name.rsplit_once('-')?;

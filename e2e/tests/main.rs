@@ -1,6 +1,7 @@
 //! End-to-end suite, against the local control plane started by e2e/run.sh: a real
 //! kube-apiserver, kube-controller-manager (StatefulSet and garbage collector controllers) and
-//! kube-scheduler, the fake kubelet's 4 nodes in 2 zones, and `persistent-pod-state serve`
+//! kube-scheduler, the fake kubelet's 4 nodes in 2 zones (and 3 Calico-like nodes, tainted, for
+//! the IP tests), and `persistent-pod-state serve`
 //! registered as the pod mutating webhook.
 //!
 //! Tests run one at a time (`--test-threads 1` is not needed for correctness of most, but the
@@ -9,6 +10,7 @@
 mod api;
 mod docs;
 mod ha;
+mod ip;
 mod lifecycle;
 mod manifests;
 mod migration;

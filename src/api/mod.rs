@@ -98,6 +98,9 @@ pub enum RetentionPolicy {
 }
 
 /// Status of a PersistentPodState: the recorded placement of each pod.
+///
+/// `recorded` and `restored` extend the upstream API (additive, optional; upstream's schema
+/// prunes them): they back the printer columns of `kubectl get pps`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PersistentPodStateStatus {
@@ -107,9 +110,18 @@ pub struct PersistentPodStateStatus {
     /// Recorded state by pod name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub pod_states: BTreeMap<String, PodState>,
+    /// Extension: how many pod states are recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded: Option<i32>,
+    /// Extension: of the recorded pods whose last re-creation was steered back, how many came
+    /// back to their node without losing their IP, as `restored/re-created` (e.g. `3/4`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored: Option<String>,
 }
 
 /// Where a pod ran the last time it was Ready, and its persisted annotations.
+///
+/// `podIPs`, `podUID` and `lastRestore` extend the upstream API (additive, optional).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodState {
@@ -122,6 +134,55 @@ pub struct PodState {
     /// The pod's values of the persistent annotation keys.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
+    /// Extension: the pod's IPs (`status.podIPs`, every family) when it was Ready.
+    #[serde(default, rename = "podIPs", skip_serializing_if = "Vec::is_empty")]
+    pub pod_ips: Vec<String>,
+    /// Extension: the uid of the pod recorded, to tell a re-created pod from the same one.
+    #[serde(default, rename = "podUID", skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// Extension: how the last re-created pod of this name came back, compared with what it
+    /// was steered back to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_restore: Option<Restore>,
+}
+
+/// How a re-created pod came back, compared with its recorded state.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Restore {
+    /// `kept` (same node) or `moved`.
+    pub node: NodeRestore,
+    /// `kept` (same IPs), `changed`, or `none` (no recorded IP to compare).
+    pub ip: IpRestore,
+}
+
+impl Restore {
+    /// Whether the pod came back to its node without losing its IP.
+    pub fn restored(&self) -> bool {
+        self.node == NodeRestore::Kept && self.ip != IpRestore::Changed
+    }
+}
+
+/// Whether a re-created pod is on its recorded node.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum NodeRestore {
+    /// On the recorded node.
+    Kept,
+    /// On another node.
+    Moved,
+}
+
+/// Whether a re-created pod has its recorded IPs.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum IpRestore {
+    /// The recorded IPs.
+    Kept,
+    /// Other IPs.
+    Changed,
+    /// No IP was recorded (or the pod has none), so nothing to compare.
+    None,
 }
 
 /// Where the API server reaches the `/convert` webhook.
@@ -387,6 +448,8 @@ mod upstream_schema_tests {
             }
             let mut found = Vec::new();
             constraints(&version["schema"]["openAPIV3Schema"], "", &mut found);
+            // Our own status extension (absent from upstream's objects) may have a shape.
+            found.retain(|(path, _, _)| !path.starts_with(".status.podStates{}.lastRestore"));
             for (path, keyword, value) in found {
                 // A required list may name fewer fields than upstream's, never more.
                 let ok = allowed.iter().any(|(p, k, v)| {

@@ -6,6 +6,7 @@ use std::fmt;
 use serde_json::Value;
 
 use super::{KRUISE_GROUP, api_group};
+use crate::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::workload::GroupKind;
 
 /// One invalid field.
@@ -155,6 +156,14 @@ pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<F
 /// Whether the spec field an error at `path` belongs to differs between `new` and `old`. The
 /// error for "no topology at all" (path `spec`) belongs to the three topology fields together.
 fn changed(path: &str, new: &Value, old: &Value) -> bool {
+    if path.starts_with("metadata.annotations") {
+        let pointer = |o: &'_ Value| {
+            o.pointer("/metadata/annotations")
+                .and_then(|a| a.get(IP_REQUEST_ANNOTATION))
+                .cloned()
+        };
+        return pointer(new) != pointer(old);
+    }
     let fields: &[&str] = match path.strip_prefix("spec.") {
         Some(rest) => &[rest.split(['.', '[']).next().unwrap_or(rest)],
         None => &[
@@ -267,6 +276,18 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
                 "Unsupported value: {other}: supported values: \"WhenScaled\", \"WhenDeleted\""
             ),
         ),
+    }
+
+    if let Some(value) = object
+        .pointer("/metadata/annotations")
+        .and_then(|a| a.get(IP_REQUEST_ANNOTATION))
+    {
+        let path = format!("metadata.annotations[{IP_REQUEST_ANNOTATION}]");
+        match value.as_str().map(IpRequest::parse) {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => errors.push(path, format!("Unsupported value: {e}")),
+            None => errors.push(path, "Invalid value: must be a string"),
+        }
     }
 
     if let Some(first) = ctx.others_for_target.first() {
@@ -491,6 +512,28 @@ mod tests {
         assert!(
             check(&retained, Some(&legacy), &["first".into()]).is_empty(),
             "fixing one field does not require fixing the others"
+        );
+    }
+
+    #[test]
+    fn an_unknown_ip_request_is_rejected_with_a_clear_message() {
+        let mut object = valid();
+        for ok in ["calico", "kube-ovn", "antrea", "annotation:example.com/ips"] {
+            object["metadata"]["annotations"] = json!({"persistent-pod-state.io/ip-request": ok});
+            assert!(check(&object, None, &[]).is_empty(), "{ok}");
+        }
+        object["metadata"]["annotations"] = json!({"persistent-pod-state.io/ip-request": "weave"});
+        let errors = check(&object, None, &[]);
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].starts_with("metadata.annotations[persistent-pod-state.io/ip-request]: Unsupported value: \"weave\" is not one of calico, kube-ovn, antrea, annotation:<key>"),
+            "{errors:?}"
+        );
+        let mut labelled = object.clone();
+        labelled["metadata"]["labels"] = json!({"a": "b"});
+        assert!(
+            check(&labelled, Some(&object), &[]).is_empty(),
+            "ratcheted when unchanged"
         );
     }
 

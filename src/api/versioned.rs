@@ -36,6 +36,8 @@ macro_rules! versioned_types {
             printcolumn = r#"{"name":"Kind","type":"string","jsonPath":".spec.targetRef.kind"}"#,
             printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.targetRef.name"}"#,
             printcolumn = r#"{"name":"Retention","type":"string","jsonPath":".spec.persistentPodStateRetentionPolicy"}"#,
+            printcolumn = r#"{"name":"Recorded","type":"integer","description":"Pods with a recorded state","jsonPath":".status.recorded"}"#,
+            printcolumn = r#"{"name":"Restored","type":"string","description":"Of the last re-created pods steered back, those that kept node and IP","jsonPath":".status.restored"}"#,
             printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
         )]
         #[serde(rename_all = "camelCase")]

@@ -13,6 +13,7 @@ use crate::api::{
 use crate::api::{
     NodeTopologyTerm, PersistentPodState, PersistentPodStateSpec, PreferredTopologyTerm,
 };
+use crate::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 
 /// Weight of the preferred term generated from `kruise.io/preferred-persistent-topology`.
 pub const GENERATED_PREFERRED_WEIGHT: i32 = 100;
@@ -177,6 +178,7 @@ pub fn plan(
     if targeting.iter().any(|other| other != workload.name) {
         return Plan::Leave(Leave::OtherTargets);
     }
+    let ip_request = ip_request_of(workload);
     if let Some(current) = existing {
         // The target is matched by group and kind: keep the version already written (the
         // watched version can change, and targetRef is immutable).
@@ -185,13 +187,23 @@ pub fn plan(
             spec.target_ref.api_version = written.api_version.clone();
         }
         // Only what the annotations express is compared: a user's edit of the rest (the
-        // retention policy) stays, and the steady state sends nothing.
+        // retention policy; an IP request the workload does not ask for) stays, and the
+        // steady state sends nothing.
         let mut expressed = current.spec.clone();
         expressed.persistent_pod_state_retention_policy = None;
-        if expressed == spec {
+        let ip_request_ok = ip_request.is_none_or(|v| {
+            current
+                .annotations()
+                .get(IP_REQUEST_ANNOTATION)
+                .map(String::as_str)
+                == Some(v)
+        });
+        if expressed == spec && ip_request_ok {
             return Plan::Leave(Leave::UpToDate);
         }
     }
+    let annotations =
+        ip_request.map(|v| BTreeMap::from([(IP_REQUEST_ANNOTATION.to_owned(), v.to_owned())]));
     Plan::Apply(Box::new(PersistentPodState {
         metadata: ObjectMeta {
             name: Some(workload.name.to_owned()),
@@ -204,11 +216,26 @@ pub fn plan(
                 controller: Some(true),
                 block_owner_deletion: None,
             }]),
+            annotations,
             ..ObjectMeta::default()
         },
         spec,
         status: None,
     }))
+}
+
+/// The workload's `persistent-pod-state.io/ip-request`, copied onto the generated
+/// PersistentPodState when it is a valid value (an invalid one is left out and logged, so it
+/// never reaches a pod).
+fn ip_request_of<'a>(workload: &Workload<'a>) -> Option<&'a str> {
+    let value = workload.annotations.get(IP_REQUEST_ANNOTATION)?;
+    match IpRequest::parse(value) {
+        Ok(_) => Some(value.as_str()),
+        Err(error) => {
+            tracing::warn!(%error, "workload's {IP_REQUEST_ANNOTATION} is not valid; not copied");
+            None
+        }
+    }
 }
 
 #[cfg(test)]
@@ -424,6 +451,48 @@ mod tests {
         assert_eq!(
             applied.spec.persistent_pod_state_retention_policy, None,
             "server-side apply leaves the user's field alone because it is not sent"
+        );
+    }
+
+    #[test]
+    fn the_workloads_ip_request_is_copied_when_valid() {
+        let mut with_ip = asking("zone");
+        with_ip.insert(IP_REQUEST_ANNOTATION.into(), "calico".into());
+        let Plan::Apply(created) = plan(&workload(&with_ip), None, &[]) else {
+            panic!("created")
+        };
+        assert_eq!(
+            created
+                .annotations()
+                .get(IP_REQUEST_ANNOTATION)
+                .map(String::as_str),
+            Some("calico")
+        );
+        let mine = existing(Some("u1"), "apps/v1", &["zone"]);
+        assert!(
+            matches!(
+                plan(&workload(&with_ip), Some(&mine), &["web".into()]),
+                Plan::Apply(_)
+            ),
+            "the existing PPS lacks it: updated"
+        );
+        let mut has_it = mine.clone();
+        has_it.metadata.annotations = Some(BTreeMap::from([(
+            IP_REQUEST_ANNOTATION.into(),
+            "calico".into(),
+        )]));
+        assert!(matches!(
+            plan(&workload(&with_ip), Some(&has_it), &["web".into()]),
+            Plan::Leave(Leave::UpToDate)
+        ));
+        let mut invalid = asking("zone");
+        invalid.insert(IP_REQUEST_ANNOTATION.into(), "weave".into());
+        let Plan::Apply(created) = plan(&workload(&invalid), None, &[]) else {
+            panic!("created")
+        };
+        assert!(
+            created.annotations().get(IP_REQUEST_ANNOTATION).is_none(),
+            "never copied"
         );
     }
 

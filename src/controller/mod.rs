@@ -23,9 +23,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::PersistentPodState;
-use crate::api::PersistentPodStateStatus;
+use crate::api::{IpRestore, NodeRestore, PersistentPodStateStatus, PodState};
 use crate::events::Events;
-use crate::metrics::{GeneratorAction, Metrics, Reconciler};
+use crate::metrics::{GeneratorAction, Metrics, Reconciler, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
@@ -34,6 +34,9 @@ use record::{Observed, Target};
 
 /// Field manager name for server-side apply.
 pub const FIELD_MANAGER: &str = "persistent-pod-state";
+
+/// The node label a moved pod's Event reports the zone of, when recorded.
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// How often every object is reconciled even without a change.
 const RESYNC: Duration = Duration::from_secs(300);
@@ -209,7 +212,13 @@ pub async fn reconcile_pps(
             node_labels: &node_labels,
         };
         let generation = pps.metadata.generation.unwrap_or_default();
-        record::desired_status(&pps.spec, generation, pps.status.as_ref(), &observed)
+        record::desired_status(
+            &pps.name_any(),
+            &pps.spec,
+            generation,
+            pps.status.as_ref(),
+            &observed,
+        )
     };
 
     let old = serde_json::to_value(&pps.status)?;
@@ -246,6 +255,7 @@ pub async fn reconcile_pps(
             ctx.events
                 .publish(&pps, EventType::Normal, "StatesRecorded", "Record", note);
         }
+        report_restorations(&ctx, &pps, &desired);
         if !pruned.is_empty() {
             let note = format!(
                 "pruned {} (pods gone, ordinals no longer live)",
@@ -258,6 +268,55 @@ pub async fn reconcile_pps(
     let health = Health::now(ctx.node_lost_after);
     report_unplaceable(&ctx, &pps, &desired, &health);
     Ok(Action::requeue(next_look(&ctx.caches, &desired, &health)))
+}
+
+/// Counts the pods that came back since the last status, by whether they kept their node and
+/// IP; one that moved or changed IP gets a Warning Event naming it, the old and the new value.
+fn report_restorations(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    desired: &PersistentPodStateStatus,
+) {
+    for (pod, before, now, restore) in record::restorations(pps.status.as_ref(), desired) {
+        ctx.metrics
+            .restored
+            .get_or_create(&RestoreLabels {
+                node: restore.node,
+                ip: restore.ip,
+            })
+            .inc();
+        if restore.restored() {
+            continue;
+        }
+        let node = |s: &PodState| s.node_name.clone().unwrap_or_else(|| "?".into());
+        let zone = |s: &PodState| s.node_topology_labels.get(ZONE_LABEL).cloned();
+        let mut what = Vec::new();
+        if restore.node == NodeRestore::Moved {
+            what.push(format!("node {} -> {}", node(before), node(now)));
+            if let (Some(a), Some(b)) = (zone(before), zone(now))
+                && a != b
+            {
+                what.push(format!("zone {a} -> {b}"));
+            }
+        }
+        if restore.ip == IpRestore::Changed {
+            what.push(format!(
+                "IP {} -> {}",
+                before.pod_ips.join(","),
+                now.pod_ips.join(",")
+            ));
+        }
+        let note = format!("pod {pod} came back changed: {}", what.join("; "));
+        tracing::warn!(%pod, changes = %what.join("; "), "re-created pod not fully restored");
+        ctx.events.publish_about(
+            pps,
+            pod,
+            EventType::Warning,
+            "PodNotRestored",
+            "Restore",
+            note,
+        );
+    }
 }
 
 /// When to look at a PersistentPodState again without a change: at the resync period, or just
@@ -408,12 +467,23 @@ pub async fn reconcile_workload(
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
     match generate::plan(&workload, existing.as_deref(), &targeting) {
         Plan::Apply(pps) => {
-            api.patch(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&pps),
-            )
-            .await?;
+            let applied = api
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&pps),
+                )
+                .await;
+            match applied {
+                // The namespace is going away with the workload: nothing to generate.
+                Err(kube::Error::Api(e))
+                    if e.code == 403 && e.message.contains("being terminated") =>
+                {
+                    tracing::debug!("namespace terminating; not generating");
+                    return Ok(Action::await_change());
+                }
+                other => other?,
+            };
             ctx.metrics.generator_write(GeneratorAction::Apply);
             tracing::info!("generated PersistentPodState applied");
         }

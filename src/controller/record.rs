@@ -9,9 +9,12 @@ use kube::ResourceExt;
 use serde_json::{Map, Value};
 
 use crate::api::PersistentPodStateSpec;
-use crate::api::{PersistentPodStateStatus, PodState, RetentionPolicy};
+use crate::api::{
+    INJECTED_ANNOTATION, IpRestore, NodeRestore, PersistentPodStateStatus, PodState, Restore,
+    RetentionPolicy,
+};
 use crate::placement::{Dropped, Required};
-use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
+use crate::workload::{WorkloadInfo, controller_owner, pod_ips, pod_ordinal};
 
 /// What is known about the target workload.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,7 +87,53 @@ pub fn pod_state(
         node_name: Some(node.clone()),
         node_topology_labels,
         annotations,
+        pod_ips: pod_ips(pod),
+        pod_uid: pod.uid(),
+        last_restore: None,
     })
+}
+
+/// How a re-created pod (its state `now`) came back compared with the state it was steered back
+/// to (`before`).
+pub fn compare(before: &PodState, now: &PodState) -> Restore {
+    let node = if before.node_name == now.node_name {
+        NodeRestore::Kept
+    } else {
+        NodeRestore::Moved
+    };
+    let sorted = |ips: &[String]| {
+        let mut v = ips.to_vec();
+        v.sort();
+        v
+    };
+    let ip = if before.pod_ips.is_empty() || now.pod_ips.is_empty() {
+        IpRestore::None
+    } else if sorted(&before.pod_ips) == sorted(&now.pod_ips) {
+        IpRestore::Kept
+    } else {
+        IpRestore::Changed
+    };
+    Restore { node, ip }
+}
+
+/// The pods that came back since `old` and how (those whose state in `new` is of another pod
+/// than in `old`, with a restore judged): pod name, the state it was steered back to, the new
+/// state, and the outcome.
+pub fn restorations<'a>(
+    old: Option<&'a PersistentPodStateStatus>,
+    new: &'a PersistentPodStateStatus,
+) -> Vec<(&'a str, &'a PodState, &'a PodState, Restore)> {
+    let Some(old) = old else {
+        return Vec::new();
+    };
+    new.pod_states
+        .iter()
+        .filter_map(|(name, now)| {
+            let before = old.pod_states.get(name)?;
+            let restore = now.last_restore?;
+            (before.pod_uid != now.pod_uid).then_some((name.as_str(), before, now, restore))
+        })
+        .collect()
 }
 
 /// The status a PersistentPodState should have.
@@ -92,7 +141,12 @@ pub fn pod_state(
 /// Ready pods with a node are (re-)recorded whenever what would be recorded differs from what
 /// is; under `WhenScaled`, a state is dropped once its ordinal is not live and its pod is gone;
 /// a gone workload clears every state.
+///
+/// A pod re-created since its state was recorded (another uid) that the webhook steered back
+/// (it carries the injected annotation naming `pps_name`) gets its `lastRestore` judged; the
+/// summary fields `recorded` and `restored` follow the states.
 pub fn desired_status(
+    pps_name: &str,
     spec: &PersistentPodStateSpec,
     generation: i64,
     current: Option<&PersistentPodStateStatus>,
@@ -100,10 +154,13 @@ pub fn desired_status(
 ) -> PersistentPodStateStatus {
     let mut status = PersistentPodStateStatus {
         observed_generation: generation,
-        pod_states: BTreeMap::new(),
+        ..PersistentPodStateStatus::default()
     };
     let workload = match &observed.target {
-        Target::Gone => return status,
+        Target::Gone => {
+            summarize(&mut status);
+            return status;
+        }
         Target::Live(w) => Some(w),
         Target::Unknown => None,
     };
@@ -118,7 +175,20 @@ pub fn desired_status(
         {
             continue;
         }
-        if let Some(state) = pod_state(spec, pod, observed.node_labels) {
+        if let Some(mut state) = pod_state(spec, pod, observed.node_labels) {
+            let steered = pod
+                .annotations()
+                .get(INJECTED_ANNOTATION)
+                .map(String::as_str)
+                == Some(pps_name);
+            state.last_restore = match status.pod_states.get(&pod.name_any()) {
+                // A new pod of that name: judged if it was steered back, else not known.
+                Some(before) if before.pod_uid.is_some() && before.pod_uid != state.pod_uid => {
+                    steered.then(|| compare(before, &state))
+                }
+                Some(before) => before.last_restore,
+                None => None,
+            };
             status.pod_states.insert(pod.name_any(), state);
         }
     }
@@ -131,7 +201,22 @@ pub fn desired_status(
             live || (observed.pod_exists)(name)
         });
     }
+    summarize(&mut status);
     status
+}
+
+/// Sets the summary fields from the states.
+fn summarize(status: &mut PersistentPodStateStatus) {
+    let judged: Vec<Restore> = status
+        .pod_states
+        .values()
+        .filter_map(|s| s.last_restore)
+        .collect();
+    status.recorded = Some(i32::try_from(status.pod_states.len()).unwrap_or(i32::MAX));
+    status.restored = (!judged.is_empty()).then(|| {
+        let restored = judged.iter().filter(|r| r.restored()).count();
+        format!("{restored}/{}", judged.len())
+    });
 }
 
 /// The recorded states whose required values cannot all be injected now (their node or zone is
@@ -257,6 +342,7 @@ mod tests {
                 .iter()
                 .map(|(p, n)| (p.to_string(), state(n)))
                 .collect(),
+            ..PersistentPodStateStatus::default()
         };
         let refs: Vec<&Pod> = pods.iter().collect();
         let exists = |name: &str| existing.contains(&name);
@@ -266,7 +352,7 @@ mod tests {
             pod_exists: &exists,
             node_labels: &nodes,
         };
-        let out = desired_status(&spec(retention), 7, Some(&current), &observed);
+        let out = desired_status("web", &spec(retention), 7, Some(&current), &observed);
         assert_eq!(out.observed_generation, 7);
         out.pod_states
             .into_iter()
@@ -368,13 +454,13 @@ mod tests {
             pod_exists: &exists,
             node_labels: &nodes,
         };
-        let first = desired_status(&spec(None), 1, None, &observed);
+        let first = desired_status("web", &spec(None), 1, None, &observed);
         assert_eq!(
             first.pod_states["web-0"].annotations.len(),
             1,
             "an annotation is persisted"
         );
-        let again = desired_status(&spec(None), 1, Some(&first), &observed);
+        let again = desired_status("web", &spec(None), 1, Some(&first), &observed);
         let (old, new) = (
             serde_json::to_value(&first).expect("json"),
             serde_json::to_value(&again).expect("json"),
@@ -432,6 +518,7 @@ mod tests {
                 ("web-1".to_string(), state("node-2")),
             ]
             .into(),
+            ..PersistentPodStateStatus::default()
         };
         let only_z2 = |l: &BTreeMap<String, String>| {
             let kept = l.get(ZONE).map(String::as_str) == Some("z2");

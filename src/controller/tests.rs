@@ -165,7 +165,10 @@ async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
         "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status?"
     );
     assert_eq!(patch.content_type, "application/merge-patch+json");
-    assert_eq!(patch.body, json!({"status": {"podStates": recorded}}));
+    assert_eq!(
+        patch.body,
+        json!({"status": {"podStates": recorded, "recorded": 1}})
+    );
     assert!(
         ctx.metrics
             .encode()
@@ -179,7 +182,9 @@ async fn status_reconcile_sends_nothing_when_nothing_changed() {
     let caches = world();
     let (ctx, mut handle) = context(caches);
     let recorded: Value = serde_json::from_str(RECORDED).expect("json");
-    let pps = Arc::new(pps(json!({"observedGeneration": 2, "podStates": recorded})));
+    let pps = Arc::new(pps(
+        json!({"observedGeneration": 2, "podStates": recorded, "recorded": 1}),
+    ));
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, vec![]).await;
     assert!(sent.is_empty(), "{sent:?}");
 }

@@ -12,7 +12,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
 use crate::api::PersistentPodState;
-use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+use crate::workload::{GroupKind, WorkloadRef, pod_ips, pod_workload};
 
 /// An index over objects of kind `K`, updated one object at a time.
 pub trait Indexer<K>: Default {
@@ -189,6 +189,66 @@ impl<K: Resource + OfWorkload> Indexer<K> for ByWorkload {
     }
 }
 
+/// Live pods by IP: which pod holds an address. A pod holds its IPs until it is gone (one being
+/// deleted still does); a pod that has finished (`Succeeded`, `Failed`) does not.
+#[derive(Debug, Default)]
+pub struct PodsByIp {
+    holders: HashMap<String, BTreeSet<(String, String)>>,
+    ips_of: HashMap<(String, String), Vec<String>>,
+}
+
+impl PodsByIp {
+    /// The pods holding `ip`, as (namespace, name).
+    pub fn holders(&self, ip: &str) -> impl Iterator<Item = &(String, String)> {
+        self.holders.get(ip).into_iter().flatten()
+    }
+
+    fn forget(&mut self, id: &(String, String)) -> bool {
+        let Some(ips) = self.ips_of.remove(id) else {
+            return false;
+        };
+        for ip in ips {
+            if let Some(pods) = self.holders.get_mut(&ip) {
+                pods.remove(id);
+                if pods.is_empty() {
+                    self.holders.remove(&ip);
+                }
+            }
+        }
+        true
+    }
+}
+
+impl Indexer<Pod> for PodsByIp {
+    fn upsert(&mut self, pod: &Pod) -> bool {
+        let id = id(pod);
+        let finished = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|p| p == "Succeeded" || p == "Failed");
+        let ips = if finished { Vec::new() } else { pod_ips(pod) };
+        if self.ips_of.get(&id).map(Vec::as_slice).unwrap_or_default() == ips.as_slice() {
+            return false;
+        }
+        self.forget(&id);
+        if !ips.is_empty() {
+            for ip in &ips {
+                self.holders
+                    .entry(ip.clone())
+                    .or_default()
+                    .insert(id.clone());
+            }
+            self.ips_of.insert(id, ips);
+        }
+        true
+    }
+
+    fn remove(&mut self, pod: &Pod) -> bool {
+        self.forget(&id(pod))
+    }
+}
+
 /// Nodes by label (`key=value`): answers "which nodes carry all these labels" without scanning
 /// every node.
 #[derive(Debug, Default)]
@@ -331,6 +391,44 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    fn pod_with_ip(name: &str, ip: &str, phase: &str) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns"},
+            "status": {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}]}}))
+        .expect("pod")
+    }
+
+    #[test]
+    fn ip_holders_follow_pods_until_they_are_gone_or_finished() {
+        let index = Shared::<PodsByIp>::default();
+        let holders = |ip: &str| -> Vec<String> {
+            index.read().holders(ip).map(|(_, n)| n.clone()).collect()
+        };
+        index.apply(&watcher::Event::Apply(pod_with_ip(
+            "a", "10.0.0.1", "Running",
+        )));
+        assert_eq!(holders("10.0.0.1"), ["a"]);
+        index.apply(&watcher::Event::Apply(pod_with_ip(
+            "a", "10.0.0.2", "Running",
+        )));
+        assert!(holders("10.0.0.1").is_empty(), "the IP moved");
+        index.apply(&watcher::Event::Apply(pod_with_ip(
+            "a",
+            "10.0.0.2",
+            "Succeeded",
+        )));
+        assert!(
+            holders("10.0.0.2").is_empty(),
+            "a finished pod holds nothing"
+        );
+        index.apply(&watcher::Event::Apply(pod_with_ip(
+            "b", "10.0.0.3", "Running",
+        )));
+        index.apply(&watcher::Event::Delete(pod_with_ip(
+            "b", "10.0.0.3", "Running",
+        )));
+        assert!(holders("10.0.0.3").is_empty());
     }
 
     #[test]

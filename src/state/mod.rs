@@ -25,7 +25,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
 pub use index::pps_target;
-use index::{ByWorkload, NodesByLabel, Shared};
+use index::{ByWorkload, NodesByLabel, PodsByIp, Shared};
 pub use triggers::Triggers;
 
 use crate::api::PersistentPodState;
@@ -103,6 +103,8 @@ pub struct Caches {
     pods_writer: Mutex<Writer<Pod>>,
     /// Pods by controlling workload.
     pub pods_by_workload: Shared<ByWorkload>,
+    /// Live pods by IP.
+    pub pods_by_ip: Shared<PodsByIp>,
     /// Nodes (labels, spec and conditions).
     pub nodes: Store<Node>,
     nodes_writer: Mutex<Writer<Node>>,
@@ -129,6 +131,7 @@ impl Caches {
             pods,
             pods_writer: Mutex::new(pods_writer),
             pods_by_workload: Shared::default(),
+            pods_by_ip: Shared::default(),
             nodes,
             nodes_writer: Mutex::new(nodes_writer),
             node_labels: Shared::default(),
@@ -186,6 +189,7 @@ impl Caches {
         let event = event.modify(trim::pod);
         lock(&self.pods_writer).apply_watcher_event(&event);
         self.pods_by_workload.apply(&event);
+        self.pods_by_ip.apply(&event);
         self.listed_if_done(&event, &self.listed.pods);
         self.trigger_for_pod(&event);
     }
@@ -390,6 +394,15 @@ impl Caches {
                     .get(&ObjectRef::new(name).within(&workload.namespace))
             })
             .collect()
+    }
+
+    /// A live pod other than `namespace/name` that holds `ip`, as `namespace/name`.
+    pub fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
+        self.pods_by_ip
+            .read()
+            .holders(ip)
+            .find(|(ns, n)| !(ns == namespace && n == name))
+            .map(|(ns, n)| format!("{ns}/{n}"))
     }
 
     /// Whether a pod of that name exists in `namespace`.

@@ -10,7 +10,8 @@ pub fn meta<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
 }
 
-/// Keeps of a pod only what recording needs: metadata, node name, phase, conditions, IPs.
+/// Keeps of a pod only what recording and IP requests need: metadata, node name, phase,
+/// conditions, IPs.
 pub fn pod(pod: &mut Pod) {
     meta(pod);
     let node_name = pod.spec.as_ref().and_then(|s| s.node_name.clone());
@@ -22,6 +23,7 @@ pub fn pod(pod: &mut Pod) {
         phase: s.phase,
         conditions: s.conditions,
         pod_ip: s.pod_ip,
+        pod_ips: s.pod_ips,
         ..PodStatus::default()
     });
 }

@@ -6,12 +6,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, Operation};
 use serde_json::Value;
 
 use super::inject::{Injection, injection_for};
 use crate::api::PersistentPodState;
+use crate::ip_request::{self, IP_REQUEST_ANNOTATION, IpDecision};
 use crate::metrics::SkipReason;
 use crate::placement::{self, Health, Nodes, PodDemands};
 use crate::workload::{GroupKind, WorkloadRef, pod_workload};
@@ -24,6 +26,8 @@ pub trait Lookup: Nodes {
     fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>>;
     /// How node loss is judged now.
     fn health(&self) -> Health;
+    /// A live pod other than `namespace/name` that holds `ip`, as `namespace/name`.
+    fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String>;
 }
 
 /// An injection decided for a pod.
@@ -37,6 +41,8 @@ pub struct Decision {
     pub pod: String,
     /// What is injected, and what was left out.
     pub injection: Injection,
+    /// Whether the recorded IPs are requested, and if not why.
+    pub ip: IpDecision,
 }
 
 /// The outcome of one pod admission.
@@ -101,12 +107,26 @@ pub fn admit(
     let place = |recorded: &BTreeMap<String, String>| {
         placement::required(recorded, &demands, lookup, &health)
     };
-    let injection = injection_for(&pod, pps_name, &pps.spec, state, &place);
+    let holder = |ip: &str| lookup.ip_holder(ip, &namespace, &name);
+    let ip = ip_request::decide(
+        pps.annotations()
+            .get(IP_REQUEST_ANNOTATION)
+            .map(String::as_str),
+        &pod,
+        &state.pod_ips,
+        &holder,
+    );
+    let request = match &ip {
+        IpDecision::Request { annotation, value } => Some((annotation.as_str(), value.as_str())),
+        _ => None,
+    };
+    let injection = injection_for(&pod, pps_name, &pps.spec, state, &place, request);
     Outcome::Inject(Box::new(Decision {
         pps: pps.clone(),
         namespace,
         pod: name,
         injection,
+        ip,
     }))
 }
 
@@ -144,6 +164,9 @@ mod tests {
         }
         fn health(&self) -> Health {
             Health::now(std::time::Duration::from_secs(300))
+        }
+        fn ip_holder(&self, _: &str, _: &str, _: &str) -> Option<String> {
+            None
         }
     }
 

@@ -56,7 +56,8 @@ fn add(ops: &mut Vec<PatchOperation>, tokens: &[&str], value: Value) {
     }));
 }
 
-/// Computes the patch that restores `state` onto `pod` as asked by `spec`.
+/// Computes the patch that restores `state` onto `pod` as asked by `spec`, with the IP request
+/// annotation `ip_request` if one is to be made.
 ///
 /// The patch applies to the pod exactly as the API server sent it: missing maps and lists are
 /// created, what the pod already has is kept, and keys are escaped in JSON Pointers. Constraints
@@ -69,6 +70,7 @@ pub fn injection_for(
     spec: &PersistentPodStateSpec,
     state: &PodState,
     place: &dyn Fn(&BTreeMap<String, String>) -> Required,
+    ip_request: Option<(&str, &str)>,
 ) -> Injection {
     let mut out = Injection::default();
     let Some(pod_spec) = pod.spec.as_ref() else {
@@ -193,6 +195,12 @@ pub fn injection_for(
         })
         .collect();
     out.annotations = annotations.len();
+    // The IP request (decided by `ip_request::decide`, which never overrides the pod's own).
+    if let Some((key, value)) =
+        ip_request.filter(|(k, _)| pod_annotations.is_none_or(|m| !m.contains_key(*k)))
+    {
+        annotations.insert(key.to_owned(), value.to_owned());
+    }
     match pod_annotations {
         None => {
             annotations.insert(INJECTED_ANNOTATION.to_owned(), pps_name.to_owned());
@@ -271,6 +279,7 @@ mod tests {
             node_name: Some("node-a1".into()),
             node_topology_labels: map(labels),
             annotations: map(annotations),
+            ..PodState::default()
         }
     }
 
@@ -301,7 +310,7 @@ mod tests {
         let (p, raw) = bare_pod();
         let s = spec(&[ZONE], &[(100, &[HOST])], &["a~b/c"]);
         let st = state(&[(ZONE, "z1"), (HOST, "node-a1")], &[("a~b/c", "v")]);
-        let inj = injection_for(&p, "web", &s, &st, &anywhere);
+        let inj = injection_for(&p, "web", &s, &st, &anywhere, None);
         let out = apply(&raw, &inj);
         assert_eq!(out["spec"]["nodeSelector"], json!({ZONE: "z1"}));
         assert_eq!(
@@ -333,7 +342,7 @@ mod tests {
             &[(ZONE, "z1"), (HOST, "n1")],
             &[("a~b/c", "old"), ("other/key", "o")],
         );
-        let inj = injection_for(&p, "web", &s, &st, &anywhere);
+        let inj = injection_for(&p, "web", &s, &st, &anywhere, None);
         let paths: Vec<String> = inj.patch.0.iter().map(|op| op.path().to_string()).collect();
         assert!(paths.contains(&"/spec/nodeSelector/topology.kubernetes.io~1zone".to_string()));
         assert!(paths.contains(&"/metadata/annotations/other~1key".to_string()));
@@ -363,7 +372,7 @@ mod tests {
             "containers": [{"name": "c"}], "nodeSelector": {ZONE: "z9", HOST: "n1"}}}));
         let s = spec(&[ZONE, HOST], &[], &[]);
         let st = state(&[(ZONE, "z1"), (HOST, "n1")], &[]);
-        let inj = injection_for(&p, "web", &s, &st, &anywhere);
+        let inj = injection_for(&p, "web", &s, &st, &anywhere, None);
         assert_eq!(
             inj.conflicts,
             vec![Conflict {
@@ -388,7 +397,7 @@ mod tests {
             let (p, raw) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
                 "containers": [{"name": "c"}], "affinity": affinity.clone()}}));
             let s = spec(&[], &[(100, &[HOST])], &[]);
-            let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere);
+            let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere, None);
             let out = apply(&raw, &inj);
             assert_eq!(
                 out["spec"]["affinity"]["nodeAffinity"][PREFERRED][0]["weight"], 100,
@@ -418,7 +427,7 @@ mod tests {
             &[(100, &[HOST]), (30, &["also-missing"])],
             &["gone"],
         );
-        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere);
+        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere, None);
         let out = apply(&raw, &inj);
         assert!(out["spec"].get("nodeSelector").is_none());
         assert_eq!(
@@ -444,6 +453,7 @@ mod tests {
             &s,
             &state(&[(HOST, "n1"), (ZONE, "z")], &[]),
             &anywhere,
+            None,
         );
         let out = apply(&raw, &inj);
         let weights: Vec<&Value> = out["spec"]["affinity"]["nodeAffinity"][PREFERRED]
@@ -468,6 +478,7 @@ mod tests {
                 &spec(&[], &[(1, &[HOST])], &[]),
                 &state(&[], &[]),
                 &anywhere,
+                None,
             );
             assert_eq!(inj.patch.0.len(), ops);
             assert_eq!(
@@ -494,6 +505,7 @@ mod tests {
             &s,
             &state(&[(ZONE, "z-gone"), (HOST, "n1")], &[]),
             &gone,
+            None,
         );
         let out = apply(&raw, &inj);
         assert!(
@@ -535,6 +547,7 @@ mod tests {
             &s,
             &state(&[(ZONE, "z1"), (HOST, "n1"), ("rack", "r9")], &[]),
             &keep_zone,
+            None,
         );
         assert_eq!(
             *seen.borrow(),
@@ -563,6 +576,7 @@ mod tests {
             &s,
             &state(&[], &[("example.com/slot", "s1")]),
             &anywhere,
+            None,
         );
         let out = apply(&raw, &inj);
         assert_eq!(out["metadata"]["annotations"]["example.com/slot"], "s1");
@@ -582,6 +596,7 @@ mod tests {
             &s,
             &state(&[(ZONE, "z"), (HOST, "n")], &[]),
             &anywhere,
+            None,
         );
         let out = apply(&raw, &inj);
         assert_eq!(out["spec"]["nodeSelector"][ZONE], "z");

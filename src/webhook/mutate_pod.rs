@@ -19,7 +19,12 @@ use super::WebhookState;
 use super::admit::{Decision, Lookup, Outcome, admit};
 use super::review::Review;
 use crate::api::PersistentPodState;
-use crate::metrics::{AdmissionResult, DropLabels, InjectionKind, InjectionLabels, SkipLabels};
+use crate::events::Events;
+use crate::ip_request::IpDecision;
+use crate::metrics::{
+    AdmissionResult, DropLabels, InjectionKind, InjectionLabels, IpRequestLabels, IpRequestResult,
+    IpSkipLabels, SkipLabels,
+};
 use crate::placement::{Health, Nodes};
 use crate::workload::{GroupKind, WorkloadRef};
 
@@ -47,6 +52,10 @@ impl Lookup for WebhookState {
 
     fn health(&self) -> Health {
         Health::now(self.node_lost_after)
+    }
+
+    fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
+        self.caches.ip_holder(ip, namespace, name)
     }
 }
 
@@ -108,6 +117,48 @@ fn respond(
     }
 }
 
+/// Counts the IP request, or reports why none was made (metric and, unless a dry run, an Event
+/// naming the pod).
+fn report_ip(state: &WebhookState, events: Option<&Arc<Events>>, decision: &Decision) {
+    let m = &state.metrics;
+    let result = match &decision.ip {
+        IpDecision::NotAsked => return,
+        IpDecision::Request { annotation, .. } => {
+            tracing::debug!(%annotation, "recorded IPs requested");
+            IpRequestResult::Requested
+        }
+        IpDecision::AlreadyRequested => IpRequestResult::AlreadyRequested,
+        IpDecision::Skip { reason, detail } => {
+            m.ip_request_skipped
+                .get_or_create(&IpSkipLabels { reason: *reason })
+                .inc();
+            tracing::info!(reason = reason.describe(), %detail, "recorded IPs not requested");
+            if let Some(events) = events {
+                let mut note = format!(
+                    "pod {}: recorded IPs not requested: {}",
+                    decision.pod,
+                    reason.describe()
+                );
+                if !detail.is_empty() {
+                    note.push_str(&format!(" ({detail})"));
+                }
+                events.publish_about(
+                    &decision.pps,
+                    &decision.pod,
+                    EventType::Warning,
+                    "IPRequestSkipped",
+                    "Inject",
+                    note,
+                );
+            }
+            IpRequestResult::Skipped
+        }
+    };
+    m.ip_requests
+        .get_or_create(&IpRequestLabels { result })
+        .inc();
+}
+
 /// Counts what was injected and reports what was left out (metrics, logs and, unless this is a
 /// dry run, Events on the PersistentPodState).
 fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
@@ -159,6 +210,7 @@ fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
             );
         }
     }
+    report_ip(state, events, decision);
     for c in &injection.conflicts {
         m.injection_conflicts.inc();
         tracing::info!(key = %c.key, "pod sets its own nodeSelector value; recorded value not injected");

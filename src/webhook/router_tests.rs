@@ -374,3 +374,79 @@ async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
         assert!(json["error"].is_string());
     }
 }
+
+#[tokio::test]
+async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
+    let synced = state(true);
+    let caches = &synced.caches;
+    let mut with_ip = pps(
+        "web",
+        "web",
+        json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}, "podIPs": ["10.0.0.5"]}}),
+    );
+    with_ip.metadata.annotations = Some(
+        [(
+            crate::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+            "calico".to_string(),
+        )]
+        .into(),
+    );
+    caches.apply_pps(watcher::Event::Apply(with_ip));
+    caches.apply_node(watcher::Event::Apply(node("n1", "z1")));
+    let body = || serde_json::to_vec(&review(POD, "CREATE", pod(Some("web")), None)).expect("json");
+
+    let (status, json) = post(&synced, mutate_pod::PATH, body()).await;
+    assert_eq!(answer(status, &json), Answer::Patched);
+    let patch: json_patch::Patch =
+        serde_json::from_slice(&patch_bytes(&json["response"]["patch"])).expect("patch");
+    let mut object = pod(Some("web"));
+    json_patch::patch(&mut object, &patch).expect("applies");
+    assert_eq!(
+        object["metadata"]["annotations"]["cni.projectcalico.org/ipAddrs"],
+        r#"["10.0.0.5"]"#
+    );
+    // Invoked again with its own result (reinvocation): nothing more to do.
+    let again = serde_json::to_vec(&review(POD, "CREATE", object, None)).expect("json");
+    let (status, json) = post(&synced, mutate_pod::PATH, again).await;
+    assert_eq!(answer(status, &json), Answer::Allowed, "idempotent: {json}");
+    assert!(
+        synced
+            .metrics
+            .encode()
+            .contains(r#"pps_ip_requests_total{result="already_requested"} 1"#)
+    );
+
+    // Another namespace's pod, being deleted, still holds the IP: not requested.
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(
+            json!({"metadata": {"name": "squatter", "namespace": "other",
+            "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}]}}),
+        )
+        .expect("pod"),
+    ));
+    let (status, json) = post(&synced, mutate_pod::PATH, body()).await;
+    assert_eq!(
+        answer(status, &json),
+        Answer::Patched,
+        "the placement is still injected"
+    );
+    let patch: json_patch::Patch =
+        serde_json::from_slice(&patch_bytes(&json["response"]["patch"])).expect("patch");
+    let mut object = pod(Some("web"));
+    json_patch::patch(&mut object, &patch).expect("applies");
+    assert!(
+        object["metadata"]["annotations"]
+            .get("cni.projectcalico.org/ipAddrs")
+            .is_none()
+    );
+    let metrics = synced.metrics.encode();
+    assert!(
+        metrics.contains(r#"pps_ip_request_skipped_total{reason="ip_held"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"pps_ip_requests_total{result="requested"} 1"#),
+        "{metrics}"
+    );
+}

@@ -1,0 +1,414 @@
+//! `explain POD -n NS`: what a re-created pod would get now, and why. It reads the cluster once
+//! (the pod, its workload's template, the PersistentPodStates of the namespace, every node and
+//! pod), feeds the same caches the server uses, and runs the webhook's own decision ([`admit`])
+//! on the pod as its workload would create it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams};
+use kube::core::admission::{AdmissionRequest, AdmissionReview};
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::api::{PersistentPodState, PodState, api_group};
+use crate::ip_request::IpDecision;
+use crate::placement::{Health, Nodes};
+use crate::state::Caches;
+use crate::webhook::admit::{Lookup, Outcome, admit};
+use crate::workload::{GroupKind, WorkloadRef, controller_owner};
+
+/// What a re-created pod would get, and what is left out and why.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Explanation {
+    /// `namespace/name` of the pod.
+    pub pod: String,
+    /// The workload, `group/Kind name`.
+    pub workload: Option<String>,
+    /// Where the pod was taken from: the workload's template, or the current pod.
+    pub pod_source: String,
+    /// The PersistentPodState in force for the workload.
+    pub persistent_pod_state: Option<String>,
+    /// Other PersistentPodStates targeting the workload (they record nothing).
+    pub shadowed: Vec<String>,
+    /// The state recorded for the pod's name.
+    pub recorded: Option<PodState>,
+    /// What the webhook decides: `inject`, or why the pod is left alone.
+    pub outcome: String,
+    /// The JSON patch the webhook would answer with (empty when none).
+    pub patch: Value,
+    /// What is left out, and why.
+    pub left_out: Vec<LeftOut>,
+}
+
+/// One part of the recorded state not injected.
+#[derive(Debug, Serialize)]
+pub struct LeftOut {
+    /// What, e.g. `required kubernetes.io/hostname=node-a1` or `IP request`.
+    pub what: String,
+    /// Why.
+    pub why: String,
+}
+
+struct ExplainLookup<'a> {
+    caches: &'a Caches,
+    lost_after: Duration,
+}
+
+impl Nodes for ExplainLookup<'_> {
+    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+        self.caches.with_labels(labels)
+    }
+    fn all(&self) -> Vec<Arc<Node>> {
+        self.caches.all()
+    }
+}
+
+impl Lookup for ExplainLookup<'_> {
+    // The server's custom kinds are not known here: any kind a PersistentPodState targets.
+    fn handles(&self, _: &GroupKind) -> bool {
+        true
+    }
+    fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+        self.caches.pps_for(workload)
+    }
+    fn health(&self) -> Health {
+        Health::now(self.lost_after)
+    }
+    fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
+        self.caches.ip_holder(ip, namespace, name)
+    }
+}
+
+/// The pod its workload would create now: the template's metadata and spec, the name, and a
+/// controller reference to the workload.
+pub fn pod_from_template(name: &str, namespace: &str, workload: &DynamicObject) -> Option<Value> {
+    let template = workload.data.pointer("/spec/template")?;
+    let types = workload.types.as_ref()?;
+    Some(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": namespace,
+            "labels": template.pointer("/metadata/labels"),
+            "annotations": template.pointer("/metadata/annotations"),
+            "ownerReferences": [{"apiVersion": types.api_version, "kind": types.kind,
+                "name": workload.name_any(), "uid": workload.uid().unwrap_or_default(),
+                "controller": true, "blockOwnerDeletion": true}],
+        },
+        "spec": template.get("spec"),
+    }))
+}
+
+/// Runs the webhook's decision for `object` (a pod being created in `namespace`) and says what
+/// it gives and leaves out. Pure over the caches.
+pub fn explain_with(
+    caches: &Caches,
+    lost_after: Duration,
+    namespace: &str,
+    object: Value,
+    pod_source: &str,
+) -> Explanation {
+    let name = object
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let owner: Option<WorkloadRef> = serde_json::from_value::<Pod>(object.clone())
+        .ok()
+        .and_then(|p| controller_owner(p.owner_references()).cloned())
+        .map(|o| WorkloadRef {
+            namespace: namespace.to_owned(),
+            kind: GroupKind::new(api_group(&o.api_version), &o.kind),
+            name: o.name,
+        });
+    let mut out = Explanation {
+        pod: format!("{namespace}/{name}"),
+        workload: owner
+            .as_ref()
+            .map(|w| format!("{}/{} {}", w.kind.group, w.kind.kind, w.name)),
+        pod_source: pod_source.to_owned(),
+        persistent_pod_state: None,
+        shadowed: Vec::new(),
+        recorded: None,
+        outcome: String::new(),
+        patch: json!([]),
+        left_out: Vec::new(),
+    };
+    if let Some(w) = &owner {
+        let in_force = caches.pps_for(w);
+        out.persistent_pod_state = in_force.as_ref().map(|p| p.name_any());
+        out.shadowed = caches
+            .pps_names_for(w)
+            .into_iter()
+            .filter(|n| Some(n) != out.persistent_pod_state.as_ref())
+            .collect();
+        out.recorded = in_force
+            .as_ref()
+            .and_then(|p| p.status.as_ref())
+            .and_then(|s| s.pod_states.get(&name))
+            .cloned();
+    }
+    let review: Result<AdmissionReview<DynamicObject>, _> = serde_json::from_value(json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": "explain", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": "CREATE", "userInfo": {}, "namespace": namespace, "name": name}
+    }));
+    let Some(request) = review
+        .ok()
+        .and_then(|r| -> Option<AdmissionRequest<DynamicObject>> { r.try_into().ok() })
+    else {
+        out.outcome = "invalid: the request could not be built".into();
+        return out;
+    };
+    let lookup = ExplainLookup { caches, lost_after };
+    match admit(&request, Some(object), &lookup) {
+        Outcome::Skip(reason) => out.outcome = format!("left alone: {}", reason.as_str()),
+        Outcome::Invalid(e) => out.outcome = format!("invalid: {e}"),
+        Outcome::Inject(decision) => {
+            out.outcome = "inject".into();
+            let injection = &decision.injection;
+            out.patch = serde_json::to_value(&injection.patch).unwrap_or_default();
+            if let Some(dropped) = &injection.dropped {
+                for (k, v) in &dropped.values {
+                    out.left_out.push(LeftOut {
+                        what: format!("required {k}={v}"),
+                        why: dropped.reason.describe().to_owned(),
+                    });
+                }
+            }
+            for c in &injection.conflicts {
+                out.left_out.push(LeftOut {
+                    what: format!("required {}={}", c.key, c.recorded_value),
+                    why: format!(
+                        "conflicts with the pod's own nodeSelector {}={}",
+                        c.key, c.pod_value
+                    ),
+                });
+            }
+            if let IpDecision::Skip { reason, detail } = &decision.ip {
+                let why = if detail.is_empty() {
+                    reason.describe().to_owned()
+                } else {
+                    format!("{} ({detail})", reason.describe())
+                };
+                out.left_out.push(LeftOut {
+                    what: "IP request".into(),
+                    why,
+                });
+            }
+        }
+    }
+    out
+}
+
+impl Explanation {
+    /// The human-readable form.
+    pub fn text(&self) -> String {
+        let mut t = format!("pod {}", self.pod);
+        if let Some(w) = &self.workload {
+            t.push_str(&format!(" of {w}"));
+        }
+        t.push_str(&format!(" (as created from {})\n", self.pod_source));
+        match &self.persistent_pod_state {
+            Some(p) => t.push_str(&format!("PersistentPodState: {p}\n")),
+            None => t.push_str("PersistentPodState: none targets the workload\n"),
+        }
+        if !self.shadowed.is_empty() {
+            t.push_str(&format!(
+                "also targeting it (older one wins, these record nothing): {}\n",
+                self.shadowed.join(", ")
+            ));
+        }
+        match &self.recorded {
+            Some(s) => t.push_str(&format!(
+                "recorded: node {}, labels {:?}, IPs [{}]\n",
+                s.node_name.as_deref().unwrap_or("?"),
+                s.node_topology_labels,
+                s.pod_ips.join(", ")
+            )),
+            None => t.push_str("recorded: nothing for this pod name\n"),
+        }
+        t.push_str(&format!("decision: {}\n", self.outcome));
+        t.push_str(&format!(
+            "patch:\n{}\n",
+            serde_json::to_string_pretty(&self.patch).unwrap_or_default()
+        ));
+        if self.left_out.is_empty() {
+            t.push_str("left out: nothing\n");
+        } else {
+            t.push_str("left out:\n");
+            for l in &self.left_out {
+                t.push_str(&format!("  - {}: {}\n", l.what, l.why));
+            }
+        }
+        t
+    }
+}
+
+/// Reads the cluster in `$KUBECONFIG` and explains `pod` in `namespace`.
+pub async fn explain(
+    client: &Client,
+    namespace: &str,
+    pod: &str,
+    lost_after: Duration,
+) -> anyhow::Result<Explanation> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let current = pods.get_opt(pod).await.context("reading the pod")?;
+    let pps_list = Api::<PersistentPodState>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default())
+        .await
+        .context("listing PersistentPodStates")?;
+    // The workload: the pod's controller, or (pod gone) the PPS that recorded its name.
+    let owner = match &current {
+        Some(p) => controller_owner(p.owner_references())
+            .map(|o| (o.api_version.clone(), o.kind.clone(), o.name.clone())),
+        None => pps_list
+            .items
+            .iter()
+            .find(|p| {
+                p.status
+                    .as_ref()
+                    .is_some_and(|s| s.pod_states.contains_key(pod))
+            })
+            .map(|p| {
+                let t = &p.spec.target_ref;
+                (t.api_version.clone(), t.kind.clone(), t.name.clone())
+            }),
+    };
+    let workload = match &owner {
+        Some((api_version, kind, name)) => {
+            read_workload(client, namespace, api_version, kind, name).await
+        }
+        None => None,
+    };
+    let (object, source) = match (
+        workload
+            .as_ref()
+            .and_then(|w| pod_from_template(pod, namespace, w)),
+        current,
+    ) {
+        (Some(o), _) => (o, "the workload's template"),
+        (None, Some(p)) => (
+            serde_json::to_value(&p)?,
+            "the current pod (the workload's template could not be read)",
+        ),
+        (None, None) => anyhow::bail!(
+            "pod {namespace}/{pod} does not exist and no PersistentPodState in {namespace} records it"
+        ),
+    };
+
+    let caches = Caches::new();
+    caches.apply_pps(watcher::Event::Init);
+    for p in pps_list.items {
+        caches.apply_pps(watcher::Event::InitApply(p));
+    }
+    caches.apply_pps(watcher::Event::InitDone);
+    for n in Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .context("listing nodes")?
+        .items
+    {
+        caches.apply_node(watcher::Event::InitApply(n));
+    }
+    caches.apply_node(watcher::Event::InitDone);
+    // Every pod of the cluster: which one holds which IP.
+    for p in Api::<Pod>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .context("listing pods")?
+        .items
+    {
+        caches.apply_pod(watcher::Event::InitApply(p));
+    }
+    caches.apply_pod(watcher::Event::InitDone);
+    Ok(explain_with(&caches, lost_after, namespace, object, source))
+}
+
+async fn read_workload(
+    client: &Client,
+    namespace: &str,
+    api_version: &str,
+    kind: &str,
+    name: &str,
+) -> Option<DynamicObject> {
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    let (resource, _): (ApiResource, _) = kube::discovery::pinned_kind(client, &gvk).await.ok()?;
+    let mut obj = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource)
+        .get(name)
+        .await
+        .ok()?;
+    obj.types.get_or_insert_with(|| kube::api::TypeMeta {
+        api_version: resource.api_version.clone(),
+        kind: resource.kind.clone(),
+    });
+    Some(obj)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explains_the_patch_and_what_is_left_out() {
+        let caches = Caches::new();
+        let pps: PersistentPodState = serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns",
+                "annotations": {"persistent-pod-state.io/ip-request": "calico"}},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                     "requiredPersistentTopology": {"keys": ["kubernetes.io/hostname"]}},
+            "status": {"observedGeneration": 1, "podStates": {"web-0": {"nodeName": "gone",
+                "nodeTopologyLabels": {"kubernetes.io/hostname": "gone"}, "podIPs": ["10.0.0.5"]}}}
+        }))
+        .expect("pps");
+        caches.apply_pps(watcher::Event::Apply(pps));
+        caches.apply_pod(watcher::Event::Apply(
+            serde_json::from_value(json!({"metadata": {"name": "other", "namespace": "x"},
+                "status": {"phase": "Running", "podIP": "10.0.0.5"}}))
+            .expect("pod"),
+        ));
+        let sts: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": "web", "namespace": "ns", "uid": "u1"},
+            "spec": {"template": {"metadata": {"labels": {"app": "web"}},
+                                  "spec": {"containers": [{"name": "c", "image": "i"}]}}}
+        }))
+        .expect("sts");
+        let object = pod_from_template("web-0", "ns", &sts).expect("template");
+        let e = explain_with(
+            &caches,
+            Duration::from_secs(300),
+            "ns",
+            object,
+            "the workload's template",
+        );
+        assert_eq!(e.outcome, "inject");
+        assert_eq!(e.persistent_pod_state.as_deref(), Some("web"));
+        let whats: Vec<&str> = e.left_out.iter().map(|l| l.what.as_str()).collect();
+        assert_eq!(
+            whats,
+            ["required kubernetes.io/hostname=gone", "IP request"]
+        );
+        assert!(
+            e.left_out[1].why.contains("10.0.0.5 is held by x/other"),
+            "{:?}",
+            e.left_out
+        );
+        let text = e.text();
+        assert!(
+            text.contains("kruise.io~1injected-persistent-pod-state")
+                || text.contains("kruise.io/injected-persistent-pod-state"),
+            "{text}"
+        );
+        assert!(text.contains("left out:"), "{text}");
+    }
+}

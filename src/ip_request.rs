@@ -1,0 +1,369 @@
+//! Asking the CNI for a re-created pod's recorded IPs, pure: which annotation a PersistentPodState
+//! asks for (`persistent-pod-state.io/ip-request` on it), what value carries the recorded IPs,
+//! and when no request is made (and why).
+//!
+//! Safety first: an IP a live pod holds is never requested (the CNI would refuse the sandbox
+//! and the pod would loop), a pod that requests an IP itself is never touched, and a state
+//! without IPs, or with one that does not parse, asks for nothing.
+
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use crate::api::validation::qualified_name_error;
+
+/// PersistentPodState annotation: which CNI annotation re-created pods request their recorded
+/// IPs with.
+pub const IP_REQUEST_ANNOTATION: &str = "persistent-pod-state.io/ip-request";
+/// Calico (calico-ipam): a JSON array with at most one IPv4 and one IPv6 address.
+pub const CALICO_IP_ANNOTATION: &str = "cni.projectcalico.org/ipAddrs";
+/// Kube-OVN: a comma list, one address per family.
+pub const KUBE_OVN_IP_ANNOTATION: &str = "ovn.kubernetes.io/ip_address";
+/// Antrea (AntreaIPAM): a comma list, one address per family; honoured only with a pool.
+pub const ANTREA_IP_ANNOTATION: &str = "ipam.antrea.io/pod-ips";
+/// Antrea: the IP pools of a pod; without it Antrea ignores `ipam.antrea.io/pod-ips`.
+pub const ANTREA_POOLS_ANNOTATION: &str = "ipam.antrea.io/ippools";
+
+/// How a PersistentPodState asks for recorded IPs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IpRequest {
+    /// `calico`.
+    Calico,
+    /// `kube-ovn`.
+    KubeOvn,
+    /// `antrea`.
+    Antrea,
+    /// `annotation:<key>`: a comma list in the annotation `key`.
+    Annotation(String),
+}
+
+impl IpRequest {
+    /// Parses the value of [`IP_REQUEST_ANNOTATION`].
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value.trim() {
+            "calico" => Ok(Self::Calico),
+            "kube-ovn" => Ok(Self::KubeOvn),
+            "antrea" => Ok(Self::Antrea),
+            other => match other.strip_prefix("annotation:") {
+                Some(key) => match qualified_name_error(key) {
+                    None => Ok(Self::Annotation(key.to_owned())),
+                    Some(e) => Err(format!("{other:?}: the annotation key is invalid: {e}")),
+                },
+                None => Err(format!(
+                    "{other:?} is not one of calico, kube-ovn, antrea, annotation:<key>"
+                )),
+            },
+        }
+    }
+
+    /// The pod annotation that carries the request.
+    pub fn annotation(&self) -> &str {
+        match self {
+            Self::Calico => CALICO_IP_ANNOTATION,
+            Self::KubeOvn => KUBE_OVN_IP_ANNOTATION,
+            Self::Antrea => ANTREA_IP_ANNOTATION,
+            Self::Annotation(key) => key,
+        }
+    }
+
+    /// Whether the annotation takes at most one address per family.
+    fn one_per_family(&self) -> bool {
+        !matches!(self, Self::Annotation(_))
+    }
+
+    fn encode(&self, ips: &[IpAddr]) -> String {
+        let texts: Vec<String> = ips.iter().map(ToString::to_string).collect();
+        match self {
+            Self::Calico => serde_json::Value::from(texts).to_string(),
+            _ => texts.join(","),
+        }
+    }
+}
+
+/// Why no IP request was made.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum IpSkipReason {
+    /// The PersistentPodState's request annotation is not a known value.
+    InvalidRequest,
+    /// The recorded state has no IP.
+    NoRecordedIp,
+    /// A recorded IP does not parse.
+    InvalidRecordedIp,
+    /// A live pod holds a recorded IP.
+    IpHeld,
+    /// The pod requests an IP itself through that annotation.
+    PodRequestsOwn,
+    /// Antrea honours the request only for a pod with `ipam.antrea.io/ippools`.
+    AntreaNoPool,
+}
+
+impl IpSkipReason {
+    /// A short explanation, for Events.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "the PersistentPodState's ip-request annotation is not valid",
+            Self::NoRecordedIp => "no IP is recorded for it",
+            Self::InvalidRecordedIp => "a recorded IP does not parse",
+            Self::IpHeld => "a live pod holds the recorded IP",
+            Self::PodRequestsOwn => "the pod requests an IP itself",
+            Self::AntreaNoPool => "the pod has no ipam.antrea.io/ippools annotation",
+        }
+    }
+}
+
+/// What to do about a re-created pod's IPs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IpDecision {
+    /// The PersistentPodState asks for no IP request.
+    NotAsked,
+    /// Add `annotation: value`.
+    Request {
+        /// The pod annotation.
+        annotation: String,
+        /// Its value, carrying the recorded IPs.
+        value: String,
+    },
+    /// The pod already carries exactly this request (the webhook was invoked again).
+    AlreadyRequested,
+    /// No request, and why (with the detail an Event shows).
+    Skip {
+        /// Why.
+        reason: IpSkipReason,
+        /// What exactly, e.g. which pod holds which IP.
+        detail: String,
+    },
+}
+
+fn skip(reason: IpSkipReason, detail: impl Into<String>) -> IpDecision {
+    IpDecision::Skip {
+        reason,
+        detail: detail.into(),
+    }
+}
+
+/// Decides the IP request for `pod`, re-created with the `recorded` IPs, when its
+/// PersistentPodState's request annotation is `request`. `holder` names the live pod (other
+/// than this one) that holds an IP, if any: any namespace, a pod being deleted included.
+pub fn decide(
+    request: Option<&str>,
+    pod: &Pod,
+    recorded: &[String],
+    holder: &dyn Fn(&str) -> Option<String>,
+) -> IpDecision {
+    let Some(request) = request else {
+        return IpDecision::NotAsked;
+    };
+    let request = match IpRequest::parse(request) {
+        Ok(r) => r,
+        Err(e) => return skip(IpSkipReason::InvalidRequest, e),
+    };
+    if recorded.is_empty() {
+        return skip(IpSkipReason::NoRecordedIp, "");
+    }
+    let mut ips: Vec<IpAddr> = Vec::new();
+    for text in recorded {
+        match text.trim().parse::<IpAddr>() {
+            Ok(ip) => {
+                let family_taken = ips.iter().any(|have| have.is_ipv4() == ip.is_ipv4());
+                let redundant = ips.contains(&ip) || (request.one_per_family() && family_taken);
+                if !redundant {
+                    ips.push(ip);
+                }
+            }
+            Err(_) => return skip(IpSkipReason::InvalidRecordedIp, format!("{text:?}")),
+        }
+    }
+    let annotation = request.annotation().to_owned();
+    let value = request.encode(&ips);
+    let annotations = pod.annotations();
+    if let Some(own) = annotations.get(&annotation) {
+        return if *own == value {
+            IpDecision::AlreadyRequested
+        } else {
+            skip(IpSkipReason::PodRequestsOwn, format!("{annotation}={own}"))
+        };
+    }
+    if request == IpRequest::Antrea && !annotations.contains_key(ANTREA_POOLS_ANNOTATION) {
+        return skip(IpSkipReason::AntreaNoPool, "");
+    }
+    for ip in &ips {
+        if let Some(by) = holder(&ip.to_string()) {
+            return skip(IpSkipReason::IpHeld, format!("{ip} is held by {by}"));
+        }
+    }
+    IpDecision::Request { annotation, value }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(annotations: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "web-0", "annotations": annotations}}))
+            .expect("pod")
+    }
+
+    fn free(_: &str) -> Option<String> {
+        None
+    }
+
+    fn ips(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn request(annotation: &str, value: &str) -> IpDecision {
+        IpDecision::Request {
+            annotation: annotation.into(),
+            value: value.into(),
+        }
+    }
+
+    #[test]
+    fn each_cni_gets_its_annotation_and_format() {
+        let dual = ips(&["10.0.0.5", "fd00::5"]);
+        let cases = [
+            (
+                "calico",
+                json!({}),
+                request(CALICO_IP_ANNOTATION, r#"["10.0.0.5","fd00::5"]"#),
+            ),
+            (
+                "kube-ovn",
+                json!({}),
+                request(KUBE_OVN_IP_ANNOTATION, "10.0.0.5,fd00::5"),
+            ),
+            (
+                "antrea",
+                json!({ANTREA_POOLS_ANNOTATION: "pool"}),
+                request(ANTREA_IP_ANNOTATION, "10.0.0.5,fd00::5"),
+            ),
+            (
+                "annotation:example.com/ips",
+                json!({}),
+                request("example.com/ips", "10.0.0.5,fd00::5"),
+            ),
+        ];
+        for (value, annotations, want) in cases {
+            assert_eq!(
+                decide(Some(value), &pod(annotations), &dual, &free),
+                want,
+                "{value}"
+            );
+        }
+        assert_eq!(
+            decide(
+                Some("calico"),
+                &pod(json!({})),
+                &ips(&["10.0.0.5", "10.0.0.6"]),
+                &free
+            ),
+            request(CALICO_IP_ANNOTATION, r#"["10.0.0.5"]"#),
+            "at most one address per family"
+        );
+        assert_eq!(
+            decide(
+                Some("annotation:example.com/ips"),
+                &pod(json!({})),
+                &ips(&["10.0.0.5", "10.0.0.6"]),
+                &free
+            ),
+            request("example.com/ips", "10.0.0.5,10.0.0.6"),
+        );
+    }
+
+    #[test]
+    fn unsafe_or_impossible_requests_are_skipped_with_a_reason() {
+        let one = ips(&["10.0.0.5"]);
+        let held = |ip: &str| (ip == "10.0.0.5").then(|| "other-ns/squatter".to_string());
+        let reason = |d: IpDecision| match d {
+            IpDecision::Skip { reason, .. } => Some(reason),
+            _ => None,
+        };
+        assert_eq!(
+            decide(None, &pod(json!({})), &one, &free),
+            IpDecision::NotAsked
+        );
+        type Holder<'a> = &'a dyn Fn(&str) -> Option<String>;
+        let cases: [(
+            &str,
+            serde_json::Value,
+            Vec<String>,
+            Holder<'_>,
+            IpSkipReason,
+        ); 7] = [
+            (
+                "weave",
+                json!({}),
+                one.clone(),
+                &free,
+                IpSkipReason::InvalidRequest,
+            ),
+            (
+                "annotation:not a key",
+                json!({}),
+                one.clone(),
+                &free,
+                IpSkipReason::InvalidRequest,
+            ),
+            (
+                "calico",
+                json!({}),
+                vec![],
+                &free,
+                IpSkipReason::NoRecordedIp,
+            ),
+            (
+                "calico",
+                json!({}),
+                ips(&["10.0.0.300"]),
+                &free,
+                IpSkipReason::InvalidRecordedIp,
+            ),
+            (
+                "calico",
+                json!({}),
+                one.clone(),
+                &held,
+                IpSkipReason::IpHeld,
+            ),
+            (
+                "calico",
+                json!({CALICO_IP_ANNOTATION: r#"["10.9.9.9"]"#}),
+                one.clone(),
+                &free,
+                IpSkipReason::PodRequestsOwn,
+            ),
+            (
+                "antrea",
+                json!({}),
+                one.clone(),
+                &free,
+                IpSkipReason::AntreaNoPool,
+            ),
+        ];
+        for (value, annotations, recorded, holder, want) in cases {
+            assert_eq!(
+                reason(decide(Some(value), &pod(annotations), &recorded, holder)),
+                Some(want),
+                "{value}"
+            );
+        }
+        let IpDecision::Skip { detail, .. } = decide(Some("calico"), &pod(json!({})), &one, &held)
+        else {
+            panic!("skipped")
+        };
+        assert_eq!(detail, "10.0.0.5 is held by other-ns/squatter");
+    }
+
+    #[test]
+    fn a_second_invocation_finds_its_own_request_and_changes_nothing() {
+        let one = ips(&["10.0.0.5"]);
+        let again = pod(json!({CALICO_IP_ANNOTATION: r#"["10.0.0.5"]"#}));
+        assert_eq!(
+            decide(Some("calico"), &again, &one, &free),
+            IpDecision::AlreadyRequested
+        );
+    }
+}
