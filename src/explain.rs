@@ -10,7 +10,6 @@ use std::time::Duration;
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams};
-use kube::core::admission::{AdmissionRequest, AdmissionReview};
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
@@ -21,6 +20,7 @@ use crate::ip_request::IpDecision;
 use crate::placement::{Health, Nodes};
 use crate::state::Caches;
 use crate::webhook::admit::{Lookup, Outcome, admit};
+use crate::webhook::review::parse;
 use crate::workload::{GroupKind, WorkloadRef, controller_owner};
 
 /// What a re-created pod would get, and what is left out and why.
@@ -154,21 +154,19 @@ pub fn explain_with(
             .and_then(|s| s.pod_states.get(&name))
             .cloned();
     }
-    let review: Result<AdmissionReview<DynamicObject>, _> = serde_json::from_value(json!({
+    let body = serde_json::to_vec(&json!({
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
         "request": {"uid": "explain", "kind": {"group": "", "version": "v1", "kind": "Pod"},
             "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "operation": "CREATE", "userInfo": {}, "namespace": namespace, "name": name}
+            "operation": "CREATE", "userInfo": {}, "namespace": namespace, "name": name,
+            "object": object}
     }));
-    let Some(request) = review
-        .ok()
-        .and_then(|r| -> Option<AdmissionRequest<DynamicObject>> { r.try_into().ok() })
-    else {
+    let Some(request) = body.ok().and_then(|b| parse(b.into()).ok()) else {
         out.outcome = "invalid: the request could not be built".into();
         return out;
     };
     let lookup = ExplainLookup { caches, lost_after };
-    match admit(&request, Some(object), &lookup) {
+    match admit(&request, &lookup) {
         Outcome::Skip(reason) => out.outcome = format!("left alone: {}", reason.as_str()),
         Outcome::Invalid(e) => out.outcome = format!("invalid: {e}"),
         Outcome::Inject(decision) => {

@@ -35,6 +35,10 @@ pub enum AdmissionResult {
     BadRequest,
     /// Caches not synced yet: HTTP 503.
     Unavailable,
+    /// Too many requests in flight: HTTP 503 at once.
+    Overloaded,
+    /// Not answered within the request timeout: HTTP 503.
+    TimedOut,
 }
 
 /// Labels of the admission request counter.
@@ -201,7 +205,8 @@ macro_rules! snake_case_label {
 
 snake_case_label!(AdmissionResult {
     Patched => "patched", Allowed => "allowed", Denied => "denied", InvalidObject => "invalid_object",
-    BadRequest => "bad_request", Unavailable => "unavailable",
+    BadRequest => "bad_request", Unavailable => "unavailable", Overloaded => "overloaded",
+    TimedOut => "timed_out",
 });
 snake_case_label!(DropReason {
     NodeGone => "node_gone", NodeLost => "node_lost", PodConstraints => "pod_constraints",

@@ -4,14 +4,18 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use std::time::Duration;
+
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use crate::metrics::Metrics;
 use crate::state::Caches;
+use crate::webhook::server::{RequestLimit, limit_requests};
 
 /// What the probes report on.
 pub struct Health {
@@ -30,12 +34,14 @@ impl Health {
     }
 }
 
-/// The probe routes.
+/// The probe routes (a few requests at once, each within 5 s).
 pub fn router(health: Arc<Health>) -> Router {
+    let limit = RequestLimit::new(8, Duration::from_secs(5), None);
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route_layer(middleware::from_fn_with_state(limit, limit_requests))
         .with_state(health)
 }
 

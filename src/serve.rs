@@ -20,12 +20,14 @@ use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
 use crate::state::Caches;
+use crate::webhook::server::{self, Limits};
 use crate::webhook::{self, WebhookState};
 use crate::workload::CustomKinds;
 
 /// Runs until SIGTERM/SIGINT.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let tls = webhook::tls::server_config(&args.tls_cert, &args.tls_key)?;
+    let tls =
+        webhook::tls::server_config(&args.tls_cert, &args.tls_key, args.client_ca.as_deref())?;
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
@@ -77,24 +79,24 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         custom_kinds: custom_kinds.clone(),
         node_lost_after: args.node_lost_after,
     }));
-    let webhook_server = tokio::spawn(webhook::server::serve_tls(
+    let webhook_server = tokio::spawn(server::serve(
         webhook_listener,
-        tls,
+        Some(tokio_rustls::TlsAcceptor::from(tls)),
         webhook_app,
+        Limits::WEBHOOK,
         shutdown.clone(),
         drain,
     ));
     // The probe server outlives the webhook drain, so /readyz answers 503 throughout it.
     let probes_stop = CancellationToken::new();
-    let probe_server = tokio::spawn({
-        let stop = probes_stop.clone();
-        let app = probes::router(health.clone());
-        async move {
-            axum::serve(probe_listener, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-        }
-    });
+    let probe_server = tokio::spawn(server::serve(
+        probe_listener,
+        None,
+        probes::router(health.clone()),
+        Limits::PROBES,
+        probes_stop.clone(),
+        drain,
+    ));
 
     let controllers = tokio::spawn({
         let ctx = Arc::new(controller::Context::new(

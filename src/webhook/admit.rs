@@ -7,11 +7,9 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, Operation};
-use serde_json::Value;
 
 use super::inject::{Injection, injection_for};
+use super::review::AdmissionRequest;
 use crate::api::PersistentPodState;
 use crate::ip_request::{self, IP_REQUEST_ANNOTATION, IpDecision};
 use crate::metrics::SkipReason;
@@ -56,23 +54,15 @@ pub enum Outcome {
     Inject(Box<Decision>),
 }
 
-/// Decides what happens to the pod in `request` (whose object was split off as `object`).
-pub fn admit(
-    request: &AdmissionRequest<DynamicObject>,
-    object: Option<Value>,
-    lookup: &dyn Lookup,
-) -> Outcome {
-    let is_pod = request.kind.group.is_empty() && request.kind.kind == "Pod";
-    if !is_pod
-        || request.operation != Operation::Create
-        || request
-            .sub_resource
-            .as_deref()
-            .is_some_and(|s| !s.is_empty())
+/// Decides what happens to the pod in `request` (decoded from the request body, once).
+pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
+    if !request.kind.is("", "Pod")
+        || request.operation != "CREATE"
+        || request.sub_resource.is_some()
     {
         return Outcome::Skip(SkipReason::NotPodCreate);
     }
-    let pod: Pod = match object.map(serde_json::from_value) {
+    let pod: Pod = match request.object().map(serde_json::from_str) {
         Some(Ok(pod)) => pod,
         Some(Err(e)) => return Outcome::Invalid(e.to_string()),
         None => return Outcome::Invalid("the request carries no object".into()),
@@ -132,10 +122,10 @@ pub fn admit(
 
 #[cfg(test)]
 mod tests {
+    use super::super::review::parse;
     use super::*;
     use k8s_openapi::api::core::v1::Node;
-    use kube::core::admission::AdmissionReview;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     struct Fake {
         pps: Option<Arc<PersistentPodState>>,
@@ -170,15 +160,22 @@ mod tests {
         }
     }
 
-    fn request(kind: &str, operation: &str, sub: Option<&str>) -> AdmissionRequest<DynamicObject> {
-        let review: AdmissionReview<DynamicObject> = serde_json::from_value(json!({
+    /// A parsed request for `object` (absent when `None`).
+    fn request(
+        kind: &str,
+        operation: &str,
+        sub: Option<&str>,
+        object: Option<Value>,
+    ) -> AdmissionRequest {
+        let body = serde_json::to_vec(&json!({
             "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": kind},
                 "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": sub,
-                "operation": operation, "userInfo": {}, "namespace": "ns", "name": "web-0"}
+                "operation": operation, "userInfo": {}, "namespace": "ns", "name": "web-0",
+                "object": object}
         }))
-        .expect("review");
-        review.try_into().expect("request")
+        .expect("json");
+        parse(body.into()).expect("request")
     }
 
     fn pod(owner_kind: &str) -> Value {
@@ -214,43 +211,35 @@ mod tests {
             pps: Some(pps(state)),
             nodes: true,
         };
-        let create = request("Pod", "CREATE", None);
+        let create = |object: Option<Value>| request("Pod", "CREATE", None, object);
         let cases = [
             (
-                request("Pod", "UPDATE", None),
-                Some(pod("StatefulSet")),
+                request("Pod", "UPDATE", None, Some(pod("StatefulSet"))),
                 SkipReason::NotPodCreate,
             ),
             (
-                request("Pod", "CREATE", Some("binding")),
-                Some(pod("StatefulSet")),
+                request("Pod", "CREATE", Some("binding"), Some(pod("StatefulSet"))),
                 SkipReason::NotPodCreate,
             ),
             (
-                request("Service", "CREATE", None),
-                Some(pod("StatefulSet")),
+                request("Service", "CREATE", None, Some(pod("StatefulSet"))),
                 SkipReason::NotPodCreate,
             ),
             (
-                create.clone(),
-                Some(json!({"metadata": {"name": "web-0"}})),
+                create(Some(json!({"metadata": {"name": "web-0"}}))),
                 SkipReason::NoController,
             ),
-            (
-                create.clone(),
-                Some(pod("ReplicaSet")),
-                SkipReason::NotStatefulSet,
-            ),
+            (create(Some(pod("ReplicaSet"))), SkipReason::NotStatefulSet),
         ];
-        for (req, object, want) in cases {
-            assert_eq!(skipped(admit(&req, object, &with)), Some(want));
+        for (req, want) in cases {
+            assert_eq!(skipped(admit(&req, &with)), Some(want));
         }
         let without = Fake {
             pps: None,
             nodes: true,
         };
         assert_eq!(
-            skipped(admit(&create, Some(pod("StatefulSet")), &without)),
+            skipped(admit(&create(Some(pod("StatefulSet"))), &without)),
             Some(SkipReason::NoPersistentPodState)
         );
         let no_state = Fake {
@@ -258,15 +247,15 @@ mod tests {
             nodes: true,
         };
         assert_eq!(
-            skipped(admit(&create, Some(pod("StatefulSet")), &no_state)),
+            skipped(admit(&create(Some(pod("StatefulSet"))), &no_state)),
             Some(SkipReason::NoState)
         );
         assert!(matches!(
-            admit(&create, Some(json!({"spec": []})), &with),
+            admit(&create(Some(json!({"spec": []}))), &with),
             Outcome::Invalid(_)
         ));
-        assert!(matches!(admit(&create, None, &with), Outcome::Invalid(_)));
-        let Outcome::Inject(decision) = admit(&create, Some(pod("StatefulSet")), &with) else {
+        assert!(matches!(admit(&create(None), &with), Outcome::Invalid(_)));
+        let Outcome::Inject(decision) = admit(&create(Some(pod("StatefulSet"))), &with) else {
             panic!("injects")
         };
         assert_eq!(
@@ -286,7 +275,7 @@ mod tests {
         let mut object = pod("StatefulSet");
         object["metadata"]["name"] = json!("");
         let Outcome::Inject(decision) =
-            admit(&request("Pod", "CREATE", None), Some(object), &lookup)
+            admit(&request("Pod", "CREATE", None, Some(object)), &lookup)
         else {
             panic!("injects")
         };

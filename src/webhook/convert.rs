@@ -3,14 +3,11 @@
 
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use kube::core::conversion::ConversionResponse;
-use kube::core::response::Status;
+use axum::response::Response;
 
 use super::WebhookState;
-use super::review::Conversion;
+use super::review::{Conversion, conversion_response};
 use crate::api::conversion::convert;
 use crate::metrics::AdmissionResult;
 
@@ -29,24 +26,23 @@ pub async fn convert_objects(
     } = conversion;
     let span = tracing::info_span!("conversion", uid = %request.uid, desired = %request.desired_api_version);
     let _entered = span.enter();
-    let desired = request.desired_api_version.clone();
-    let converted: Result<Vec<_>, String> = request
-        .objects
-        .iter()
-        .cloned()
-        .map(|o| convert(o, &desired))
-        .collect();
-    let response = ConversionResponse::for_request(request);
-    let (response, result) = match converted {
-        Ok(objects) => (response.success(objects), AdmissionResult::Allowed),
+    let desired = request.desired_api_version;
+    let converted: Result<Vec<_>, String> = if desired.is_empty() {
+        Err("the request has no desiredAPIVersion".into())
+    } else {
+        request
+            .objects
+            .into_iter()
+            .map(|o| convert(o, &desired))
+            .collect()
+    };
+    let result = match &converted {
+        Ok(_) => AdmissionResult::Allowed,
         Err(message) => {
             tracing::warn!(error = %message, "conversion failed");
-            (
-                response.failure(Status::failure(&message, "Invalid")),
-                AdmissionResult::InvalidObject,
-            )
+            AdmissionResult::InvalidObject
         }
     };
     state.metrics.admission(PATH, result, start);
-    Json(response.into_review()).into_response()
+    conversion_response(&request.uid, converted)
 }

@@ -25,8 +25,14 @@ use crate::metrics::{AdmissionResult, Metrics};
 use crate::state::Caches;
 use crate::workload::CustomKinds;
 
-/// Largest accepted request body (the API server sends at most a few MiB per object).
-const MAX_BODY: usize = 8 * 1024 * 1024;
+/// Largest accepted request body: the API server's own request limit (3 MiB). Over it: 413.
+pub const MAX_BODY: usize = 3 * 1024 * 1024;
+/// Admission requests handled at once; beyond, a fast 503 (the API server retries or applies
+/// its failurePolicy): memory stays bounded whatever the load.
+pub const MAX_IN_FLIGHT: usize = 16;
+/// How long one admission may take (the API server gives up after the configured
+/// `timeoutSeconds`, at most 30 s, anyway).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the admission handlers share.
 pub struct WebhookState {
@@ -77,10 +83,20 @@ pub fn router(state: Arc<WebhookState>) -> Router {
             state.clone(),
             require_synced,
         ));
+    let limit =
+        server::RequestLimit::new(MAX_IN_FLIGHT, REQUEST_TIMEOUT, Some(state.metrics.clone()));
     Router::new()
         .merge(from_caches)
         .route(convert::PATH, post(convert::convert_objects))
+        .fallback(|| async { review::error_response(StatusCode::NOT_FOUND, "no such path") })
+        .method_not_allowed_fallback(|| async {
+            review::error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")
+        })
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .route_layer(middleware::from_fn_with_state(
+            limit,
+            server::limit_requests,
+        ))
         .with_state(state)
 }
 
@@ -145,5 +161,9 @@ pub(crate) mod testing {
         (status, json)
     }
 }
+#[cfg(test)]
+mod abuse_tests;
+#[cfg(test)]
+mod property_tests;
 #[cfg(test)]
 mod router_tests;

@@ -7,17 +7,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use k8s_openapi::api::core::v1::Node;
-use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse};
 use kube::runtime::events::EventType;
 
 use super::WebhookState;
 use super::admit::{Decision, Lookup, Outcome, admit};
-use super::review::Review;
+use super::review::{Admission, Review};
 use crate::api::PersistentPodState;
 use crate::events::Events;
 use crate::ip_request::IpDecision;
@@ -61,22 +58,16 @@ impl Lookup for WebhookState {
 
 /// Answers one pod AdmissionReview.
 pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
-    let Review { parsed, received } = review;
-    let req = &parsed.request;
-    let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
+    let Review { request, received } = review;
+    let span = tracing::info_span!("admission", uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(), name = %request.name);
     let _entered = span.enter();
-    let outcome = admit(req, parsed.object, state.as_ref());
-    let (response, result) = respond(&state, req, outcome);
+    let outcome = admit(&request, state.as_ref());
+    let (answer, result) = respond(&state, request.dry_run, outcome);
     state.metrics.admission(PATH, result, received);
-    Json(response.into_review()).into_response()
+    answer.into_response(&request)
 }
 
-fn respond(
-    state: &WebhookState,
-    req: &AdmissionRequest<DynamicObject>,
-    outcome: Outcome,
-) -> (AdmissionResponse, AdmissionResult) {
-    let allowed = AdmissionResponse::from(req);
+fn respond(state: &WebhookState, dry_run: bool, outcome: Outcome) -> (Admission, AdmissionResult) {
     match outcome {
         Outcome::Skip(reason) => {
             state
@@ -85,19 +76,19 @@ fn respond(
                 .get_or_create(&SkipLabels { reason })
                 .inc();
             tracing::debug!(reason = reason.as_str(), "allowed without patch");
-            (allowed, AdmissionResult::Allowed)
+            (Admission::allow(), AdmissionResult::Allowed)
         }
         Outcome::Invalid(error) => {
             tracing::warn!(%error, "object is not a readable Pod; allowed without patch");
-            (allowed, AdmissionResult::InvalidObject)
+            (Admission::allow(), AdmissionResult::InvalidObject)
         }
         Outcome::Inject(decision) => {
-            report(state, req.dry_run, &decision);
-            let injection = decision.injection;
+            report(state, dry_run, &decision);
+            let injection = &decision.injection;
             if injection.patch.0.is_empty() {
-                return (allowed, AdmissionResult::Allowed);
+                return (Admission::allow(), AdmissionResult::Allowed);
             }
-            match allowed.with_patch(injection.patch) {
+            match Admission::patch(&injection.patch) {
                 Ok(patched) => {
                     tracing::debug!(
                         pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
@@ -110,7 +101,7 @@ fn respond(
                 }
                 Err(error) => {
                     tracing::error!(%error, "could not serialize the patch; allowing without it");
-                    (AdmissionResponse::from(req), AdmissionResult::Allowed)
+                    (Admission::allow(), AdmissionResult::Allowed)
                 }
             }
         }

@@ -1,7 +1,14 @@
-//! Reading review bodies robustly, as axum extractors: a body that is not a review is answered
-//! with a 4xx and a JSON message (and counted) before any handler runs; an AdmissionReview
-//! that parses always gets an answer carrying its uid, whatever its object holds (the object is
-//! split off and read by the handler).
+//! Reading and answering review bodies, robustly and in one pass.
+//!
+//! A review is parsed once, straight from the request bytes: the request's small fields are
+//! read leniently (a missing, null or ill-typed field reads as absent), and its `object` and
+//! `oldObject` are kept as borrowed raw JSON, decoded later by the handler into exactly the type
+//! it needs. So a review costs one copy of its object, and once its `uid` can be read every
+//! answer carries it, whatever else the request holds. A body that is not a review, or whose
+//! uid cannot be read, is answered with a 4xx and a JSON message (413 when too large).
+//!
+//! Answers are written here too: the AdmissionReview response with its patch base64-encoded (as
+//! the API documents), and the ConversionReview response.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,33 +16,125 @@ use std::time::Instant;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, AdmissionReview};
-use kube::core::conversion::{ConversionRequest, ConversionReview};
+use base64::Engine as _;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::{WebhookState, endpoint};
 use crate::metrics::AdmissionResult;
 
-/// A parsed admission request, with its objects kept as raw JSON.
-pub struct ParsedReview {
-    /// The request (its `object` and `oldObject` removed).
-    pub request: AdmissionRequest<DynamicObject>,
-    /// `request.object` as sent.
-    pub object: Option<Value>,
-    /// `request.oldObject` as sent.
-    pub old_object: Option<Value>,
+/// The AdmissionReview versions answered (the request's is echoed).
+const ADMISSION_VERSIONS: [&str; 2] = ["admission.k8s.io/v1", "admission.k8s.io/v1beta1"];
+
+/// Reads a field leniently: what does not fit `T` reads as absent.
+fn lenient<'de, D: Deserializer<'de>, T: DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
+    let value = Option::<Value>::deserialize(d)?;
+    Ok(value.and_then(|v| serde_json::from_value(v).ok()))
+}
+
+/// A group, version and kind, as a review names them (each part lenient).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct Gvk {
+    /// API group (empty for core).
+    #[serde(default, deserialize_with = "lenient")]
+    pub group: Option<String>,
+    /// Version.
+    #[serde(default, deserialize_with = "lenient")]
+    pub version: Option<String>,
+    /// Kind.
+    #[serde(default, deserialize_with = "lenient")]
+    pub kind: Option<String>,
+}
+
+impl Gvk {
+    /// Whether this is `group`/`kind`.
+    pub fn is(&self, group: &str, kind: &str) -> bool {
+        self.group.as_deref().unwrap_or_default() == group && self.kind.as_deref() == Some(kind)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawRequest<'a> {
+    #[serde(default, deserialize_with = "lenient")]
+    uid: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    kind: Option<Gvk>,
+    #[serde(default, deserialize_with = "lenient")]
+    sub_resource: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    name: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    namespace: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    operation: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    dry_run: Option<bool>,
+    #[serde(default, borrow)]
+    object: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    old_object: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawReview<'a> {
+    #[serde(default, deserialize_with = "lenient")]
+    api_version: Option<String>,
+    #[serde(default, borrow)]
+    request: Option<RawRequest<'a>>,
+}
+
+/// An admission request: what the handlers read of it. The request body is kept, and the
+/// object and old object are ranges of it, so nothing is copied before a handler decodes them.
+#[derive(Clone, Debug, Default)]
+pub struct AdmissionRequest {
+    /// The review version to answer with.
+    pub api_version: &'static str,
+    /// The request uid, echoed in every answer.
+    pub uid: String,
+    /// The kind of the object.
+    pub kind: Gvk,
+    /// The subresource, if any.
+    pub sub_resource: Option<String>,
+    /// The object's name (may be empty for `generateName`).
+    pub name: String,
+    /// The object's namespace.
+    pub namespace: Option<String>,
+    /// `CREATE`, `UPDATE`, `DELETE`, `CONNECT`, or whatever else was sent.
+    pub operation: String,
+    /// Whether this is a dry run (no side effects).
+    pub dry_run: bool,
+    body: Bytes,
+    object: Option<std::ops::Range<usize>>,
+    old_object: Option<std::ops::Range<usize>>,
+}
+
+impl AdmissionRequest {
+    fn slice(&self, range: Option<&std::ops::Range<usize>>) -> Option<&str> {
+        // The ranges are those of JSON values of the body, which parsed as UTF-8 JSON.
+        std::str::from_utf8(self.body.get(range?.clone())?).ok()
+    }
+
+    /// The object as sent (absent when missing or null), as JSON text.
+    pub fn object(&self) -> Option<&str> {
+        self.slice(self.object.as_ref())
+    }
+
+    /// The old object as sent (absent when missing or null), as JSON text.
+    pub fn old_object(&self) -> Option<&str> {
+        self.slice(self.old_object.as_ref())
+    }
 }
 
 /// Why a body could not be read as a review (HTTP 400).
 #[derive(Debug, thiserror::Error)]
 pub enum ReviewError {
-    /// Not JSON.
-    #[error("request body is not JSON: {0}")]
-    NotJson(serde_json::Error),
-    /// JSON, but not a review of the expected kind.
+    /// Not JSON, or not JSON of the review's shape.
     #[error("request body is not {kind}: {error}")]
     NotAReview {
         /// The kind of review expected.
@@ -46,6 +145,216 @@ pub enum ReviewError {
     /// A review without a request.
     #[error("{0} has no request")]
     NoRequest(&'static str),
+    /// A request without a readable uid: no answer could carry it.
+    #[error("{0} request has no uid (a string)")]
+    NoUid(&'static str),
+}
+
+/// The range of a present (not null) raw value within `body`.
+fn range_in(body: &[u8], raw: Option<&RawValue>) -> Option<std::ops::Range<usize>> {
+    let text = raw?.get();
+    if text.trim() == "null" {
+        return None;
+    }
+    let start = (text.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+    let range = start..start + text.len();
+    (range.end <= body.len()).then_some(range)
+}
+
+/// Parses a request body as an AdmissionReview, in one pass.
+pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
+    const KIND: &str = "an AdmissionReview";
+    let review: RawReview<'_> = serde_json::from_slice(&body)
+        .map_err(|error| ReviewError::NotAReview { kind: KIND, error })?;
+    let request = review
+        .request
+        .ok_or(ReviewError::NoRequest("AdmissionReview"))?;
+    let uid = request
+        .uid
+        .filter(|u| !u.is_empty())
+        .ok_or(ReviewError::NoUid("AdmissionReview"))?;
+    let api_version = ADMISSION_VERSIONS
+        .into_iter()
+        .find(|v| review.api_version.as_deref() == Some(*v))
+        .unwrap_or(ADMISSION_VERSIONS[0]);
+    let object = range_in(&body, request.object);
+    let old_object = range_in(&body, request.old_object);
+    Ok(AdmissionRequest {
+        api_version,
+        uid,
+        kind: request.kind.unwrap_or_default(),
+        sub_resource: request.sub_resource.filter(|s| !s.is_empty()),
+        name: request.name.unwrap_or_default(),
+        namespace: request.namespace.filter(|s| !s.is_empty()),
+        operation: request.operation.unwrap_or_default(),
+        dry_run: request.dry_run.unwrap_or(false),
+        object,
+        old_object,
+        body,
+    })
+}
+
+/// The answer to an AdmissionReview.
+#[derive(Debug)]
+pub struct Admission {
+    /// Whether the request is allowed.
+    pub allowed: bool,
+    /// For a denial: HTTP-like code, reason and message.
+    pub denial: Option<(u16, &'static str, String)>,
+    /// A JSON patch to apply (serialized), for a mutation.
+    pub patch: Option<Vec<u8>>,
+}
+
+impl Admission {
+    /// Allowed as is.
+    pub fn allow() -> Self {
+        Self {
+            allowed: true,
+            denial: None,
+            patch: None,
+        }
+    }
+
+    /// Allowed with `patch` (left out when it holds no operation).
+    pub fn patch(patch: &json_patch::Patch) -> Result<Self, serde_json::Error> {
+        let bytes = (!patch.0.is_empty())
+            .then(|| serde_json::to_vec(patch))
+            .transpose()?;
+        Ok(Self {
+            patch: bytes,
+            ..Self::allow()
+        })
+    }
+
+    /// Denied with `code`, `reason` and `message`.
+    pub fn deny(code: u16, reason: &'static str, message: String) -> Self {
+        Self {
+            allowed: false,
+            denial: Some((code, reason, message)),
+            patch: None,
+        }
+    }
+
+    /// The AdmissionReview response for `request`, as JSON.
+    pub fn into_response(self, request: &AdmissionRequest) -> Response {
+        #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Status<'a> {
+            status: &'a str,
+            code: u16,
+            reason: &'a str,
+            message: &'a str,
+        }
+        #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Answer<'a> {
+            uid: &'a str,
+            allowed: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            status: Option<Status<'a>>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            patch_type: Option<&'a str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            patch: Option<String>,
+        }
+        #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Review<'a> {
+            api_version: &'a str,
+            kind: &'a str,
+            response: Answer<'a>,
+        }
+        let review = Review {
+            api_version: request.api_version,
+            kind: "AdmissionReview",
+            response: Answer {
+                uid: &request.uid,
+                allowed: self.allowed,
+                status: self.denial.as_ref().map(|(code, reason, message)| Status {
+                    status: "Failure",
+                    code: *code,
+                    reason,
+                    message,
+                }),
+                patch_type: self.patch.as_ref().map(|_| "JSONPatch"),
+                patch: self
+                    .patch
+                    .as_ref()
+                    .map(|p| base64::engine::general_purpose::STANDARD.encode(p)),
+            },
+        };
+        json_response(StatusCode::OK, &review)
+    }
+}
+
+fn json_response(status: StatusCode, body: &impl Serialize) -> Response {
+    match serde_json::to_vec(body) {
+        Ok(bytes) => (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
+        Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+/// A conversion request: what the conversion handler reads of it.
+#[derive(Debug)]
+pub struct ConversionRequest {
+    /// The request uid, echoed in every answer.
+    pub uid: String,
+    /// The version to convert to (empty when missing: the answer is a failure).
+    pub desired_api_version: String,
+    /// The objects to convert.
+    pub objects: Vec<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawConversionRequest {
+    #[serde(default, deserialize_with = "lenient")]
+    uid: Option<String>,
+    #[serde(default, rename = "desiredAPIVersion", deserialize_with = "lenient")]
+    desired_api_version: Option<String>,
+    #[serde(default, deserialize_with = "lenient")]
+    objects: Option<Vec<Value>>,
+}
+
+#[derive(Deserialize)]
+struct RawConversionReview {
+    #[serde(default)]
+    request: Option<RawConversionRequest>,
+}
+
+/// Parses a request body as a ConversionReview.
+pub fn parse_conversion(body: &[u8]) -> Result<ConversionRequest, ReviewError> {
+    let review: RawConversionReview =
+        serde_json::from_slice(body).map_err(|error| ReviewError::NotAReview {
+            kind: "a ConversionReview",
+            error,
+        })?;
+    let request = review
+        .request
+        .ok_or(ReviewError::NoRequest("ConversionReview"))?;
+    let uid = request
+        .uid
+        .filter(|u| !u.is_empty())
+        .ok_or(ReviewError::NoUid("ConversionReview"))?;
+    Ok(ConversionRequest {
+        uid,
+        desired_api_version: request.desired_api_version.unwrap_or_default(),
+        objects: request.objects.unwrap_or_default(),
+    })
+}
+
+/// The ConversionReview response: the converted objects, or a failure with a message.
+pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Response {
+    let response = match result {
+        Ok(objects) => {
+            json!({"uid": uid, "result": {"status": "Success"}, "convertedObjects": objects})
+        }
+        Err(message) => json!({"uid": uid, "result": {"status": "Failure", "message": message}}),
+    };
+    json_response(
+        StatusCode::OK,
+        &json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview", "response": response}),
+    )
 }
 
 /// A JSON error body `{"error": message}` with `status`.
@@ -53,51 +362,26 @@ pub fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()
 }
 
-fn take_object(review: &mut Value, field: &str) -> Option<Value> {
-    let slot = review.get_mut("request")?.get_mut(field)?;
-    Some(slot.take()).filter(|v| !v.is_null())
-}
-
-/// Parses a request body as an AdmissionReview.
-pub fn parse(body: &[u8]) -> Result<ParsedReview, ReviewError> {
-    let mut review: Value = serde_json::from_slice(body).map_err(ReviewError::NotJson)?;
-    let object = take_object(&mut review, "object");
-    let old_object = take_object(&mut review, "oldObject");
-    let review: AdmissionReview<DynamicObject> =
-        serde_json::from_value(review).map_err(|error| ReviewError::NotAReview {
-            kind: "an AdmissionReview",
-            error,
-        })?;
-    let request = review
-        .try_into()
-        .map_err(|_| ReviewError::NoRequest("AdmissionReview"))?;
-    Ok(ParsedReview {
-        request,
-        object,
-        old_object,
-    })
-}
-
-/// Parses a request body as a ConversionReview.
-pub fn parse_conversion(body: &[u8]) -> Result<ConversionRequest, ReviewError> {
-    let review: ConversionReview = serde_json::from_slice(body).map_err(|error| {
-        if error.is_data() {
-            ReviewError::NotAReview {
-                kind: "a ConversionReview",
-                error,
-            }
-        } else {
-            ReviewError::NotJson(error)
-        }
-    })?;
-    ConversionRequest::from_review(review).map_err(|_| ReviewError::NoRequest("ConversionReview"))
-}
-
 /// Reads the body (within the router's body limit); a body that cannot be read is answered
 /// with its status (413 when too large) and a JSON message.
 async fn body(req: Request, state: &Arc<WebhookState>) -> Result<(Bytes, &'static str), Response> {
     let path = endpoint(req.uri().path());
     let start = Instant::now();
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        state
+            .metrics
+            .admission(path, AdmissionResult::BadRequest, start);
+        return Err(error_response(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "reviews are sent as Content-Type: application/json",
+        ));
+    }
     Bytes::from_request(req, state)
         .await
         .map(|b| (b, path))
@@ -122,10 +406,10 @@ fn bad_request(
     error_response(StatusCode::BAD_REQUEST, &e.to_string())
 }
 
-/// Extracts a parsed AdmissionReview, or answers a JSON 4xx.
+/// Extracts a parsed AdmissionReview (its uid readable), or answers a JSON 4xx.
 pub struct Review {
-    /// The parsed review.
-    pub parsed: ParsedReview,
+    /// The parsed request.
+    pub request: AdmissionRequest,
     /// When the request arrived (for the latency metric).
     pub received: Instant,
 }
@@ -135,9 +419,9 @@ impl FromRequest<Arc<WebhookState>> for Review {
 
     async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
         let received = Instant::now();
-        let (bytes, path) = body(req, state).await?;
-        match parse(&bytes) {
-            Ok(parsed) => Ok(Self { parsed, received }),
+        let (body, path) = body(req, state).await?;
+        match parse(body) {
+            Ok(request) => Ok(Self { request, received }),
             Err(e) => Err(bad_request(state, path, received, &e)),
         }
     }
@@ -181,7 +465,7 @@ mod tests {
     }
 
     #[test]
-    fn splits_off_any_object_and_keeps_the_uid() {
+    fn keeps_any_object_raw_and_the_uid() {
         for object in [
             json!({"metadata": {"name": "a"}}),
             json!(5),
@@ -189,24 +473,44 @@ mod tests {
             json!({"spec": []}),
         ] {
             let body = serde_json::to_vec(&review(object.clone())).expect("json");
-            let parsed = parse(&body).expect("parses");
-            assert_eq!(parsed.request.uid, "u-1");
-            assert_eq!(parsed.object, Some(object));
-            assert!(parsed.old_object.is_none());
+            let parsed = parse(body.into()).expect("parses");
+            assert_eq!(parsed.uid, "u-1");
+            let raw: Value = serde_json::from_str(parsed.object().expect("object")).expect("raw");
+            assert_eq!(raw, object);
+            assert!(parsed.old_object().is_none());
         }
     }
 
     #[test]
+    fn odd_fields_read_as_absent_and_the_uid_is_kept() {
+        let body =
+            br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"u-2","operation":"TELEPORT",
+            "resource":null,"kind":5,"name":["x"],"dryRun":"yes","object":null}}"#;
+        let parsed = parse(Bytes::from_static(body)).expect("parses");
+        assert_eq!(parsed.uid, "u-2");
+        assert_eq!(parsed.operation, "TELEPORT");
+        assert_eq!(parsed.kind, Gvk::default());
+        assert_eq!(parsed.name, "");
+        assert!(!parsed.dry_run);
+        assert!(parsed.object().is_none());
+    }
+
+    #[test]
     fn bad_bodies_are_errors() {
-        let cases: [&[u8]; 5] = [
+        let cases: [&[u8]; 6] = [
             b"",
             b"not json",
             b"[]",
             br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#,
             br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":5}}"#,
+            br#"{"request":{"uid":""}}"#,
         ];
         for body in cases {
-            assert!(parse(body).is_err(), "{}", String::from_utf8_lossy(body));
+            assert!(
+                parse(Bytes::from_static(body)).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
         assert!(parse_conversion(b"{").is_err());
         assert!(
@@ -214,6 +518,28 @@ mod tests {
                 br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview"}"#
             )
             .is_err()
+        );
+        let lenient =
+            parse_conversion(br#"{"request":{"uid":"c","objects":7}}"#).expect("uid read");
+        assert_eq!((lenient.uid.as_str(), lenient.objects.len()), ("c", 0));
+    }
+
+    #[test]
+    fn the_patch_is_base64_and_the_version_echoed() {
+        let request = parse(Bytes::from_static(
+            br#"{"apiVersion":"admission.k8s.io/v1beta1","request":{"uid":"u"}}"#,
+        ))
+        .expect("parses");
+        assert_eq!(request.api_version, "admission.k8s.io/v1beta1");
+        let patch: json_patch::Patch =
+            serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}]))
+                .expect("patch");
+        let admission = Admission::patch(&patch).expect("serializes");
+        assert_eq!(
+            base64::engine::general_purpose::STANDARD
+                .encode(admission.patch.as_deref().expect("patch")),
+            base64::engine::general_purpose::STANDARD
+                .encode(br#"[{"op":"add","path":"/a","value":1}]"#)
         );
     }
 }

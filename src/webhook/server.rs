@@ -1,35 +1,215 @@
-//! The HTTPS serving loop: TLS handshakes with a deadline, HTTP/1.1 and HTTP/2 with a header
-//! read timeout, and a graceful drain on shutdown (no new connections; requests in flight
-//! finish, up to a deadline).
+//! The serving loop, for the HTTPS webhook port and the plain-HTTP probe port: every
+//! connection and request is bounded, and shutdown drains gracefully.
+//!
+//! Bounds ([`Limits`]): a cap on concurrent connections (over it, a new connection is closed at
+//! once); a deadline for the TLS handshake; a deadline for request headers (HTTP/1); an idle
+//! timeout (no byte read or written for that long closes the connection: a stalled HTTP/2
+//! preface, a body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound
+//! on HTTP/2 streams per connection. Requests in flight and their duration are bounded by
+//! [`limit_requests`], bodies by the router's limit.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::Response;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
-use rustls::ServerConfig;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+use super::endpoint;
+use super::review::error_response;
+use crate::metrics::{AdmissionResult, Metrics};
 
-/// Serves `app` over TLS on `listener` until `shutdown`, then drains connections for at most
-/// `drain`.
-pub async fn serve_tls(
+/// What a connection and a request may take.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Concurrent connections; over it a new connection is closed at once.
+    pub max_connections: usize,
+    /// Deadline of the TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Deadline for a request's headers to arrive (HTTP/1).
+    pub header_timeout: Duration,
+    /// A connection with no byte read or written for this long is closed.
+    pub idle_timeout: Duration,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_streams: u32,
+}
+
+impl Limits {
+    /// The webhook port's limits.
+    pub const WEBHOOK: Limits = Limits {
+        max_connections: 1024,
+        handshake_timeout: Duration::from_secs(10),
+        header_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(30),
+        max_streams: 64,
+    };
+
+    /// The probe port's limits (a kubelet and a Prometheus need a few connections).
+    pub const PROBES: Limits = Limits {
+        max_connections: 64,
+        handshake_timeout: Duration::from_secs(10),
+        header_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(30),
+        max_streams: 8,
+    };
+}
+
+/// Requests in flight, and how long one may take.
+#[derive(Clone)]
+pub struct RequestLimit {
+    permits: Arc<Semaphore>,
+    timeout: Duration,
+    /// Counts refused requests by endpoint (the webhook port).
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl RequestLimit {
+    /// At most `in_flight` requests at once, each answered within `timeout`; refusals counted
+    /// in `metrics` if given.
+    pub fn new(in_flight: usize, timeout: Duration, metrics: Option<Arc<Metrics>>) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(in_flight)),
+            timeout,
+            metrics,
+        }
+    }
+
+    fn refused(&self, request: &Request, result: AdmissionResult) {
+        if let Some(m) = &self.metrics {
+            m.admission(endpoint(request.uri().path()), result, Instant::now());
+        }
+    }
+}
+
+/// Middleware: beyond the requests in flight allowed, a request is answered at once with 503
+/// and a JSON message (never queued); a request that takes longer than the timeout gets 503.
+pub async fn limit_requests(
+    State(limit): State<RequestLimit>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Ok(_permit) = limit.permits.clone().try_acquire_owned() else {
+        limit.refused(&request, AdmissionResult::Overloaded);
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many requests in flight; retry",
+        );
+    };
+    let path = request.uri().path().to_owned();
+    match tokio::time::timeout(limit.timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            if let Some(m) = &limit.metrics {
+                m.admission(endpoint(&path), AdmissionResult::TimedOut, Instant::now());
+            }
+            error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
+        }
+    }
+}
+
+/// When a connection last read or wrote a byte.
+#[derive(Clone)]
+struct Activity {
+    base: Instant,
+    last_millis: Arc<AtomicU64>,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            last_millis: Arc::default(),
+        }
+    }
+
+    fn touch(&self) {
+        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_millis.store(now, Ordering::Relaxed);
+    }
+
+    /// Resolves once no byte has moved for `idle`.
+    async fn idle_for(&self, idle: Duration) {
+        loop {
+            let last = Duration::from_millis(self.last_millis.load(Ordering::Relaxed));
+            let quiet = self.base.elapsed().saturating_sub(last);
+            if quiet >= idle {
+                return;
+            }
+            tokio::time::sleep(idle - quiet).await;
+        }
+    }
+}
+
+/// An IO that records its activity.
+struct Watched<IO> {
+    inner: IO,
+    activity: Activity,
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` (over TLS when `tls` is given), then drains
+/// connections for at most `drain`.
+pub async fn serve(
     listener: TcpListener,
-    tls: Arc<ServerConfig>,
+    tls: Option<TlsAcceptor>,
     app: Router,
+    limits: Limits,
     shutdown: CancellationToken,
     drain: Duration,
 ) {
-    let acceptor = TlsAcceptor::from(tls);
     let connections = TaskTracker::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -43,13 +223,16 @@ pub async fn serve_tls(
             },
             () = shutdown.cancelled() => break,
         };
-        connections.spawn(serve_connection(
-            acceptor.clone(),
-            tcp,
-            peer,
-            app.clone(),
-            shutdown.clone(),
-        ));
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "connection limit reached; closing the new connection");
+            drop(tcp);
+            continue;
+        };
+        let (tls, app, shutdown) = (tls.clone(), app.clone(), shutdown.clone());
+        connections.spawn(async move {
+            let _slot = slot;
+            serve_connection(tls, tcp, peer, app, limits, shutdown).await;
+        });
     }
     drop(listener);
     connections.close();
@@ -62,41 +245,70 @@ pub async fn serve_tls(
 }
 
 async fn serve_connection(
-    acceptor: TlsAcceptor,
-    tcp: tokio::net::TcpStream,
+    tls: Option<TlsAcceptor>,
+    tcp: TcpStream,
     peer: SocketAddr,
     app: Router,
+    limits: Limits,
     shutdown: CancellationToken,
 ) {
-    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(error)) => {
-            tracing::debug!(%peer, %error, "TLS handshake failed");
-            return;
-        }
-        Err(_) => {
-            tracing::debug!(%peer, "TLS handshake timed out");
-            return;
-        }
+    let activity = Activity::new();
+    let tcp = Watched {
+        inner: tcp,
+        activity: activity.clone(),
     };
+    match tls {
+        None => run_http(tcp, peer, app, limits, activity, shutdown).await,
+        Some(acceptor) => {
+            match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
+                Ok(Ok(stream)) => run_http(stream, peer, app, limits, activity, shutdown).await,
+                Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+            }
+        }
+    }
+}
+
+async fn run_http<IO>(
+    io: IO,
+    peer: SocketAddr,
+    app: Router,
+    limits: Limits,
+    activity: Activity,
+    shutdown: CancellationToken,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
-    let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
+        .header_read_timeout(limits.header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.max_streams);
+    let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
     tokio::pin!(conn);
-    tokio::select! {
+    let why = tokio::select! {
         result = conn.as_mut() => {
             if let Err(error) = result {
                 tracing::debug!(%peer, %error, "connection ended with an error");
             }
+            return;
         }
-        () = shutdown.cancelled() => {
-            conn.as_mut().graceful_shutdown();
-            if let Err(error) = conn.await {
-                tracing::debug!(%peer, %error, "connection ended with an error while draining");
+        () = activity.idle_for(limits.idle_timeout) => "idle",
+        () = shutdown.cancelled() => "shutting down",
+    };
+    tracing::debug!(%peer, why, "closing the connection");
+    conn.as_mut().graceful_shutdown();
+    // What is in flight finishes, within the idle bound again.
+    tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(error) = result {
+                tracing::debug!(%peer, %error, "connection ended with an error while closing");
             }
         }
+        () = activity.idle_for(limits.idle_timeout) => {}
     }
 }

@@ -114,14 +114,39 @@ impl ResolvesServerCert for ReloadingCert {
 }
 
 /// A rustls server configuration (ring provider, TLS 1.2 and 1.3, h2 and http/1.1) serving the
-/// reloading certificate at `cert`/`key`.
-pub fn server_config(cert: &Path, key: &Path) -> anyhow::Result<Arc<ServerConfig>> {
+/// reloading certificate at `cert`/`key`. With `client_ca`, clients must present a certificate
+/// signed by one of its CAs (the API server, configured with an AdmissionConfiguration).
+pub fn server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+) -> anyhow::Result<Arc<ServerConfig>> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let resolver = ReloadingCert::new(cert.to_owned(), key.to_owned(), provider.clone())?;
-    let mut config = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(resolver));
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_file_iter(path)
+                .with_context(|| format!("reading {}", path.display()))?
+            {
+                roots
+                    .add(cert.with_context(|| format!("parsing {}", path.display()))?)
+                    .with_context(|| format!("a CA of {}", path.display()))?;
+            }
+            anyhow::ensure!(!roots.is_empty(), "{} holds no certificate", path.display());
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .context("client certificate verifier")?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_cert_resolver(Arc::new(resolver));
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
@@ -164,6 +189,7 @@ mod tests {
         let err = server_config(
             Path::new("/nonexistent/tls.crt"),
             Path::new("/nonexistent/tls.key"),
+            None,
         )
         .expect_err("fails");
         assert!(

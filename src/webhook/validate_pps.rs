@@ -3,15 +3,12 @@
 
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use kube::core::admission::{AdmissionResponse, Operation};
-use kube::core::response::Status;
+use axum::response::Response;
 use serde_json::Value;
 
 use super::WebhookState;
-use super::review::Review;
+use super::review::{Admission, AdmissionRequest, Review};
 use crate::api::validation::{Context, validate};
 use crate::api::{KRUISE_GROUP, api_group, keys_field};
 use crate::metrics::AdmissionResult;
@@ -24,23 +21,36 @@ pub const PATH: &str = "/validate-persistentpodstate";
 /// this route waits for the caches to sync.
 pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
     let Review {
-        parsed,
+        request: req,
         received: start,
     } = review;
     let metrics = &state.metrics;
-    let req = &parsed.request;
     let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
     let _entered = span.enter();
-    let response = AdmissionResponse::from(req);
-    let concerned = req.kind.group == KRUISE_GROUP
-        && req.kind.kind == "PersistentPodState"
-        && matches!(req.operation, Operation::Create | Operation::Update);
-    let keys_field = keys_field(&req.kind.version);
-    let (Some(object), Some(keys_field)) = (parsed.object.filter(|_| concerned), keys_field) else {
-        metrics.admission(PATH, AdmissionResult::Allowed, start);
-        return Json(response.into_review()).into_response();
-    };
+    let (answer, result) = decide(&state, &req);
+    metrics.admission(PATH, result, start);
+    answer.into_response(&req)
+}
 
+fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, AdmissionResult) {
+    let update = req.operation == "UPDATE";
+    let concerned =
+        req.kind.is(KRUISE_GROUP, "PersistentPodState") && (update || req.operation == "CREATE");
+    let keys_field = keys_field(req.kind.version.as_deref().unwrap_or_default());
+    let (Some(text), Some(keys_field), true) = (req.object(), keys_field, concerned) else {
+        return (Admission::allow(), AdmissionResult::Allowed);
+    };
+    let decode = |text: &str| serde_json::from_str::<Value>(text);
+    let object = match decode(text) {
+        Ok(object) => object,
+        Err(e) => {
+            let message = format!("the object cannot be read: {e}");
+            return (
+                Admission::deny(422, "Invalid", message),
+                AdmissionResult::InvalidObject,
+            );
+        }
+    };
     let namespace = req.namespace.clone().unwrap_or_default();
     let name = object
         .pointer("/metadata/name")
@@ -71,26 +81,26 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review
         is_custom_kind: &is_custom_kind,
         others_for_target: &others,
     };
-    let old = parsed
-        .old_object
-        .filter(|_| req.operation == Operation::Update);
+    // An old object that cannot be read ratchets nothing: every rule applies.
+    let old = req
+        .old_object()
+        .filter(|_| update)
+        .and_then(|text| decode(text).ok());
     let errors = validate(&object, old.as_ref(), &ctx);
-    let (response, result) = if errors.is_empty() {
-        (response, AdmissionResult::Allowed)
-    } else {
-        let message = format!(
-            "PersistentPodState {name:?} is invalid: {}",
-            errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; ")
-        );
-        tracing::info!(%message, "denied");
-        let mut denied = response.deny(&message);
-        denied.result = Status::failure(&message, "Invalid").with_code(422);
-        (denied, AdmissionResult::Denied)
-    };
-    metrics.admission(PATH, result, start);
-    Json(response.into_review()).into_response()
+    if errors.is_empty() {
+        return (Admission::allow(), AdmissionResult::Allowed);
+    }
+    let message = format!(
+        "PersistentPodState {name:?} is invalid: {}",
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    tracing::info!(%message, "denied");
+    (
+        Admission::deny(422, "Invalid", message),
+        AdmissionResult::Denied,
+    )
 }

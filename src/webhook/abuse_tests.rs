@@ -1,0 +1,395 @@
+//! Bad input over the real HTTPS serving loop (issue 10.6): a table of malformed requests for
+//! each endpoint, and misbehaving connections. Each gets a clear answer (a review carrying the
+//! uid, or a 4xx with a JSON message) or a closed connection within its bound, and the server
+//! keeps serving. Runs in process on loopback with short bounds, so it takes seconds.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::runtime::watcher;
+use rustls::pki_types::ServerName;
+use rustls::pki_types::pem::PemObject;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsConnector;
+use tokio_util::sync::CancellationToken;
+
+use super::server::{Limits, serve};
+use super::testing::state;
+use super::{MAX_BODY, convert, mutate_pod, router, validate_pps};
+use crate::certs;
+
+const TEST_LIMITS: Limits = Limits {
+    max_connections: 64,
+    handshake_timeout: Duration::from_millis(800),
+    header_timeout: Duration::from_millis(800),
+    idle_timeout: Duration::from_millis(800),
+    max_streams: 8,
+};
+
+struct Server {
+    addr: std::net::SocketAddr,
+    connector: TlsConnector,
+    h2: TlsConnector,
+    stop: CancellationToken,
+}
+
+async fn start() -> Server {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = std::env::temp_dir().join(format!(
+        "pps-abuse-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    let bundle = certs::generate(&["localhost".into()], None).expect("certs");
+    certs::write(&bundle, &dir).expect("write certs");
+    let tls = super::tls::server_config(&dir.join("tls.crt"), &dir.join("tls.key"), None)
+        .expect("tls config");
+    let state = state(true);
+    let pps = serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                 "preferredPersistentTopology": [{"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}}]},
+        "status": {"observedGeneration": 1, "podStates": {"web-0": {"nodeName": "n1",
+            "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}}}}
+    }))
+    .expect("pps");
+    state.caches.apply_pps(watcher::Event::Apply(pps));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let stop = CancellationToken::new();
+    tokio::spawn(serve(
+        listener,
+        Some(tokio_rustls::TlsAcceptor::from(tls)),
+        router(state),
+        TEST_LIMITS,
+        stop.clone(),
+        Duration::from_secs(1),
+    ));
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(bundle.ca_cert.as_bytes()) {
+        roots.add(cert.expect("ca")).expect("root");
+    }
+    let client = |alpn: &[u8]| {
+        let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots.clone())
+        .with_no_client_auth();
+        config.alpn_protocols = vec![alpn.to_vec()];
+        TlsConnector::from(Arc::new(config))
+    };
+    std::fs::remove_dir_all(&dir).ok();
+    Server {
+        addr,
+        connector: client(b"http/1.1"),
+        h2: client(b"h2"),
+        stop,
+    }
+}
+
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default()
+}
+
+/// What came back for one exchange.
+#[derive(Debug)]
+enum Got {
+    /// An HTTP answer: status and body.
+    Answer(u16, String),
+    /// The server closed the connection without an answer.
+    Closed,
+}
+
+impl Server {
+    async fn tls(&self, connector: &TlsConnector) -> tokio_rustls::client::TlsStream<TcpStream> {
+        let tcp = TcpStream::connect(self.addr).await.expect("connect");
+        connector
+            .connect(ServerName::try_from("localhost").expect("name"), tcp)
+            .await
+            .expect("handshake")
+    }
+
+    /// Sends raw bytes over TLS (HTTP/1.1) and reads until the server closes or answers.
+    async fn raw(&self, bytes: &[u8]) -> Got {
+        let mut stream = self.tls(&self.connector).await;
+        // A write may fail if the server already closed (e.g. an oversized body): still read.
+        let _ = stream.write_all(bytes).await;
+        read_answer(&mut stream).await
+    }
+
+    async fn post(&self, path: &str, content_type: &str, body: &[u8]) -> Got {
+        let mut request = format!(
+            "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        request.extend_from_slice(body);
+        self.raw(&request).await
+    }
+}
+
+async fn read_answer<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Got {
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut buf)).await;
+    assert!(
+        read.is_ok(),
+        "the server neither answered nor closed within 10 s"
+    );
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let Some(status) = text
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+    else {
+        return Got::Closed;
+    };
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Got::Answer(status, body)
+}
+
+/// What a case must get.
+#[derive(Clone, Copy, Debug)]
+enum Want {
+    /// HTTP 200 with a review carrying the uid `u-bad`.
+    Uid,
+    /// This 4xx with a JSON `error` message.
+    Error(u16),
+    /// HTTP 200 with the uid, or a 4xx with a JSON message (where either is right).
+    UidOrError,
+}
+
+fn check(path: &str, what: &str, got: &Got, want: Want) {
+    let json = |body: &str| -> Option<Value> {
+        // Chunked bodies: the JSON document is the line that parses.
+        body.lines().find_map(|l| serde_json::from_str(l).ok())
+    };
+    let has_uid = |body: &str| json(body).is_some_and(|v| v["response"]["uid"] == "u-bad");
+    let has_error = |body: &str| json(body).is_some_and(|v| v["error"].is_string());
+    let ok = match (want, got) {
+        (Want::Uid, Got::Answer(200, body)) => has_uid(body),
+        (Want::Error(code), Got::Answer(status, body)) => *status == code && has_error(body),
+        (Want::UidOrError, Got::Answer(200, body)) => has_uid(body),
+        (Want::UidOrError, Got::Answer(status, body)) => {
+            (400..500).contains(status) && has_error(body)
+        }
+        _ => false,
+    };
+    assert!(ok, "{path} {what}: wanted {want:?}, got {got:?}");
+}
+
+fn review(request: Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}))
+        .expect("json")
+}
+
+fn pod_request(overrides: Value) -> Value {
+    let mut request = json!({
+        "uid": "u-bad", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "operation": "CREATE", "userInfo": {}, "namespace": "ns", "name": "web-0",
+        "object": {"metadata": {"name": "web-0", "ownerReferences": [{"apiVersion": "apps/v1",
+            "kind": "StatefulSet", "name": "web", "uid": "x", "controller": true}]},
+            "spec": {"containers": [{"name": "c"}]}}
+    });
+    for (k, v) in overrides.as_object().into_iter().flatten() {
+        request[k] = v.clone();
+    }
+    request
+}
+
+/// The malformed bodies, each with what it must get from an admission endpoint.
+fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
+    let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n)).into_bytes();
+    let mut huge = review(pod_request(json!({})));
+    huge.splice(
+        1..1,
+        format!("\"pad\":\"{}\",", "x".repeat(MAX_BODY)).into_bytes(),
+    );
+    let mut deep_object = br#"{"request":{"uid":"u-bad","kind":{"group":"","version":"v1","kind":"Pod"},"operation":"CREATE","object":"#.to_vec();
+    deep_object.extend(deep(5000));
+    deep_object.extend(b"}}");
+    let mut bad_utf8 = br#"{"request":{"uid":"u-bad","name":""#.to_vec();
+    bad_utf8.extend([0xff, 0xfe]);
+    bad_utf8.extend(br#""}}"#);
+    vec![
+        ("empty body", Vec::new(), Want::Error(400)),
+        ("not JSON", b"hello".to_vec(), Want::Error(400)),
+        ("truncated JSON", br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"u-bad""#.to_vec(), Want::Error(400)),
+        ("a JSON array", b"[]".to_vec(), Want::Error(400)),
+        ("a JSON number", b"42".to_vec(), Want::Error(400)),
+        ("a JSON string", br#""review""#.to_vec(), Want::Error(400)),
+        ("JSON null", b"null".to_vec(), Want::Error(400)),
+        ("an empty object", b"{}".to_vec(), Want::Error(400)),
+        ("a null request", br#"{"request":null}"#.to_vec(), Want::Error(400)),
+        ("no uid", br#"{"request":{}}"#.to_vec(), Want::Error(400)),
+        ("a numeric uid", br#"{"request":{"uid":7}}"#.to_vec(), Want::Error(400)),
+        ("an empty uid", br#"{"request":{"uid":""}}"#.to_vec(), Want::Error(400)),
+        ("deep nesting", deep(100_000), Want::Error(400)),
+        ("deep nesting in the object", deep_object, Want::UidOrError),
+        ("invalid UTF-8", bad_utf8, Want::UidOrError),
+        ("over 3 MiB", huge, Want::Error(413)),
+        ("trailing garbage", [review(pod_request(json!({}))), b"garbage".to_vec()].concat(), Want::Error(400)),
+        ("wrong review kind", serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "Pod", "request": pod_request(json!({}))})).expect("json"), Want::Uid),
+        ("unknown apiVersion", serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v9", "request": pod_request(json!({}))})).expect("json"), Want::Uid),
+        ("unknown operation", review(pod_request(json!({"operation": "TELEPORT"}))), Want::Uid),
+        ("null resource", review(pod_request(json!({"resource": null}))), Want::Uid),
+        ("null kind", review(pod_request(json!({"kind": null}))), Want::Uid),
+        ("kind of the wrong type", review(pod_request(json!({"kind": "Pod"}))), Want::Uid),
+        ("object not a pod", review(pod_request(json!({"object": [1, 2, 3]}))), Want::Uid),
+        ("object a string", review(pod_request(json!({"object": "pod"}))), Want::Uid),
+        ("object with a wrong field type", review(pod_request(json!({"object": {"metadata": {"name": 5}}}))), Want::Uid),
+        ("no object", review(pod_request(json!({"object": null}))), Want::Uid),
+        ("dryRun not a boolean", review(pod_request(json!({"dryRun": "yes"}))), Want::Uid),
+        ("a huge name", review(pod_request(json!({"name": "n".repeat(100_000)}))), Want::Uid),
+        ("many unknown fields", review(pod_request(json!({"x1": [1], "x2": {"a": null}, "x3": "y"}))), Want::Uid),
+    ]
+}
+
+#[tokio::test]
+async fn malformed_requests_get_clear_answers_and_the_server_keeps_serving() {
+    let server = start().await;
+    let good = review(pod_request(json!({})));
+    let paths = [mutate_pod::PATH, validate_pps::PATH, convert::PATH];
+    let mut cases = 0;
+    for path in paths {
+        for (what, body, want) in bodies() {
+            // Conversion reviews have another shape: what admission reads as a request with a
+            // uid is a conversion request with a uid and no desired version (a failure).
+            let want = match (path, want) {
+                (p, Want::Uid) if p == convert::PATH => Want::Uid,
+                (_, w) => w,
+            };
+            let got = server.post(path, "application/json", &body).await;
+            if path == convert::PATH && matches!(want, Want::Uid) {
+                let answered =
+                    matches!(&got, Got::Answer(200, b) if b.contains("\"uid\":\"u-bad\""));
+                assert!(answered, "{path} {what}: {got:?}");
+            } else {
+                check(path, what, &got, want);
+            }
+            cases += 1;
+        }
+        for (what, got, want) in [
+            ("wrong content type", server.post(path, "text/plain", &good).await, Want::Error(415)),
+            ("no content type", server.raw(format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}").as_bytes()).await, Want::Error(415)),
+            ("GET", server.raw(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes()).await, Want::Error(405)),
+            ("PUT", server.raw(format!("PUT {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").as_bytes()).await, Want::Error(405)),
+        ] {
+            check(path, what, &got, want);
+            cases += 1;
+        }
+        // The real thing still works.
+        let got = server.post(path, "application/json", &good).await;
+        assert!(
+            matches!(got, Got::Answer(200, _)),
+            "{path} after abuse: {got:?}"
+        );
+    }
+    check(
+        "/nowhere",
+        "unknown path",
+        &server.post("/nowhere", "application/json", &good).await,
+        Want::Error(404),
+    );
+    println!(
+        "{cases} malformed requests over HTTPS, each answered clearly; the server kept serving"
+    );
+    assert!(cases >= 3 * 30);
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn misbehaving_connections_are_closed_within_their_bounds() {
+    let server = start().await;
+    let bound = TEST_LIMITS.idle_timeout + Duration::from_secs(2);
+    let closed_within = |start: Instant, what: &str, got: &Got| {
+        assert!(
+            matches!(got, Got::Closed) || matches!(got, Got::Answer(status, _) if *status >= 400),
+            "{what}: {got:?}"
+        );
+        assert!(
+            start.elapsed() < bound,
+            "{what}: closed after {:?}",
+            start.elapsed()
+        );
+    };
+
+    // Plain HTTP on the TLS port: the handshake fails, the connection is closed.
+    let start = Instant::now();
+    let mut tcp = TcpStream::connect(server.addr).await.expect("connect");
+    tcp.write_all(b"POST /mutate-pod HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    closed_within(start, "plain HTTP", &read_answer(&mut tcp).await);
+
+    // A TCP connection that never starts the handshake.
+    let start = Instant::now();
+    let mut tcp = TcpStream::connect(server.addr).await.expect("connect");
+    closed_within(start, "no handshake", &read_answer(&mut tcp).await);
+
+    // Idle after the handshake.
+    let start = Instant::now();
+    let mut idle = server.tls(&server.connector).await;
+    closed_within(
+        start,
+        "idle after the handshake",
+        &read_answer(&mut idle).await,
+    );
+
+    // Headers sent slowly: a byte every 300 ms keeps the connection active but never ends.
+    let start = Instant::now();
+    let mut slow = server.tls(&server.connector).await;
+    let trickle = async {
+        for b in b"POST /mutate-pod HTTP/1.1\r\nhost: localhost\r\nx-slow: "
+            .iter()
+            .chain(std::iter::repeat(&b'a'))
+        {
+            if slow.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if start.elapsed() > bound {
+                break;
+            }
+        }
+    };
+    trickle.await;
+    closed_within(start, "slow headers", &read_answer(&mut slow).await);
+
+    // HTTP/2 negotiated, then a preface that stops half-way.
+    let start = Instant::now();
+    let mut h2 = server.tls(&server.h2).await;
+    h2.write_all(b"PRI * HTTP/2.0\r\n").await.expect("write");
+    closed_within(start, "stalled HTTP/2 preface", &read_answer(&mut h2).await);
+
+    // A body that stops arriving.
+    let start = Instant::now();
+    let mut partial = server.tls(&server.connector).await;
+    partial
+        .write_all(b"POST /mutate-pod HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"request\":")
+        .await
+        .expect("write");
+    closed_within(start, "stalled body", &read_answer(&mut partial).await);
+
+    // Still serving.
+    let got = server
+        .post(
+            mutate_pod::PATH,
+            "application/json",
+            &review(pod_request(json!({}))),
+        )
+        .await;
+    assert!(matches!(got, Got::Answer(200, _)), "{got:?}");
+    server.stop.cancel();
+}
