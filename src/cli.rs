@@ -43,7 +43,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the admission webhook server and the controller in one process.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the PersistentPodState CustomResourceDefinition as YAML.
     Crd(CrdArgs),
     /// Write a self-signed CA (ca.crt, ca.key) and a serving certificate (tls.crt, tls.key); with a
