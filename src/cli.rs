@@ -132,12 +132,17 @@ pub struct LeaseArgs {
     /// Namespace of the Lease (default: POD_NAMESPACE, else the service account's, else default).
     #[arg(long, env = "PPS_LEASE_NAMESPACE")]
     pub lease_namespace: Option<String>,
-    /// Seconds the Lease stays valid after its last renewal (a dead leader's successor waits this long).
+    /// Seconds a Lease record must stay unchanged before another replica may take it (a dead
+    /// leader's successor waits this long).
     #[arg(long, env = "PPS_LEASE_DURATION_SECONDS", default_value_t = 15)]
     pub lease_duration_seconds: u64,
-    /// Seconds before expiry at which the leader renews.
-    #[arg(long, env = "PPS_LEASE_GRACE_SECONDS", default_value_t = 5)]
-    pub lease_grace_seconds: u64,
+    /// Seconds within which the leader must renew, or step down (stops its controllers); less
+    /// than the lease duration, so it stops before another replica may take over.
+    #[arg(long, env = "PPS_LEASE_RENEW_DEADLINE_SECONDS", default_value_t = 10)]
+    pub lease_renew_deadline_seconds: u64,
+    /// Seconds between renewals (and between a candidate's looks).
+    #[arg(long, env = "PPS_LEASE_RETRY_PERIOD_SECONDS", default_value_t = 2)]
+    pub lease_retry_period_seconds: u64,
     /// This replica's identity in the Lease (default: pod or host name and process id).
     #[arg(long, env = "PPS_LEADER_IDENTITY")]
     pub leader_identity: Option<String>,

@@ -1,11 +1,25 @@
-//! Leader election over a `coordination.k8s.io` Lease (kube-lease-manager): every replica
-//! serves the webhooks from its own caches; only the Lease holder runs the controllers.
+//! Leader election over a `coordination.k8s.io` Lease, fenced: every replica serves the
+//! webhooks from its own caches; only the Lease holder runs the controllers, and only while its
+//! hold is certain.
+//!
+//! As client-go's leader election: a candidate takes the Lease when it is free, or when its
+//! record has not changed for the lease duration (measured on the candidate's own clock from
+//! when it observed the record); the holder renews every retry period and steps down when it has
+//! not renewed within the renew deadline, which is shorter than the lease duration. So a holder
+//! that is cut off from the API server, or paused, stops before anyone else may take over. The
+//! [`Fence`] carries the same deadline to every write of the controllers: a write is refused
+//! once the last renewal is older than the renew deadline (monotonic clock: a paused process
+//! wakes up fenced), and every write is conditional on the resourceVersion it was computed
+//! from, so even a write already under way when the hold was lost cannot overwrite newer data.
 
 use std::future::Future;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-use kube::Client;
-use kube_lease_manager::LeaseManagerBuilder;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::LeaseArgs;
@@ -20,102 +34,352 @@ pub struct LeaseConfig {
     pub namespace: String,
     /// This replica's identity (holderIdentity when leading).
     pub identity: String,
-    /// Seconds a lock stays valid after its last renewal; a dead leader is replaced after this.
-    pub duration_seconds: u64,
-    /// Seconds before expiry at which the holder renews.
-    pub grace_seconds: u64,
+    /// How long a record must stay unchanged before another replica may take the Lease.
+    pub duration: Duration,
+    /// The holder steps down when it has not renewed for this long (shorter than `duration`).
+    pub renew_deadline: Duration,
+    /// How often the holder renews and candidates look.
+    pub retry_period: Duration,
 }
 
 impl LeaseConfig {
-    /// The Lease to hold as the flags say, or `None` without leader election.
-    pub fn from_args(args: &LeaseArgs) -> Option<Self> {
-        args.leader_elect.then(|| Self {
+    /// The Lease to hold as the flags say, or `None` without leader election. The renew
+    /// deadline must be shorter than the lease duration, and the retry period than the deadline.
+    pub fn from_args(args: &LeaseArgs) -> anyhow::Result<Option<Self>> {
+        if !args.leader_elect {
+            return Ok(None);
+        }
+        anyhow::ensure!(
+            args.lease_retry_period_seconds > 0
+                && args.lease_retry_period_seconds < args.lease_renew_deadline_seconds
+                && args.lease_renew_deadline_seconds < args.lease_duration_seconds,
+            "the Lease needs 0 < retry period ({}s) < renew deadline ({}s) < duration ({}s)",
+            args.lease_retry_period_seconds,
+            args.lease_renew_deadline_seconds,
+            args.lease_duration_seconds
+        );
+        Ok(Some(Self {
             name: args.lease_name.clone(),
             namespace: args.lease_namespace.clone().unwrap_or_else(own_namespace),
             identity: args
                 .leader_identity
                 .clone()
                 .unwrap_or_else(default_identity),
-            duration_seconds: args.lease_duration_seconds,
-            grace_seconds: args.lease_grace_seconds,
-        })
+            duration: Duration::from_secs(args.lease_duration_seconds),
+            renew_deadline: Duration::from_secs(args.lease_renew_deadline_seconds),
+            retry_period: Duration::from_secs(args.lease_retry_period_seconds),
+        }))
     }
 }
 
-/// Runs `lead(stop)` whenever this replica holds the Lease. `stop` is cancelled when the Lease
-/// is lost or at `shutdown`; `lead` must then return. At shutdown the Lease is released so
-/// another replica takes over at once.
+/// Whether the controllers may write now. Cloned into every writer.
+#[derive(Clone, Debug)]
+pub struct Fence(Arc<Mutex<Option<Instant>>>);
+
+/// A write refused because this replica's hold on the Lease is not certain.
+#[derive(Debug, thiserror::Error)]
+#[error("not writing: this replica's hold on the Lease is not certain (renew deadline passed)")]
+pub struct Fenced;
+
+impl Fence {
+    /// A fence that never opens until a Lease is held.
+    pub fn closed() -> Self {
+        Self(Arc::new(Mutex::new(None)))
+    }
+
+    /// A fence that is always open (no leader election: a single replica).
+    pub fn open() -> Self {
+        Self(Arc::new(Mutex::new(Some(far_future()))))
+    }
+
+    fn set(&self, until: Option<Instant>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = until;
+    }
+
+    /// `Ok` while writes are allowed.
+    pub fn check(&self) -> Result<(), Fenced> {
+        let until = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match until {
+            Some(until) if Instant::now() < until => Ok(()),
+            _ => Err(Fenced),
+        }
+    }
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
+}
+
+/// What a candidate or holder does next, from the Lease as read now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// No Lease: create it, holding it.
+    Create,
+    /// We hold it: renew.
+    Renew,
+    /// Free, or unchanged for the lease duration: take it over.
+    TakeOver,
+    /// Someone else holds it.
+    Wait {
+        /// Who.
+        holder: String,
+    },
+}
+
+/// Decides the next step; remembers when each record was first observed, on the local clock.
+#[derive(Debug, Default)]
+pub struct Elector {
+    observed: Option<(String, Instant)>,
+}
+
+impl Elector {
+    /// The step for `lease` (as read at `now`) and this replica's `identity`.
+    pub fn step(
+        &mut self,
+        lease: Option<&Lease>,
+        identity: &str,
+        duration: Duration,
+        now: Instant,
+    ) -> Step {
+        let Some(lease) = lease else {
+            return Step::Create;
+        };
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = spec.holder_identity.unwrap_or_default();
+        if holder == identity {
+            return Step::Renew;
+        }
+        if holder.is_empty() {
+            return Step::TakeOver;
+        }
+        // A record is its resourceVersion: any renewal changes it.
+        let record = lease.resource_version().unwrap_or_default();
+        let since = match &self.observed {
+            Some((seen, at)) if *seen == record => *at,
+            _ => {
+                self.observed = Some((record, now));
+                now
+            }
+        };
+        if now.duration_since(since) >= duration {
+            Step::TakeOver
+        } else {
+            Step::Wait { holder }
+        }
+    }
+}
+
+/// The Lease as this replica would write it for `step`, from `current`.
+fn written(config: &LeaseConfig, step: &Step, current: Option<&Lease>) -> Lease {
+    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let mut lease = current.cloned().unwrap_or_else(|| Lease {
+        metadata: ObjectMeta {
+            name: Some(config.name.clone()),
+            namespace: Some(config.namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        spec: None,
+    });
+    lease.metadata.managed_fields = None;
+    let mut spec = lease.spec.take().unwrap_or_else(LeaseSpec::default);
+    if *step != Step::Renew {
+        spec.acquire_time = Some(now.clone());
+        spec.lease_transitions = Some(
+            spec.lease_transitions
+                .unwrap_or(0)
+                .saturating_add(i32::from(current.is_some())),
+        );
+    }
+    spec.holder_identity = Some(config.identity.clone());
+    spec.lease_duration_seconds =
+        Some(i32::try_from(config.duration.as_secs()).unwrap_or(i32::MAX));
+    spec.renew_time = Some(now);
+    lease.spec = Some(spec);
+    lease
+}
+
+/// One attempt to take or keep the Lease: whether this replica holds it now.
+async fn acquire_or_renew(
+    api: &Api<Lease>,
+    config: &LeaseConfig,
+    elector: &mut Elector,
+) -> Result<bool, kube::Error> {
+    let current = api.get_opt(&config.name).await?;
+    let step = elector.step(
+        current.as_ref(),
+        &config.identity,
+        config.duration,
+        Instant::now(),
+    );
+    let lease = written(config, &step, current.as_ref());
+    // Conditional writes: a create fails if someone created it first; a replace carries the
+    // resourceVersion read, so it fails if anyone wrote in between.
+    let result = match step {
+        Step::Wait { .. } => return Ok(false),
+        Step::Create => api.create(&PostParams::default(), &lease).await,
+        Step::Renew | Step::TakeOver => {
+            api.replace(&config.name, &PostParams::default(), &lease)
+                .await
+        }
+    };
+    match result {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Gives the Lease up (at shutdown), so another replica takes over at once.
+async fn release(api: &Api<Lease>, config: &LeaseConfig) {
+    let result = async {
+        let Some(mut lease) = api.get_opt(&config.name).await? else {
+            return Ok(());
+        };
+        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+        if spec.holder_identity.as_deref() != Some(config.identity.as_str()) {
+            return Ok(());
+        }
+        spec.holder_identity = None;
+        lease.metadata.managed_fields = None;
+        api.replace(&config.name, &PostParams::default(), &lease)
+            .await
+            .map(|_| ())
+    }
+    .await;
+    match result {
+        Ok(()) => tracing::info!(lease = %config.name, "Lease released"),
+        Err(error) => tracing::warn!(%error, "releasing the Lease failed; it expires by itself"),
+    }
+}
+
+/// How the controllers ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// At shutdown.
+    Shutdown,
+    /// By themselves, while they should have been running: the process must not go on
+    /// serving without them.
+    Unexpectedly,
+}
+
+/// Runs `lead(stop)` whenever this replica holds the Lease, with `fence` open exactly while
+/// the hold is certain. `stop` is cancelled when the hold is lost or uncertain, or at
+/// `shutdown`; `lead` must then return. Returns when `shutdown` is cancelled (releasing the
+/// Lease), or when `lead` returned by itself.
 pub async fn run_when_leading<F, Fut>(
     client: Client,
     config: LeaseConfig,
     metrics: &Metrics,
+    fence: Fence,
     shutdown: CancellationToken,
     lead: F,
-) where
+) -> Ended
+where
     F: Fn(CancellationToken) -> Fut,
     Fut: Future<Output = ()>,
 {
-    let manager = loop {
-        let built = LeaseManagerBuilder::new(client.clone(), &config.name)
-            .with_namespace(&config.namespace)
-            .with_identity(&config.identity)
-            .with_duration(config.duration_seconds)
-            .with_grace(config.grace_seconds)
-            .build()
-            .await;
-        match built {
-            Ok(m) => break m,
-            Err(error) => {
-                tracing::warn!(%error, lease = %config.name, namespace = %config.namespace, "cannot use the Lease; retrying");
+    let api: Api<Lease> = Api::namespaced(client, &config.namespace);
+    let mut elector = Elector::default();
+    // An API call may take at most this long: a hung call cannot outlive the renew deadline.
+    let call_timeout = config
+        .renew_deadline
+        .saturating_sub(config.retry_period)
+        .max(Duration::from_secs(1));
+    loop {
+        // Candidate: look every retry period.
+        let attempt_at = Instant::now();
+        let held = tokio::select! {
+            r = tokio::time::timeout(call_timeout, acquire_or_renew(&api, &config, &mut elector)) => r,
+            () = shutdown.cancelled() => return Ended::Shutdown,
+        };
+        match held {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => {
                 tokio::select! {
-                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(config.retry_period) => continue,
+                    () = shutdown.cancelled() => return Ended::Shutdown,
                 }
             }
-        }
-    };
-    let (mut leading, lease_task) = manager.watch().await;
-    'elections: loop {
-        // Wait for the Lease.
-        while !*leading.borrow_and_update() {
-            tokio::select! {
-                changed = leading.changed() => if changed.is_err() { break 'elections },
-                () = shutdown.cancelled() => break 'elections,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, lease = %config.name, "cannot read or take the Lease; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(config.retry_period) => continue,
+                    () = shutdown.cancelled() => return Ended::Shutdown,
+                }
             }
+            Err(_) => continue,
         }
+
+        // Holder.
+        let mut renewed_at = attempt_at;
+        fence.set(Some(renewed_at + config.renew_deadline));
         tracing::info!(identity = %config.identity, lease = %config.name, "leading: controllers start");
         metrics.leader.set(1);
         let stop = shutdown.child_token();
         let run = lead(stop.clone());
         tokio::pin!(run);
-        tokio::select! {
-            () = &mut run => {}
-            () = lost(&mut leading) => {
-                tracing::warn!(identity = %config.identity, "lost the Lease: controllers stop");
-                stop.cancel();
-                run.await;
+        let mut finished = false;
+        let why = loop {
+            let deadline = tokio::time::Instant::from_std(renewed_at + config.renew_deadline);
+            tokio::select! {
+                () = &mut run => {
+                    finished = true;
+                    break if shutdown.is_cancelled() { StepDown::Shutdown } else { StepDown::Ended };
+                }
+                () = shutdown.cancelled() => break StepDown::Shutdown,
+                () = tokio::time::sleep_until(deadline) => break StepDown::DeadlinePassed,
+                () = tokio::time::sleep(config.retry_period) => {
+                    let attempt = Instant::now();
+                    match tokio::time::timeout(call_timeout, acquire_or_renew(&api, &config, &mut elector)).await {
+                        Ok(Ok(true)) => {
+                            renewed_at = attempt;
+                            fence.set(Some(renewed_at + config.renew_deadline));
+                        }
+                        Ok(Ok(false)) => break StepDown::Lost,
+                        Ok(Err(error)) => tracing::warn!(%error, "renewing the Lease failed; retrying until the renew deadline"),
+                        Err(_) => tracing::warn!("renewing the Lease timed out; retrying until the renew deadline"),
+                    }
+                }
             }
+        };
+        fence.set(None);
+        stop.cancel();
+        if !finished {
+            run.await;
         }
         metrics.leader.set(0);
-        if shutdown.is_cancelled() {
-            break;
+        match why {
+            StepDown::Shutdown => {
+                release(&api, &config).await;
+                return Ended::Shutdown;
+            }
+            StepDown::Ended => {
+                tracing::error!("the controllers stopped by themselves");
+                return Ended::Unexpectedly;
+            }
+            StepDown::DeadlinePassed | StepDown::Lost => {
+                tracing::warn!(identity = %config.identity, reason = why.as_str(), "stepped down: controllers stopped");
+            }
         }
-    }
-    // Dropping the receiver makes the lease task release the Lease and end.
-    drop(leading);
-    match lease_task.await {
-        Ok(Ok(_)) => tracing::info!(lease = %config.name, "Lease released"),
-        Ok(Err(error)) => {
-            tracing::warn!(%error, "releasing the Lease failed; it expires by itself")
-        }
-        Err(error) => tracing::warn!(%error, "lease task failed"),
     }
 }
 
-async fn lost(leading: &mut tokio::sync::watch::Receiver<bool>) {
-    loop {
-        if leading.changed().await.is_err() || !*leading.borrow_and_update() {
-            return;
+/// Why a holder stops its controllers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StepDown {
+    Shutdown,
+    Ended,
+    DeadlinePassed,
+    Lost,
+}
+
+impl StepDown {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Shutdown => "shutdown",
+            Self::Ended => "the controllers ended",
+            Self::DeadlinePassed => "not renewed within the renew deadline",
+            Self::Lost => "another replica holds the Lease",
         }
     }
 }
@@ -142,4 +406,170 @@ pub fn default_identity() -> String {
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|| "persistent-pod-state".to_owned());
     format!("{host}-{}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn lease(holder: Option<&str>, version: &str) -> Lease {
+        serde_json::from_value(json!({
+            "metadata": {"name": "l", "namespace": "ns", "resourceVersion": version},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
+        }))
+        .expect("lease")
+    }
+
+    #[test]
+    fn takes_a_free_or_stale_lease_and_waits_for_a_live_one() {
+        let d = Duration::from_secs(15);
+        let t0 = Instant::now();
+        let mut e = Elector::default();
+        assert_eq!(e.step(None, "me", d, t0), Step::Create);
+        assert_eq!(
+            e.step(Some(&lease(Some("me"), "1")), "me", d, t0),
+            Step::Renew
+        );
+        assert_eq!(e.step(Some(&lease(None, "1")), "me", d, t0), Step::TakeOver);
+        let other = |v: &str| lease(Some("other"), v);
+        let wait = Step::Wait {
+            holder: "other".into(),
+        };
+        assert_eq!(e.step(Some(&other("5")), "me", d, t0), wait);
+        assert_eq!(
+            e.step(Some(&other("5")), "me", d, t0 + Duration::from_secs(10)),
+            wait
+        );
+        // Renewed meanwhile: the clock starts again from this observation.
+        assert_eq!(
+            e.step(Some(&other("6")), "me", d, t0 + Duration::from_secs(14)),
+            wait
+        );
+        assert_eq!(
+            e.step(Some(&other("6")), "me", d, t0 + Duration::from_secs(28)),
+            wait
+        );
+        assert_eq!(
+            e.step(Some(&other("6")), "me", d, t0 + Duration::from_secs(29)),
+            Step::TakeOver,
+            "unchanged for the lease duration"
+        );
+    }
+
+    #[test]
+    fn the_fence_closes_at_the_deadline() {
+        let fence = Fence::closed();
+        assert!(fence.check().is_err());
+        fence.set(Some(Instant::now() + Duration::from_secs(60)));
+        assert!(fence.check().is_ok());
+        fence.set(Some(Instant::now()));
+        assert!(
+            fence.check().is_err(),
+            "a passed deadline (a paused process) fences"
+        );
+        assert!(Fence::open().check().is_ok());
+    }
+
+    #[test]
+    fn a_take_over_counts_a_transition_and_a_renewal_does_not() {
+        let config = LeaseConfig {
+            name: "l".into(),
+            namespace: "ns".into(),
+            identity: "me".into(),
+            duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        };
+        let mut held = lease(Some("other"), "3");
+        held.spec.as_mut().expect("spec").lease_transitions = Some(4);
+        let taken = written(&config, &Step::TakeOver, Some(&held));
+        let spec = taken.spec.as_ref().expect("spec");
+        assert_eq!(spec.holder_identity.as_deref(), Some("me"));
+        assert_eq!(spec.lease_transitions, Some(5));
+        assert_eq!(
+            taken.resource_version().as_deref(),
+            Some("3"),
+            "conditional on what was read"
+        );
+        let renewed = written(&config, &Step::Renew, Some(&taken));
+        assert_eq!(
+            renewed.spec.as_ref().and_then(|s| s.lease_transitions),
+            Some(5)
+        );
+        let created = written(&config, &Step::Create, None);
+        assert_eq!(
+            created.spec.as_ref().and_then(|s| s.lease_transitions),
+            Some(0)
+        );
+    }
+}
+
+#[cfg(test)]
+mod supervision_tests {
+    use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    /// Answers the Lease calls of one election: not found, then created.
+    async fn grant(handle: &mut tower_test::mock::Handle<Request<Body>, Response<Body>>) {
+        let (get, respond) = handle.next_request().await.expect("GET lease");
+        assert_eq!(get.method(), http::Method::GET);
+        respond.send_response(
+            Response::builder()
+                .status(404)
+                .body(Body::from(
+                    serde_json::to_vec(&serde_json::json!({"kind": "Status", "apiVersion": "v1",
+                        "status": "Failure", "reason": "NotFound", "code": 404}))
+                    .expect("json"),
+                ))
+                .expect("response"),
+        );
+        let (create, respond) = handle.next_request().await.expect("POST lease");
+        assert_eq!(create.method(), http::Method::POST);
+        let lease = written(&config(), &Step::Create, None);
+        respond.send_response(
+            Response::builder()
+                .status(201)
+                .body(Body::from(serde_json::to_vec(&lease).expect("json")))
+                .expect("response"),
+        );
+    }
+
+    fn config() -> LeaseConfig {
+        LeaseConfig {
+            name: "l".into(),
+            namespace: "ns".into(),
+            identity: "me".into(),
+            duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+
+    #[tokio::test]
+    async fn controllers_that_stop_by_themselves_end_the_election_as_a_failure() {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(service, "default");
+        let metrics = Metrics::new();
+        let fence = Fence::closed();
+        let run = run_when_leading(
+            client,
+            config(),
+            &metrics,
+            fence.clone(),
+            CancellationToken::new(),
+            |_stop| async {},
+        );
+        tokio::pin!(run);
+        let ended = tokio::select! {
+            ended = &mut run => ended,
+            () = grant(&mut handle) => run.await,
+        };
+        assert_eq!(ended, Ended::Unexpectedly);
+        assert!(
+            fence.check().is_err(),
+            "fenced again once the controllers stopped"
+        );
+    }
 }

@@ -16,7 +16,7 @@ use crate::cli::ServeArgs;
 use crate::controller;
 use crate::discovery;
 use crate::events::Events;
-use crate::leader::{self, LeaseConfig};
+use crate::leader::{self, Ended, Fence, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
 use crate::state::Caches;
@@ -98,37 +98,66 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         drain,
     ));
 
-    let controllers = tokio::spawn({
+    let lease = LeaseConfig::from_args(&args.lease)?;
+    let fence = if lease.is_some() {
+        Fence::closed()
+    } else {
+        Fence::open()
+    };
+    let mut controllers = tokio::spawn({
         let ctx = Arc::new(controller::Context::new(
             client.clone(),
             caches.clone(),
             metrics.clone(),
             events.clone(),
             args.node_lost_after,
+            fence.clone(),
         ));
         let shutdown = shutdown.clone();
-        let lease = LeaseConfig::from_args(&args.lease);
         let client = client.clone();
         let metrics = metrics.clone();
         async move {
             tokio::select! {
                 () = ctx.caches.wait_synced() => {}
-                () = shutdown.cancelled() => return,
+                () = shutdown.cancelled() => return Ended::Shutdown,
             }
             tracing::info!("caches synced; ready");
             match lease {
                 Some(lease) => {
-                    leader::run_when_leading(client, lease, &metrics, shutdown, |stop| {
+                    leader::run_when_leading(client, lease, &metrics, fence, shutdown, |stop| {
                         controller::run(ctx.clone(), stop)
                     })
                     .await
                 }
-                None => controller::run(ctx, shutdown).await,
+                None => {
+                    controller::run(ctx, shutdown.clone()).await;
+                    if shutdown.is_cancelled() {
+                        Ended::Shutdown
+                    } else {
+                        Ended::Unexpectedly
+                    }
+                }
             }
         }
     });
 
-    wait_for_signal().await;
+    // Supervised: controllers that stop by themselves (an error, a panic) end the process with
+    // a failure, so the kubelet restarts it; it never serves long with dead controllers.
+    let failed = tokio::select! {
+        () = wait_for_signal() => None,
+        ended = &mut controllers => Some(match ended {
+            Ok(Ended::Shutdown) => "the controllers stopped".to_owned(),
+            Ok(Ended::Unexpectedly) => "the controllers stopped by themselves".to_owned(),
+            Err(e) => format!("the controllers failed: {e}"),
+        }),
+    };
+    if let Some(why) = failed {
+        tracing::error!(%why, "exiting so that the process is restarted");
+        health.shutting_down.store(true, Ordering::Release);
+        shutdown.cancel();
+        let _ = tokio::time::timeout(drain, webhook_server).await;
+        anyhow::bail!("{why}");
+    }
     health.shutting_down.store(true, Ordering::Release);
     tracing::info!(
         delay_seconds = args.shutdown_delay_seconds,

@@ -36,7 +36,8 @@ fn restart(env: &Env, replica: &Replica) {
             "PPS_LEASE_DURATION_SECONDS",
             env.lease_duration.as_secs().to_string(),
         )
-        .env("PPS_LEASE_GRACE_SECONDS", "3")
+        .env("PPS_LEASE_RENEW_DEADLINE_SECONDS", "5")
+        .env("PPS_LEASE_RETRY_PERIOD_SECONDS", "1")
         .env(
             "PPS_CUSTOM_WORKLOAD_CONFIG",
             env.cluster_dir.join("custom-workloads.yaml"),
@@ -90,6 +91,8 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
             "\n%{http_code}",
             "--cacert",
             ca.to_str().expect("path"),
+            "-H",
+            "Content-Type: application/json",
             "--data-binary",
             "{}",
             &format!("https://127.0.0.1:{}/mutate-pod", r.webhook_port),
@@ -149,8 +152,9 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         takeover.as_secs_f64(),
         env.lease_duration.as_secs()
     );
-    // The dead leader's Lease expires at most one lease duration after its last renewal; the
-    // follower takes it at its next check (allowed: the 3 s renewal grace the replicas run with).
+    // The follower takes the Lease once its record has not changed for the lease duration
+    // (counted from its last renewal, at most one retry period before the kill), at its next
+    // look (one retry period, 1 s here): allowed one retry period and a second of API calls.
     assert!(
         takeover <= env.lease_duration + Duration::from_secs(3),
         "takeover within the lease duration: {takeover:?}"
@@ -197,5 +201,149 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         (http_get(&format!("{}/readyz", leader.probe_url())).await.0 == 200).then_some(())
     })
     .await;
+    delete_namespace(c, &ns).await;
+}
+
+/// The pid and log file of a replica as the suite runs it now.
+fn replica_process(env: &Env, replica: &Replica) -> (String, std::path::PathBuf) {
+    let pid = std::fs::read_to_string(
+        env.cluster_dir
+            .join(format!("persistent-pod-state-{}.pid", replica.name)),
+    )
+    .expect("pid");
+    let logs = env.cluster_dir.join("logs");
+    let restarted = logs.join(format!(
+        "persistent-pod-state-{}-restarted.log",
+        replica.name
+    ));
+    let log = if restarted.exists() {
+        restarted
+    } else {
+        logs.join(format!("persistent-pod-state-{}.log", replica.name))
+    };
+    (pid.trim().to_owned(), log)
+}
+
+fn signal(pid: &str, sig: &str) {
+    assert!(
+        std::process::Command::new("kill")
+            .args([sig, pid])
+            .status()
+            .expect("kill")
+            .success(),
+        "kill {sig} {pid}"
+    );
+}
+
+/// Issue 10.3: the leader is paused (SIGSTOP) past its renew deadline; the other replica takes
+/// over and changes the world (a scale-in prunes states); when the old leader resumes it finds
+/// its renew deadline passed, writes nothing (fenced) and steps down: no pruned state comes
+/// back.
+#[tokio::test]
+async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-fence").await;
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "fenced",
+            3,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                ("kruise.io/preferred-persistent-topology", HOST),
+            ],
+        ),
+    )
+    .await;
+    wait_sts_rolled(c, &ns, "fenced", 3).await;
+    let before = placements(c, &ns, &pod_names("fenced", 3)).await;
+    wait_states(c, &ns, "fenced", &before).await;
+
+    let leader_id = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
+    let leader = env
+        .replicas
+        .iter()
+        .find(|r| r.identity() == leader_id)
+        .expect("a replica leads")
+        .clone();
+    let follower = env
+        .replicas
+        .iter()
+        .find(|r| r.identity() != leader_id)
+        .expect("a follower")
+        .clone();
+    let (pid, log) = replica_process(&env, &leader);
+    let log_before = std::fs::read_to_string(&log).unwrap_or_default().len();
+
+    signal(&pid, "-STOP");
+    let paused = Instant::now();
+    wait_for(
+        "the follower to take the Lease from the paused leader",
+        env.lease_duration + TIMEOUT,
+        || async {
+            (holder(c).await.as_deref() == Some(follower.identity().as_str())).then_some(())
+        },
+    )
+    .await;
+    let takeover = paused.elapsed();
+    Api::<StatefulSet>::namespaced(c.clone(), &ns)
+        .patch(
+            "fenced",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1}})),
+        )
+        .await
+        .expect("scale in");
+    wait_sts_rolled(c, &ns, "fenced", 1).await;
+    wait_state_names(c, &ns, "fenced", &["fenced-0"]).await;
+
+    signal(&pid, "-CONT");
+    let resumed = Instant::now();
+    let stepped_down = wait_for(
+        "the old leader to log that it stepped down",
+        TIMEOUT,
+        || async {
+            let text = std::fs::read_to_string(&log).ok()?;
+            text.get(log_before..)?
+                .contains("stepped down")
+                .then(|| resumed.elapsed())
+        },
+    )
+    .await;
+    // For two renew periods after it resumed, the pruned states stay pruned and the old leader
+    // does not lead.
+    let watch = Duration::from_secs(10);
+    let api = pps_api(c, &ns);
+    while resumed.elapsed() < watch {
+        let states: Vec<String> = api
+            .get("fenced")
+            .await
+            .expect("pps")
+            .status
+            .map(|s| s.pod_states.into_keys().collect())
+            .unwrap_or_default();
+        assert_eq!(states, ["fenced-0"], "a pruned state came back");
+        assert_eq!(
+            holder(c).await.as_deref(),
+            Some(follower.identity().as_str()),
+            "the new leader keeps the Lease"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let text = http_get(&format!("{}/metrics", leader.probe_url())).await.1;
+    assert_eq!(
+        metric(&text, "pps_leader "),
+        0.0,
+        "the old leader does not lead"
+    );
+    println!(
+        "leader {} paused; {} took over after {:.1}s; the old leader stepped down {:.1}s after it resumed; no pruned state came back",
+        leader.identity(),
+        follower.identity(),
+        takeover.as_secs_f64(),
+        stepped_down.as_secs_f64()
+    );
     delete_namespace(c, &ns).await;
 }

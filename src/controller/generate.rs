@@ -141,6 +141,8 @@ pub enum Plan {
     Delete {
         /// Precondition: only this object is deleted.
         uid: String,
+        /// Precondition: only as planned from (not changed meanwhile).
+        resource_version: Option<String>,
     },
     /// Send nothing.
     Leave(Leave),
@@ -168,6 +170,7 @@ pub fn plan(
         return match existing {
             Some(p) if generated => Plan::Delete {
                 uid: p.uid().unwrap_or_default(),
+                resource_version: p.resource_version(),
             },
             _ => Plan::Leave(Leave::NotAsked),
         };
@@ -217,6 +220,8 @@ pub fn plan(
                 block_owner_deletion: None,
             }]),
             annotations,
+            // Conditional on the version planned from (none: a creation).
+            resource_version: existing.and_then(|p| p.resource_version()),
             ..ObjectMeta::default()
         },
         spec,
@@ -421,7 +426,7 @@ mod tests {
             ),
             (
                 plan(&workload(&nothing), Some(&mine), &[]),
-                r#"Delete { uid: "pps-uid" }"#,
+                r#"Delete { uid: "pps-uid", resource_version: None }"#,
             ),
             (
                 plan(&workload(&nothing), Some(&hand_made), &[]),

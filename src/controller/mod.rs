@@ -13,8 +13,10 @@ use std::time::Duration;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, Preconditions};
-use kube::runtime::controller::{Action, Controller};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
+};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -25,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::PersistentPodState;
 use crate::api::{IpRestore, NodeRestore, PersistentPodStateStatus, PodState};
 use crate::events::Events;
+use crate::leader::{Fence, Fenced};
 use crate::metrics::{GeneratorAction, Metrics, Reconciler, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
@@ -53,8 +56,12 @@ pub struct Context {
     pub events: Arc<Events>,
     /// How long a node may be not ready before a required pin to it is left out.
     pub node_lost_after: Duration,
+    /// Open while this replica may write (its hold on the Lease is certain).
+    pub fence: Fence,
     /// Unplaceable states already reported, by PersistentPodState.
     reported_unplaceable: Mutex<HashMap<ObjectRef<PersistentPodState>, BTreeSet<String>>>,
+    /// Consecutive failures by object, for the retry backoff.
+    failures: Backoff,
 }
 
 impl Context {
@@ -65,6 +72,7 @@ impl Context {
         metrics: Arc<Metrics>,
         events: Arc<Events>,
         node_lost_after: Duration,
+        fence: Fence,
     ) -> Self {
         Self {
             client,
@@ -72,10 +80,54 @@ impl Context {
             metrics,
             events,
             node_lost_after,
+            fence,
             reported_unplaceable: Mutex::default(),
+            failures: Backoff::default(),
         }
     }
 }
+
+/// Retry delays of failed reconciles: exponential by consecutive failures of an object
+/// (0.5 s, 1 s, 2 s ... up to 5 min), with jitter (each delay is between half and all of it),
+/// so many objects failing together do not retry in step.
+#[derive(Default)]
+struct Backoff(Mutex<HashMap<String, u32>>);
+
+impl Backoff {
+    const BASE: Duration = Duration::from_millis(500);
+    const MAX: Duration = Duration::from_secs(300);
+    /// Objects tracked at most (failures of objects gone since are forgotten beyond it).
+    const TRACKED: usize = 10_000;
+
+    fn failed(&self, key: String) -> Duration {
+        let mut failures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if failures.len() >= Self::TRACKED {
+            failures.clear();
+        }
+        let n = failures.entry(key.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        let exponential = Self::BASE
+            .saturating_mul(2u32.saturating_pow((*n).saturating_sub(1).min(16)))
+            .min(Self::MAX);
+        let random = std::hash::BuildHasher::hash_one(
+            &std::hash::RandomState::new(),
+            (&key, *n, std::time::SystemTime::now()),
+        );
+        // Between half and all of the exponential delay.
+        exponential.mul_f64(0.5 + (random % 1000) as f64 / 2000.0)
+    }
+
+    fn succeeded(&self, key: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
+    }
+}
+
+/// Reconciles run at once per controller: bounded, so a burst of changes cannot open
+/// unbounded concurrent requests to the API server.
+const CONCURRENCY: u16 = 4;
 
 /// A failed reconcile; retried with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +138,9 @@ pub enum Error {
     /// A value could not be serialized.
     #[error("serialization: {0}")]
     Json(#[from] serde_json::Error),
+    /// This replica may not write now (its hold on the Lease is not certain).
+    #[error(transparent)]
+    Fenced(#[from] Fenced),
 }
 
 /// Runs every controller until `shutdown`; reconciles in flight finish first.
@@ -96,6 +151,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
         stream::empty::<Result<PersistentPodState, watcher::Error>>(),
         caches.pps.clone(),
     )
+    .with_config(controller::Config::default().concurrency(CONCURRENCY))
     .reconcile_on(pps_requests)
     .graceful_shutdown_on(shutdown.clone().cancelled_owned())
     .run(reconcile_pps, pps_error_policy, ctx.clone())
@@ -132,6 +188,7 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
                     ws.store.clone(),
                     ws.resource.clone(),
                 )
+                .with_config(controller::Config::default().concurrency(CONCURRENCY))
                 .reconcile_on(requests)
                 .graceful_shutdown_on(stop.clone().cancelled_owned())
                 .run(
@@ -224,11 +281,19 @@ pub async fn reconcile_pps(
     let old = serde_json::to_value(&pps.status)?;
     let new = serde_json::to_value(&desired)?;
     if let Some(patch) = record::merge_patch(&old, &new) {
+        // Conditional on the version the status was computed from: a stale writer (a replica
+        // that lost the Lease, or a reconcile of an older copy) gets a conflict, never
+        // overwrites newer states; the next reconcile computes again from the cache.
+        let mut body = json!({ "status": patch });
+        if let Some(version) = pps.resource_version() {
+            body["metadata"] = json!({ "resourceVersion": version });
+        }
+        ctx.fence.check()?;
         let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
         api.patch_status(
             &pps.name_any(),
             &PatchParams::default(),
-            &Patch::Merge(json!({ "status": patch })),
+            &Patch::Merge(body),
         )
         .await?;
         let (recorded, pruned) = changes(pps.status.as_ref(), &desired);
@@ -265,6 +330,7 @@ pub async fn reconcile_pps(
                 .publish(&pps, EventType::Normal, "StatesPruned", "Prune", note);
         }
     }
+    ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
     let health = Health::now(ctx.node_lost_after);
     report_unplaceable(&ctx, &pps, &desired, &health);
     Ok(Action::requeue(next_look(&ctx.caches, &desired, &health)))
@@ -412,10 +478,28 @@ fn changes(
     (recorded, pruned)
 }
 
+fn failure_key<K: ResourceExt>(controller: &str, obj: &K) -> String {
+    format!(
+        "{controller}/{}/{}",
+        obj.namespace().unwrap_or_default(),
+        obj.name_any()
+    )
+}
+
+/// Whether an error is a conflict (a write conditional on an older version).
+fn is_conflict(error: &Error) -> bool {
+    matches!(error, Error::Kube(kube::Error::Api(e)) if e.code == 409)
+}
+
 fn pps_error_policy(pps: Arc<PersistentPodState>, error: &Error, ctx: Arc<Context>) -> Action {
     ctx.metrics.reconcile_error(Reconciler::Status);
-    tracing::warn!(pps = %pps.name_any(), namespace = ?pps.namespace(), %error, "reconcile failed; retrying");
-    Action::requeue(Duration::from_secs(5))
+    let delay = ctx.failures.failed(failure_key("pps", pps.as_ref()));
+    if is_conflict(error) {
+        tracing::info!(pps = %pps.name_any(), namespace = ?pps.namespace(), "status changed meanwhile; computing again");
+    } else {
+        tracing::warn!(pps = %pps.name_any(), namespace = ?pps.namespace(), %error, ?delay, "reconcile failed; retrying");
+    }
+    Action::requeue(delay)
 }
 
 /// The context of one workload kind's generator.
@@ -465,15 +549,24 @@ pub async fn reconcile_workload(
         name: name.clone(),
     });
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
-    match generate::plan(&workload, existing.as_deref(), &targeting) {
+    let plan = generate::plan(&workload, existing.as_deref(), &targeting);
+    if !matches!(plan, Plan::Leave(_)) {
+        ctx.fence.check()?;
+    }
+    match plan {
         Plan::Apply(pps) => {
-            let applied = api
-                .patch(
+            // A new one is created (fails if one appeared meanwhile: looked at again from the
+            // cache); an existing one is applied conditionally on the version planned from.
+            let applied = if pps.resource_version().is_none() {
+                api.create(&PostParams::default(), &pps).await
+            } else {
+                api.patch(
                     &name,
                     &PatchParams::apply(FIELD_MANAGER).force(),
                     &Patch::Apply(&pps),
                 )
-                .await;
+                .await
+            };
             match applied {
                 // The namespace is going away with the workload: nothing to generate.
                 Err(kube::Error::Api(e))
@@ -487,11 +580,14 @@ pub async fn reconcile_workload(
             ctx.metrics.generator_write(GeneratorAction::Apply);
             tracing::info!("generated PersistentPodState applied");
         }
-        Plan::Delete { uid } => {
+        Plan::Delete {
+            uid,
+            resource_version,
+        } => {
             let params = DeleteParams {
                 preconditions: Some(Preconditions {
                     uid: Some(uid),
-                    resource_version: None,
+                    resource_version,
                 }),
                 ..DeleteParams::default()
             };
@@ -511,6 +607,8 @@ pub async fn reconcile_workload(
         }
         Plan::Leave(reason) => tracing::debug!(reason = reason.as_str(), "nothing to generate"),
     }
+    ctx.failures
+        .succeeded(&failure_key("generator", obj.as_ref()));
     Ok(Action::await_change())
 }
 
@@ -519,9 +617,11 @@ fn workload_error_policy(
     error: &Error,
     wctx: Arc<WorkloadContext>,
 ) -> Action {
-    wctx.ctx.metrics.reconcile_error(Reconciler::Generator);
-    tracing::warn!(workload = %obj.name_any(), namespace = ?obj.namespace(), %error, "generation failed; retrying");
-    Action::requeue(Duration::from_secs(5))
+    let ctx = &wctx.ctx;
+    ctx.metrics.reconcile_error(Reconciler::Generator);
+    let delay = ctx.failures.failed(failure_key("generator", obj.as_ref()));
+    tracing::warn!(workload = %obj.name_any(), namespace = ?obj.namespace(), %error, ?delay, "generation failed; retrying");
+    Action::requeue(delay)
 }
 
 #[cfg(test)]

@@ -42,6 +42,7 @@ fn context(caches: Arc<Caches>) -> (Arc<Context>, Handle) {
         Arc::new(Metrics::new()),
         events,
         Duration::from_secs(300),
+        crate::leader::Fence::open(),
     );
     (Arc::new(ctx), handle)
 }
@@ -102,7 +103,8 @@ async fn drive(
 fn pps(status: Value) -> PersistentPodState {
     serde_json::from_value(json!({
         "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
-        "metadata": {"name": "web", "namespace": "ns", "generation": 2, "uid": "pps-uid"},
+        "metadata": {"name": "web", "namespace": "ns", "generation": 2, "uid": "pps-uid",
+                     "resourceVersion": "41"},
         "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
                  "requiredPersistentTopology": {"keys": ["topology.kubernetes.io/zone"]}},
         "status": status
@@ -167,7 +169,8 @@ async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
     assert_eq!(patch.content_type, "application/merge-patch+json");
     assert_eq!(
         patch.body,
-        json!({"status": {"podStates": recorded, "recorded": 1}})
+        json!({"metadata": {"resourceVersion": "41"}, "status": {"podStates": recorded, "recorded": 1}}),
+        "only what changed, conditional on the version computed from"
     );
     assert!(
         ctx.metrics
@@ -213,6 +216,29 @@ async fn a_pps_shadowed_by_an_older_one_records_nothing() {
     assert!(sent.is_empty(), "the newer one writes no status: {sent:?}");
 }
 
+#[tokio::test]
+async fn a_fenced_replica_writes_nothing() {
+    let caches = world();
+    let (client, mut handle) = mock_client();
+    let (events_client, _) = mock_client();
+    let events = Arc::new(Events::new(events_client, None, Duration::from_secs(30)));
+    let ctx = Arc::new(Context::new(
+        client,
+        caches,
+        Arc::new(Metrics::new()),
+        events,
+        Duration::from_secs(300),
+        crate::leader::Fence::closed(),
+    ));
+    let pps = Arc::new(pps(json!({"observedGeneration": 2})));
+    let reconcile = reconcile_pps(pps, ctx);
+    tokio::pin!(reconcile);
+    tokio::select! {
+        result = &mut reconcile => assert!(matches!(result, Err(Error::Fenced(_))), "{result:?}"),
+        request = handle.next_request() => panic!("a fenced replica sent {:?}", request.map(|(r, _)| r.uri().clone())),
+    }
+}
+
 fn generator(caches: &Arc<Caches>) -> (Arc<WorkloadContext>, Handle) {
     let (ctx, handle) = context(caches.clone());
     (
@@ -236,7 +262,8 @@ fn generated(annotation_keys: &[&str], owner_uid: Option<&str>) -> PersistentPod
     let annotations: Vec<Value> = annotation_keys.iter().map(|k| json!({"key": k})).collect();
     serde_json::from_value(json!({
         "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
-        "metadata": {"name": "web", "namespace": "ns", "uid": "pps-uid", "ownerReferences": owners},
+        "metadata": {"name": "web", "namespace": "ns", "uid": "pps-uid", "resourceVersion": "7",
+                     "ownerReferences": owners},
         "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
                  "preferredPersistentTopology": [{"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}}],
                  "persistentPodAnnotations": annotations}
@@ -245,7 +272,7 @@ fn generated(annotation_keys: &[&str], owner_uid: Option<&str>) -> PersistentPod
 }
 
 #[tokio::test]
-async fn generator_creates_the_pps_with_server_side_apply() {
+async fn generator_creates_the_pps_and_never_merges_into_one_made_meanwhile() {
     let caches = world();
     let (wctx, mut handle) = generator(&caches);
     let sts = Arc::new(statefulset(asking("a")));
@@ -256,19 +283,20 @@ async fn generator_creates_the_pps_with_server_side_apply() {
     )
     .await;
     assert_eq!(sent.len(), 1, "{sent:?}");
-    let apply = &sent[0];
-    assert_eq!(apply.method, Method::PATCH);
+    let create = &sent[0];
+    // A create (POST), which fails if a PPS of that name appeared meanwhile, where an apply
+    // would merge into it.
+    assert_eq!(create.method, Method::POST);
     assert_eq!(
-        apply.path_and_query,
-        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?&force=true&fieldManager=persistent-pod-state"
+        create.path_and_query,
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates?"
     );
-    assert_eq!(apply.content_type, "application/apply-patch+yaml");
     assert_eq!(
-        apply.body["metadata"]["ownerReferences"][0]["uid"], "sts-uid",
+        create.body["metadata"]["ownerReferences"][0]["uid"], "sts-uid",
         "owned by the workload"
     );
     assert_eq!(
-        apply.body["spec"]["persistentPodAnnotations"],
+        create.body["spec"]["persistentPodAnnotations"],
         json!([{"key": "a"}])
     );
 }
@@ -295,8 +323,19 @@ async fn upstream_bug_3_changing_persistent_pod_annotations_reaches_the_generato
     )
     .await;
     assert_eq!(sent.len(), 1, "{sent:?}");
+    let apply = &sent[0];
+    assert_eq!(apply.method, Method::PATCH);
     assert_eq!(
-        sent[0].body["spec"]["persistentPodAnnotations"],
+        apply.path_and_query,
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?&force=true&fieldManager=persistent-pod-state"
+    );
+    assert_eq!(apply.content_type, "application/apply-patch+yaml");
+    assert_eq!(
+        apply.body["metadata"]["resourceVersion"], "7",
+        "conditional on the version planned from"
+    );
+    assert_eq!(
+        apply.body["spec"]["persistentPodAnnotations"],
         json!([{"key": "a"}, {"key": "b"}])
     );
 }
@@ -333,6 +372,7 @@ async fn generator_leaves_hand_made_pps_alone_and_deletes_only_its_own() {
         "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?"
     );
     assert_eq!(sent[0].body["preconditions"]["uid"], "pps-uid");
+    assert_eq!(sent[0].body["preconditions"]["resourceVersion"], "7");
     let existing = caches
         .pps
         .get(&kube::runtime::reflector::ObjectRef::new("web").within("ns"))
