@@ -371,6 +371,8 @@ pub struct Metrics {
     pub restored: Family<RestoreLabels, Counter>,
     /// Requests sent by the PersistentPodState generator, by action.
     pub generator_writes: Family<GeneratorLabels, Counter>,
+    /// PersistentPodStates over a limit (what is beyond is ignored).
+    pub over_limits: Gauge,
     /// PersistentPodStates shadowed by an older one targeting the same workload.
     pub shadowed_persistent_pod_states: Gauge,
     /// 1 while this replica holds the Lease and runs the controllers.
@@ -418,6 +420,7 @@ impl Metrics {
             ip_requests: Family::default(),
             ip_request_skipped: Family::default(),
             shadowed_persistent_pod_states: Gauge::default(),
+            over_limits: Gauge::default(),
             registry: Registry::default(),
             process: ProcessMetrics::default(),
             cached_pods: Gauge::default(),
@@ -495,6 +498,11 @@ impl Metrics {
             "generator_writes",
             "Requests sent by the PersistentPodState generator, by action",
             m.generator_writes.clone(),
+        );
+        registry.register(
+            "over_limits",
+            "PersistentPodStates asking for more than the limits (what is beyond is ignored)",
+            m.over_limits.clone(),
         );
         registry.register(
             "shadowed_persistent_pod_states",

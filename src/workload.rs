@@ -142,8 +142,11 @@ pub struct WorkloadInfo {
     pub replicas: i32,
     /// `spec.ordinals.start` (0 when unset).
     pub ordinal_start: i32,
-    /// Ordinals skipped when counting replicas (Advanced StatefulSet `reserveOrdinals`).
-    pub reserved: BTreeSet<i32>,
+    /// Ordinals skipped when counting replicas (Advanced StatefulSet `reserveOrdinals`), as
+    /// sorted, disjoint, inclusive ranges (never expanded, whatever their size).
+    pub reserved: Vec<(i64, i64)>,
+    /// Whether `reserveOrdinals` had more entries than are read ([`MAX_RESERVED_ENTRIES`]).
+    pub reserved_truncated: bool,
     /// Whether the workload has a deletionTimestamp.
     pub deleting: bool,
 }
@@ -152,6 +155,10 @@ impl WorkloadInfo {
     /// Reads the facts from a workload object of any StatefulSet-like kind.
     pub fn from_object(obj: &DynamicObject) -> Self {
         let spec = obj.data.get("spec");
+        let (reserved, reserved_truncated) = spec
+            .and_then(|s| s.get("reserveOrdinals"))
+            .map(reserved_ordinals)
+            .unwrap_or_default();
         let int = |v: Option<&Value>| {
             v.and_then(Value::as_i64)
                 .and_then(|n| i32::try_from(n).ok())
@@ -164,52 +171,65 @@ impl WorkloadInfo {
             ordinal_start: int(spec.and_then(|s| s.pointer("/ordinals/start")))
                 .unwrap_or(0)
                 .max(0),
-            reserved: spec
-                .and_then(|s| s.get("reserveOrdinals"))
-                .map(reserved_ordinals)
-                .unwrap_or_default(),
+            reserved,
+            reserved_truncated,
             deleting: obj.metadata.deletion_timestamp.is_some(),
         }
     }
 
     /// Whether `ordinal` is one the workload currently wants a pod for.
     pub fn is_live(&self, ordinal: i32) -> bool {
-        if ordinal < self.ordinal_start || self.reserved.contains(&ordinal) {
+        let (ordinal, start) = (i64::from(ordinal), i64::from(self.ordinal_start));
+        if ordinal < start
+            || self
+                .reserved
+                .iter()
+                .any(|(lo, hi)| (*lo..=*hi).contains(&ordinal))
+        {
             return false;
         }
         // Ordinals from the start, skipping reserved ones, until `replicas` are counted.
-        let reserved_below = self.reserved.range(self.ordinal_start..ordinal).count();
-        let rank = i64::from(ordinal) - i64::from(self.ordinal_start) - reserved_below as i64;
-        rank < i64::from(self.replicas)
+        let reserved_below: i64 = self
+            .reserved
+            .iter()
+            .map(|(lo, hi)| ((*hi).min(ordinal - 1) - (*lo).max(start) + 1).max(0))
+            .sum();
+        ordinal - start - reserved_below < i64::from(self.replicas)
     }
 }
 
-/// Parses `reserveOrdinals`: integers, and strings that are integers or ranges `a-b`.
-/// Entries that are neither are ignored; a range is capped at 100000 ordinals.
-fn reserved_ordinals(value: &Value) -> BTreeSet<i32> {
-    const MAX_RANGE: i64 = 100_000;
-    let mut out = BTreeSet::new();
-    for item in value.as_array().into_iter().flatten() {
-        let (lo, hi) = match item {
-            Value::Number(n) => match n.as_i64() {
-                Some(n) => (n, n),
-                None => continue,
-            },
+/// Entries of `reserveOrdinals` read at most; the rest is ignored (and reported).
+pub const MAX_RESERVED_ENTRIES: usize = 1_000;
+
+/// Parses `reserveOrdinals`: integers, and strings that are integers or ranges `a-b`, into
+/// sorted disjoint ranges (entries that are neither are ignored). At most
+/// [`MAX_RESERVED_ENTRIES`] entries are read: whether some were left is returned too.
+fn reserved_ordinals(value: &Value) -> (Vec<(i64, i64)>, bool) {
+    let items = value.as_array().map(Vec::as_slice).unwrap_or_default();
+    let mut ranges: Vec<(i64, i64)> = items
+        .iter()
+        .take(MAX_RESERVED_ENTRIES)
+        .filter_map(|item| match item {
+            Value::Number(n) => n.as_i64().map(|n| (n, n)),
             Value::String(s) => match s.split_once('-') {
                 Some((a, b)) => match (a.trim().parse::<i64>(), b.trim().parse::<i64>()) {
-                    (Ok(a), Ok(b)) if a <= b && b - a < MAX_RANGE => (a, b),
-                    _ => continue,
+                    (Ok(a), Ok(b)) if a <= b => Some((a, b)),
+                    _ => None,
                 },
-                None => match s.trim().parse::<i64>() {
-                    Ok(n) => (n, n),
-                    Err(_) => continue,
-                },
+                None => s.trim().parse::<i64>().ok().map(|n| (n, n)),
             },
-            _ => continue,
-        };
-        out.extend((lo..=hi).filter_map(|n| i32::try_from(n).ok()));
+            _ => None,
+        })
+        .collect();
+    ranges.sort_unstable();
+    let mut merged: Vec<(i64, i64)> = Vec::with_capacity(ranges.len());
+    for (lo, hi) in ranges {
+        match merged.last_mut() {
+            Some(last) if lo <= last.1.saturating_add(1) => last.1 = last.1.max(hi),
+            _ => merged.push((lo, hi)),
+        }
     }
-    out
+    (merged, items.len() > MAX_RESERVED_ENTRIES)
 }
 
 /// The API resource of the native `apps/v1` StatefulSet, for a dynamic watcher.
@@ -279,6 +299,21 @@ mod tests {
             let live: Vec<i32> = (0..10).filter(|o| w.is_live(*o)).collect();
             assert_eq!(live, want, "{spec}");
         }
+    }
+
+    #[test]
+    fn huge_reserved_ranges_cost_nothing_and_too_many_entries_are_cut() {
+        let w = workload(json!({"replicas": 2, "reserveOrdinals": ["0-2000000000", 2000000002]}));
+        let live: Vec<i32> = [0, 5, 2_000_000_001, 2_000_000_002, 2_000_000_003]
+            .into_iter()
+            .filter(|o| w.is_live(*o))
+            .collect();
+        assert_eq!(live, vec![2_000_000_001, 2_000_000_003]);
+        assert!(!w.reserved_truncated);
+        let many: Vec<i64> = (0..5000).map(|i| i * 2).collect();
+        let w = workload(json!({"replicas": 1, "reserveOrdinals": many}));
+        assert!(w.reserved_truncated);
+        assert_eq!(w.reserved.len(), MAX_RESERVED_ENTRIES);
     }
 
     #[test]

@@ -59,6 +59,14 @@ impl TargetReference {
     }
 }
 
+/// Keys read of a key list (required, or one preferred term); the validating webhook refuses
+/// more, and more stored earlier are ignored (and reported).
+pub const MAX_KEYS: usize = 16;
+/// Preferred terms read of a PersistentPodState.
+pub const MAX_PREFERRED_TERMS: usize = 16;
+/// Persistent annotations read of a PersistentPodState.
+pub const MAX_PERSISTENT_ANNOTATIONS: usize = 32;
+
 /// The versions served, oldest first.
 pub const VERSIONS: [&str; 2] = ["v1alpha1", "v1beta1"];
 

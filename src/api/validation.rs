@@ -5,7 +5,7 @@ use std::fmt;
 
 use serde_json::Value;
 
-use super::{KRUISE_GROUP, api_group};
+use super::{KRUISE_GROUP, MAX_KEYS, MAX_PERSISTENT_ANNOTATIONS, MAX_PREFERRED_TERMS, api_group};
 use crate::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::workload::GroupKind;
 
@@ -81,14 +81,64 @@ pub fn qualified_name_error(key: &str) -> Option<String> {
     None
 }
 
-struct Errors(Vec<FieldError>);
+/// Errors listed at most (a message stays readable and bounded); the rest are counted.
+const MAX_ERRORS: usize = 20;
+/// Characters of an offending value shown in a message.
+const MAX_SHOWN: usize = 64;
+
+/// An offending value as a message shows it: quoted, and cut after [`MAX_SHOWN`] characters.
+fn shown(value: &str) -> String {
+    match value.char_indices().nth(MAX_SHOWN) {
+        None => format!("{value:?}"),
+        Some((cut, _)) => format!(
+            "{:?}... ({} more characters)",
+            &value[..cut],
+            value.chars().count() - MAX_SHOWN
+        ),
+    }
+}
+
+struct Errors {
+    list: Vec<FieldError>,
+    more: usize,
+}
 
 impl Errors {
+    fn new() -> Self {
+        Self {
+            list: Vec::new(),
+            more: 0,
+        }
+    }
+
     fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(FieldError {
+        if self.list.len() >= MAX_ERRORS {
+            self.more += 1;
+            return;
+        }
+        self.list.push(FieldError {
             path: path.into(),
             message: message.into(),
         });
+    }
+
+    fn too_many(&mut self, path: &str, len: usize, max: usize) {
+        if len > max {
+            self.push(
+                path,
+                format!("Too many: {len}: must have at most {max} items"),
+            );
+        }
+    }
+
+    fn done(mut self) -> Vec<FieldError> {
+        if self.more > 0 {
+            self.list.push(FieldError {
+                path: "...".into(),
+                message: format!("and {} more errors", self.more),
+            });
+        }
+        self.list
     }
 }
 
@@ -101,12 +151,15 @@ fn check_keys(errors: &mut Errors, path: &str, list: Option<&Vec<Value>>) {
         None => errors.push(path, "Required value: at least one node label key"),
         Some(l) if l.is_empty() => errors.push(path, "Required value: at least one node label key"),
         Some(l) => {
+            errors.too_many(path, l.len(), MAX_KEYS);
             for (i, key) in l.iter().enumerate() {
                 match key.as_str() {
                     Some(k) => {
                         if let Some(e) = qualified_name_error(k) {
-                            errors
-                                .push(format!("{path}[{i}]"), format!("Invalid value: {k:?}: {e}"));
+                            errors.push(
+                                format!("{path}[{i}]"),
+                                format!("Invalid value: {}: {e}", shown(k)),
+                            );
                         }
                     }
                     None => errors.push(format!("{path}[{i}]"), "Invalid value: must be a string"),
@@ -180,7 +233,7 @@ fn changed(path: &str, new: &Value, old: &Value) -> bool {
 
 /// Every rule, on the object alone.
 fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
-    let mut errors = Errors(Vec::new());
+    let mut errors = Errors::new();
     let null = Value::Null;
     let spec = object.get("spec").unwrap_or(&null);
     let kf = ctx.keys_field;
@@ -198,7 +251,10 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
     if !kind.is_empty() && !statefulset && !(ctx.is_custom_kind)(group, kind) {
         errors.push(
             "spec.targetRef",
-            format!("Unsupported value: {group}/{kind}: only StatefulSets (apps, {KRUISE_GROUP}) and configured custom workloads"),
+            format!(
+                "Unsupported value: {}: only StatefulSets (apps, {KRUISE_GROUP}) and configured custom workloads",
+                shown(&format!("{group}/{kind}"))
+            ),
         );
     }
 
@@ -226,6 +282,23 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
             &mut errors,
             &format!("spec.requiredPersistentTopology.{kf}"),
             keys(r, kf),
+        );
+    }
+    if let Some(terms) = preferred {
+        errors.too_many(
+            "spec.preferredPersistentTopology",
+            terms.len(),
+            MAX_PREFERRED_TERMS,
+        );
+    }
+    if let Some(list) = spec
+        .get("persistentPodAnnotations")
+        .and_then(Value::as_array)
+    {
+        errors.too_many(
+            "spec.persistentPodAnnotations",
+            list.len(),
+            MAX_PERSISTENT_ANNOTATIONS,
         );
     }
     for (i, term) in preferred.into_iter().flatten().enumerate() {
@@ -260,7 +333,7 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
         match a.get("key").and_then(Value::as_str) {
             Some(k) => {
                 if let Some(e) = qualified_name_error(k) {
-                    errors.push(path, format!("Invalid value: {k:?}: {e}"));
+                    errors.push(path, format!("Invalid value: {}: {e}", shown(k)));
                 }
             }
             None => errors.push(path, "Required value"),
@@ -273,7 +346,11 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
         Some(other) => errors.push(
             "spec.persistentPodStateRetentionPolicy",
             format!(
-                "Unsupported value: {other}: supported values: \"WhenScaled\", \"WhenDeleted\""
+                "Unsupported value: {}: supported values: \"WhenScaled\", \"WhenDeleted\"",
+                match other {
+                    Value::String(text) => shown(text),
+                    other => shown(&other.to_string()),
+                }
             ),
         ),
     }
@@ -294,12 +371,12 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
         errors.push(
             "spec.targetRef",
             format!(
-                "Duplicate value: PersistentPodState {first:?} already targets {group}/{kind} {:?}",
-                part("name")
+                "Duplicate value: PersistentPodState {first:?} already targets {group}/{kind} {}",
+                shown(part("name"))
             ),
         );
     }
-    errors.0
+    errors.done()
 }
 
 #[cfg(test)]
@@ -386,7 +463,7 @@ mod tests {
             ),
             (
                 json!({"spec": {"targetRef": {"kind": "Deployment"}}}),
-                "spec.targetRef: Unsupported value: apps/Deployment",
+                "spec.targetRef: Unsupported value: \"apps/Deployment\"",
             ),
             (
                 json!({"spec": {"targetRef": {"apiVersion": "example.com/v1", "kind": "StatefulSet"}}}),
@@ -512,6 +589,40 @@ mod tests {
         assert!(
             check(&retained, Some(&legacy), &["first".into()]).is_empty(),
             "fixing one field does not require fixing the others"
+        );
+    }
+
+    #[test]
+    fn lists_over_the_limits_are_refused_and_messages_stay_short() {
+        let many: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+        let object = with(json!({"spec": {
+            "requiredPersistentTopology": {"keys": many},
+            "persistentPodAnnotations": (0..40).map(|i| json!({"key": format!("a{i}")})).collect::<Vec<_>>()
+        }}));
+        let errors = check(&object, None, &[]);
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.starts_with("spec.requiredPersistentTopology.keys: Too many: 40")),
+            "{errors:?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.starts_with("spec.persistentPodAnnotations: Too many: 40")),
+            "{errors:?}"
+        );
+        let bad_keys: Vec<String> = (0..100)
+            .map(|i| format!("{}-{i}", "x".repeat(10_000)))
+            .collect();
+        let object = with(json!({"spec": {"requiredPersistentTopology": {"keys": bad_keys}}}));
+        let errors = check(&object, None, &[]);
+        assert_eq!(errors.len(), 21, "20 errors and a count of the rest");
+        assert!(errors.last().is_some_and(|e| e.contains("more errors")));
+        assert!(
+            errors.iter().all(|e| e.len() < 400),
+            "values are cut: {}",
+            errors[1]
         );
     }
 

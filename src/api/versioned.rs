@@ -86,18 +86,72 @@ macro_rules! versioned_types {
                 }
             }
 
-            /// The required keys (empty when there is no required term).
+            /// The required keys (empty when there is no required term), at most
+            /// [`MAX_KEYS`](super::MAX_KEYS).
             pub fn required_keys(&self) -> &[String] {
-                self.required_persistent_topology
+                let keys = self
+                    .required_persistent_topology
                     .as_ref()
-                    .map_or(&[], |t| t.$keys.as_slice())
+                    .map_or(&[][..], |t| t.$keys.as_slice());
+                &keys[..keys.len().min(super::MAX_KEYS)]
             }
 
-            /// The preferred terms' weights and keys.
+            /// The preferred terms' weights and keys: at most
+            /// [`MAX_PREFERRED_TERMS`](super::MAX_PREFERRED_TERMS) terms of at most
+            /// [`MAX_KEYS`](super::MAX_KEYS) keys.
             pub fn preferred_terms(&self) -> impl Iterator<Item = (i32, &[String])> {
                 self.preferred_persistent_topology
                     .iter()
-                    .map(|t| (t.weight, t.preference.$keys.as_slice()))
+                    .take(super::MAX_PREFERRED_TERMS)
+                    .map(|t| {
+                        let keys = t.preference.$keys.as_slice();
+                        (t.weight, &keys[..keys.len().min(super::MAX_KEYS)])
+                    })
+            }
+
+            /// The persistent annotation keys, at most
+            /// [`MAX_PERSISTENT_ANNOTATIONS`](super::MAX_PERSISTENT_ANNOTATIONS).
+            pub fn persistent_annotation_keys(&self) -> impl Iterator<Item = &str> {
+                self.persistent_pod_annotations
+                    .iter()
+                    .take(super::MAX_PERSISTENT_ANNOTATIONS)
+                    .map(|a| a.key.as_str())
+            }
+
+            /// What this spec asks for beyond the limits (ignored when recording and
+            /// injecting), described for a report; empty when within them.
+            pub fn over_limits(&self) -> Vec<String> {
+                let mut over = Vec::new();
+                let required = self
+                    .required_persistent_topology
+                    .as_ref()
+                    .map_or(0, |t| t.$keys.len());
+                if required > super::MAX_KEYS {
+                    over.push(format!("{required} required keys (at most {})", super::MAX_KEYS));
+                }
+                let terms = self.preferred_persistent_topology.len();
+                if terms > super::MAX_PREFERRED_TERMS {
+                    over.push(format!("{terms} preferred terms (at most {})", super::MAX_PREFERRED_TERMS));
+                }
+                if let Some(t) = self
+                    .preferred_persistent_topology
+                    .iter()
+                    .find(|t| t.preference.$keys.len() > super::MAX_KEYS)
+                {
+                    over.push(format!(
+                        "a preferred term with {} keys (at most {})",
+                        t.preference.$keys.len(),
+                        super::MAX_KEYS
+                    ));
+                }
+                let annotations = self.persistent_pod_annotations.len();
+                if annotations > super::MAX_PERSISTENT_ANNOTATIONS {
+                    over.push(format!(
+                        "{annotations} persistent annotations (at most {})",
+                        super::MAX_PERSISTENT_ANNOTATIONS
+                    ));
+                }
+                over
             }
 
             /// The union of required and preferred keys, in first-seen order, without repeats.

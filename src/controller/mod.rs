@@ -31,7 +31,7 @@ use crate::leader::{Fence, Fenced};
 use crate::metrics::{GeneratorAction, Metrics, Reconciler, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
-use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
+use crate::workload::{GroupKind, MAX_RESERVED_ENTRIES, WorkloadInfo, WorkloadRef};
 use generate::{Leave, Plan};
 use record::{Observed, Target};
 
@@ -60,6 +60,8 @@ pub struct Context {
     pub fence: Fence,
     /// Unplaceable states already reported, by PersistentPodState.
     reported_unplaceable: Mutex<HashMap<ObjectRef<PersistentPodState>, BTreeSet<String>>>,
+    /// What each PersistentPodState over the limits was reported for.
+    reported_limits: Mutex<HashMap<ObjectRef<PersistentPodState>, Vec<String>>>,
     /// Consecutive failures by object, for the retry backoff.
     failures: Backoff,
 }
@@ -82,6 +84,7 @@ impl Context {
             node_lost_after,
             fence,
             reported_unplaceable: Mutex::default(),
+            reported_limits: Mutex::default(),
             failures: Backoff::default(),
         }
     }
@@ -256,6 +259,7 @@ pub async fn reconcile_pps(
             .publish(&pps, EventType::Warning, "DuplicateTarget", "Record", note);
         return Ok(Action::requeue(RESYNC));
     }
+    let workload_target = target_of(&ctx.caches, &target);
     let desired = {
         let caches = &ctx.caches;
         let pods = caches.pods_of(&target);
@@ -263,7 +267,7 @@ pub async fn reconcile_pps(
         let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
         let node_labels = |name: &str| caches.node(name).map(|n| n.labels().clone());
         let observed = Observed {
-            target: target_of(caches, &target),
+            target: workload_target.clone(),
             pods: &pods,
             pod_exists: &pod_exists,
             node_labels: &node_labels,
@@ -333,6 +337,7 @@ pub async fn reconcile_pps(
     ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
     let health = Health::now(ctx.node_lost_after);
     report_unplaceable(&ctx, &pps, &desired, &health);
+    report_limits(&ctx, &pps, &workload_target);
     Ok(Action::requeue(next_look(&ctx.caches, &desired, &health)))
 }
 
@@ -382,6 +387,42 @@ fn report_restorations(
             "Restore",
             note,
         );
+    }
+}
+
+/// Reports (Warning Event when newly over, and the gauge of such objects) a PersistentPodState
+/// that asks for more than the limits, or whose workload reserves more ordinals entries than
+/// are read: what is beyond is ignored, never allocated.
+fn report_limits(ctx: &Context, pps: &PersistentPodState, target: &Target) {
+    let mut over = pps.spec.over_limits();
+    if let Target::Live(w) = target
+        && w.reserved_truncated
+    {
+        over.push(format!(
+            "the workload's reserveOrdinals has more than {MAX_RESERVED_ENTRIES} entries (only the first are read)"
+        ));
+    }
+    let key = ObjectRef::from_obj(pps);
+    let newly = {
+        let mut reported = ctx
+            .reported_limits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let newly = !over.is_empty() && reported.get(&key) != Some(&over);
+        if over.is_empty() {
+            reported.remove(&key);
+        } else {
+            reported.insert(key, over.clone());
+        }
+        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
+        ctx.metrics.over_limits.set(reported.len() as i64);
+        newly
+    };
+    if newly {
+        let note = format!("over the limits, ignored beyond them: {}", over.join("; "));
+        tracing::warn!(%note, "PersistentPodState over the limits");
+        ctx.events
+            .publish(pps, EventType::Warning, "LimitExceeded", "Record", note);
     }
 }
 

@@ -75,12 +75,11 @@ pub fn pod_state(
     };
     let pod_annotations = pod.annotations();
     let annotations = spec
-        .persistent_pod_annotations
-        .iter()
-        .filter_map(|a| {
+        .persistent_annotation_keys()
+        .filter_map(|key| {
             pod_annotations
-                .get(&a.key)
-                .map(|v| (a.key.clone(), v.clone()))
+                .get(key)
+                .map(|v| (key.to_owned(), v.clone()))
         })
         .collect();
     Some(PodState {

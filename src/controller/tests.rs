@@ -379,3 +379,24 @@ async fn generator_leaves_hand_made_pps_alone_and_deletes_only_its_own() {
         .expect("cached");
     assert_eq!(existing.uid().as_deref(), Some("pps-uid"));
 }
+
+#[tokio::test]
+async fn a_pps_over_the_limits_is_reported_and_only_the_limits_are_read() {
+    let caches = world();
+    let many: Vec<String> = (0..40).map(|i| format!("key-{i}")).collect();
+    let mut over = pps(json!({"observedGeneration": 2}));
+    over.spec.required_persistent_topology = Some(crate::api::NodeTopologyTerm { keys: many });
+    caches.apply_pps(watcher::Event::Apply(over.clone()));
+    let (ctx, mut handle) = context(caches);
+    let sent = drive(
+        reconcile_pps(Arc::new(over.clone()), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(&over).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "the state is still recorded: {sent:?}");
+    assert!(
+        ctx.metrics.encode().contains("\npps_over_limits 1\n"),
+        "reported as over the limits"
+    );
+}

@@ -183,15 +183,14 @@ pub fn injection_for(
     // c. persistent annotations (never over the pod's own) and the injected-state marker
     let pod_annotations = pod.metadata.annotations.as_ref();
     let mut annotations: BTreeMap<String, String> = spec
-        .persistent_pod_annotations
-        .iter()
-        .filter(|a| a.key != INJECTED_ANNOTATION)
-        .filter(|a| pod_annotations.is_none_or(|m| !m.contains_key(&a.key)))
-        .filter_map(|a| {
+        .persistent_annotation_keys()
+        .filter(|key| *key != INJECTED_ANNOTATION)
+        .filter(|key| pod_annotations.is_none_or(|m| !m.contains_key(*key)))
+        .filter_map(|key| {
             state
                 .annotations
-                .get(&a.key)
-                .map(|v| (a.key.clone(), v.clone()))
+                .get(key)
+                .map(|v| (key.to_owned(), v.clone()))
         })
         .collect();
     out.annotations = annotations.len();
