@@ -40,12 +40,15 @@ wait_until() {
   done
 }
 
-# start_bg NAME COMMAND...: runs COMMAND in the background, logging to $CLUSTER_DIR/logs/NAME.log.
+# start_bg NAME COMMAND...: runs COMMAND in the background, logging to $CLUSTER_DIR/logs/NAME.log
+# (appending, so a restart keeps the earlier lines); its pid and command are kept in
+# $CLUSTER_DIR/NAME.pid and NAME.cmd (e2e/restart.sh starts it again from them).
 start_bg() {
   local name=$1
   shift
   mkdir -p "$CLUSTER_DIR/logs"
-  "$@" >"$CLUSTER_DIR/logs/$name.log" 2>&1 &
+  printf '%q ' "$@" >"$CLUSTER_DIR/$name.cmd"
+  "$@" >>"$CLUSTER_DIR/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$CLUSTER_DIR/$name.pid"
 }
 
@@ -184,13 +187,43 @@ webhook_certs() {
   ln -sfn ..data/tls.key "$vol/tls.key"
 }
 
-# serve_replica NAME WEBHOOK_PORT PROBE_PORT: one `serve` replica in the background, until ready.
+# service_account: the manifests' namespace, ServiceAccount and RBAC (nothing else), and a
+# kubeconfig with a token of that ServiceAccount in $CLUSTER_DIR/sa-kubeconfig: the replicas
+# run with it, so every test exercises the controller under exactly the shipped permissions.
+service_account() {
+  kubectl apply -f "$ROOT/manifests/base/namespace.yaml" -f "$ROOT/manifests/base/rbac.yaml" >/dev/null
+  local sa=system:serviceaccount:persistent-pod-state:persistent-pod-state
+  # The aggregated ClusterRole is filled in by the controller-manager.
+  wait_until 60 "the aggregated ClusterRole" bash -c \
+    "[[ \$(kubectl auth can-i list pods --as=$sa -A) == yes ]]"
+  local token server
+  token=$(kubectl -n persistent-pod-state create token persistent-pod-state --duration=24h)
+  server=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}')
+  cat >"$CLUSTER_DIR/sa-kubeconfig" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: local
+  cluster: {server: '$server', certificate-authority: '$CLUSTER_DIR/pki/ca.crt'}
+users:
+- name: persistent-pod-state
+  user: {token: '$token'}
+contexts:
+- name: local
+  context: {cluster: local, user: persistent-pod-state}
+current-context: local
+KC
+  chmod 600 "$CLUSTER_DIR/sa-kubeconfig"
+}
+
+# serve_replica NAME WEBHOOK_PORT PROBE_PORT: one `serve` replica in the background, until ready,
+# as the manifests' ServiceAccount (service_account first).
 serve_replica() {
   log "starting persistent-pod-state replica $1 (webhook 127.0.0.1:$2, probes 127.0.0.1:$3)"
-  start_bg "persistent-pod-state-$1" env \
+  start_bg "persistent-pod-state-$1" env KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" \
     PPS_LISTEN="127.0.0.1:$2" PPS_PROBE_LISTEN="127.0.0.1:$3" \
     PPS_TLS_CERT="$CLUSTER_DIR/webhook-tls/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-tls/tls.key" \
-    PPS_SHUTDOWN_DELAY_SECONDS=0 PPS_LEADER_IDENTITY="e2e-$1" PPS_LEASE_NAMESPACE=default \
+    PPS_SHUTDOWN_DELAY_SECONDS=0 PPS_LEADER_IDENTITY="e2e-$1" PPS_LEASE_NAMESPACE=persistent-pod-state \
     PPS_CUSTOM_WORKLOAD_CONFIG="$CLUSTER_DIR/custom-workloads.yaml" \
     PPS_LEASE_DURATION_SECONDS="${LEASE_DURATION:-8}" PPS_LEASE_RENEW_DEADLINE_SECONDS="${LEASE_RENEW_DEADLINE:-5}" PPS_LEASE_RETRY_PERIOD_SECONDS=1 \
     "$PPS_BIN" serve

@@ -30,10 +30,22 @@ cluster_up
 nodes_up
 webhook_certs
 install_crd
+service_account
 serve_up
 register_webhook
 log "control plane, fake kubelet and 2 webhook replicas are up; running the e2e suite"
 
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
   E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
+  E2E_SA_KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" \
   cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture "$@"
+
+# The replicas ran as the manifests' ServiceAccount throughout: it was refused nothing (a 403
+# for content in a namespace being deleted is the namespace's, not RBAC's).
+refused=$(grep -hi "forbidden" "$CLUSTER_DIR"/logs/persistent-pod-state-[ab]*.log | grep -v "being terminated" || true)
+if [[ -n $refused ]]; then
+  log "the ServiceAccount was refused something:"
+  printf '%s\n' "$refused" | head -n 20 >&2
+  exit 1
+fi
+log "the replicas, as the manifests' ServiceAccount, were refused nothing"

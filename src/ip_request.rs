@@ -181,7 +181,8 @@ pub fn decide(
         return if *own == value {
             IpDecision::AlreadyRequested
         } else {
-            skip(IpSkipReason::PodRequestsOwn, format!("{annotation}={own}"))
+            // The key only: annotation values never reach logs or Events.
+            skip(IpSkipReason::PodRequestsOwn, annotation)
         };
     }
     if request == IpRequest::Antrea && !annotations.contains_key(ANTREA_POOLS_ANNOTATION) {

@@ -39,6 +39,8 @@ pub enum AdmissionResult {
     Overloaded,
     /// Not answered within the request timeout: HTTP 503.
     TimedOut,
+    /// No verified client certificate while `--client-ca` is set: HTTP 403.
+    Forbidden,
 }
 
 /// Labels of the admission request counter.
@@ -206,7 +208,7 @@ macro_rules! snake_case_label {
 snake_case_label!(AdmissionResult {
     Patched => "patched", Allowed => "allowed", Denied => "denied", InvalidObject => "invalid_object",
     BadRequest => "bad_request", Unavailable => "unavailable", Overloaded => "overloaded",
-    TimedOut => "timed_out",
+    TimedOut => "timed_out", Forbidden => "forbidden",
 });
 snake_case_label!(DropReason {
     NodeGone => "node_gone", NodeLost => "node_lost", PodConstraints => "pod_constraints",

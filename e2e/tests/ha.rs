@@ -14,7 +14,7 @@ use crate::support::*;
 const HOST: &str = "kubernetes.io/hostname";
 
 async fn holder(c: &Client) -> Option<String> {
-    let lease = Api::<Lease>::namespaced(c.clone(), "default")
+    let lease = Api::<Lease>::namespaced(c.clone(), "persistent-pod-state")
         .get_opt("persistent-pod-state")
         .await
         .ok()??;
@@ -28,23 +28,27 @@ fn restart(env: &Env, replica: &Replica) {
         replica.name
     )))
     .expect("log file");
-    let kubeconfig = env.cluster_dir.join("kubeconfig");
-    let mut child = serve_command(env, &kubeconfig, replica.webhook_port, replica.probe_port)
-        .env("PPS_SHUTDOWN_DELAY_SECONDS", "0")
-        .env("PPS_LEADER_IDENTITY", replica.identity())
-        .env(
-            "PPS_LEASE_DURATION_SECONDS",
-            env.lease_duration.as_secs().to_string(),
-        )
-        .env("PPS_LEASE_RENEW_DEADLINE_SECONDS", "5")
-        .env("PPS_LEASE_RETRY_PERIOD_SECONDS", "1")
-        .env(
-            "PPS_CUSTOM_WORKLOAD_CONFIG",
-            env.cluster_dir.join("custom-workloads.yaml"),
-        )
-        .stderr(log)
-        .spawn()
-        .expect("serve restarts");
+    let mut child = serve_command(
+        env,
+        &env.sa_kubeconfig,
+        replica.webhook_port,
+        replica.probe_port,
+    )
+    .env("PPS_SHUTDOWN_DELAY_SECONDS", "0")
+    .env("PPS_LEADER_IDENTITY", replica.identity())
+    .env(
+        "PPS_LEASE_DURATION_SECONDS",
+        env.lease_duration.as_secs().to_string(),
+    )
+    .env("PPS_LEASE_RENEW_DEADLINE_SECONDS", "5")
+    .env("PPS_LEASE_RETRY_PERIOD_SECONDS", "1")
+    .env(
+        "PPS_CUSTOM_WORKLOAD_CONFIG",
+        env.cluster_dir.join("custom-workloads.yaml"),
+    )
+    .stderr(log)
+    .spawn()
+    .expect("serve restarts");
     std::fs::write(
         env.cluster_dir
             .join(format!("persistent-pod-state-{}.pid", replica.name)),

@@ -88,6 +88,16 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
     assert!(pod["affinity"]["podAntiAffinity"].is_object());
     find(&base, "PodDisruptionBudget", "persistent-pod-state");
     find(&base, "Service", "persistent-pod-state");
+    // Issue 10.7: ingress limited to the webhook and metrics ports.
+    let policy = find(&base, "NetworkPolicy", "persistent-pod-state");
+    let ports: Vec<i64> = policy["spec"]["ingress"][0]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .filter_map(|p| p["port"].as_i64())
+        .collect();
+    assert_eq!(ports, [9443, 8080]);
+    assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress"]));
     find(&base, "Role", "persistent-pod-state-leader-election");
     for kind in [
         "MutatingWebhookConfiguration",
@@ -278,6 +288,7 @@ async fn the_service_account_rbac_is_enough_to_run_and_no_more() {
     for (verb, resource, allowed) in [
         ("list", "pods", "yes"),
         ("patch", "persistentpodstates.apps.kruise.io/status", "yes"),
+        ("create", "events.events.k8s.io", "yes"),
         ("delete", "pods", "no"),
         ("update", "statefulsets.apps", "no"),
         ("get", "secrets", "no"),

@@ -164,3 +164,138 @@ async fn sigterm_turns_readiness_off_then_exits_zero() {
         .expect("exit status");
     assert_eq!(exit.code(), Some(0), "clean exit");
 }
+
+/// A TLS client of the suite's webhook certificate.
+fn tls_connector(env: &Env) -> tokio_rustls::TlsConnector {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_file_iter(
+        env.cluster_dir.join("webhook-certs/ca.crt"),
+    )
+    .expect("ca")
+    {
+        roots.add(cert.expect("cert")).expect("root");
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}
+
+async fn connect(
+    connector: &tokio_rustls::TlsConnector,
+    port: u16,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    connector
+        .connect(
+            rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name"),
+            tcp,
+        )
+        .await
+        .expect("handshake")
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("status")
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM")
+}
+
+/// Issue 10.1: a replica's peak memory stays under 256 MB while 24 clients each send a 2.9 MB
+/// review at once and 500 idle TLS connections are open; each idle connection is closed by the
+/// server within a minute (its idle timeout is 30 s).
+#[tokio::test]
+async fn memory_stays_bounded_under_big_reviews_and_idle_connections_are_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CLIENTS: usize = 24;
+    const IDLE: usize = 500;
+    let env = env().await;
+    let kubeconfig = env.cluster_dir.join("kubeconfig");
+    let (port, probe_port) = (19448, 18085);
+    let instance = start_instance(&env, port, probe_port, &kubeconfig).await;
+    let ready = format!("{}/readyz", instance.probe);
+    wait_for("the instance to be ready", TIMEOUT, || async {
+        (http_get(&ready).await.0 == 200).then_some(())
+    })
+    .await;
+    let pid = instance.child.id().expect("running");
+    let connector = tls_connector(&env);
+    let idle_since = std::time::Instant::now();
+    let mut idle = Vec::with_capacity(IDLE);
+    for _ in 0..IDLE {
+        idle.push(connect(&connector, port).await);
+    }
+    // A 2.9 MB review: a StatefulSet pod with a big annotation.
+    let big = json!({"metadata": {"name": "x-0", "annotations": {"e2e/padding": "p".repeat(2_900_000)},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "x", "uid": "u", "controller": true}]},
+        "spec": {"containers": [{"name": "c"}]}});
+    let body = review(big);
+    let request = format!(
+        "POST /mutate-pod HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let sends = (0..CLIENTS).map(|_| {
+        let (connector, request) = (connector.clone(), request.clone());
+        tokio::spawn(async move {
+            let mut stream = connect(&connector, port).await;
+            stream.write_all(request.as_bytes()).await.expect("send");
+            let mut answer = Vec::new();
+            let _ = stream.read_to_end(&mut answer).await;
+            String::from_utf8_lossy(&answer)
+                .get(9..12)
+                .and_then(|c| c.parse::<u16>().ok())
+                .unwrap_or(0)
+        })
+    });
+    let mut statuses = Vec::new();
+    for send in futures::future::join_all(sends).await {
+        statuses.push(send.expect("client"));
+    }
+    let hwm_mb = vm_hwm_kib(pid) as f64 / 1024.0;
+    let ok = statuses.iter().filter(|s| **s == 200).count();
+    let shed = statuses.iter().filter(|s| **s == 503).count();
+    assert_eq!(
+        ok + shed,
+        CLIENTS,
+        "every big review answered 200 or shed with 503: {statuses:?}"
+    );
+
+    // Every idle connection is closed by the server: read until it ends.
+    let closes = idle.into_iter().map(|mut stream| {
+        tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            let _ = tokio::time::timeout(Duration::from_secs(90), stream.read(&mut buf)).await;
+            idle_since.elapsed()
+        })
+    });
+    let mut slowest = Duration::ZERO;
+    for close in futures::future::join_all(closes).await {
+        slowest = slowest.max(close.expect("reader"));
+    }
+    println!(
+        "| clients x review | idle TLS connections | peak RSS (VmHWM) | answered 200 | shed 503 | idle connections closed after |"
+    );
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| {CLIENTS} x {:.1} MB | {IDLE} | {hwm_mb:.0} MB | {ok} | {shed} | {:.1} s (slowest) |",
+        body.len() as f64 / 1e6,
+        slowest.as_secs_f64()
+    );
+    assert!(hwm_mb < 256.0, "peak RSS {hwm_mb:.0} MB");
+    assert!(
+        slowest < Duration::from_secs(60),
+        "idle connections closed after {slowest:?}"
+    );
+    drop(instance);
+}

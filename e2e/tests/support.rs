@@ -26,6 +26,8 @@ pub struct Env {
     pub cluster_dir: PathBuf,
     /// Lease duration the replicas run with.
     pub lease_duration: Duration,
+    /// A kubeconfig of the manifests' ServiceAccount, which the replicas run with.
+    pub sa_kubeconfig: PathBuf,
 }
 
 /// One `serve` replica started by e2e/run.sh.
@@ -80,6 +82,7 @@ pub async fn env() -> Env {
         lease_duration: Duration::from_secs(
             setting("E2E_LEASE_DURATION").parse().expect("seconds"),
         ),
+        sa_kubeconfig: setting("E2E_SA_KUBECONFIG").into(),
     }
 }
 
@@ -423,7 +426,7 @@ pub async fn wait_event(client: &Client, ns: &str, pps: &str, reason: &str) {
 
 /// A `serve` command for one more replica on loopback ports, with the suite's serving
 /// certificate (as the replicas mount it) and `kubeconfig`, its output discarded and its Lease
-/// in `default`; callers add what differs.
+/// where the replicas hold theirs; callers add what differs.
 pub fn serve_command(
     env: &Env,
     kubeconfig: &std::path::Path,
@@ -439,7 +442,7 @@ pub fn serve_command(
         .env("PPS_PROBE_LISTEN", format!("127.0.0.1:{probe_port}"))
         .env("PPS_TLS_CERT", certs.join("tls.crt"))
         .env("PPS_TLS_KEY", certs.join("tls.key"))
-        .env("PPS_LEASE_NAMESPACE", "default")
+        .env("PPS_LEASE_NAMESPACE", "persistent-pod-state")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     command

@@ -217,6 +217,21 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
     let c = &env.client;
     install_crd(c, "e2e.example.com", "Ring", "rings", &[("v1", true)]).await;
     let ns = namespace(c, "e2e-custom").await;
+    // As docs/install.md says: the replicas (the manifests' ServiceAccount) may list and watch
+    // the custom kind once a ClusterRole labelled for aggregation grants it.
+    let rbac: k8s_openapi::api::rbac::v1::ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": "e2e-rings", "labels": {
+            "persistent-pod-state.apps.kruise.io/aggregate-to-controller": "true"}},
+        "rules": [{"apiGroups": ["e2e.example.com"], "resources": ["rings"], "verbs": ["list", "watch"]}]
+    }))
+    .expect("cluster role");
+    match Api::<k8s_openapi::api::rbac::v1::ClusterRole>::all(c.clone())
+        .create(&PostParams::default(), &rbac)
+        .await
+    {
+        Ok(_) | Err(kube::Error::Api(_)) => {}
+        Err(e) => panic!("{e}"),
+    }
     let config = env.cluster_dir.join("custom-workloads.yaml");
     std::fs::write(&config, "customWorkloads: []\n").expect("config");
 

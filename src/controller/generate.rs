@@ -237,7 +237,11 @@ fn ip_request_of<'a>(workload: &Workload<'a>) -> Option<&'a str> {
     match IpRequest::parse(value) {
         Ok(_) => Some(value.as_str()),
         Err(error) => {
-            tracing::warn!(%error, "workload's {IP_REQUEST_ANNOTATION} is not valid; not copied");
+            // The value itself only at debug level: annotation values stay out of logs.
+            tracing::warn!(
+                "the workload's {IP_REQUEST_ANNOTATION} is not a valid value; not copied"
+            );
+            tracing::debug!(%error, "invalid {IP_REQUEST_ANNOTATION}");
             None
         }
     }

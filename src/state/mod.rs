@@ -459,6 +459,7 @@ fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<Per
         serde_json::to_value(obj)
             .and_then(serde_json::from_value::<PersistentPodState>)
             .map_err(|error| {
+                let error = crate::webhook::review::json_error_summary(&error);
                 tracing::warn!(namespace = namespace.unwrap_or_default(), %name, %error,
                     "PersistentPodState cannot be read; ignored until it changes");
             })

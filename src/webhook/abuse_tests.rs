@@ -32,10 +32,33 @@ struct Server {
     addr: std::net::SocketAddr,
     connector: TlsConnector,
     h2: TlsConnector,
+    /// Like `connector`, without a client certificate.
+    anonymous: TlsConnector,
     stop: CancellationToken,
 }
 
 async fn start() -> Server {
+    start_with(None).await
+}
+
+/// A client CA (its PEM, to configure `--client-ca`) and a client certificate it signed, with
+/// its key (both PEM).
+fn client_identity() -> (String, String, String) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
+        KeyPair,
+    };
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().expect("key")).expect("ca");
+    let mut client = CertificateParams::new(vec!["kube-apiserver".to_string()]).expect("params");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let key = KeyPair::generate().expect("key");
+    let cert = client.signed_by(&key, &ca).expect("client cert");
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
+async fn start_with(client_auth: Option<(&str, &str, &str)>) -> Server {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = std::env::temp_dir().join(format!(
         "pps-abuse-{}-{}",
@@ -44,9 +67,19 @@ async fn start() -> Server {
     ));
     let bundle = certs::generate(&["localhost".into()], None).expect("certs");
     certs::write(&bundle, &dir).expect("write certs");
-    let tls = super::tls::server_config(&dir.join("tls.crt"), &dir.join("tls.key"), None)
-        .expect("tls config");
-    let state = state(true);
+    let client_ca = client_auth.map(|(ca, _, _)| {
+        let path = dir.join("client-ca.crt");
+        std::fs::write(&path, ca).expect("write client CA");
+        path
+    });
+    let tls = super::tls::server_config(
+        &dir.join("tls.crt"),
+        &dir.join("tls.key"),
+        client_ca.as_deref(),
+    )
+    .expect("tls config");
+    let mut state = state(true);
+    Arc::get_mut(&mut state).expect("unshared").client_auth = client_auth.is_some();
     let pps = serde_json::from_value(json!({
         "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
         "metadata": {"name": "web", "namespace": "ns"},
@@ -72,22 +105,34 @@ async fn start() -> Server {
     for cert in rustls::pki_types::CertificateDer::pem_slice_iter(bundle.ca_cert.as_bytes()) {
         roots.add(cert.expect("ca")).expect("root");
     }
-    let client = |alpn: &[u8]| {
-        let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+    let client = |alpn: &[u8], client_auth: Option<(&str, &str, &str)>| {
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()
         .expect("versions")
-        .with_root_certificates(roots.clone())
-        .with_no_client_auth();
+        .with_root_certificates(roots.clone());
+        let mut config = match client_auth {
+            Some((_, cert, key)) => builder
+                .with_client_auth_cert(
+                    rustls::pki_types::CertificateDer::pem_slice_iter(cert.as_bytes())
+                        .collect::<Result<Vec<_>, _>>()
+                        .expect("client cert"),
+                    rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes())
+                        .expect("client key"),
+                )
+                .expect("client auth"),
+            None => builder.with_no_client_auth(),
+        };
         config.alpn_protocols = vec![alpn.to_vec()];
         TlsConnector::from(Arc::new(config))
     };
     std::fs::remove_dir_all(&dir).ok();
     Server {
         addr,
-        connector: client(b"http/1.1"),
-        h2: client(b"h2"),
+        connector: client(b"http/1.1", client_auth),
+        h2: client(b"h2", client_auth),
+        anonymous: client(b"http/1.1", None),
         stop,
     }
 }
@@ -392,4 +437,41 @@ async fn misbehaving_connections_are_closed_within_their_bounds() {
         .await;
     assert!(matches!(got, Got::Answer(200, _)), "{got:?}");
     server.stop.cancel();
+}
+
+#[tokio::test]
+async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
+    let (ca, cert, key) = client_identity();
+    let body = review(pod_request(json!({})));
+    let with = start_with(Some((&ca, &cert, &key))).await;
+    let got = with.post(mutate_pod::PATH, "application/json", &body).await;
+    assert!(
+        matches!(got, Got::Answer(200, _)),
+        "verified client: {got:?}"
+    );
+
+    // The same server, reached without a client certificate.
+    let anonymous = Server {
+        connector: with.anonymous.clone(),
+        ..with
+    };
+    let got = anonymous
+        .post(mutate_pod::PATH, "application/json", &body)
+        .await;
+    check(
+        mutate_pod::PATH,
+        "no client certificate",
+        &got,
+        Want::Error(403),
+    );
+    let conversion = serde_json::to_vec(&json!({"request": {"uid": "c", "desiredAPIVersion": "apps.kruise.io/v1beta1", "objects": []}}))
+        .expect("json");
+    let got = anonymous
+        .post(convert::PATH, "application/json", &conversion)
+        .await;
+    assert!(
+        matches!(got, Got::Answer(200, _)),
+        "conversion stays open: {got:?}"
+    );
+    anonymous.stop.cancel();
 }

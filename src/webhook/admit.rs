@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use super::inject::{Injection, injection_for};
-use super::review::AdmissionRequest;
+use super::review::{AdmissionRequest, json_error_summary};
 use crate::api::PersistentPodState;
 use crate::ip_request::{self, IP_REQUEST_ANNOTATION, IpDecision};
 use crate::metrics::SkipReason;
@@ -64,7 +64,7 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     }
     let pod: Pod = match request.object().map(serde_json::from_str) {
         Some(Ok(pod)) => pod,
-        Some(Err(e)) => return Outcome::Invalid(e.to_string()),
+        Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
         None => return Outcome::Invalid("the request carries no object".into()),
     };
     let namespace = request

@@ -46,6 +46,8 @@ pub struct WebhookState {
     pub custom_kinds: Arc<CustomKinds>,
     /// How long a node may be not ready before a required pin to it is dropped.
     pub node_lost_after: Duration,
+    /// Whether admission requests must come with a verified client certificate (`--client-ca`).
+    pub client_auth: bool,
 }
 
 /// The metric label of a request path: one of the served paths, or `other`.
@@ -73,6 +75,30 @@ async fn require_synced(
     review::error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
 }
 
+/// Answers 403 to an admission request without a verified client certificate, when
+/// `--client-ca` is set.
+async fn require_client_cert(
+    State(state): State<Arc<WebhookState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let verified = request
+        .extensions()
+        .get::<server::ClientCertificate>()
+        .is_some_and(|c| c.verified);
+    if !state.client_auth || verified {
+        return next.run(request).await;
+    }
+    let path = endpoint(request.uri().path());
+    state
+        .metrics
+        .admission(path, AdmissionResult::Forbidden, Instant::now());
+    review::error_response(
+        StatusCode::FORBIDDEN,
+        "a client certificate signed by the configured CA is required",
+    )
+}
+
 /// The admission routes. Conversion needs no cache, so it is served from the first moment (the
 /// API server needs it to read v1alpha1 objects at all); the others wait for the caches.
 pub fn router(state: Arc<WebhookState>) -> Router {
@@ -82,6 +108,11 @@ pub fn router(state: Arc<WebhookState>) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_synced,
+        ))
+        // Outermost: an unauthenticated client learns nothing, not even whether we synced.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_client_cert,
         ));
     let limit =
         server::RequestLimit::new(MAX_IN_FLIGHT, REQUEST_TIMEOUT, Some(state.metrics.clone()));
@@ -128,6 +159,7 @@ pub(crate) mod testing {
             events: None,
             custom_kinds: Arc::new(CustomKinds::default()),
             node_lost_after: Duration::from_secs(300),
+            client_auth: false,
         })
     }
 

@@ -357,6 +357,18 @@ pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Res
     )
 }
 
+/// What is wrong with JSON, without quoting it (a parse error may quote part of a pod spec,
+/// which stays out of logs): the kind of error and where.
+pub fn json_error_summary(e: &serde_json::Error) -> String {
+    let kind = match e.classify() {
+        serde_json::error::Category::Io => "unreadable",
+        serde_json::error::Category::Syntax => "not valid JSON",
+        serde_json::error::Category::Data => "not of the expected shape",
+        serde_json::error::Category::Eof => "truncated",
+    };
+    format!("{kind} (line {}, column {})", e.line(), e.column())
+}
+
 /// A JSON error body `{"error": message}` with `status`.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()

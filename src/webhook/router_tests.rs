@@ -450,3 +450,66 @@ async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
         "{metrics}"
     );
 }
+
+/// A `Write` into a shared buffer, for capturing logs.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn logs_below_debug_carry_no_annotation_value_or_pod_spec() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let synced = state(true);
+    let mut with_ip = pps(
+        "web",
+        "web",
+        json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}, "podIPs": ["10.0.0.5"]}}),
+    );
+    with_ip.metadata.annotations = Some(
+        [(
+            crate::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+            "calico".to_string(),
+        )]
+        .into(),
+    );
+    synced.caches.apply_pps(watcher::Event::Apply(with_ip));
+    let mut own = pod(Some("web"));
+    own["metadata"]["annotations"] =
+        json!({"cni.projectcalico.org/ipAddrs": "SECRET-ANNOTATION-VALUE"});
+    let unreadable =
+        json!({"metadata": {"name": "web-0"}, "spec": {"containers": "SECRET-SPEC-VALUE"}});
+    for object in [own, unreadable] {
+        let body = serde_json::to_vec(&review(POD, "CREATE", object, None)).expect("json");
+        let (status, _) = post(&synced, mutate_pod::PATH, body).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    let logs = String::from_utf8_lossy(
+        &captured
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
+    .into_owned();
+    assert!(logs.contains("recorded IPs not requested"), "{logs}");
+    assert!(logs.contains("not a readable Pod"), "{logs}");
+    assert!(!logs.contains("SECRET"), "{logs}");
+}

@@ -122,6 +122,13 @@ pub async fn limit_requests(
     }
 }
 
+/// Whether a connection's client presented a verified certificate (HTTPS connections only).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientCertificate {
+    /// Presented and verified against `--client-ca`.
+    pub verified: bool,
+}
+
 /// When a connection last read or wrote a byte.
 #[derive(Clone)]
 struct Activity {
@@ -261,7 +268,13 @@ async fn serve_connection(
         None => run_http(tcp, peer, app, limits, activity, shutdown).await,
         Some(acceptor) => {
             match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => run_http(stream, peer, app, limits, activity, shutdown).await,
+                Ok(Ok(stream)) => {
+                    // Whether the client presented a certificate the configured CA verified
+                    // (rustls refused the handshake if it presented a bad one).
+                    let verified = stream.get_ref().1.peer_certificates().is_some();
+                    let app = app.layer(axum::Extension(ClientCertificate { verified }));
+                    run_http(stream, peer, app, limits, activity, shutdown).await
+                }
                 Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
             }
