@@ -143,7 +143,8 @@ struct Kubelet {
     client: Client,
     ipam: Mutex<Ipam>,
     nodes: Store<Node>,
-    /// Pods whose sandbox failed, retried every second: (namespace, name).
+    /// Pods to look at again every second (a failed sandbox, or a start or finalization the API
+    /// server did not take): (namespace, name).
     retry: Mutex<BTreeSet<(String, String)>>,
 }
 
@@ -254,10 +255,16 @@ impl Kubelet {
                 }),
                 ..DeleteParams::default().grace_period(0)
             };
-            match api.delete(&name, &params).await {
-                Ok(_) | Err(kube::Error::Api(_)) => return Ok(()),
-                Err(e) => return Err(e.into()),
-            }
+            return match api.delete(&name, &params).await {
+                // Gone, or (409: uid precondition) already replaced by a new pod.
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+                // As a kubelet's periodic sync would: try again.
+                Err(e) => {
+                    lock(&self.retry).insert((ns, name));
+                    Err(e.into())
+                }
+            };
         }
         let running = pod
             .status
@@ -308,8 +315,13 @@ impl Kubelet {
             .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
             .await
         {
-            Ok(_) | Err(kube::Error::Api(_)) => Ok(()),
-            Err(e) => Err(e.into()),
+            Ok(_) => Ok(()),
+            // Gone, or (uid) replaced meanwhile.
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 || e.code == 422 => Ok(()),
+            Err(e) => {
+                lock(&self.retry).insert((ns, name));
+                Err(e.into())
+            }
         }
     }
 
@@ -350,7 +362,7 @@ impl Kubelet {
         }
     }
 
-    /// Retries the pods whose sandbox failed, every second.
+    /// Retries the pods to look at again, every second.
     async fn retry_sandboxes(&self) {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;

@@ -9,6 +9,7 @@
 
 mod api;
 mod docs;
+mod faults;
 mod ha;
 mod ip;
 mod lifecycle;

@@ -1,0 +1,269 @@
+//! Faults during rolling updates (issue 10.5): the API server restarted, etcd restarted, a
+//! `serve` replica SIGKILLed and restarted, the webhook unreachable for 30 s under
+//! failurePolicy Fail, the leader paused. After each, every pod runs on its recorded node with
+//! its IP, no recorded state is lost, no pod is stranded; a table says how long recovery took.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use serde_json::json;
+
+use crate::support::*;
+
+const HOST: &str = "kubernetes.io/hostname";
+const REPLICAS: i32 = 3;
+/// A rollout under a fault may take the controllers' retry backoff to recover.
+const RECOVERY: Duration = Duration::from_secs(300);
+
+/// Runs e2e/restart.sh: stops NAME (killed if `kill`), keeps it down `down`, starts it again.
+async fn restart(env: &Env, name: &str, kill: bool, down: Duration) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/restart.sh");
+    let mut args = vec![script.to_string_lossy().into_owned()];
+    if kill {
+        args.push("--kill".into());
+    }
+    args.push(name.into());
+    args.push(down.as_secs().to_string());
+    let status = tokio::process::Command::new("bash")
+        .args(&args)
+        .env("CLUSTER_DIR", &env.cluster_dir)
+        .status()
+        .await
+        .expect("restart.sh runs");
+    assert!(status.success(), "restart.sh {args:?}");
+}
+
+async fn holder(c: &Client) -> Option<String> {
+    Api::<Lease>::namespaced(c.clone(), "persistent-pod-state")
+        .get_opt("persistent-pod-state")
+        .await
+        .ok()??
+        .spec?
+        .holder_identity
+}
+
+fn pid_of(env: &Env, name: &str) -> String {
+    std::fs::read_to_string(env.cluster_dir.join(format!("{name}.pid")))
+        .expect("pid")
+        .trim()
+        .to_owned()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    ApiServerRestart,
+    EtcdRestart,
+    ServeKilled,
+    WebhookUnreachable,
+    LeaderPaused,
+}
+
+impl Fault {
+    fn describe(self) -> &'static str {
+        match self {
+            Self::ApiServerRestart => "API server restarted",
+            Self::EtcdRestart => "etcd restarted",
+            Self::ServeKilled => "leader `serve` SIGKILLed and restarted",
+            Self::WebhookUnreachable => "webhook unreachable 30 s (failurePolicy Fail)",
+            Self::LeaderPaused => "leader paused 15 s (SIGSTOP)",
+        }
+    }
+
+    async fn inject(self, env: &Env) {
+        let c = &env.client;
+        match self {
+            Self::ApiServerRestart => restart(env, "kube-apiserver", false, Duration::ZERO).await,
+            Self::EtcdRestart => restart(env, "etcd", false, Duration::ZERO).await,
+            Self::ServeKilled => {
+                let leader = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
+                let name = leader.trim_start_matches("e2e-");
+                restart(
+                    env,
+                    &format!("persistent-pod-state-{name}"),
+                    true,
+                    Duration::ZERO,
+                )
+                .await;
+            }
+            Self::WebhookUnreachable => {
+                restart(env, "loopback-lb", false, Duration::from_secs(30)).await
+            }
+            Self::LeaderPaused => {
+                let leader = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
+                let pid = pid_of(
+                    env,
+                    &format!("persistent-pod-state-{}", leader.trim_start_matches("e2e-")),
+                );
+                let signal = |sig: &str| {
+                    std::process::Command::new("kill")
+                        .args([sig, &pid])
+                        .status()
+                        .expect("kill")
+                };
+                assert!(signal("-STOP").success());
+                // The pause itself (the fault's length).
+                tokio::time::sleep(Duration::from_secs(15)).await;
+                assert!(signal("-CONT").success());
+            }
+        }
+    }
+}
+
+/// What a rollout under a fault left.
+struct Outcome {
+    recovery: Duration,
+    states_lost: usize,
+    moved: usize,
+    stranded: usize,
+}
+
+/// Waits (up to [`RECOVERY`]) for the rollout to complete with every pod Ready; counts what is
+/// not as it should be instead of failing at once, so the table shows every fault.
+async fn settle(
+    c: &Client,
+    ns: &str,
+    start: Instant,
+    recorded: &BTreeMap<String, Placement>,
+) -> Outcome {
+    let sts: Api<StatefulSet> = Api::namespaced(c.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    let names = pod_names("db", REPLICAS);
+    let deadline = start + RECOVERY;
+    loop {
+        let rolled = sts.get("db").await.ok().and_then(|s| {
+            let status = s.status?;
+            (status.observed_generation == s.metadata.generation
+                && status.update_revision.is_some()
+                && status.current_revision == status.update_revision
+                && status.ready_replicas.unwrap_or(0) == REPLICAS
+                && status.updated_replicas.unwrap_or(0) == REPLICAS)
+                .then_some(())
+        });
+        let mut now = BTreeMap::new();
+        for name in &names {
+            if let Ok(Some(pod)) = pods.get_opt(name).await
+                && pod.metadata.deletion_timestamp.is_none()
+                && persistent_pod_state::controller::record::is_ready(&pod)
+                && let Some(p) = placement(&pod)
+            {
+                now.insert(name.clone(), p);
+            }
+        }
+        if (rolled.is_some() && now.len() == names.len()) || Instant::now() > deadline {
+            let states = pps_api(c, ns)
+                .get_opt("db")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|p| p.status)
+                .map(|s| s.pod_states)
+                .unwrap_or_default();
+            return Outcome {
+                recovery: start.elapsed(),
+                states_lost: names.iter().filter(|n| !states.contains_key(*n)).count(),
+                moved: names
+                    .iter()
+                    .filter(|n| {
+                        now.get(*n).is_some_and(|p| {
+                            (p.node.as_str(), p.ip.as_str())
+                                != (recorded[*n].node.as_str(), recorded[*n].ip.as_str())
+                        })
+                    })
+                    .count(),
+                stranded: names.len() - now.len(),
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Issue 10.5.
+#[tokio::test]
+async fn faults_during_rolling_updates_lose_nothing_and_strand_no_pod() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-faults").await;
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "db",
+            REPLICAS,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                ("kruise.io/required-persistent-topology", HOST),
+            ],
+        ),
+    )
+    .await;
+    wait_sts_rolled(c, &ns, "db", REPLICAS).await;
+    let recorded = placements(c, &ns, &pod_names("db", REPLICAS)).await;
+    wait_states(c, &ns, "db", &recorded).await;
+
+    let mut rows = Vec::new();
+    for (round, fault) in [
+        Fault::ApiServerRestart,
+        Fault::EtcdRestart,
+        Fault::ServeKilled,
+        Fault::WebhookUnreachable,
+        Fault::LeaderPaused,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // A rolling update, and the fault while it runs.
+        let roll = json!({"spec": {"template": {"metadata": {"annotations": {"e2e/fault-round": round.to_string()}}}}});
+        Api::<StatefulSet>::namespaced(c.clone(), &ns)
+            .patch("db", &PatchParams::default(), &Patch::Merge(&roll))
+            .await
+            .expect("roll");
+        let start = Instant::now();
+        fault.inject(&env).await;
+        // The API server answers again (it may be the one restarted).
+        wait_for("the API server", TIMEOUT, || async {
+            Api::<StatefulSet>::namespaced(c.clone(), &ns)
+                .get("db")
+                .await
+                .ok()
+        })
+        .await;
+        let outcome = settle(c, &ns, start, &recorded).await;
+        rows.push((fault, outcome));
+    }
+    println!(
+        "| fault (during a rolling update of 3 pods) | recovery | states lost | pods moved | pods stranded |"
+    );
+    println!("|---|---|---|---|---|");
+    for (fault, o) in &rows {
+        println!(
+            "| {} | {:.1} s | {} | {} | {} |",
+            fault.describe(),
+            o.recovery.as_secs_f64(),
+            o.states_lost,
+            o.moved,
+            o.stranded
+        );
+    }
+    for (fault, o) in &rows {
+        assert_eq!(
+            (o.states_lost, o.moved, o.stranded),
+            (0, 0, 0),
+            "{}: states lost, pods moved, pods stranded",
+            fault.describe()
+        );
+    }
+    // Both replicas serve again (one was killed and restarted).
+    for r in &env.replicas {
+        wait_for(&format!("replica {} ready", r.name), TIMEOUT, || async {
+            (http_get(&format!("{}/readyz", r.probe_url())).await.0 == 200).then_some(())
+        })
+        .await;
+    }
+    delete_namespace(c, &ns).await;
+}
