@@ -28,6 +28,8 @@ pub mod placement;
 pub mod probes;
 pub mod serve;
 pub mod state;
+#[cfg(feature = "bench")]
+pub mod synthetic;
 pub mod webhook;
 pub mod workload;
 

@@ -112,7 +112,7 @@ fn taints(node: &Node) -> &[Taint] {
 }
 
 /// What a pod itself demands of a node.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PodDemands<'a> {
     node_selector: Option<&'a BTreeMap<String, String>>,
     required: Option<&'a NodeSelector>,
@@ -231,8 +231,13 @@ fn requirement_holds(r: &NodeSelectorRequirement, value: Option<&str>) -> bool {
 
 /// The nodes a placement decision looks at.
 pub trait Nodes {
-    /// The nodes carrying every `key=value` of `labels` (a small set, from an index).
-    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>>;
+    /// Shows `visit` each node carrying every `key=value` of `labels` (a small set, from an
+    /// index), until it returns true; returns whether it did.
+    fn visit_with_labels(
+        &self,
+        labels: &BTreeMap<String, String>,
+        visit: &mut dyn FnMut(&Node) -> bool,
+    ) -> bool;
     /// Every node.
     fn all(&self) -> Vec<Arc<Node>>;
 }
@@ -291,16 +296,23 @@ pub fn required(
         return Required::default();
     }
     let usable = |n: &Node| !health.is_lost(n) && demands.admit(n);
-    let carriers = nodes.with_labels(recorded);
-    if carriers.iter().any(|n| usable(n)) {
+    // The usual case: a carrier of every recorded value is usable (stops at the first).
+    let (mut carriers, mut alive) = (0usize, false);
+    let found = nodes.visit_with_labels(recorded, &mut |n| {
+        carriers += 1;
+        let not_lost = !health.is_lost(n);
+        alive |= not_lost;
+        not_lost && demands.admit(n)
+    });
+    if found {
         return Required {
             kept: recorded.clone(),
             dropped: None,
         };
     }
-    let reason = if carriers.is_empty() {
+    let reason = if carriers == 0 {
         DropReason::NodeGone
-    } else if carriers.iter().any(|n| !health.is_lost(n)) {
+    } else if alive {
         DropReason::PodConstraints
     } else {
         DropReason::NodeLost
@@ -626,12 +638,15 @@ mod tests {
     struct Fleet(Vec<Arc<Node>>);
 
     impl Nodes for Fleet {
-        fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+        fn visit_with_labels(
+            &self,
+            labels: &BTreeMap<String, String>,
+            visit: &mut dyn FnMut(&Node) -> bool,
+        ) -> bool {
             self.0
                 .iter()
                 .filter(|n| labels.iter().all(|(k, v)| n.labels().get(k) == Some(v)))
-                .cloned()
-                .collect()
+                .any(|n| visit(n))
         }
         fn all(&self) -> Vec<Arc<Node>> {
             self.0.clone()

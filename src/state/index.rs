@@ -250,10 +250,11 @@ impl Indexer<Pod> for PodsByIp {
 }
 
 /// Nodes by label (`key=value`): answers "which nodes carry all these labels" without scanning
-/// every node.
+/// every node (and without allocating to probe).
 #[derive(Debug, Default)]
 pub struct NodesByLabel {
-    nodes: HashMap<(String, String), BTreeSet<String>>,
+    /// Node names by label key, then value.
+    nodes: HashMap<String, HashMap<String, BTreeSet<String>>>,
     labels_of: HashMap<String, BTreeMap<String, String>>,
 }
 
@@ -263,8 +264,11 @@ impl NodesByLabel {
     pub fn with_all(&self, labels: &BTreeMap<String, String>) -> Option<Vec<&str>> {
         let mut candidates: Vec<&BTreeSet<String>> = Vec::with_capacity(labels.len());
         for (k, v) in labels {
-            // Labels are few: the tuple key is built only for the probe.
-            match self.nodes.get(&(k.clone(), v.clone())) {
+            match self
+                .nodes
+                .get(k.as_str())
+                .and_then(|values| values.get(v.as_str()))
+            {
                 Some(nodes) => candidates.push(nodes),
                 None => return Some(Vec::new()),
             }
@@ -290,11 +294,15 @@ impl NodesByLabel {
             return false;
         };
         for (k, v) in labels {
-            let key = (k, v);
-            if let Some(nodes) = self.nodes.get_mut(&key) {
-                nodes.remove(node);
-                if nodes.is_empty() {
-                    self.nodes.remove(&key);
+            if let Some(values) = self.nodes.get_mut(&k) {
+                if let Some(nodes) = values.get_mut(&v) {
+                    nodes.remove(node);
+                    if nodes.is_empty() {
+                        values.remove(&v);
+                    }
+                }
+                if values.is_empty() {
+                    self.nodes.remove(&k);
                 }
             }
         }
@@ -312,7 +320,9 @@ impl Indexer<Node> for NodesByLabel {
         self.forget(&name);
         for (k, v) in labels {
             self.nodes
-                .entry((k.clone(), v.clone()))
+                .entry(k.clone())
+                .or_default()
+                .entry(v.clone())
                 .or_default()
                 .insert(name.clone());
         }

@@ -435,14 +435,18 @@ impl Caches {
 }
 
 impl Nodes for Caches {
-    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
+    fn visit_with_labels(
+        &self,
+        labels: &BTreeMap<String, String>,
+        visit: &mut dyn FnMut(&Node) -> bool,
+    ) -> bool {
         let index = self.node_labels.read();
         match index.with_all(labels) {
             Some(names) => names
                 .into_iter()
                 .filter_map(|name| self.node(name))
-                .collect(),
-            None => self.nodes.state(),
+                .any(|n| visit(&n)),
+            None => self.nodes.state().iter().any(|n| visit(n)),
         }
     }
 

@@ -5,8 +5,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, Pod, PodSpec, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::ResourceExt;
+use serde::Deserialize;
 
 use super::inject::{Injection, injection_for};
 use super::review::{AdmissionRequest, json_error_summary};
@@ -54,6 +56,70 @@ pub enum Outcome {
     Inject(Box<Decision>),
 }
 
+/// The metadata the decision reads.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadMeta {
+    name: Option<String>,
+    generate_name: Option<String>,
+    namespace: Option<String>,
+    annotations: Option<BTreeMap<String, String>>,
+    owner_references: Option<Vec<OwnerReference>>,
+}
+
+/// The affinity the decision reads: node affinity (the rest is only noticed as present).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadAffinity {
+    node_affinity: Option<NodeAffinity>,
+}
+
+/// The spec fields the decision reads: what the pod demands of a node.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadSpec {
+    node_selector: Option<BTreeMap<String, String>>,
+    affinity: Option<ReadAffinity>,
+    tolerations: Option<Vec<Toleration>>,
+}
+
+#[derive(Deserialize)]
+struct ReadPod {
+    metadata: Option<ReadMeta>,
+    spec: Option<ReadSpec>,
+}
+
+/// Decodes of a pod only what the decision reads (metadata naming it and its owner, its
+/// annotations, and its node selector, node affinity and tolerations), skipping the rest of
+/// the object (containers, volumes, managed fields) without building it: the decode is most of
+/// an admission's cost. The patch only adds to what the pod has, so nothing skipped is lost.
+pub fn decode_pod(object: &str) -> Result<Pod, serde_json::Error> {
+    let read: ReadPod = serde_json::from_str(object)?;
+    let metadata = read
+        .metadata
+        .map_or_else(ObjectMeta::default, |m| ObjectMeta {
+            name: m.name,
+            generate_name: m.generate_name,
+            namespace: m.namespace,
+            annotations: m.annotations,
+            owner_references: m.owner_references,
+            ..ObjectMeta::default()
+        });
+    Ok(Pod {
+        metadata,
+        spec: read.spec.map(|s| PodSpec {
+            node_selector: s.node_selector,
+            affinity: s.affinity.map(|a| Affinity {
+                node_affinity: a.node_affinity,
+                ..Affinity::default()
+            }),
+            tolerations: s.tolerations,
+            ..PodSpec::default()
+        }),
+        status: None,
+    })
+}
+
 /// Decides what happens to the pod in `request` (decoded from the request body, once).
 pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     if !request.kind.is("", "Pod")
@@ -62,7 +128,7 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     {
         return Outcome::Skip(SkipReason::NotPodCreate);
     }
-    let pod: Pod = match request.object().map(serde_json::from_str) {
+    let pod = match request.object().map(decode_pod) {
         Some(Ok(pod)) => pod,
         Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
         None => return Outcome::Invalid("the request carries no object".into()),
@@ -133,12 +199,15 @@ mod tests {
     }
 
     impl Nodes for Fake {
-        fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
-            let node = json!({"metadata": {"name": "n1", "labels": labels}});
-            self.nodes
-                .then(|| Arc::new(serde_json::from_value(node).expect("node")))
-                .into_iter()
-                .collect()
+        fn visit_with_labels(
+            &self,
+            labels: &BTreeMap<String, String>,
+            visit: &mut dyn FnMut(&Node) -> bool,
+        ) -> bool {
+            let node: Node =
+                serde_json::from_value(json!({"metadata": {"name": "n1", "labels": labels}}))
+                    .expect("node");
+            self.nodes && visit(&node)
         }
         fn all(&self) -> Vec<Arc<Node>> {
             Vec::new()
@@ -281,5 +350,54 @@ mod tests {
         };
         assert_eq!(decision.pod, "web-0");
         assert!(decision.injection.dropped.is_some(), "no node has zone=z1");
+    }
+
+    #[test]
+    fn the_partial_decode_injects_exactly_what_the_full_pod_would() {
+        let pps: PersistentPodState = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns", "annotations": {
+                "persistent-pod-state.io/ip-request": "calico"}},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                     "requiredPersistentTopology": {"keys": ["zone"]},
+                     "preferredPersistentTopology": [{"weight": 50, "preference": {"keys": ["host"]}}],
+                     "persistentPodAnnotations": [{"key": "a"}]}
+        }))
+        .expect("pps");
+        let state: crate::api::PodState = serde_json::from_value(json!({
+            "nodeName": "n1", "nodeTopologyLabels": {"zone": "z1", "host": "n1"},
+            "annotations": {"a": "1"}, "podIPs": ["10.0.0.1"]}))
+        .expect("state");
+        let owner = json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "u", "controller": true}]);
+        let pods = [
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"containers": [{"name": "c"}]}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner, "annotations": {"a": "0"},
+                    "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}]},
+                   "spec": {"nodeSelector": {"zone": "z2", "disk": "ssd"},
+                            "tolerations": [{"key": "t", "operator": "Exists"}],
+                            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}},
+                            "containers": [{"name": "c", "env": [{"name": "X", "value": "y"}]}],
+                            "volumes": [{"name": "v", "emptyDir": {}}]}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner},
+                   "spec": {"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                       {"weight": 1, "preference": {"matchExpressions": [{"key": "k", "operator": "Exists"}]}}],
+                       "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                           {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["z9"]}]}]}}}}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"affinity": {}}}),
+        ];
+        let keep = |recorded: &BTreeMap<String, String>| placement::Required {
+            kept: recorded.clone(),
+            dropped: None,
+        };
+        for object in pods {
+            let full: Pod = serde_json::from_value(object.clone()).expect("full pod");
+            let partial = decode_pod(&object.to_string()).expect("partial pod");
+            assert_eq!(PodDemands::of(&full), PodDemands::of(&partial));
+            assert_eq!(pod_workload(&full, "ns"), pod_workload(&partial, "ns"));
+            let request = Some(("cni.projectcalico.org/ipAddrs", "[\"10.0.0.1\"]"));
+            let inject =
+                |pod: &Pod| injection_for(pod, "web", &pps.spec, &state, &keep, request).patch;
+            assert_eq!(inject(&full), inject(&partial), "{object}");
+        }
     }
 }

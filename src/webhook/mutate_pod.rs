@@ -29,8 +29,12 @@ use crate::workload::{GroupKind, WorkloadRef};
 pub const PATH: &str = "/mutate-pod";
 
 impl Nodes for WebhookState {
-    fn with_labels(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<Node>> {
-        self.caches.with_labels(labels)
+    fn visit_with_labels(
+        &self,
+        labels: &BTreeMap<String, String>,
+        visit: &mut dyn FnMut(&Node) -> bool,
+    ) -> bool {
+        self.caches.visit_with_labels(labels, visit)
     }
 
     fn all(&self) -> Vec<Arc<Node>> {

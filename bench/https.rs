@@ -1,0 +1,294 @@
+//! bench-https (issue 11.1): admission over HTTPS with keep-alive on loopback, `bench-server`
+//! (the webhook's own serving path over a cache of 10,000 PersistentPodStates and 100,000
+//! recorded states) against `bench-baseline` (a bare axum+rustls endpoint with the same TLS
+//! settings that parses the same body and answers a fixed review), alternated over several runs
+//! on the same machine; medians and ratios in a table.
+//!
+//! `bench-https [--short] [--runs N] [--seconds S] [--connections C] [--pps N] [--states N]
+//! [--perf FILE]` (with `--perf`, one more run of ours is sampled by `perf record` into FILE).
+//!
+//! Every request gets a patch (each review is of a re-created pod with a recorded state); the
+//! run fails if one does not, or if any request fails.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+#[path = "load.rs"]
+mod load;
+
+fn flag(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// A server under test, stopped when dropped.
+struct Server {
+    name: &'static str,
+    child: Child,
+    addr: String,
+    ca: PathBuf,
+}
+
+impl Server {
+    fn start(name: &'static str, args: &[String], port: u16, dir: &Path) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?
+            .parent()
+            .context("the directory of bench-https")?
+            .join(name);
+        let certs = dir.join(name);
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new(&exe)
+            .args(["--listen", &addr, "--cert-dir"])
+            .arg(&certs)
+            .args(args)
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))?;
+        let mut server = Self {
+            name,
+            child,
+            addr,
+            ca: certs.join("ca.crt"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while std::net::TcpStream::connect(&server.addr).is_err() {
+            anyhow::ensure!(
+                server.child.try_wait()?.is_none(),
+                "{name} exited before listening"
+            );
+            anyhow::ensure!(Instant::now() < deadline, "{name} is not listening");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(server)
+    }
+
+    async fn load(
+        &self,
+        bodies: &std::sync::Arc<Vec<Vec<u8>>>,
+        connections: usize,
+        seconds: f64,
+        rate: Option<f64>,
+    ) -> anyhow::Result<load::Outcome> {
+        let outcome = load::run(&load::Spec {
+            addr: &self.addr,
+            ca: &self.ca,
+            connections,
+            seconds,
+            rate,
+            pid: self.child.id(),
+            bodies: bodies.clone(),
+        })
+        .await?;
+        anyhow::ensure!(
+            outcome.errors == 0 && outcome.requests > 0,
+            "{}: {} requests failed, {} answered",
+            self.name,
+            outcome.errors,
+            outcome.requests
+        );
+        Ok(outcome)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// Ours and the baseline's outcomes of every run of one kind.
+#[derive(Default)]
+struct Runs {
+    ours: Vec<load::Outcome>,
+    baseline: Vec<load::Outcome>,
+}
+
+impl Runs {
+    fn medians(&self, f: impl Fn(&load::Outcome) -> f64) -> (f64, f64) {
+        (
+            median(self.ours.iter().map(&f).collect()),
+            median(self.baseline.iter().map(&f).collect()),
+        )
+    }
+}
+
+/// Prints a row of the table; whether both figures were produced.
+fn row(what: &str, (ours, baseline): (f64, f64), target: &str) -> bool {
+    println!(
+        "| {what:<36} | {ours:>10.1} | {baseline:>10.1} | {:>6.2} | {target:<8} |",
+        ours / baseline
+    );
+    ours.is_finite() && baseline.is_finite() && ours > 0.0 && baseline > 0.0
+}
+
+/// Checks that the server answers a review with a patch (so every measured request is one).
+async fn answers_with_patch(server: &Server, request: &[u8]) -> anyhow::Result<()> {
+    let (status, body) = load::once(&server.addr, &server.ca, request).await?;
+    let answer: serde_json::Value = serde_json::from_slice(&body)?;
+    anyhow::ensure!(
+        status == 200 && answer["response"]["patchType"] == "JSONPatch",
+        "{} answered without a patch: {status} {answer}",
+        server.name
+    );
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let args: Vec<String> = std::env::args().collect();
+    let short = args.iter().any(|a| a == "--short");
+    let number = |name: &str, default: f64| -> anyhow::Result<f64> {
+        flag(&args, name).map_or(Ok(default), |v| v.parse().context(name.to_owned()))
+    };
+    let runs = number("--runs", if short { 1.0 } else { 3.0 })? as usize;
+    let seconds = number("--seconds", if short { 2.0 } else { 10.0 })?;
+    let connections = number("--connections", 8.0)? as usize;
+    let pps = number("--pps", 10_000.0)? as usize;
+    let states = number("--states", 100_000.0)? as usize;
+
+    let dir = std::env::temp_dir().join(format!("bench-https-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let scale = vec![
+        "--pps".to_owned(),
+        pps.to_string(),
+        "--states".to_owned(),
+        states.to_string(),
+    ];
+    let ours = Server::start("bench-server", &scale, 19541, &dir)?;
+    let baseline = Server::start("bench-baseline", &[], 19542, &dir)?;
+
+    // Reviews of re-created pods spread over the PersistentPodStates: each gets a patch.
+    let distinct = 512usize.min(pps.max(1));
+    let stride = (pps / distinct).max(1);
+    let raw: Vec<Vec<u8>> = (0..distinct)
+        .map(|k| persistent_pod_state::synthetic::review((k * stride) % pps.max(1)))
+        .collect();
+    let bodies = load::requests("/mutate-pod", raw.into_iter());
+    answers_with_patch(&ours, &bodies[0]).await?;
+
+    eprintln!(
+        "bench-https: {runs} run(s) of {seconds} s, {connections} connections, alternating ours and the baseline"
+    );
+    let mut max = Runs::default();
+    for run in 0..runs {
+        // Alternate which goes first, so drift over time does not favour one.
+        let order = if run % 2 == 0 {
+            [&baseline, &ours]
+        } else {
+            [&ours, &baseline]
+        };
+        for server in order {
+            let outcome = server.load(&bodies, connections, seconds, None).await?;
+            eprintln!("  max   {:<14} run {run}: {outcome:?}", server.name);
+            if std::ptr::eq(server, &ours) {
+                max.ours.push(outcome);
+            } else {
+                max.baseline.push(outcome);
+            }
+        }
+    }
+    let rate = (max.medians(|o| o.throughput).1 / 2.0).floor();
+    let mut fixed = Runs::default();
+    for run in 0..runs {
+        let order = if run % 2 == 0 {
+            [&ours, &baseline]
+        } else {
+            [&baseline, &ours]
+        };
+        for server in order {
+            let outcome = server
+                .load(&bodies, connections, seconds, Some(rate))
+                .await?;
+            eprintln!("  fixed {:<14} run {run}: {outcome:?}", server.name);
+            if std::ptr::eq(server, &ours) {
+                fixed.ours.push(outcome);
+            } else {
+                fixed.baseline.push(outcome);
+            }
+        }
+    }
+
+    println!(
+        "\nAdmission over HTTPS (issue 11.1): {pps} PPS, {states} recorded states; {connections} keep-alive connections; medians of {runs} alternated run(s) of {seconds} s\n"
+    );
+    println!(
+        "| {:<36} | {:>10} | {:>10} | {:>6} | {:<8} |",
+        "figure", "ours", "baseline", "ratio", "target"
+    );
+    println!(
+        "|{:-<38}|{:-<12}|{:-<12}|{:-<8}|{:-<10}|",
+        "", "", "", "", ""
+    );
+    let produced = [
+        row(
+            "max throughput (req/s)",
+            max.medians(|o| o.throughput),
+            ">= 0.80",
+        ),
+        row(
+            "max: server CPU per review (µs)",
+            max.medians(|o| o.cpu_per_request_us),
+            "",
+        ),
+        row(
+            &format!("at {rate} req/s: p50 latency (µs)"),
+            fixed.medians(|o| f64::from(o.p50_us)),
+            "",
+        ),
+        row(
+            &format!("at {rate} req/s: p99 latency (µs)"),
+            fixed.medians(|o| f64::from(o.p99_us)),
+            "<= 1.25",
+        ),
+        row(
+            &format!("at {rate} req/s: CPU per review (µs)"),
+            fixed.medians(|o| o.cpu_per_request_us),
+            "<= 1.50",
+        ),
+    ];
+    anyhow::ensure!(produced.iter().all(|p| *p), "a figure was not produced");
+    if let Some(file) = flag(&args, "--perf") {
+        // One more closed-loop run of ours, sampled by perf (CPU clock, call graphs).
+        let mut perf = Command::new("perf")
+            .args([
+                "record",
+                "-e",
+                "cpu-clock",
+                "-F",
+                "1999",
+                "-g",
+                "-o",
+                &file,
+                "-p",
+            ])
+            .arg(ours.child.id().to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("perf")?;
+        let outcome = ours.load(&bodies, connections, seconds, None).await?;
+        eprintln!("  profiled run: {outcome:?}");
+        // perf writes its file on SIGINT.
+        Command::new("kill")
+            .args(["-INT", &perf.id().to_string()])
+            .status()?;
+        perf.wait()?;
+    }
+    drop((ours, baseline));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
