@@ -59,7 +59,7 @@ async fn malformed_requests_get_clear_answers_and_the_server_keeps_serving() {
     }
     for object in [
         json!("not a pod"),
-        json!({"spec": {"containers": "nope"}}),
+        json!({"spec": {"tolerations": "nope"}}),
         json!(42),
     ] {
         let (code, text) = post(&env, &review(object.clone())).await;

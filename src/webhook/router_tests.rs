@@ -496,7 +496,7 @@ async fn logs_below_debug_carry_no_annotation_value_or_pod_spec() {
     own["metadata"]["annotations"] =
         json!({"cni.projectcalico.org/ipAddrs": "SECRET-ANNOTATION-VALUE"});
     let unreadable =
-        json!({"metadata": {"name": "web-0"}, "spec": {"containers": "SECRET-SPEC-VALUE"}});
+        json!({"metadata": {"name": "web-0"}, "spec": {"nodeSelector": "SECRET-SPEC-VALUE"}});
     for object in [own, unreadable] {
         let body = serde_json::to_vec(&review(POD, "CREATE", object, None)).expect("json");
         let (status, _) = post(&synced, mutate_pod::PATH, body).await;
