@@ -1,7 +1,8 @@
 //! bench-baseline: the floor of an HTTPS admission endpoint on this machine. A bare axum
 //! router over rustls with the same TLS settings as `serve` (ring, TLS 1.2/1.3, h2 and
-//! http/1.1) and hyper's auto connection builder: it reads the body, parses it as JSON, and
-//! answers a fixed AdmissionReview.
+//! http/1.1), TCP_NODELAY and hyper's auto connection builder: it reads the body, parses it as
+//! JSON, and answers a fixed AdmissionReview with a fixed one-operation patch (a label, so the
+//! API-server benchmark can see its answers applied).
 //!
 //! `bench-baseline --listen ADDR --cert-dir DIR` writes a certificate for 127.0.0.1 into DIR.
 
@@ -14,12 +15,14 @@ use axum::routing::post;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use persistent_pod_state::benchkit::flag;
 
-fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
+/// The fixed patch, base64 as the API documents it.
+static PATCH: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .encode(br#"[{"op":"add","path":"/metadata/labels/bench-baseline","value":"answered"}]"#)
+});
 
 async fn answer(body: Bytes) -> impl IntoResponse {
     match serde_json::from_slice::<serde_json::Value>(&body) {
@@ -29,7 +32,7 @@ async fn answer(body: Bytes) -> impl IntoResponse {
                 .unwrap_or_default()
                 .to_owned();
             let answer = serde_json::json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                "response": {"uid": uid, "allowed": true}});
+                "response": {"uid": uid, "allowed": true, "patchType": "JSONPatch", "patch": *PATCH}});
             (
                 StatusCode::OK,
                 [(header::CONTENT_TYPE, "application/json")],
@@ -63,6 +66,7 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("bench-baseline: listening on {listen}");
     loop {
         let (tcp, _) = listener.accept().await?;
+        tcp.set_nodelay(true)?;
         let (acceptor, app) = (acceptor.clone(), app.clone());
         tokio::spawn(async move {
             let Ok(tls) = acceptor.accept(tcp).await else {

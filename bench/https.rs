@@ -19,11 +19,7 @@ use anyhow::Context;
 #[path = "load.rs"]
 mod load;
 
-fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
+use persistent_pod_state::benchkit::{flag, median};
 
 /// A server under test, stopped when dropped.
 struct Server {
@@ -100,15 +96,6 @@ impl Drop for Server {
     }
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    match values.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => values[n / 2],
-        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
-    }
-}
-
 /// Ours and the baseline's outcomes of every run of one kind.
 #[derive(Default)]
 struct Runs {
@@ -119,8 +106,8 @@ struct Runs {
 impl Runs {
     fn medians(&self, f: impl Fn(&load::Outcome) -> f64) -> (f64, f64) {
         (
-            median(self.ours.iter().map(&f).collect()),
-            median(self.baseline.iter().map(&f).collect()),
+            median(&self.ours.iter().map(&f).collect::<Vec<_>>()),
+            median(&self.baseline.iter().map(&f).collect::<Vec<_>>()),
         )
     }
 }

@@ -9,18 +9,13 @@ use std::time::Duration;
 
 use anyhow::Context;
 use kube::runtime::watcher;
+use persistent_pod_state::benchkit::flag;
 use persistent_pod_state::metrics::Metrics;
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::server::{Limits, serve};
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use persistent_pod_state::workload::CustomKinds;
 use tokio_util::sync::CancellationToken;
-
-fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -14,6 +14,8 @@
 #![warn(missing_docs)]
 
 pub mod api;
+#[cfg(feature = "bench")]
+pub mod benchkit;
 pub mod certs;
 pub mod cli;
 pub mod controller;

@@ -361,6 +361,8 @@ pub struct Metrics {
     pub states_recorded: Counter,
     /// Pod states pruned.
     pub states_pruned: Counter,
+    /// Status writes sent (each batches every change of its PersistentPodState since the last).
+    pub status_writes: Counter,
     /// Reconcile runs that failed, by controller.
     pub reconcile_errors: Family<ReconcilerLabels, Counter>,
     /// Reconcile duration, by controller.
@@ -413,6 +415,7 @@ impl Metrics {
             skipped: Family::default(),
             states_recorded: Counter::default(),
             states_pruned: Counter::default(),
+            status_writes: Counter::default(),
             reconcile_errors: Family::default(),
             reconcile_duration: Family::new_with_constructor(latency_histogram),
             cached_persistent_pod_states: Gauge::default(),
@@ -470,6 +473,11 @@ impl Metrics {
             "states_pruned",
             "Pod states pruned",
             m.states_pruned.clone(),
+        );
+        registry.register(
+            "status_writes",
+            "PersistentPodState status writes sent",
+            m.status_writes.clone(),
         );
         registry.register(
             "reconcile_errors",

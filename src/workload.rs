@@ -104,7 +104,7 @@ pub fn controller_owner(owners: &[OwnerReference]) -> Option<&OwnerReference> {
 }
 
 /// The StatefulSet-like workload that controls `pod` (in `namespace`), if any.
-pub fn pod_workload(pod: &Pod, namespace: &str) -> Option<WorkloadRef> {
+pub fn pod_workload<K: kube::Resource>(pod: &K, namespace: &str) -> Option<WorkloadRef> {
     let owner = controller_owner(pod.owner_references())?;
     Some(WorkloadRef {
         namespace: namespace.to_owned(),

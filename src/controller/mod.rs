@@ -8,11 +8,10 @@ pub mod record;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
 };
@@ -30,6 +29,7 @@ use crate::events::Events;
 use crate::leader::{Fence, Fenced};
 use crate::metrics::{GeneratorAction, Metrics, Reconciler, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
+use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
 use crate::workload::{GroupKind, MAX_RESERVED_ENTRIES, WorkloadInfo, WorkloadRef};
 use generate::{Leave, Plan};
@@ -64,6 +64,8 @@ pub struct Context {
     reported_limits: Mutex<HashMap<ObjectRef<PersistentPodState>, Vec<String>>>,
     /// Consecutive failures by object, for the retry backoff.
     failures: Backoff,
+    /// When each PersistentPodState's status was last written.
+    pacing: Pacing,
 }
 
 impl Context {
@@ -86,6 +88,7 @@ impl Context {
             reported_unplaceable: Mutex::default(),
             reported_limits: Mutex::default(),
             failures: Backoff::default(),
+            pacing: Pacing::default(),
         }
     }
 }
@@ -125,6 +128,34 @@ impl Backoff {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(key);
+    }
+}
+
+/// Status writes are paced: at most one per PersistentPodState per [`Pacing::INTERVAL`]. The
+/// first change after a quiet spell is written at once; changes that follow within the interval
+/// (a large StatefulSet becoming Ready pod after pod) wait for its end and are written together,
+/// so a rollout costs a few writes, not one per pod, and each pod is recorded within the
+/// interval (plus a reconcile). The wait also lets the cache catch up with the last write, so
+/// the next is rarely computed from a stale copy (which would be a conflict and a retry).
+#[derive(Default)]
+struct Pacing(Mutex<HashMap<ObjectRef<PersistentPodState>, Instant>>);
+
+impl Pacing {
+    const INTERVAL: Duration = Duration::from_millis(300);
+
+    /// How long a write to `pps` must still wait, if at all.
+    fn wait(&self, pps: &ObjectRef<PersistentPodState>) -> Option<Duration> {
+        let last = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let since = last.get(pps)?.elapsed();
+        Self::INTERVAL.checked_sub(since).filter(|d| !d.is_zero())
+    }
+
+    /// Notes a write to `pps` now (and forgets writes older than the interval: the map holds
+    /// only the PersistentPodStates written in the last interval).
+    fn wrote(&self, pps: ObjectRef<PersistentPodState>) {
+        let mut last = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        last.retain(|_, at| at.elapsed() < Self::INTERVAL);
+        last.insert(pps, Instant::now());
     }
 }
 
@@ -263,7 +294,7 @@ pub async fn reconcile_pps(
     let desired = {
         let caches = &ctx.caches;
         let pods = caches.pods_of(&target);
-        let pods: Vec<&Pod> = pods.iter().map(Arc::as_ref).collect();
+        let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
         let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
         let node_labels = |name: &str| caches.node(name).map(|n| n.labels().clone());
         let observed = Observed {
@@ -285,6 +316,10 @@ pub async fn reconcile_pps(
     let old = serde_json::to_value(&pps.status)?;
     let new = serde_json::to_value(&desired)?;
     if let Some(patch) = record::merge_patch(&old, &new) {
+        let key = ObjectRef::from_obj(pps.as_ref());
+        if let Some(wait) = ctx.pacing.wait(&key) {
+            return Ok(Action::requeue(wait));
+        }
         // Conditional on the version the status was computed from: a stale writer (a replica
         // that lost the Lease, or a reconcile of an older copy) gets a conflict, never
         // overwrites newer states; the next reconcile computes again from the cache.
@@ -300,6 +335,8 @@ pub async fn reconcile_pps(
             &Patch::Merge(body),
         )
         .await?;
+        ctx.pacing.wrote(key);
+        ctx.metrics.status_writes.inc();
         let (recorded, pruned) = changes(pps.status.as_ref(), &desired);
         ctx.metrics.states_recorded.inc_by(recorded.len() as u64);
         ctx.metrics.states_pruned.inc_by(pruned.len() as u64);

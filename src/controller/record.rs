@@ -14,7 +14,8 @@ use crate::api::{
     RetentionPolicy,
 };
 use crate::placement::{Dropped, Required};
-use crate::workload::{WorkloadInfo, controller_owner, pod_ips, pod_ordinal};
+use crate::state::trim::CachedPod;
+use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
 
 /// What is known about the target workload.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,7 +34,7 @@ pub struct Observed<'a> {
     /// The target workload.
     pub target: Target,
     /// The pods whose controller ownerReference names the target.
-    pub pods: &'a [&'a Pod],
+    pub pods: &'a [&'a CachedPod],
     /// Whether a pod of that name exists in the namespace (whoever owns it).
     pub pod_exists: &'a dyn Fn(&str) -> bool,
     /// A node's labels, if the node is known.
@@ -52,18 +53,13 @@ pub fn is_ready(pod: &Pod) -> bool {
 /// (not Ready, no node, or the node is not known).
 pub fn pod_state(
     spec: &PersistentPodStateSpec,
-    pod: &Pod,
+    pod: &CachedPod,
     node_labels: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
 ) -> Option<PodState> {
-    if !is_ready(pod) {
+    if !pod.ready {
         return None;
     }
-    let node = pod
-        .spec
-        .as_ref()?
-        .node_name
-        .as_ref()
-        .filter(|n| !n.is_empty())?;
+    let node = pod.node_name.as_ref().filter(|n| !n.is_empty())?;
     let keys = spec.topology_keys();
     let node_topology_labels = if keys.is_empty() {
         BTreeMap::new()
@@ -86,7 +82,7 @@ pub fn pod_state(
         node_name: Some(node.clone()),
         node_topology_labels,
         annotations,
-        pod_ips: pod_ips(pod),
+        pod_ips: pod.ips.clone(),
         pod_uid: pod.uid(),
         last_restore: None,
     })
@@ -296,7 +292,7 @@ mod tests {
         }
     }
 
-    fn pod(name: &str, node: Option<&str>, ready: bool, uid: &str) -> Pod {
+    fn pod(name: &str, node: Option<&str>, ready: bool, uid: &str) -> CachedPod {
         serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "ns", "annotations": {"ip": format!("ip-{name}"), "x": "y"},
                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": uid, "controller": true}]},
@@ -332,7 +328,7 @@ mod tests {
         retention: Option<RetentionPolicy>,
         target: Target,
         current: &[(&str, &str)],
-        pods: &[Pod],
+        pods: &[CachedPod],
         existing: &[&str],
     ) -> BTreeMap<String, Option<String>> {
         let current = PersistentPodStateStatus {
@@ -343,7 +339,7 @@ mod tests {
                 .collect(),
             ..PersistentPodStateStatus::default()
         };
-        let refs: Vec<&Pod> = pods.iter().collect();
+        let refs: Vec<&CachedPod> = pods.iter().collect();
         let exists = |name: &str| existing.contains(&name);
         let observed = Observed {
             target,
@@ -445,7 +441,7 @@ mod tests {
     #[test]
     fn upstream_bug_2_an_unchanged_state_with_persisted_annotations_writes_nothing() {
         let pods = [pod("web-0", Some("node-1"), true, "u1")];
-        let refs: Vec<&Pod> = pods.iter().collect();
+        let refs: Vec<&CachedPod> = pods.iter().collect();
         let exists = |_: &str| true;
         let observed = Observed {
             target: live(1),

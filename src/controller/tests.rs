@@ -63,14 +63,22 @@ async fn drive(
     handle: &mut Handle,
     answers: Vec<Value>,
 ) -> Vec<Sent> {
+    drive_to_action(reconcile, handle, answers).await.0
+}
+
+/// [`drive`], and the reconcile's verdict.
+async fn drive_to_action(
+    reconcile: impl Future<Output = Result<kube::runtime::controller::Action, Error>>,
+    handle: &mut Handle,
+    answers: Vec<Value>,
+) -> (Vec<Sent>, kube::runtime::controller::Action) {
     let mut answers = answers.into_iter();
     let mut sent = Vec::new();
     tokio::pin!(reconcile);
     loop {
         tokio::select! {
             result = &mut reconcile => {
-                result.expect("reconcile succeeds");
-                return sent;
+                return (sent, result.expect("reconcile succeeds"));
             }
             request = handle.next_request() => {
                 let (request, respond) = request.expect("the client is alive");
@@ -178,6 +186,65 @@ async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
             .contains("pps_reconcile_duration_seconds_count{controller=\"status\"} 1"),
         "timed"
     );
+}
+
+#[tokio::test]
+async fn status_writes_are_paced_and_a_change_within_the_interval_waits_for_the_next() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches.clone());
+    let first = Arc::new(pps(json!({"observedGeneration": 2})));
+    let sent = drive(
+        reconcile_pps(first.clone(), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(first.as_ref()).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "the first change is written at once");
+
+    // web-1 becomes Ready right after: its state waits for the end of the interval.
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-1", "namespace": "ns", "ownerReferences": [{"apiVersion": "apps/v1",
+                "kind": "StatefulSet", "name": "web", "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeName": "n1"},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .expect("pod"),
+    ));
+    let recorded: Value = serde_json::from_str(RECORDED).expect("json");
+    let written = Arc::new(pps(
+        json!({"observedGeneration": 2, "podStates": recorded, "recorded": 1}),
+    ));
+    let (sent, action) = drive_to_action(
+        reconcile_pps(written.clone(), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "{sent:?}");
+    // Looked at again before the interval is over (the Action exposes no getter: its Debug
+    // shows the delay, in ms).
+    let paced = kube::runtime::controller::Action::requeue(super::Pacing::INTERVAL);
+    assert!(
+        action != paced && format!("{action:?}").ends_with("ms) }"),
+        "{action:?}"
+    );
+
+    // Once the interval is over, both changes go out in one write.
+    ctx.pacing.0.lock().expect("pacing").clear();
+    let sent = drive(
+        reconcile_pps(written.clone(), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(written.as_ref()).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1);
+    assert!(
+        sent[0].body["status"]["podStates"]["web-1"].is_object(),
+        "{:?}",
+        sent[0].body
+    );
+    assert!(ctx.metrics.encode().contains("pps_status_writes_total 2"));
 }
 
 #[tokio::test]

@@ -7,12 +7,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{PoisonError, RwLock, RwLockReadGuard};
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
+use super::trim::CachedPod;
 use crate::api::PersistentPodState;
-use crate::workload::{GroupKind, WorkloadRef, pod_ips, pod_workload};
+use crate::workload::{GroupKind, WorkloadRef, pod_workload};
 
 /// An index over objects of kind `K`, updated one object at a time.
 pub trait Indexer<K>: Default {
@@ -110,7 +111,7 @@ impl OfWorkload for PersistentPodState {
     }
 }
 
-impl OfWorkload for Pod {
+impl OfWorkload for CachedPod {
     fn workload(&self) -> Option<WorkloadRef> {
         pod_workload(self, &self.namespace()?)
     }
@@ -219,15 +220,14 @@ impl PodsByIp {
     }
 }
 
-impl Indexer<Pod> for PodsByIp {
-    fn upsert(&mut self, pod: &Pod) -> bool {
+impl Indexer<CachedPod> for PodsByIp {
+    fn upsert(&mut self, pod: &CachedPod) -> bool {
         let id = id(pod);
-        let finished = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.phase.as_deref())
-            .is_some_and(|p| p == "Succeeded" || p == "Failed");
-        let ips = if finished { Vec::new() } else { pod_ips(pod) };
+        let ips = if pod.finished() {
+            Vec::new()
+        } else {
+            pod.ips.clone()
+        };
         if self.ips_of.get(&id).map(Vec::as_slice).unwrap_or_default() == ips.as_slice() {
             return false;
         }
@@ -244,7 +244,7 @@ impl Indexer<Pod> for PodsByIp {
         true
     }
 
-    fn remove(&mut self, pod: &Pod) -> bool {
+    fn remove(&mut self, pod: &CachedPod) -> bool {
         self.forget(&id(pod))
     }
 }
@@ -340,7 +340,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn pod(name: &str, owner: Option<&str>) -> Pod {
+    fn pod(name: &str, owner: Option<&str>) -> CachedPod {
         let owners = owner.map(|o| {
             json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": o, "uid": "u", "controller": true}])
         });
@@ -383,10 +383,10 @@ mod tests {
         assert!(names(&index, "a").is_empty());
 
         // a relist replaces everything at InitDone, not before
-        index.apply(&watcher::Event::<Pod>::Init);
+        index.apply(&watcher::Event::<CachedPod>::Init);
         index.apply(&watcher::Event::InitApply(pod("c-0", Some("c"))));
         assert_eq!(names(&index, "b"), vec!["a-1"]);
-        index.apply(&watcher::Event::<Pod>::InitDone);
+        index.apply(&watcher::Event::<CachedPod>::InitDone);
         assert!(names(&index, "b").is_empty());
         assert_eq!(names(&index, "c"), vec!["c-0"]);
     }
@@ -403,7 +403,7 @@ mod tests {
             .collect()
     }
 
-    fn pod_with_ip(name: &str, ip: &str, phase: &str) -> Pod {
+    fn pod_with_ip(name: &str, ip: &str, phase: &str) -> CachedPod {
         serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns"},
             "status": {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}]}}))
         .expect("pod")

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 pub use index::pps_target;
 use index::{ByWorkload, NodesByLabel, PodsByIp, Shared};
 pub use triggers::Triggers;
+use trim::{CachedPod, Read};
 
 use crate::api::PersistentPodState;
 use crate::placement::{Nodes, health_fields};
@@ -98,9 +99,9 @@ pub struct Caches {
     pps_writer: Mutex<Writer<PersistentPodState>>,
     /// PersistentPodStates by target workload.
     pub pps_by_target: Shared<ByWorkload>,
-    /// Pods (spec and status reduced to what recording needs).
-    pub pods: Store<Pod>,
-    pods_writer: Mutex<Writer<Pod>>,
+    /// Pods, as [`CachedPod`]s.
+    pub pods: Store<CachedPod>,
+    pods_writer: Mutex<Writer<CachedPod>>,
     /// Pods by controlling workload.
     pub pods_by_workload: Shared<ByWorkload>,
     /// Live pods by IP.
@@ -169,9 +170,13 @@ impl Caches {
             },
         );
         let c = caches.clone();
-        spawn_watch("Pod", Api::all(client.clone()), move |ev| c.apply_pod(ev));
+        spawn_watch("Pod", Api::<CachedPod>::all(client.clone()), move |ev| {
+            c.apply_cached_pod(ev);
+        });
         let c = caches.clone();
-        spawn_watch("Node", Api::all(client.clone()), move |ev| c.apply_node(ev));
+        spawn_watch("Node", Api::<Read<Node>>::all(client.clone()), move |ev| {
+            c.apply_node(trim::map_event(ev, |node| node.0));
+        });
         caches
     }
 
@@ -184,9 +189,13 @@ impl Caches {
         self.trigger_for_pps(&event);
     }
 
-    /// Applies one Pod watch event.
+    /// Applies one Pod watch event (the pods kept as [`CachedPod`]).
     pub fn apply_pod(&self, event: watcher::Event<Pod>) {
-        let event = event.modify(trim::pod);
+        self.apply_cached_pod(trim::map_event(event, CachedPod::from));
+    }
+
+    /// Applies one watch event of pods decoded as they are kept.
+    pub fn apply_cached_pod(&self, event: watcher::Event<CachedPod>) {
         lock(&self.pods_writer).apply_watcher_event(&event);
         self.pods_by_workload.apply(&event);
         self.pods_by_ip.apply(&event);
@@ -380,7 +389,7 @@ impl Caches {
     }
 
     /// The cached pods whose controller is `workload`.
-    pub fn pods_of(&self, workload: &WorkloadRef) -> Vec<Arc<Pod>> {
+    pub fn pods_of(&self, workload: &WorkloadRef) -> Vec<Arc<CachedPod>> {
         let names: Vec<String> = self
             .pods_by_workload
             .read()
@@ -493,6 +502,9 @@ fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<Per
     })
 }
 
+/// Objects per page of an initial list or relist.
+const PAGE_SIZE: u32 = 500;
+
 /// Runs one watch for the life of the process, handing each event to `apply`. Watch errors are
 /// retried with backoff and logged.
 fn spawn_watch<K>(
@@ -506,7 +518,11 @@ where
 {
     let kind = kind.to_owned();
     tokio::spawn(async move {
-        let events = watcher(api, watcher::Config::default().any_semantic()).default_backoff();
+        // Lists are paginated (500 objects a page, from etcd): no single response holds every
+        // object of the cluster. (`any_semantic` would be served from the API server's watch
+        // cache, which answers in one response whatever the limit.)
+        let config = watcher::Config::default().page_size(PAGE_SIZE);
+        let events = watcher(api, config).default_backoff();
         futures::pin_mut!(events);
         loop {
             match events.try_next().await {

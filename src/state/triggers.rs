@@ -76,7 +76,7 @@ impl Caches {
     }
 
     /// A pod changed or went: the PersistentPodStates of its workload.
-    pub(super) fn trigger_for_pod(&self, event: &watcher::Event<k8s_openapi::api::core::v1::Pod>) {
+    pub(super) fn trigger_for_pod(&self, event: &watcher::Event<super::trim::CachedPod>) {
         match event {
             watcher::Event::Apply(p) | watcher::Event::Delete(p) => {
                 self.triggers.pps(self.pps_targeting(p.workload()));

@@ -1,31 +1,240 @@
 //! What the caches keep of each object: only the fields the code reads, so memory follows the
-//! number of objects, not their size.
+//! number of objects, not their size. Pods are kept as [`CachedPod`] and nodes watched as
+//! [`Read`] nodes, both decoded with only those fields: the rest of each object (containers,
+//! volumes, images, managed fields) is skipped while decoding, never built, so a page of a
+//! list costs its bytes, not the full objects.
 
-use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, Pod, PodSpec, PodStatus};
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Node, NodeCondition, NodeSpec, NodeStatus, Pod, PodCondition, PodIP, PodSpec, PodStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use kube::Resource;
 use kube::api::DynamicObject;
+use kube::runtime::watcher;
+use serde::{Deserialize, Deserializer};
+
+/// An object of kind `K` decoded with only the fields the caches keep (see [`pod`], [`node`]);
+/// watched in place of `K`.
+#[derive(Clone, Debug)]
+pub struct Read<K>(pub K);
+
+impl<K: k8s_openapi::Resource> k8s_openapi::Resource for Read<K> {
+    const API_VERSION: &'static str = K::API_VERSION;
+    const GROUP: &'static str = K::GROUP;
+    const KIND: &'static str = K::KIND;
+    const VERSION: &'static str = K::VERSION;
+    const URL_PATH_SEGMENT: &'static str = K::URL_PATH_SEGMENT;
+    type Scope = K::Scope;
+}
+
+impl<K: k8s_openapi::Metadata<Ty = ObjectMeta>> k8s_openapi::Metadata for Read<K> {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        self.0.metadata()
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        self.0.metadata_mut()
+    }
+}
+
+/// The same event, of each object mapped by `f`.
+pub fn map_event<A, B>(event: watcher::Event<A>, f: impl Fn(A) -> B) -> watcher::Event<B> {
+    match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(f(o)),
+        watcher::Event::Delete(o) => watcher::Event::Delete(f(o)),
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(f(o)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+/// The metadata kept: what names, versions and owns an object, and its annotations and labels
+/// where read.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadMeta {
+    name: Option<String>,
+    namespace: Option<String>,
+    uid: Option<String>,
+    resource_version: Option<String>,
+    creation_timestamp: Option<Time>,
+    deletion_timestamp: Option<Time>,
+    annotations: Option<BTreeMap<String, String>>,
+    labels: Option<BTreeMap<String, String>>,
+    owner_references: Option<Vec<OwnerReference>>,
+}
+
+impl From<ReadMeta> for ObjectMeta {
+    fn from(m: ReadMeta) -> Self {
+        ObjectMeta {
+            name: m.name,
+            namespace: m.namespace,
+            uid: m.uid,
+            resource_version: m.resource_version,
+            creation_timestamp: m.creation_timestamp,
+            deletion_timestamp: m.deletion_timestamp,
+            annotations: m.annotations,
+            labels: m.labels,
+            owner_references: m.owner_references,
+            ..ObjectMeta::default()
+        }
+    }
+}
+
+/// A pod as the caches keep it: what recording, the IP index and the triggers read (its name,
+/// namespace, uid, resourceVersion, owner, annotations and deletion mark; its node, phase,
+/// readiness and IPs). A few hundred bytes, where a `Pod` value alone is over 2 KB.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CachedPod {
+    /// Name, namespace, uid, resourceVersion, owner references, annotations, deletion mark.
+    pub metadata: ObjectMeta,
+    /// The node it is bound to.
+    pub node_name: Option<String>,
+    /// Its phase.
+    pub phase: Option<String>,
+    /// Whether its Ready condition is True.
+    pub ready: bool,
+    /// Its IPs, every family (`status.podIPs`, else `status.podIP`).
+    pub ips: Vec<String>,
+}
+
+impl CachedPod {
+    /// Whether it has finished (Succeeded or Failed): it holds no IP any more.
+    pub fn finished(&self) -> bool {
+        matches!(self.phase.as_deref(), Some("Succeeded" | "Failed"))
+    }
+}
+
+impl k8s_openapi::Resource for CachedPod {
+    const API_VERSION: &'static str = Pod::API_VERSION;
+    const GROUP: &'static str = Pod::GROUP;
+    const KIND: &'static str = Pod::KIND;
+    const VERSION: &'static str = Pod::VERSION;
+    const URL_PATH_SEGMENT: &'static str = Pod::URL_PATH_SEGMENT;
+    type Scope = <Pod as k8s_openapi::Resource>::Scope;
+}
+
+impl k8s_openapi::Metadata for CachedPod {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The metadata a cached pod keeps.
+fn pod_meta(m: ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        uid: m.uid,
+        resource_version: m.resource_version,
+        deletion_timestamp: m.deletion_timestamp,
+        annotations: m.annotations,
+        owner_references: m.owner_references,
+        ..ObjectMeta::default()
+    }
+}
+
+impl From<Pod> for CachedPod {
+    fn from(pod: Pod) -> Self {
+        let ready = crate::controller::record::is_ready(&pod);
+        let ips = crate::workload::pod_ips(&pod);
+        CachedPod {
+            metadata: pod_meta(pod.metadata),
+            node_name: pod.spec.and_then(|s| s.node_name),
+            phase: pod.status.and_then(|s| s.phase),
+            ready,
+            ips,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadPodSpec {
+    node_name: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadPodStatus {
+    phase: Option<String>,
+    conditions: Option<Vec<PodCondition>>,
+    #[serde(rename = "podIP")]
+    pod_ip: Option<String>,
+    #[serde(rename = "podIPs")]
+    pod_ips: Option<Vec<PodIP>>,
+}
+
+#[derive(Deserialize)]
+struct ReadPod {
+    metadata: Option<ReadMeta>,
+    spec: Option<ReadPodSpec>,
+    status: Option<ReadPodStatus>,
+}
+
+/// Decodes a listed or watched pod straight into what is kept.
+impl<'de> Deserialize<'de> for CachedPod {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let read = ReadPod::deserialize(d)?;
+        // Through the same conversion as a whole Pod, so both keep exactly the same.
+        Ok(CachedPod::from(Pod {
+            metadata: read.metadata.map(ObjectMeta::from).unwrap_or_default(),
+            spec: read.spec.map(|s| PodSpec {
+                node_name: s.node_name,
+                ..PodSpec::default()
+            }),
+            status: read.status.map(|s| PodStatus {
+                phase: s.phase,
+                conditions: s.conditions,
+                pod_ip: s.pod_ip,
+                pod_ips: s.pod_ips,
+                ..PodStatus::default()
+            }),
+        }))
+    }
+}
+
+#[derive(Deserialize)]
+struct ReadNodeStatus {
+    conditions: Option<Vec<NodeCondition>>,
+}
+
+#[derive(Deserialize)]
+struct ReadNode {
+    metadata: Option<ReadMeta>,
+    spec: Option<NodeSpec>,
+    status: Option<ReadNodeStatus>,
+}
+
+impl<'de> Deserialize<'de> for Read<Node> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let read = ReadNode::deserialize(d)?;
+        let mut node = Node {
+            metadata: read.metadata.map(ObjectMeta::from).unwrap_or_default(),
+            spec: read.spec,
+            status: read.status.map(|s| NodeStatus {
+                conditions: s.conditions,
+                ..NodeStatus::default()
+            }),
+        };
+        self::node(&mut node);
+        Ok(Read(node))
+    }
+}
 
 /// Drops `managedFields` (often the largest part of an object, never read).
 pub fn meta<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
-}
-
-/// Keeps of a pod only what recording and IP requests need: metadata, node name, phase,
-/// conditions, IPs.
-pub fn pod(pod: &mut Pod) {
-    meta(pod);
-    let node_name = pod.spec.as_ref().and_then(|s| s.node_name.clone());
-    pod.spec = Some(PodSpec {
-        node_name,
-        ..PodSpec::default()
-    });
-    pod.status = pod.status.take().map(|s| PodStatus {
-        phase: s.phase,
-        conditions: s.conditions,
-        pod_ip: s.pod_ip,
-        pod_ips: s.pod_ips,
-        ..PodStatus::default()
-    });
 }
 
 /// Keeps of a node its name, labels, spec (taints, unschedulable) and the status and transition
@@ -67,27 +276,30 @@ pub fn workload(obj: &mut DynamicObject) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::ResourceExt;
     use serde_json::json;
 
     #[test]
     fn keeps_what_recording_needs() {
-        let mut p: Pod = serde_json::from_value(json!({
-            "metadata": {"name": "a-0", "managedFields": [{"manager": "x"}]},
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "a-0", "managedFields": [{"manager": "x"}], "labels": {"app": "a"},
+                         "annotations": {"k": "v"}, "uid": "u", "finalizers": ["f"]},
             "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "i"}]},
             "status": {"phase": "Running", "podIP": "10.0.0.1",
-                       "conditions": [{"type": "Ready", "status": "True"}],
+                       "conditions": [{"type": "Ready", "status": "True", "message": "m"},
+                                      {"type": "PodScheduled", "status": "True"}],
                        "containerStatuses": [{"name": "c", "image": "i", "imageID": "", "ready": true, "restartCount": 0}]}
         }))
         .expect("pod");
-        pod(&mut p);
-        assert!(p.metadata.managed_fields.is_none());
-        let spec = p.spec.as_ref().expect("spec");
-        assert_eq!(spec.node_name.as_deref(), Some("n1"));
-        assert!(spec.containers.is_empty());
-        let status = p.status.as_ref().expect("status");
-        assert_eq!(status.pod_ip.as_deref(), Some("10.0.0.1"));
-        assert!(status.container_statuses.is_none());
-        assert_eq!(status.conditions.as_ref().map(Vec::len), Some(1));
+        let p = CachedPod::from(p);
+        assert!(p.metadata.managed_fields.is_none() && p.metadata.labels.is_none());
+        assert!(p.metadata.finalizers.is_none());
+        assert_eq!(p.metadata.uid.as_deref(), Some("u"));
+        assert_eq!(p.annotations().get("k").map(String::as_str), Some("v"));
+        assert_eq!(p.node_name.as_deref(), Some("n1"));
+        assert_eq!(p.phase.as_deref(), Some("Running"));
+        assert!(p.ready && !p.finished());
+        assert_eq!(p.ips, ["10.0.0.1"]);
 
         let mut w: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "a"},
@@ -99,5 +311,40 @@ mod tests {
             w.data,
             json!({"spec": {"replicas": 3, "ordinals": {"start": 1}}})
         );
+    }
+
+    #[test]
+    fn reading_only_the_kept_fields_equals_trimming_the_whole_object() {
+        let pods = [
+            json!({"metadata": {"name": "a-0", "namespace": "ns", "uid": "u", "resourceVersion": "7",
+                    "deletionTimestamp": "2026-01-01T00:00:00Z", "labels": {"a": "b"},
+                    "annotations": {"k": "v"}, "finalizers": ["f"],
+                    "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}],
+                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "a", "uid": "s", "controller": true}]},
+                   "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "i"}]},
+                   "status": {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}],
+                              "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                                             {"type": "Initialized", "status": "True"}],
+                              "containerStatuses": [{"name": "c", "image": "i", "imageID": "", "ready": true, "restartCount": 0}]}}),
+            json!({"metadata": {"name": "b-0"}}),
+        ];
+        for object in pods {
+            let whole: Pod = serde_json::from_value(object.clone()).expect("pod");
+            let read: CachedPod = serde_json::from_value(object.clone()).expect("read pod");
+            assert_eq!(read, CachedPod::from(whole), "{object}");
+        }
+        let node_object = json!({"metadata": {"name": "n1", "resourceVersion": "3",
+                "labels": {"topology.kubernetes.io/zone": "z1"}, "annotations": {"a": "b"},
+                "managedFields": [{"manager": "m"}]},
+            "spec": {"unschedulable": true, "taints": [{"key": "k", "effect": "NoSchedule"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": "2026-01-01T00:00:00Z", "reason": "r"},
+                                      {"type": "DiskPressure", "status": "False"}],
+                       "images": [{"names": ["big/image:1"], "sizeBytes": 1}],
+                       "addresses": [{"type": "InternalIP", "address": "10.1.1.1"}]}});
+        let mut whole: Node = serde_json::from_value(node_object.clone()).expect("node");
+        node(&mut whole);
+        let read: Read<Node> = serde_json::from_value(node_object).expect("read node");
+        assert_eq!(read.0, whole);
+        assert!(read.0.status.as_ref().is_some_and(|s| s.images.is_none()));
     }
 }

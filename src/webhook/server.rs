@@ -230,6 +230,11 @@ pub async fn serve(
             },
             () = shutdown.cancelled() => break,
         };
+        // Answers are small and latency-bound: send each as soon as it is written (no Nagle
+        // delay behind the peer's delayed ACK).
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, %peer, "could not set TCP_NODELAY");
+        }
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             tracing::debug!(%peer, "connection limit reached; closing the new connection");
             drop(tcp);

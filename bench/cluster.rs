@@ -1,0 +1,909 @@
+//! bench-cluster (issues 11.3 to 11.5): through the API server of the local control plane that
+//! `bench/run.sh` brings up (fake-kubelet nodes, one `serve` replica registered as the webhook
+//! exactly as the manifests ship it, legacy variant):
+//!
+//! 3. pod CREATE latency (dry-run creates of a re-created StatefulSet pod with a recorded state,
+//!    so ours patches each) with no mutating webhook, with `bench-baseline` registered in the
+//!    same way (what calling any webhook costs the API server), and with ours; alternated;
+//! 4. the controller: a StatefulSet becoming Ready, per-pod lag from Ready to recorded (both as
+//!    this client's watches see them), status writes during the rollout and in steady state;
+//! 5. memory at scale: RSS of a fresh `serve` after syncing (and its peak during the sync), the
+//!    heap the caches hold per pod, recorded state and node (counted in this process by a
+//!    counting allocator), and the projection to 100,000 pods.
+//!
+//! `bench-cluster [--short] [--only api|controller|memory] --probe HOST:PORT --serve-pid PID
+//! --serve-bin PATH --cluster-dir DIR --baseline-addr HOST:PORT --baseline-ca FILE`
+//! (`--probe` and `--serve-pid`: the registered replica; `--baseline-*`: a running
+//! `bench-baseline`). Uses `$KUBECONFIG` (admin). Prints
+//! tables; fails if a figure is missing, never on a figure's value.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use persistent_pod_state::api::PersistentPodState;
+use persistent_pod_state::benchkit::{flag, http_get, metric, quantile};
+use persistent_pod_state::state::Caches;
+use persistent_pod_state::state::trim::{CachedPod, Read};
+use persistent_pod_state::synthetic;
+use serde_json::{Value, json};
+
+/// The registration the manifests ship (and `bench/run.sh` applied).
+const WEBHOOK_CONFIGURATION: &str = "persistent-pod-state";
+
+struct Opts {
+    short: bool,
+    baseline_addr: String,
+    baseline_ca: PathBuf,
+    probe: String,
+    serve_pid: u32,
+    serve_bin: PathBuf,
+    cluster_dir: PathBuf,
+}
+
+/// Polls `check` every 200 ms until it holds, for at most `limit`.
+async fn until<F, Fut>(what: &str, limit: Duration, mut check: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        match check().await {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) if Instant::now() >= deadline => return Err(e.context(what.to_owned())),
+            Err(_) => {}
+        }
+        anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn pps_resource() -> ApiResource {
+    ApiResource::erase::<PersistentPodState>(&())
+}
+
+async fn create_namespace(client: &Client, name: &str) -> anyhow::Result<()> {
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}}))?;
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A StatefulSet of `replicas` minimal pods (Parallel: all at once).
+fn statefulset(name: &str, replicas: usize) -> anyhow::Result<StatefulSet> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": name}},
+                 "template": {"metadata": {"labels": {"app": name}},
+                              "spec": {"terminationGracePeriodSeconds": 0,
+                                       "containers": [{"name": "server", "image": "registry.example.com/server:1"}]}}}
+    }))?)
+}
+
+/// A PersistentPodState for StatefulSet `name`: zone required, hostname preferred.
+fn pps_for(name: &str, namespace: &str, retention: &str) -> anyhow::Result<DynamicObject> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name},
+                 "requiredPersistentTopology": {"keys": ["topology.kubernetes.io/zone"]},
+                 "preferredPersistentTopology": [{"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}}],
+                 "persistentPodStateRetentionPolicy": retention}
+    }))?)
+}
+
+async fn recorded_states(api: &Api<DynamicObject>, name: &str) -> anyhow::Result<usize> {
+    let pps = api.get(name).await?;
+    Ok(pps
+        .data
+        .pointer("/status/podStates")
+        .and_then(Value::as_object)
+        .map_or(0, serde_json::Map::len))
+}
+
+/// Which webhook answers the pod creates of 11.3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answered {
+    /// No mutating webhook registered.
+    Nobody,
+    /// `bench-baseline` (a fixed answer with a one-label patch): what calling any webhook costs.
+    Bare,
+    /// `serve`, as the manifests register it.
+    Ours,
+}
+
+/// 11.3: dry-run pod create latencies (ms) by who answered.
+struct ApiFigures {
+    creates: usize,
+    rounds: usize,
+    samples: HashMap<&'static str, Vec<f64>>,
+}
+
+/// Which webhook patched a created pod.
+fn answered_by(pod: Pod) -> anyhow::Result<Answered> {
+    let ours = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.as_ref())
+        .is_some_and(|s| s.contains_key("topology.kubernetes.io/zone"));
+    let bare = pod.labels().contains_key("bench-baseline");
+    match (ours, bare) {
+        (true, false) => Ok(Answered::Ours),
+        (false, true) => Ok(Answered::Bare),
+        (false, false) => Ok(Answered::Nobody),
+        (true, true) => anyhow::bail!("both webhooks answered"),
+    }
+}
+
+impl Answered {
+    fn label(self) -> &'static str {
+        match self {
+            Answered::Nobody => "no webhook",
+            Answered::Bare => "bare webhook",
+            Answered::Ours => "ours",
+        }
+    }
+}
+
+/// Registers ours or the bare webhook or neither (`registrations`: ours, then the bare one), and
+/// waits until the API server calls exactly that one (seen in a dry-run create of `probe`).
+async fn register(
+    configurations: &Api<MutatingWebhookConfiguration>,
+    registrations: [&MutatingWebhookConfiguration; 2],
+    pods: &Api<Pod>,
+    probe: &Pod,
+    wanted: Answered,
+) -> anyhow::Result<()> {
+    for (config, on) in registrations
+        .into_iter()
+        .zip([wanted == Answered::Ours, wanted == Answered::Bare])
+    {
+        let name = config.name_any();
+        let present = configurations.get_opt(&name).await?.is_some();
+        if on && !present {
+            configurations
+                .create(&PostParams::default(), config)
+                .await?;
+        } else if !on && present {
+            configurations
+                .delete(&name, &DeleteParams::default())
+                .await?;
+        }
+    }
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    // The API server picks registrations up from its own watch: wait until it has.
+    until(
+        "the API server to call the webhooks registered",
+        Duration::from_secs(60),
+        || async { Ok(answered_by(pods.create(&dry_run, probe).await?)? == wanted) },
+    )
+    .await
+}
+
+async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
+    let ns = "bench-api";
+    create_namespace(client, ns).await?;
+    let ppss: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &pps_resource());
+    ppss.create(&PostParams::default(), &pps_for("db", ns, "WhenDeleted")?)
+        .await?;
+    let sts: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
+    let db = sts
+        .create(&PostParams::default(), &statefulset("db", 3)?)
+        .await?;
+    until("3 recorded states", Duration::from_secs(180), || async {
+        Ok(recorded_states(&ppss, "db").await? == 3)
+    })
+    .await?;
+    // Scaled to zero: the pods are gone, their states kept (WhenDeleted), as before a rebuild.
+    sts.patch(
+        "db",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"replicas": 0}})),
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    until("the pods gone", Duration::from_secs(180), || async {
+        Ok(pods.list(&ListParams::default()).await?.items.is_empty())
+    })
+    .await?;
+    anyhow::ensure!(recorded_states(&ppss, "db").await? == 3, "states kept");
+
+    let uid = db.uid().context("StatefulSet uid")?;
+    let pod = |k: usize| -> anyhow::Result<Pod> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": format!("db-{}", k % 3), "labels": {"app": "db"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "db",
+                                     "uid": uid, "controller": true, "blockOwnerDeletion": true}]},
+            "spec": {"terminationGracePeriodSeconds": 0,
+                     "containers": [{"name": "server", "image": "registry.example.com/server:1"}]}
+        }))?)
+    };
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+
+    // Ours as registered, and the same registration sending to the bare endpoint.
+    let configurations: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    let mut ours = configurations.get(WEBHOOK_CONFIGURATION).await?;
+    ours.metadata = kube::api::ObjectMeta {
+        name: ours.metadata.name.clone(),
+        labels: ours.metadata.labels.clone(),
+        ..kube::api::ObjectMeta::default()
+    };
+    let mut bare = ours.clone();
+    bare.metadata.name = Some("bench-baseline".into());
+    let ca = std::fs::read(&opts.baseline_ca)?;
+    for webhook in bare.webhooks.iter_mut().flatten() {
+        webhook.client_config.url = Some(format!("https://{}/mutate-pod", opts.baseline_addr));
+        webhook.client_config.service = None;
+        webhook.client_config.ca_bundle = Some(k8s_openapi::ByteString(ca.clone()));
+    }
+    let (rounds, per_round) = if opts.short { (1, 100) } else { (5, 100) };
+    let mut samples: HashMap<&'static str, Vec<f64>> = HashMap::new();
+    let modes = [Answered::Ours, Answered::Nobody, Answered::Bare];
+    for round in 0..rounds {
+        // A different order each round, so drift over time favours none.
+        for m in 0..modes.len() {
+            let mode = modes[(m + round) % modes.len()];
+            let probe = pod(0)?;
+            register(&configurations, [&ours, &bare], &pods, &probe, mode).await?;
+            for k in 0..per_round {
+                let body = pod(k)?;
+                let start = Instant::now();
+                let created = pods.create(&dry_run, &body).await?;
+                samples
+                    .entry(mode.label())
+                    .or_default()
+                    .push(start.elapsed().as_secs_f64() * 1e3);
+                let by = answered_by(created)?;
+                anyhow::ensure!(by == mode, "create {k} answered by {by:?}, not {mode:?}");
+            }
+        }
+    }
+    let probe = pod(0)?;
+    register(
+        &configurations,
+        [&ours, &bare],
+        &pods,
+        &probe,
+        Answered::Ours,
+    )
+    .await?;
+    Ok(ApiFigures {
+        creates: rounds * per_round,
+        rounds,
+        samples,
+    })
+}
+
+/// 11.4: the controller while a StatefulSet of `pods` becomes Ready, and at rest after.
+struct ControllerFigures {
+    pods: usize,
+    lags_ms: Vec<f64>,
+    rollout_seconds: f64,
+    rollout_writes: f64,
+    steady_seconds: u64,
+    steady_status_writes: f64,
+    steady_generator_writes: f64,
+    leader_rss_mb: f64,
+}
+
+async fn scrape(addr: &str) -> anyhow::Result<String> {
+    let (status, body) = http_get(addr, "/metrics").await?;
+    anyhow::ensure!(status == 200, "metrics: HTTP {status}");
+    Ok(body)
+}
+
+fn status_writes(metrics: &str) -> anyhow::Result<f64> {
+    metric(metrics, "pps_status_writes_total").context("pps_status_writes_total")
+}
+
+fn generator_writes(metrics: &str) -> f64 {
+    ["apply", "delete"]
+        .iter()
+        .filter_map(|a| {
+            metric(
+                metrics,
+                &format!("pps_generator_writes_total{{action=\"{a}\"}}"),
+            )
+        })
+        .sum()
+}
+
+/// `VmRSS` and `VmHWM` of a process, MB.
+fn memory_of(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = |key: &str| -> anyhow::Result<f64> {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .with_context(|| format!("{key} of {pid}"))?;
+        let value: f64 = line.split_whitespace().nth(1).context("value")?.parse()?;
+        Ok(value)
+    };
+    Ok((kb("VmRSS:")? / 1024.0, kb("VmHWM:")? / 1024.0))
+}
+
+async fn controller(client: &Client, opts: &Opts) -> anyhow::Result<ControllerFigures> {
+    let ns = "bench-controller";
+    let n = if opts.short { 60 } else { 500 };
+    create_namespace(client, ns).await?;
+    let ppss: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &pps_resource());
+    ppss.create(&PostParams::default(), &pps_for("big", ns, "WhenScaled")?)
+        .await?;
+
+    // When this client first sees each pod Ready, and its state recorded.
+    let ready: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let recorded: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let seen_ready = ready.clone();
+    let pod_watch = tokio::spawn(
+        watcher(pods, watcher::Config::default().labels("app=big"))
+            .default_backoff()
+            .applied_objects()
+            .try_for_each(move |pod| {
+                if persistent_pod_state::controller::record::is_ready(&pod) {
+                    let mut seen = seen_ready.lock().unwrap_or_else(|e| e.into_inner());
+                    seen.entry(pod.name_any()).or_insert_with(Instant::now);
+                }
+                futures::future::ready(Ok(()))
+            }),
+    );
+    let seen_recorded = recorded.clone();
+    let pps_watch = tokio::spawn(
+        watcher(
+            ppss.clone(),
+            watcher::Config::default().fields("metadata.name=big"),
+        )
+        .default_backoff()
+        .applied_objects()
+        .try_for_each(move |pps| {
+            let now = Instant::now();
+            if let Some(states) = pps
+                .data
+                .pointer("/status/podStates")
+                .and_then(Value::as_object)
+            {
+                let mut seen = seen_recorded.lock().unwrap_or_else(|e| e.into_inner());
+                for name in states.keys() {
+                    seen.entry(name.clone()).or_insert(now);
+                }
+            }
+            futures::future::ready(Ok(()))
+        }),
+    );
+
+    let before = status_writes(&scrape(&opts.probe).await?)?;
+    let start = Instant::now();
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &statefulset("big", n)?)
+        .await?;
+    let count = |m: &Arc<Mutex<HashMap<String, Instant>>>| {
+        m.lock().unwrap_or_else(|e| e.into_inner()).len()
+    };
+    until(
+        &format!("{n} pods Ready and recorded"),
+        Duration::from_secs(if opts.short { 300 } else { 900 }),
+        || async { Ok(count(&ready) >= n && count(&recorded) >= n) },
+    )
+    .await?;
+    let rollout_seconds = start.elapsed().as_secs_f64();
+    // The last write may still be on its way to the metrics: settle on the count that made
+    // every state visible (the PPS watch saw them all, so that write is done).
+    let rollout_writes = status_writes(&scrape(&opts.probe).await?)? - before;
+    pod_watch.abort();
+    pps_watch.abort();
+    let lags_ms: Vec<f64> = {
+        let ready = ready.lock().unwrap_or_else(|e| e.into_inner());
+        let recorded = recorded.lock().unwrap_or_else(|e| e.into_inner());
+        ready
+            .iter()
+            .filter_map(|(pod, at)| {
+                let rec = recorded.get(pod)?;
+                Some(rec.saturating_duration_since(*at).as_secs_f64() * 1e3)
+            })
+            .collect()
+    };
+
+    // Steady state: a window with nothing changing (a measurement window, not a wait for
+    // something to happen).
+    let steady_seconds = if opts.short { 10 } else { 60 };
+    let at_rest = scrape(&opts.probe).await?;
+    tokio::time::sleep(Duration::from_secs(steady_seconds)).await;
+    let after_rest = scrape(&opts.probe).await?;
+    Ok(ControllerFigures {
+        pods: n,
+        lags_ms,
+        rollout_seconds,
+        rollout_writes,
+        steady_seconds,
+        steady_status_writes: status_writes(&after_rest)? - status_writes(&at_rest)?,
+        steady_generator_writes: generator_writes(&after_rest) - generator_writes(&at_rest),
+        leader_rss_mb: memory_of(opts.serve_pid)?.0,
+    })
+}
+
+/// 11.5: a fresh `serve` after its initial sync, with half and with all of the pods.
+struct MemoryFigures {
+    pods: usize,
+    pps: usize,
+    states: usize,
+    nodes: usize,
+    synced: Synced,
+    heap: Heap,
+}
+
+/// Heap bytes the caches hold per object, counted in this process.
+struct Heap {
+    per_pod: f64,
+    per_state: f64,
+    per_node: f64,
+}
+
+/// Live heap bytes of this process (the counting allocator below).
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+/// The system allocator, counting live bytes (for [`Heap`]).
+struct Counting;
+
+// SAFETY: every call is forwarded to the system allocator unchanged; only a counter is kept.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's layout.
+        let ptr = unsafe { System.alloc(layout) };
+        if !ptr.is_null() {
+            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        }
+        ptr
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded with the caller's pointer, layout and size.
+        let new = unsafe { System.realloc(ptr, layout, new_size) };
+        if !new.is_null() {
+            LIVE.fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
+        }
+        new
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// A Running, Ready pod as the API server lists it (the memory test's pod, with a status).
+fn listed_pod(i: usize, nodes: usize) -> anyhow::Result<Vec<u8>> {
+    let mut pod = serde_json::to_value(memory_pod(i, nodes)?)?;
+    pod["metadata"]["uid"] = json!(format!("00000000-0000-0000-0000-{i:012}"));
+    pod["metadata"]["resourceVersion"] = json!(format!("{}", 1000 + i));
+    pod["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    let ip = format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255);
+    let condition = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"});
+    pod["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "hostIP": "192.168.0.1", "startTime": "2026-01-01T00:00:00Z", "qosClass": "Burstable",
+        "conditions": [condition("Initialized"), condition("Ready"), condition("ContainersReady"), condition("PodScheduled")],
+        "containerStatuses": [{"name": "server", "image": "registry.example.com/team/server:1.27.3",
+            "imageID": "registry.example.com/team/server@sha256:0123456789abcdef", "ready": true,
+            "restartCount": 0, "started": true, "containerID": format!("containerd://{i:064}"),
+            "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]});
+    Ok(serde_json::to_vec(&pod)?)
+}
+
+/// Heap bytes per cached pod, recorded state and node: objects decoded as the watches decode
+/// them and applied to fresh caches, the live heap counted before and after.
+fn heap_per_object(pods: usize, pps: usize, states: usize, nodes: usize) -> anyhow::Result<Heap> {
+    let caches = Caches::new();
+    let bodies: Vec<Vec<u8>> = (0..pods)
+        .map(|i| listed_pod(i, nodes))
+        .collect::<anyhow::Result<_>>()?;
+    let before = LIVE.load(Ordering::Relaxed);
+    caches.apply_cached_pod(watcher::Event::Init);
+    for body in &bodies {
+        let pod: CachedPod = serde_json::from_slice(body)?;
+        caches.apply_cached_pod(watcher::Event::InitApply(pod));
+    }
+    caches.apply_cached_pod(watcher::Event::InitDone);
+    let per_pod = (LIVE.load(Ordering::Relaxed) - before) as f64 / pods as f64;
+    drop(bodies);
+    eprintln!(
+        "bench-cluster: a Pod is {} bytes before its heap fields",
+        std::mem::size_of::<Pod>()
+    );
+
+    let listed: Vec<Vec<u8>> = (0..pps)
+        .map(|i| serde_json::to_vec(&synthetic::pps(i, states, nodes)))
+        .collect::<Result<_, _>>()?;
+    let before = LIVE.load(Ordering::Relaxed);
+    caches.apply_pps(watcher::Event::Init);
+    for body in &listed {
+        let object: PersistentPodState = serde_json::from_slice(body)?;
+        caches.apply_pps(watcher::Event::InitApply(object));
+    }
+    caches.apply_pps(watcher::Event::InitDone);
+    let per_state = (LIVE.load(Ordering::Relaxed) - before) as f64 / (pps * states) as f64;
+    drop(listed);
+
+    let listed: Vec<Vec<u8>> = (0..nodes)
+        .map(|j| serde_json::to_vec(&synthetic::node(j)))
+        .collect::<Result<_, _>>()?;
+    let before = LIVE.load(Ordering::Relaxed);
+    caches.apply_node(watcher::Event::Init);
+    for body in &listed {
+        let node: Read<Node> = serde_json::from_slice(body)?;
+        caches.apply_node(watcher::Event::InitApply(node.0));
+    }
+    caches.apply_node(watcher::Event::InitDone);
+    let per_node = (LIVE.load(Ordering::Relaxed) - before) as f64 / nodes as f64;
+    Ok(Heap {
+        per_pod,
+        per_state,
+        per_node,
+    })
+}
+
+/// What a fresh replica showed once synced.
+struct Synced {
+    rss_mb: f64,
+    peak_mb: f64,
+    cached_pods: f64,
+    seconds: f64,
+}
+
+/// A pod of the memory test: the synthetic StatefulSet pod, bare (no owner) and bound to a node.
+fn memory_pod(i: usize, nodes: usize) -> anyhow::Result<Pod> {
+    let mut pod = synthetic::pod(i);
+    pod["metadata"]["name"] = json!(format!("mem-{i}"));
+    if let Some(meta) = pod["metadata"].as_object_mut() {
+        meta.remove("generateName");
+        meta.remove("ownerReferences");
+    }
+    pod["spec"]["nodeName"] = json!(format!("node-{}", i % nodes.max(1)));
+    if let Some(obj) = pod.as_object_mut() {
+        obj.remove("status");
+    }
+    Ok(serde_json::from_value(pod)?)
+}
+
+/// A child process, killed when dropped.
+struct Stopped(std::process::Child);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a standby replica (the registered one holds the Lease), waits until its caches have
+/// synced (`/readyz`), and reads its memory.
+async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Synced> {
+    let dir = &opts.cluster_dir;
+    let log = std::fs::File::create(dir.join("logs").join(format!("{name}.log")))?;
+    let probe = format!("127.0.0.1:{}", port + 1);
+    let child = std::process::Command::new(&opts.serve_bin)
+        .arg("serve")
+        .env("KUBECONFIG", dir.join("sa-kubeconfig"))
+        .env("PPS_LISTEN", format!("127.0.0.1:{port}"))
+        .env("PPS_PROBE_LISTEN", &probe)
+        .env("PPS_TLS_CERT", dir.join("webhook-tls/tls.crt"))
+        .env("PPS_TLS_KEY", dir.join("webhook-tls/tls.key"))
+        .env("PPS_SHUTDOWN_DELAY_SECONDS", "0")
+        .env("PPS_LEADER_IDENTITY", name)
+        .env("PPS_LEASE_NAMESPACE", "persistent-pod-state")
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?;
+    let replica = Stopped(child);
+    let pid = replica.0.id();
+    let start = Instant::now();
+    until(
+        &format!("{name} to sync"),
+        Duration::from_secs(600),
+        || async { Ok(http_get(&probe, "/readyz").await?.0 == 200) },
+    )
+    .await?;
+    let seconds = start.elapsed().as_secs_f64();
+    let (rss_mb, peak_mb) = memory_of(pid)?;
+    let cached_pods = metric(&scrape(&probe).await?, "pps_cached_pods").context("cached pods")?;
+    drop(replica);
+    Ok(Synced {
+        rss_mb,
+        peak_mb,
+        cached_pods,
+        seconds,
+    })
+}
+
+/// Runs `make` for each of `0..n`, 16 at a time.
+async fn create_all<K, F>(api: &Api<K>, n: std::ops::Range<usize>, make: F) -> anyhow::Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+    F: Fn(usize) -> anyhow::Result<K>,
+{
+    futures::stream::iter(n)
+        .map(|i| {
+            let object = make(i);
+            async move {
+                api.create(&PostParams::default(), &object?).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(16)
+        .try_for_each(|()| async { Ok(()) })
+        .await
+}
+
+async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
+    let (pods, pps, states, nodes) = if opts.short {
+        (1_000, 100, 10, 20)
+    } else {
+        (10_000, 1_000, 10, 100)
+    };
+    for k in 0..synthetic::NAMESPACES {
+        create_namespace(client, &format!("ns-{k}")).await?;
+    }
+    create_all(&Api::<Node>::all(client.clone()), 0..nodes, |j| {
+        Ok(serde_json::from_value(synthetic::node(j))?)
+    })
+    .await?;
+    // PersistentPodStates of Advanced StatefulSets (not installed here: the controller records
+    // nothing for them and prunes nothing), each with `states` recorded states.
+    let resource = pps_resource();
+    let statuses: Vec<Value> = (0..pps)
+        .map(|i| {
+            let mut object = synthetic::pps(i, states, nodes);
+            object["spec"]["targetRef"]["apiVersion"] = json!("apps.kruise.io/v1beta1");
+            object
+        })
+        .collect();
+    futures::stream::iter(statuses)
+        .map(|mut object| {
+            let resource = resource.clone();
+            async move {
+                let status = object.as_object_mut().and_then(|o| o.remove("status"));
+                if let Some(meta) = object["metadata"].as_object_mut() {
+                    for field in ["uid", "resourceVersion", "creationTimestamp"] {
+                        meta.remove(field);
+                    }
+                }
+                let namespace = object["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                let name = object["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                let api: Api<DynamicObject> =
+                    Api::namespaced_with(client.clone(), &namespace, &resource);
+                api.create(&PostParams::default(), &serde_json::from_value(object)?)
+                    .await?;
+                api.patch_status(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "status": status })),
+                )
+                .await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(16)
+        .try_for_each(|()| async { Ok(()) })
+        .await?;
+
+    // Pod i is in namespace ns-(i % 10): batches by namespace, first half then the rest.
+    let per_namespace = pods / synthetic::NAMESPACES;
+    let batch = |range: std::ops::Range<usize>| {
+        let client = client.clone();
+        async move {
+            for k in 0..synthetic::NAMESPACES {
+                let api: Api<Pod> = Api::namespaced(client.clone(), &format!("ns-{k}"));
+                create_all(&api, range.clone(), |j| {
+                    memory_pod(j * synthetic::NAMESPACES + k, nodes)
+                })
+                .await?;
+            }
+            anyhow::Ok(())
+        }
+    };
+    batch(0..per_namespace).await?;
+    let synced = fresh_replica(opts, "bench-memory", 19650).await?;
+    anyhow::ensure!(
+        synced.cached_pods >= pods as f64,
+        "the replica cached {} pods",
+        synced.cached_pods
+    );
+    Ok(MemoryFigures {
+        pods,
+        pps,
+        states,
+        nodes,
+        synced,
+        heap: heap_per_object(pods, pps, states, nodes)?,
+    })
+}
+
+fn figure(value: f64) -> anyhow::Result<f64> {
+    anyhow::ensure!(value.is_finite(), "a figure was not produced");
+    Ok(value)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let args: Vec<String> = std::env::args().collect();
+    let opts = Opts {
+        short: args.iter().any(|a| a == "--short"),
+        baseline_addr: flag(&args, "--baseline-addr").context("--baseline-addr HOST:PORT")?,
+        baseline_ca: flag(&args, "--baseline-ca")
+            .context("--baseline-ca FILE")?
+            .into(),
+        probe: flag(&args, "--probe").context("--probe HOST:PORT")?,
+        serve_pid: flag(&args, "--serve-pid")
+            .context("--serve-pid PID")?
+            .parse()?,
+        serve_bin: flag(&args, "--serve-bin")
+            .context("--serve-bin PATH")?
+            .into(),
+        cluster_dir: flag(&args, "--cluster-dir")
+            .context("--cluster-dir DIR")?
+            .into(),
+    };
+    let client = Client::try_default().await?;
+
+    let only = flag(&args, "--only");
+    let part = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if part("api") {
+        eprintln!("bench-cluster: pod CREATE latency through the API server");
+        print_api(&api_path(&client, &opts).await?)?;
+    }
+    if part("controller") {
+        eprintln!("bench-cluster: a StatefulSet becoming Ready");
+        print_controller(&controller(&client, &opts).await?)?;
+    }
+    if part("memory") {
+        eprintln!("bench-cluster: memory at scale");
+        print_memory(&memory(&client, &opts).await?)?;
+    }
+    Ok(())
+}
+
+fn print_api(api: &ApiFigures) -> anyhow::Result<()> {
+    println!(
+        "\nPod CREATE through the API server (issue 11.3): {} dry-run creates of a re-created StatefulSet pod per column, the columns alternated in {} round(s)\n",
+        api.creates, api.rounds
+    );
+    println!(
+        "| figure (ms) | no webhook | bare webhook | ours | added by ours | ours over bare | target |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let of = |mode: Answered| -> anyhow::Result<&Vec<f64>> {
+        let samples = api.samples.get(mode.label()).context("samples")?;
+        anyhow::ensure!(samples.len() >= api.creates, "{} samples", samples.len());
+        Ok(samples)
+    };
+    for (name, q, target) in [("p50", 0.5, "added <= 1"), ("p99", 0.99, "")] {
+        let none = figure(quantile(of(Answered::Nobody)?, q))?;
+        let bare = figure(quantile(of(Answered::Bare)?, q))?;
+        let ours = figure(quantile(of(Answered::Ours)?, q))?;
+        println!(
+            "| {name} | {none:.2} | {bare:.2} | {ours:.2} | {:.2} | {:.2} | {target} |",
+            ours - none,
+            ours - bare
+        );
+    }
+    Ok(())
+}
+
+fn print_controller(ctl: &ControllerFigures) -> anyhow::Result<()> {
+    println!(
+        "\nThe controller (issue 11.4): a StatefulSet of {} pods (Parallel) becoming Ready in {:.1} s\n",
+        ctl.pods, ctl.rollout_seconds
+    );
+    println!("| figure | value | target |");
+    println!("|---|---|---|");
+    anyhow::ensure!(ctl.lags_ms.len() == ctl.pods, "a lag per pod");
+    println!(
+        "| lag Ready -> recorded, p50 (ms) | {:.0} | |",
+        figure(quantile(&ctl.lags_ms, 0.5))?
+    );
+    println!(
+        "| lag Ready -> recorded, p99 (ms) | {:.0} | <= 1000 |",
+        figure(quantile(&ctl.lags_ms, 0.99))?
+    );
+    println!(
+        "| lag Ready -> recorded, max (ms) | {:.0} | |",
+        figure(quantile(&ctl.lags_ms, 1.0))?
+    );
+    println!(
+        "| status writes during the rollout | {} | < {} (pods) |",
+        figure(ctl.rollout_writes)?,
+        ctl.pods
+    );
+    println!(
+        "| status writes at rest, {} s | {} | 0 |",
+        ctl.steady_seconds,
+        figure(ctl.steady_status_writes)?
+    );
+    println!(
+        "| generator writes at rest, {} s | {} | 0 |",
+        ctl.steady_seconds,
+        figure(ctl.steady_generator_writes)?
+    );
+    println!(
+        "| leader RSS after (MB) | {:.1} | |",
+        figure(ctl.leader_rss_mb)?
+    );
+    Ok(())
+}
+
+fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
+    println!(
+        "\nMemory (issue 11.5): a fresh standby replica after its initial sync (lists paginated, 500 a page) of {} pods (StatefulSet-like, ~4 KB each), {} PPS x {} states, {} nodes; heap per object counted in process\n",
+        mem.pods, mem.pps, mem.states, mem.nodes
+    );
+    println!("| figure | value | target |");
+    println!("|---|---|---|");
+    let target = if mem.pods >= 10_000 { "<= 100" } else { "" };
+    let s = &mem.synced;
+    println!(
+        "| RSS after the sync (MB) | {:.1} | {target} |",
+        figure(s.rss_mb)?
+    );
+    println!(
+        "| peak RSS during the sync (MB) | {:.1} | |",
+        figure(s.peak_mb)?
+    );
+    println!("| time to sync (s) | {:.1} | |", figure(s.seconds)?);
+    println!(
+        "| heap per cached pod (bytes) | {:.0} | |",
+        figure(mem.heap.per_pod)?
+    );
+    println!(
+        "| heap per recorded state, PPS included (bytes) | {:.0} | |",
+        figure(mem.heap.per_state)?
+    );
+    println!(
+        "| heap per cached node (bytes) | {:.0} | |",
+        figure(mem.heap.per_node)?
+    );
+    println!(
+        "| projected RSS at 100,000 pods (MB) | {:.0} | |",
+        figure(s.rss_mb + (100_000 - mem.pods) as f64 * mem.heap.per_pod / 1024.0 / 1024.0)?
+    );
+    Ok(())
+}
