@@ -190,8 +190,11 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     .graceful_shutdown_on(shutdown.clone().cancelled_owned())
     .run(reconcile_pps, pps_error_policy, ctx.clone())
     .for_each(|_| async {})
+    .map(|()| None)
     .boxed();
 
+    // Each run ends with the token that was meant to stop it (`None`: the PersistentPodState
+    // controller, stopped by `shutdown`).
     let runs = FuturesUnordered::new();
     runs.push(pps);
     // One generator per watched workload kind; kinds come and go with their CRDs.
@@ -231,6 +234,10 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
                     Arc::new(WorkloadContext::new(ctx.clone(), ws.resource.clone())),
                 )
                 .for_each(|_| async {})
+                .map({
+                    let stop = stop.clone();
+                    move |()| Some(stop)
+                })
                 .boxed(),
             );
             caches.resync_kind(&kind);
@@ -242,7 +249,14 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
         }
         // Drive the controllers until the watched kinds change or shutdown.
         tokio::select! {
-            Some(()) = runs.next() => {}
+            Some(ended) = runs.next() => {
+                // A generator whose kind went away was stopped on purpose; any other end is a
+                // failure: return, so that the process exits and is restarted.
+                if !ended.as_ref().unwrap_or(&shutdown).is_cancelled() {
+                    tracing::error!("a controller stopped by itself");
+                    return;
+                }
+            }
             changed = kinds_changed.changed() => if changed.is_err() { break },
             () = shutdown.cancelled() => break,
         }
@@ -268,7 +282,7 @@ fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
 
 /// Records the states of the target's Ready pods and prunes states no longer needed, writing
 /// only what changed.
-#[tracing::instrument(skip_all, fields(namespace = pps.namespace().unwrap_or_default(), name = %pps.name_any()))]
+#[tracing::instrument(skip_all, fields(namespace = pps.namespace().unwrap_or_default(), name = %pps.name_any(), uid = pps.uid().unwrap_or_default()))]
 pub async fn reconcile_pps(
     pps: Arc<PersistentPodState>,
     ctx: Arc<Context>,
@@ -596,7 +610,7 @@ impl WorkloadContext {
 
 /// Creates, updates or deletes the PersistentPodState generated from a workload's annotations,
 /// as [`generate::plan`] decides.
-#[tracing::instrument(skip_all, fields(namespace = obj.namespace().unwrap_or_default(), name = %obj.name_any()))]
+#[tracing::instrument(skip_all, fields(namespace = obj.namespace().unwrap_or_default(), name = %obj.name_any(), uid = obj.uid().unwrap_or_default()))]
 pub async fn reconcile_workload(
     obj: Arc<DynamicObject>,
     wctx: Arc<WorkloadContext>,

@@ -362,6 +362,120 @@ mod tests {
             .collect()
     }
 
+    /// A Ready pod `name` with `uid` on `node` with `ips`, steered back by the PPS "web" or not.
+    fn recreated(name: &str, uid: &str, node: &str, ips: &[&str], steered: bool) -> CachedPod {
+        let annotations = if steered {
+            json!({ crate::api::INJECTED_ANNOTATION: "web" })
+        } else {
+            json!({})
+        };
+        let ips: Vec<Value> = ips.iter().map(|ip| json!({ "ip": ip })).collect();
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": uid, "annotations": annotations,
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "u1", "controller": true}]},
+            "spec": {"nodeName": node, "containers": []},
+            "status": {"podIPs": ips, "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .expect("pod")
+    }
+
+    #[test]
+    fn re_created_pods_that_were_steered_back_are_judged_and_summarized() {
+        let first = [
+            recreated("web-0", "a0", "n1", &["10.0.0.5", "fd00::5"], true),
+            recreated("web-1", "a1", "n2", &["10.0.0.6"], true),
+            recreated("web-2", "a2", "n1", &["10.0.0.7"], true),
+            recreated("web-3", "a3", "n2", &[], true),
+        ];
+        let refs: Vec<&CachedPod> = first.iter().collect();
+        let observed = |pods: &'_ [&'_ CachedPod]| -> PersistentPodStateStatus {
+            let exists = |_: &str| true;
+            let observed = Observed {
+                target: live(4),
+                pods,
+                pod_exists: &exists,
+                node_labels: &nodes,
+            };
+            desired_status("web", &spec(None), 1, None, &observed)
+        };
+        let before = observed(&refs);
+        assert_eq!(before.recorded, Some(4));
+        assert_eq!(before.restored, None, "nothing re-created yet");
+        assert!(restorations(None, &before).is_empty());
+
+        // Re-created: web-0 back on its node with its IPs (families in another order), web-1
+        // on another node with another IP, web-2 not steered by the webhook (not judged), web-3
+        // back on its node, with no IP recorded.
+        let second = [
+            recreated("web-0", "b0", "n1", &["fd00::5", "10.0.0.5"], true),
+            recreated("web-1", "b1", "n3", &["10.0.0.9"], true),
+            recreated("web-2", "b2", "n3", &["10.0.0.8"], false),
+            recreated("web-3", "b3", "n2", &["10.0.0.10"], true),
+        ];
+        let refs: Vec<&CachedPod> = second.iter().collect();
+        let exists = |_: &str| true;
+        let after = desired_status(
+            "web",
+            &spec(None),
+            1,
+            Some(&before),
+            &Observed {
+                target: live(4),
+                pods: &refs,
+                pod_exists: &exists,
+                node_labels: &nodes,
+            },
+        );
+        let judged: Vec<(&str, Option<&str>, Option<&str>, Restore)> =
+            restorations(Some(&before), &after)
+                .into_iter()
+                .map(|(pod, was, now, r)| {
+                    (pod, was.node_name.as_deref(), now.node_name.as_deref(), r)
+                })
+                .collect();
+        let restore = |node, ip| Restore { node, ip };
+        assert_eq!(
+            judged,
+            [
+                (
+                    "web-0",
+                    Some("n1"),
+                    Some("n1"),
+                    restore(NodeRestore::Kept, IpRestore::Kept)
+                ),
+                (
+                    "web-1",
+                    Some("n2"),
+                    Some("n3"),
+                    restore(NodeRestore::Moved, IpRestore::Changed)
+                ),
+                (
+                    "web-3",
+                    Some("n2"),
+                    Some("n2"),
+                    restore(NodeRestore::Kept, IpRestore::None)
+                ),
+            ]
+        );
+        assert_eq!(after.recorded, Some(4));
+        assert_eq!(after.restored.as_deref(), Some("2/3"));
+        // A later status computation of the same pods keeps the judgement and reports nothing new.
+        let again = desired_status(
+            "web",
+            &spec(None),
+            1,
+            Some(&after),
+            &Observed {
+                target: live(4),
+                pods: &refs,
+                pod_exists: &exists,
+                node_labels: &nodes,
+            },
+        );
+        assert!(restorations(Some(&after), &again).is_empty());
+        assert_eq!(again.restored.as_deref(), Some("2/3"));
+    }
+
     #[test]
     fn records_node_labels_for_the_union_of_keys_and_persistent_annotations() {
         let s = state("node-1");

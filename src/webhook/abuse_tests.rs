@@ -475,3 +475,134 @@ async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
     );
     anonymous.stop.cancel();
 }
+
+#[tokio::test]
+async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let stop = CancellationToken::new();
+    let limits = Limits {
+        max_connections: 2,
+        ..TEST_LIMITS
+    };
+    let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(serve(
+        listener,
+        None,
+        app,
+        limits,
+        stop.clone(),
+        Duration::from_secs(1),
+    ));
+    let get = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n";
+
+    // Two connections, each answered once and then left open (keep-alive).
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut tcp = TcpStream::connect(addr).await.expect("connect");
+        tcp.write_all(get).await.expect("write");
+        let mut buf = [0u8; 256];
+        let n = tcp.read(&mut buf).await.expect("read");
+        assert!(
+            String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"),
+            "answered"
+        );
+        held.push((tcp, Instant::now()));
+    }
+    // A third, over the cap, is closed without an answer.
+    let mut third = TcpStream::connect(addr).await.expect("connect");
+    let _ = third.write_all(get).await;
+    assert!(
+        matches!(read_answer(&mut third).await, Got::Closed),
+        "over the cap"
+    );
+    // The idle keep-alive connections are closed within the idle bound...
+    let bound = TEST_LIMITS.idle_timeout + Duration::from_secs(2);
+    for (mut tcp, since) in held {
+        assert!(matches!(read_answer(&mut tcp).await, Got::Closed), "idle");
+        assert!(
+            since.elapsed() < bound,
+            "closed after {:?}",
+            since.elapsed()
+        );
+    }
+    // ...which frees their slots.
+    let mut again = TcpStream::connect(addr).await.expect("connect");
+    again
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    assert!(
+        matches!(read_answer(&mut again).await, Got::Answer(200, _)),
+        "a slot is free again"
+    );
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_time_out() {
+    use super::server::{RequestLimit, limit_requests};
+    use tower::ServiceExt;
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+    let entered = Arc::new(std::sync::Mutex::new(Some(entered_tx)));
+    let app = axum::Router::new()
+        .route(
+            "/slow",
+            axum::routing::post(move || {
+                let entered = entered.clone();
+                async move {
+                    if let Some(tx) = entered.lock().ok().and_then(|mut e| e.take()) {
+                        let _ = tx.send(());
+                    }
+                    std::future::pending::<&str>().await
+                }
+            }),
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            RequestLimit::new(1, Duration::from_millis(500), None),
+            limit_requests,
+        ));
+    let request = || {
+        axum::http::Request::post("/slow")
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    // The first request holds the only slot (its handler never finishes).
+    let first = tokio::spawn(app.clone().oneshot(request()));
+    entered_rx
+        .await
+        .expect("the first request is in its handler");
+    // The second is refused while the first still holds the slot: not queued behind it.
+    let refused = app.clone().oneshot(request()).await.expect("infallible");
+    assert!(!first.is_finished(), "refused before the first one ended");
+    assert_eq!(
+        refused.status(),
+        axum::http::StatusCode::SERVICE_UNAVAILABLE
+    );
+    let body = axum::body::to_bytes(refused.into_body(), 1024)
+        .await
+        .expect("body");
+    let json: Value = serde_json::from_slice(&body).expect("a JSON message");
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("in flight")),
+        "{json}"
+    );
+    // The first is answered when its time is up.
+    let timed_out = first.await.expect("task").expect("infallible");
+    assert_eq!(
+        timed_out.status(),
+        axum::http::StatusCode::SERVICE_UNAVAILABLE
+    );
+    let body = axum::body::to_bytes(timed_out.into_body(), 1024)
+        .await
+        .expect("body");
+    let json: Value = serde_json::from_slice(&body).expect("a JSON message");
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("timed out")),
+        "{json}"
+    );
+}

@@ -127,7 +127,9 @@ fn report_ip(state: &WebhookState, events: Option<&Arc<Events>>, decision: &Deci
             m.ip_request_skipped
                 .get_or_create(&IpSkipLabels { reason: *reason })
                 .inc();
-            tracing::info!(reason = reason.describe(), %detail, "recorded IPs not requested");
+            // The detail may quote a tenant's annotation value: below info only.
+            tracing::info!(reason = reason.describe(), "recorded IPs not requested");
+            tracing::debug!(%detail, "why the recorded IPs were not requested");
             if let Some(events) = events {
                 let mut note = format!(
                     "pod {}: recorded IPs not requested: {}",

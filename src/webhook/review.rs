@@ -150,6 +150,19 @@ pub enum ReviewError {
     NoUid(&'static str),
 }
 
+impl ReviewError {
+    /// The error without anything the client sent (serde's messages quote input values): for
+    /// logs, where a tenant's strings must not appear.
+    pub fn log_summary(&self) -> String {
+        match self {
+            Self::NotAReview { kind, error } => {
+                format!("request body is not {kind}: {}", json_error_summary(error))
+            }
+            other => other.to_string(),
+        }
+    }
+}
+
 /// The range of a present (not null) raw value within `body`.
 fn range_in(body: &[u8], raw: Option<&RawValue>) -> Option<std::ops::Range<usize>> {
     let text = raw?.get();
@@ -411,7 +424,7 @@ fn bad_request(
     start: Instant,
     e: &ReviewError,
 ) -> Response {
-    tracing::warn!(error = %e, path, "rejected a malformed review");
+    tracing::warn!(error = %e.log_summary(), path, "rejected a malformed review");
     state
         .metrics
         .admission(path, AdmissionResult::BadRequest, start);

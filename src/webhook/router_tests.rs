@@ -451,6 +451,66 @@ async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
     );
 }
 
+#[tokio::test]
+async fn an_ip_request_or_recorded_ip_that_does_not_parse_is_never_injected() {
+    // (request annotation on the PPS, recorded IPs, the skip reason counted)
+    let cases = [
+        ("flannel", json!(["10.0.0.5"]), "invalid_request"),
+        (
+            "annotation:bad key!",
+            json!(["10.0.0.5"]),
+            "invalid_request",
+        ),
+        ("calico", json!(["10.0.0.500"]), "invalid_recorded_ip"),
+        ("kube-ovn", json!(["not-an-ip"]), "invalid_recorded_ip"),
+    ];
+    for (request, ips, reason) in cases {
+        let synced = state(true);
+        let mut with_ip = pps(
+            "web",
+            "web",
+            json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}, "podIPs": ips}}),
+        );
+        with_ip.metadata.annotations = Some(
+            [(
+                crate::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+                request.to_string(),
+            )]
+            .into(),
+        );
+        synced.caches.apply_pps(watcher::Event::Apply(with_ip));
+        synced
+            .caches
+            .apply_node(watcher::Event::Apply(node("n1", "z1")));
+        let body =
+            serde_json::to_vec(&review(POD, "CREATE", pod(Some("web")), None)).expect("json");
+        let (status, json) = post(&synced, mutate_pod::PATH, body).await;
+        assert_eq!(
+            answer(status, &json),
+            Answer::Patched,
+            "{request}: the placement is still injected"
+        );
+        let patch: json_patch::Patch =
+            serde_json::from_slice(&patch_bytes(&json["response"]["patch"])).expect("patch");
+        let mut object = pod(Some("web"));
+        json_patch::patch(&mut object, &patch).expect("applies");
+        let annotations = object["metadata"]["annotations"].clone();
+        assert!(
+            annotations.as_object().is_none_or(|a| !a.values().any(|v| v
+                .as_str()
+                .is_some_and(|v| v.contains("10.0.0") || v.contains("not-an-ip")))),
+            "{request}: no IP annotation injected: {annotations}"
+        );
+        let metrics = synced.metrics.encode();
+        assert!(
+            metrics.contains(&format!(
+                r#"pps_ip_request_skipped_total{{reason="{reason}"}} 1"#
+            )),
+            "{request}: {metrics}"
+        );
+    }
+}
+
 /// A `Write` into a shared buffer, for capturing logs.
 #[derive(Clone, Default)]
 struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
