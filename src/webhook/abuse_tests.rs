@@ -26,6 +26,7 @@ const TEST_LIMITS: Limits = Limits {
     header_timeout: Duration::from_millis(800),
     idle_timeout: Duration::from_millis(800),
     max_streams: 8,
+    max_age: Duration::from_secs(3),
 };
 
 struct Server {
@@ -605,4 +606,65 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
             .is_some_and(|e| e.contains("timed out")),
         "{json}"
     );
+}
+
+/// Reads one HTTP/1 response with a `content-length` body; `None` once the server closed.
+async fn read_response<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head.lines().find_map(|l| {
+                let (name, value) = l.split_once(':')?;
+                name.eq_ignore_ascii_case("content-length")
+                    .then(|| value.trim().parse::<usize>().ok())?
+            });
+            if length.is_some_and(|n| body.len() >= n) {
+                return Some(head.to_owned());
+            }
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
+    let server = start().await;
+    let body = review(pod_request(json!({})));
+    let mut request = format!(
+        "POST {} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        mutate_pod::PATH,
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(&body);
+    let start = Instant::now();
+    let mut stream = server.tls(&server.connector).await;
+    let mut answered = 0;
+    // Never idle: a request every 100 ms, until the server ends the connection.
+    loop {
+        if stream.write_all(&request).await.is_err() {
+            break;
+        }
+        match read_response(&mut stream).await {
+            Some(head) if head.starts_with("HTTP/1.1 200") => answered += 1,
+            _ => break,
+        }
+        assert!(
+            start.elapsed() < TEST_LIMITS.max_age + Duration::from_secs(5),
+            "still open after {:?} ({answered} answers)",
+            start.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        start.elapsed() >= TEST_LIMITS.max_age,
+        "closed only at its age"
+    );
+    assert!(answered >= 10, "it was busy all along: {answered} answers");
+    server.stop.cancel();
 }

@@ -47,6 +47,9 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Concurrent HTTP/2 streams per connection.
     pub max_streams: u32,
+    /// A connection, however active (HTTP/2 pings included), is closed gracefully at this age:
+    /// no client holds a slot forever, and clients spread over new replicas after a rollout.
+    pub max_age: Duration,
 }
 
 impl Limits {
@@ -57,6 +60,7 @@ impl Limits {
         header_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(30),
         max_streams: 64,
+        max_age: Duration::from_secs(600),
     };
 
     /// The probe port's limits (a kubelet and a Prometheus need a few connections).
@@ -66,6 +70,7 @@ impl Limits {
         header_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(30),
         max_streams: 8,
+        max_age: Duration::from_secs(600),
     };
 }
 
@@ -316,6 +321,7 @@ async fn run_http<IO>(
             return;
         }
         () = activity.idle_for(limits.idle_timeout) => "idle",
+        () = tokio::time::sleep(limits.max_age) => "at its maximum age",
         () = shutdown.cancelled() => "shutting down",
     };
     tracing::debug!(%peer, why, "closing the connection");
