@@ -1,5 +1,6 @@
 //! In-process scenarios of the reconcilers against a mock API server (tower-test): the exact
-//! requests a reconcile sends, and that it sends none when nothing changed.
+//! requests a reconcile sends, that it sends none when nothing changed, and how a failed one is
+//! timed, counted and retried.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -465,5 +466,75 @@ async fn a_pps_over_the_limits_is_reported_and_only_the_limits_are_read() {
     assert!(
         ctx.metrics.encode().contains("\npps_over_limits 1\n"),
         "reported as over the limits"
+    );
+}
+
+#[test]
+fn retries_back_off_exponentially_with_jitter_per_object_until_a_success() {
+    let backoff = super::Backoff::default();
+    let delays: Vec<Duration> = (0..12).map(|_| backoff.failed("a".into())).collect();
+    for (n, delay) in delays.iter().enumerate() {
+        let full = super::Backoff::BASE
+            .saturating_mul(2u32.pow(n as u32))
+            .min(super::Backoff::MAX);
+        assert!(
+            *delay >= full / 2 && *delay <= full,
+            "failure {}: {delay:?} not within half and all of {full:?}",
+            n + 1
+        );
+    }
+    assert!(delays[11] >= super::Backoff::MAX / 2, "capped, not reset");
+    // Another object starts from the base; a success starts this one over.
+    assert!(backoff.failed("b".into()) <= super::Backoff::BASE);
+    backoff.succeeded("a");
+    assert!(backoff.failed("a".into()) <= super::Backoff::BASE);
+    // Jitter: objects failing together do not all get the same delay.
+    let together: std::collections::BTreeSet<Duration> = (0..20)
+        .map(|i| backoff.failed(format!("together-{i}")))
+        .collect();
+    assert!(together.len() > 1, "{together:?}");
+}
+
+#[tokio::test]
+async fn a_conflicting_status_write_fails_the_reconcile_timed_and_counted_for_a_recompute() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches);
+    let pps = Arc::new(pps(json!({"observedGeneration": 2})));
+    let reconcile = reconcile_pps(pps.clone(), ctx.clone());
+    tokio::pin!(reconcile);
+    let result = loop {
+        tokio::select! {
+            result = &mut reconcile => break result,
+            request = handle.next_request() => {
+                let (request, respond) = request.expect("the client is alive");
+                assert_eq!(request.method(), Method::PATCH, "the status write");
+                let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "Conflict", "code": 409,
+                    "message": "the object has been modified; please apply your changes to the latest version"});
+                respond.send_response(
+                    Response::builder()
+                        .status(409)
+                        .header("content-type", "application/json")
+                        .body(Body::from(serde_json::to_vec(&status).expect("json")))
+                        .expect("response"),
+                );
+            }
+        }
+    };
+    let error = result.expect_err("a conflict fails the reconcile");
+    assert!(super::is_conflict(&error), "{error}");
+    let action = super::pps_error_policy(pps, &error, ctx.clone());
+    assert!(
+        format!("{action:?}").contains("requeue_after: Some"),
+        "computed again later: {action:?}"
+    );
+    let metrics = ctx.metrics.encode();
+    assert!(
+        metrics.contains("pps_reconcile_duration_seconds_count{controller=\"status\"} 1"),
+        "timed on failure too: {metrics}"
+    );
+    assert!(
+        metrics.contains("pps_reconcile_errors_total{controller=\"status\"} 1"),
+        "counted: {metrics}"
     );
 }
