@@ -138,7 +138,8 @@ async fn a_pod_re_created_on_another_node_gets_its_old_ip() {
             .then_some(())
     })
     .await;
-    wait_event(c, &ns, "db", "PodNotRestored").await;
+    let moved = format!("node {} -> {}", old.node, now.node);
+    wait_event_noting(c, &ns, "db", "PodNotRestored", &["pod db-0 ", &moved]).await;
     delete_namespace(c, &ns).await;
 }
 
@@ -200,7 +201,8 @@ async fn an_ip_taken_meanwhile_is_not_requested_and_the_pod_gets_a_new_one() {
         (changed(&text) > changed(&scraped)).then_some(())
     })
     .await;
-    wait_event(c, &ns, "db", "PodNotRestored").await;
+    let changed = format!("IP {} -> {}", old.ip, back.ip);
+    wait_event_noting(c, &ns, "db", "PodNotRestored", &["pod db-0 ", &changed]).await;
     delete_namespace(c, &ns).await;
 }
 
@@ -255,6 +257,8 @@ async fn scale_down_and_up_gives_the_returning_ordinal_its_old_ip_and_explain_sh
             .then_some(())
     })
     .await;
+    let moved = format!("node {} -> {}", third.node, back.node);
+    wait_event_noting(c, &ns, "db", "PodNotRestored", &["pod db-2 ", &moved]).await;
 
     // explain, then the pod it describes.
     let out = tokio::process::Command::new(&env.pps_bin)

@@ -409,15 +409,30 @@ pub async fn stub_cert_manager_crds(env: &Env) {
 
 /// Waits for an Event with `reason` about the PersistentPodState `pps` in `ns`.
 pub async fn wait_event(client: &Client, ns: &str, pps: &str, reason: &str) {
+    wait_event_noting(client, ns, pps, reason, &[]).await;
+}
+
+/// Waits for an Event with `reason` on PersistentPodState `ns/pps` whose note contains every
+/// one of `needles`.
+pub async fn wait_event_noting(
+    client: &Client,
+    ns: &str,
+    pps: &str,
+    reason: &str,
+    needles: &[&str],
+) {
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
     wait_for(
-        &format!("a {reason} Event on PersistentPodState {ns}/{pps}"),
+        &format!("a {reason} Event on PersistentPodState {ns}/{pps} noting {needles:?}"),
         TIMEOUT,
         || async {
             let list = events.list(&Default::default()).await.ok()?;
             list.items.into_iter().find(|e| {
                 e.reason.as_deref() == Some(reason)
                     && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pps)
+                    && needles
+                        .iter()
+                        .all(|n| e.note.as_deref().is_some_and(|note| note.contains(n)))
             })
         },
     )
