@@ -70,6 +70,22 @@ proptest! {
     }
 
     #[test]
+    fn conversion_answers_any_request_with_its_uid(objects in prop::collection::vec(json_value(), 0..4), spec in json_value(), desired in json_value()) {
+        let mut objects = objects;
+        objects.push(json!({"apiVersion": "apps.kruise.io/v1alpha1", "kind": "PersistentPodState",
+                            "metadata": {"name": "p", "namespace": "ns"}, "spec": spec}));
+        let body = serde_json::to_vec(&json!({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+            "request": {"uid": "prop", "desiredAPIVersion": desired, "objects": objects}
+        })).expect("json");
+        let (status, answer) = runtime().block_on(post(&state(false), convert::PATH, body));
+        prop_assert_eq!(status.as_u16(), 200, "{}", answer);
+        prop_assert_eq!(&answer["response"]["uid"], "prop");
+        let result = answer["response"]["result"]["status"].as_str();
+        prop_assert!(result == Some("Success") || result == Some("Failure"), "{}", answer);
+    }
+
+    #[test]
     fn arbitrary_bytes_get_a_review_or_a_json_error(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let synced = state(true);
         for path in [mutate_pod::PATH, validate_pps::PATH, convert::PATH] {
