@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, Resource};
 
 use crate::api::PersistentPodState;
 
@@ -77,9 +78,27 @@ impl Events {
         action: &str,
         note: String,
     ) {
+        self.publish_on(pps.object_ref(&()), subject, type_, reason, action, note);
+    }
+
+    /// Publishes an Event about any object (`reference`), rate-limited like
+    /// [`Events::publish_about`].
+    pub fn publish_on(
+        &self,
+        reference: ObjectReference,
+        subject: &str,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let key = (
-            pps.namespace().unwrap_or_default(),
-            pps.name_any(),
+            reference.namespace.clone().unwrap_or_default(),
+            format!(
+                "{}/{}",
+                reference.kind.as_deref().unwrap_or_default(),
+                reference.name.as_deref().unwrap_or_default()
+            ),
             format!("{reason}/{subject}"),
         );
         if !self.allow(key) {
@@ -92,10 +111,10 @@ impl Events {
             action: action.to_owned(),
             secondary: None,
         };
-        let (recorder, reference) = (self.recorder.clone(), pps.object_ref(&()));
+        let recorder = self.recorder.clone();
         tokio::spawn(async move {
             if let Err(error) = recorder.publish(&event, &reference).await {
-                tracing::warn!(%error, pps = ?reference.name, "could not publish an Event");
+                tracing::warn!(%error, object = ?reference.name, "could not publish an Event");
             }
         });
     }

@@ -375,6 +375,8 @@ pub struct Metrics {
     pub restored: Family<RestoreLabels, Counter>,
     /// Requests sent by the PersistentPodState generator, by action.
     pub generator_writes: Family<GeneratorLabels, Counter>,
+    /// Workloads whose `persistent-pod-state.io/ip-request` the generator could not copy.
+    pub invalid_workload_ip_requests: Counter,
     /// PersistentPodStates over a limit (what is beyond is ignored).
     pub over_limits: Gauge,
     /// PersistentPodStates shadowed by an older one targeting the same workload.
@@ -421,6 +423,7 @@ impl Metrics {
             cached_persistent_pod_states: Gauge::default(),
             leader: Gauge::default(),
             generator_writes: Family::default(),
+            invalid_workload_ip_requests: Counter::default(),
             restored: Family::default(),
             ip_requests: Family::default(),
             ip_request_skipped: Family::default(),
@@ -508,6 +511,11 @@ impl Metrics {
             "generator_writes",
             "Requests sent by the PersistentPodState generator, by action",
             m.generator_writes.clone(),
+        );
+        registry.register(
+            "invalid_workload_ip_requests",
+            "Reconciles of workloads whose ip-request annotation is not valid (not copied)",
+            m.invalid_workload_ip_requests.clone(),
         );
         registry.register(
             "over_limits",

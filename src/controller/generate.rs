@@ -230,21 +230,24 @@ pub fn plan(
 }
 
 /// The workload's `persistent-pod-state.io/ip-request`, copied onto the generated
-/// PersistentPodState when it is a valid value (an invalid one is left out and logged, so it
-/// never reaches a pod).
+/// PersistentPodState when it is a valid value (an invalid one is left out, so it never
+/// reaches a pod; see [`invalid_ip_request`]).
 fn ip_request_of<'a>(workload: &Workload<'a>) -> Option<&'a str> {
     let value = workload.annotations.get(IP_REQUEST_ANNOTATION)?;
-    match IpRequest::parse(value) {
-        Ok(_) => Some(value.as_str()),
-        Err(error) => {
-            // The value itself only at debug level: annotation values stay out of logs.
-            tracing::warn!(
-                "the workload's {IP_REQUEST_ANNOTATION} is not a valid value; not copied"
-            );
-            tracing::debug!(%error, "invalid {IP_REQUEST_ANNOTATION}");
-            None
-        }
-    }
+    IpRequest::parse(value).ok().map(|_| value.as_str())
+}
+
+/// Why the workload's `persistent-pod-state.io/ip-request` cannot be copied, when it asks for
+/// generation and carries one that is not valid.
+pub fn invalid_ip_request(workload: &Workload<'_>) -> Option<String> {
+    desired_spec(
+        workload.api_version,
+        workload.kind,
+        workload.name,
+        workload.annotations,
+    )?;
+    let value = workload.annotations.get(IP_REQUEST_ANNOTATION)?;
+    IpRequest::parse(value).err().map(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -502,6 +505,18 @@ mod tests {
         assert!(
             created.annotations().get(IP_REQUEST_ANNOTATION).is_none(),
             "never copied"
+        );
+        assert!(
+            invalid_ip_request(&workload(&invalid)).is_some_and(|e| e.contains("weave")),
+            "reported"
+        );
+        assert_eq!(invalid_ip_request(&workload(&with_ip)), None, "valid");
+        let mut not_generating = invalid.clone();
+        not_generating.insert(AUTO_GENERATE_ANNOTATION.into(), "false".into());
+        assert_eq!(
+            invalid_ip_request(&workload(&not_generating)),
+            None,
+            "nothing to copy it to"
         );
     }
 

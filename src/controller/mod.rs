@@ -642,6 +642,24 @@ pub async fn reconcile_workload(
     });
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
     let plan = generate::plan(&workload, existing.as_deref(), &targeting);
+    if let Some(error) = generate::invalid_ip_request(&workload)
+        && !workload.deleting
+    {
+        ctx.metrics.invalid_workload_ip_requests.inc();
+        // The value is the tenant's: in the Event on its own workload, not in the logs.
+        tracing::warn!("the workload's ip-request annotation is not valid; not copied");
+        ctx.events.publish_on(
+            kube::Resource::object_ref(obj.as_ref(), types),
+            "",
+            EventType::Warning,
+            "InvalidIPRequest",
+            "Generate",
+            format!(
+                "{}: {error}; not copied to the generated PersistentPodState, so its pods request no IP",
+                crate::ip_request::IP_REQUEST_ANNOTATION
+            ),
+        );
+    }
     if !matches!(plan, Plan::Leave(_)) {
         ctx.fence.check()?;
     }

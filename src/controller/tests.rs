@@ -538,3 +538,32 @@ async fn a_conflicting_status_write_fails_the_reconcile_timed_and_counted_for_a_
         "counted: {metrics}"
     );
 }
+
+#[tokio::test]
+async fn a_workloads_invalid_ip_request_is_not_copied_and_is_counted() {
+    let caches = world();
+    let (wctx, mut handle) = generator(&caches);
+    let mut annotations = asking("a");
+    annotations[crate::ip_request::IP_REQUEST_ANNOTATION] = json!("calcio");
+    let sts = Arc::new(statefulset(annotations));
+    let sent = drive(
+        reconcile_workload(sts, wctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(generated(&["a"], Some("sts-uid"))).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].method, Method::POST, "the PPS is still generated");
+    assert!(
+        sent[0].body["metadata"]["annotations"]
+            .get(crate::ip_request::IP_REQUEST_ANNOTATION)
+            .is_none(),
+        "without the invalid value: {}",
+        sent[0].body
+    );
+    let metrics = wctx.ctx.metrics.encode();
+    assert!(
+        metrics.contains("pps_invalid_workload_ip_requests_total 1"),
+        "{metrics}"
+    );
+}
