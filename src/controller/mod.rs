@@ -329,11 +329,12 @@ pub async fn reconcile_pps(
 
     let old = serde_json::to_value(&pps.status)?;
     let new = serde_json::to_value(&desired)?;
-    if let Some(patch) = record::merge_patch(&old, &new) {
-        let key = ObjectRef::from_obj(pps.as_ref());
-        if let Some(wait) = ctx.pacing.wait(&key) {
-            return Ok(Action::requeue(wait));
-        }
+    let key = ObjectRef::from_obj(pps.as_ref());
+    // A write within the pacing interval waits (what changes meanwhile joins it); what is
+    // reported below from the computed status is not held back with it.
+    let patch = record::merge_patch(&old, &new);
+    let paced = patch.as_ref().and_then(|_| ctx.pacing.wait(&key));
+    if let (Some(patch), None) = (patch, paced) {
         // Conditional on the version the status was computed from: a stale writer (a replica
         // that lost the Lease, or a reconcile of an older copy) gets a conflict, never
         // overwrites newer states; the next reconcile computes again from the cache.
@@ -389,7 +390,8 @@ pub async fn reconcile_pps(
     let health = Health::now(ctx.node_lost_after);
     report_unplaceable(&ctx, &pps, &desired, &health);
     report_limits(&ctx, &pps, &workload_target);
-    Ok(Action::requeue(next_look(&ctx.caches, &desired, &health)))
+    let next = next_look(&ctx.caches, &desired, &health);
+    Ok(Action::requeue(paced.map_or(next, |wait| wait.min(next))))
 }
 
 /// Counts the pods that came back since the last status, by whether they kept their node and

@@ -567,3 +567,35 @@ async fn a_workloads_invalid_ip_request_is_not_copied_and_is_counted() {
         "{metrics}"
     );
 }
+
+#[tokio::test]
+async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches.clone());
+    let first = Arc::new(pps(json!({"observedGeneration": 2})));
+    let sent = drive(
+        reconcile_pps(first.clone(), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(first.as_ref()).expect("json")],
+    )
+    .await;
+    assert_eq!(
+        sent.len(),
+        1,
+        "a write: the next one within the interval is paced"
+    );
+
+    // Someone records a state in a zone no node has (decommissioned), within the interval.
+    let gone = Arc::new(pps(
+        json!({"observedGeneration": 2, "podStates": {"web-1": {
+        "nodeName": "gone", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "zone-gone"}}}}),
+    ));
+    caches.apply_pps(watcher::Event::Apply(gone.as_ref().clone()));
+    let (sent, _) = drive_to_action(reconcile_pps(gone, ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "paced: {sent:?}");
+    let metrics = ctx.metrics.encode();
+    assert!(
+        metrics.contains("pps_states_unplaceable 1"),
+        "reported although the write waits: {metrics}"
+    );
+}
