@@ -6,6 +6,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY benches ./benches
+COPY bench ./bench
 COPY e2e ./e2e
 RUN cargo build --release --locked --bin persistent-pod-state
 

@@ -17,8 +17,13 @@ use persistent_pod_state::webhook::{WebhookState, router, tls};
 use persistent_pod_state::workload::CustomKinds;
 use tokio_util::sync::CancellationToken;
 
+// The allocator the shipped binary uses, set up alike (src/main.rs, src/alloc.rs).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    persistent_pod_state::alloc::purge_at_once();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args: Vec<String> = std::env::args().collect();
     let listen = flag(&args, "--listen").context("--listen ADDR")?;

@@ -13,6 +13,7 @@
 
 #![warn(missing_docs)]
 
+pub mod alloc;
 pub mod api;
 #[cfg(feature = "bench")]
 pub mod benchkit;

@@ -18,8 +18,13 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// mimalloc, returning freed memory at once (see `persistent_pod_state::alloc`).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    persistent_pod_state::alloc::purge_at_once();
     // One crypto provider for the whole process (ring), before any TLS is set up.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
