@@ -576,34 +576,24 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
     // The second is refused while the first still holds the slot: not queued behind it.
     let refused = app.clone().oneshot(request()).await.expect("infallible");
     assert!(!first.is_finished(), "refused before the first one ended");
-    assert_eq!(
-        refused.status(),
-        axum::http::StatusCode::SERVICE_UNAVAILABLE
-    );
-    let body = axum::body::to_bytes(refused.into_body(), 1024)
-        .await
-        .expect("body");
-    let json: Value = serde_json::from_slice(&body).expect("a JSON message");
-    assert!(
-        json["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("in flight")),
-        "{json}"
-    );
+    unavailable_saying(refused, "in flight").await;
     // The first is answered when its time is up.
     let timed_out = first.await.expect("task").expect("infallible");
+    unavailable_saying(timed_out, "timed out").await;
+}
+
+/// Checks that `response` is a 503 whose JSON `error` mentions `what`.
+async fn unavailable_saying(response: axum::response::Response, what: &str) {
     assert_eq!(
-        timed_out.status(),
+        response.status(),
         axum::http::StatusCode::SERVICE_UNAVAILABLE
     );
-    let body = axum::body::to_bytes(timed_out.into_body(), 1024)
+    let body = axum::body::to_bytes(response.into_body(), 1024)
         .await
         .expect("body");
     let json: Value = serde_json::from_slice(&body).expect("a JSON message");
     assert!(
-        json["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("timed out")),
+        json["error"].as_str().is_some_and(|e| e.contains(what)),
         "{json}"
     );
 }
