@@ -10,11 +10,9 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::metrics::Metrics;
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::server::{Limits, serve};
 use persistent_pod_state::webhook::{WebhookState, router, tls};
-use persistent_pod_state::workload::CustomKinds;
 use tokio_util::sync::CancellationToken;
 
 // The allocator the shipped binary uses, set up alike (src/main.rs, src/alloc.rs).
@@ -64,14 +62,7 @@ async fn main() -> anyhow::Result<()> {
     );
     anyhow::ensure!(caches.is_synced(), "the synthetic caches are synced");
 
-    let state = Arc::new(WebhookState {
-        caches,
-        metrics: Arc::new(Metrics::new()),
-        events: None,
-        custom_kinds: Arc::new(CustomKinds::default()),
-        node_lost_after: Duration::from_secs(300),
-        client_auth: false,
-    });
+    let state = Arc::new(WebhookState::over(caches));
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     eprintln!(
         "bench-server: {pps} PPS, {} recorded states, {nodes} nodes; listening on {listen}",

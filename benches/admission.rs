@@ -13,14 +13,13 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::watcher;
 use persistent_pod_state::api::PersistentPodState;
-use persistent_pod_state::metrics::Metrics;
 use persistent_pod_state::placement::{Health, Nodes};
 use persistent_pod_state::state::{Caches, pps_target};
 use persistent_pod_state::synthetic;
 use persistent_pod_state::webhook::WebhookState;
 use persistent_pod_state::webhook::admit::{Lookup, Outcome, admit, decode_pod};
 use persistent_pod_state::webhook::review::{Admission, parse};
-use persistent_pod_state::workload::{CustomKinds, GroupKind, WorkloadRef, pod_workload};
+use persistent_pod_state::workload::{GroupKind, WorkloadRef, pod_workload};
 
 const NODES: usize = 100;
 const BODIES: usize = 256;
@@ -111,14 +110,7 @@ fn main() {
                 serde_json::from_value(synthetic::node(j)).expect("node"),
             ));
         }
-        let state = WebhookState {
-            caches,
-            metrics: Arc::new(Metrics::new()),
-            events: None,
-            custom_kinds: Arc::new(CustomKinds::default()),
-            node_lost_after: Duration::from_secs(300),
-            client_auth: false,
-        };
+        let state = WebhookState::over(caches);
         let bodies: Vec<axum::body::Bytes> = (0..BODIES)
             .map(|k| synthetic::review((k * 7919) % total).into())
             .collect();

@@ -189,18 +189,23 @@ async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
     );
 }
 
-#[tokio::test]
-async fn status_writes_are_paced_and_a_change_within_the_interval_waits_for_the_next() {
-    let caches = world();
-    let (ctx, mut handle) = context(caches.clone());
+/// The first status write of the PPS `web` (its next write then waits for the pacing interval).
+async fn first_write(ctx: &Arc<Context>, handle: &mut Handle) {
     let first = Arc::new(pps(json!({"observedGeneration": 2})));
     let sent = drive(
         reconcile_pps(first.clone(), ctx.clone()),
-        &mut handle,
+        handle,
         vec![serde_json::to_value(first.as_ref()).expect("json")],
     )
     .await;
     assert_eq!(sent.len(), 1, "the first change is written at once");
+}
+
+#[tokio::test]
+async fn status_writes_are_paced_and_a_change_within_the_interval_waits_for_the_next() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches.clone());
+    first_write(&ctx, &mut handle).await;
 
     // web-1 becomes Ready right after: its state waits for the end of the interval.
     caches.apply_pod(watcher::Event::Apply(
@@ -572,18 +577,7 @@ async fn a_workloads_invalid_ip_request_is_not_copied_and_is_counted() {
 async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
     let caches = world();
     let (ctx, mut handle) = context(caches.clone());
-    let first = Arc::new(pps(json!({"observedGeneration": 2})));
-    let sent = drive(
-        reconcile_pps(first.clone(), ctx.clone()),
-        &mut handle,
-        vec![serde_json::to_value(first.as_ref()).expect("json")],
-    )
-    .await;
-    assert_eq!(
-        sent.len(),
-        1,
-        "a write: the next one within the interval is paced"
-    );
+    first_write(&ctx, &mut handle).await;
 
     // Someone records a state in a zone no node has (decommissioned), within the interval.
     let gone = Arc::new(pps(

@@ -50,6 +50,21 @@ pub struct WebhookState {
     pub client_auth: bool,
 }
 
+impl WebhookState {
+    /// A state over `caches` alone, as tests and benchmarks serve: fresh metrics, no Events, no
+    /// custom kinds, nodes lost after the default 5 minutes, no client certificate required.
+    pub fn over(caches: Arc<Caches>) -> Self {
+        Self {
+            caches,
+            metrics: Arc::new(Metrics::new()),
+            events: None,
+            custom_kinds: Arc::new(CustomKinds::default()),
+            node_lost_after: Duration::from_secs(300),
+            client_auth: false,
+        }
+    }
+}
+
 /// The metric label of a request path: one of the served paths, or `other`.
 pub fn endpoint(path: &str) -> &'static str {
     [mutate_pod::PATH, validate_pps::PATH, convert::PATH]
@@ -153,14 +168,7 @@ pub(crate) mod testing {
                 watcher::Event::InitDone,
             );
         }
-        Arc::new(WebhookState {
-            caches,
-            metrics: Arc::new(Metrics::new()),
-            events: None,
-            custom_kinds: Arc::new(CustomKinds::default()),
-            node_lost_after: Duration::from_secs(300),
-            client_auth: false,
-        })
+        Arc::new(WebhookState::over(caches))
     }
 
     /// POSTs `body` to `path` through the router; returns the status and the JSON answer.
