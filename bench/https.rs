@@ -5,7 +5,8 @@
 //! on the same machine; medians and ratios in a table.
 //!
 //! `bench-https [--short] [--runs N] [--seconds S] [--connections C] [--pps N] [--states N]
-//! [--perf FILE]` (with `--perf`, one more run of ours is sampled by `perf record` into FILE).
+//! [--perf FILE]` (defaults: 31 runs of 1 s, 3 with `--short`; with `--perf`, one more run of
+//! ours, 10 s, is sampled by `perf record` into FILE).
 //!
 //! Every request gets a patch (each review is of a re-created pod with a recorded state); the
 //! run fails if one does not, or if any request fails.
@@ -19,7 +20,7 @@ use anyhow::Context;
 #[path = "load.rs"]
 mod load;
 
-use persistent_pod_state::benchkit::{flag, median};
+use persistent_pod_state::benchkit::{flag, median, quantile};
 
 /// A server under test, stopped when dropped.
 struct Server {
@@ -160,8 +161,13 @@ async fn main() -> anyhow::Result<()> {
     let number = |name: &str, default: f64| -> anyhow::Result<f64> {
         flag(&args, name).map_or(Ok(default), |v| v.parse().context(name.to_owned()))
     };
-    let runs = number("--runs", if short { 1.0 } else { 5.0 })? as usize;
-    let seconds = number("--seconds", if short { 2.0 } else { 10.0 })?;
+    // Many short runs: on this machine a run's p99 is set by the few scheduler stalls (5-25 ms,
+    // seconds apart, for either server) that happen to fall in it, so a median over 5 runs of
+    // 10 s is decided by one or two stalls (ratios of 0.7-2.1 between identical full runs);
+    // over 31 alternated runs of 1 s both servers are sampled across the same stretches of
+    // the machine's noise and the median is the p99 of a typical second.
+    let runs = number("--runs", if short { 3.0 } else { 31.0 })? as usize;
+    let seconds = number("--seconds", 1.0)?;
     let connections = number("--connections", 8.0)? as usize;
     let pps = number("--pps", 10_000.0)? as usize;
     let states = number("--states", 100_000.0)? as usize;
@@ -267,19 +273,24 @@ async fn main() -> anyhow::Result<()> {
         ),
     ];
     anyhow::ensure!(produced.iter().all(|p| *p), "a figure was not produced");
-    // The tail moves most between runs (the load generator shares the cores): show every run's.
-    let p99s = |outcomes: &[load::Outcome]| {
-        let mut v: Vec<u32> = outcomes.iter().map(|o| o.p99_us).collect();
-        v.sort_unstable();
-        format!("{v:?}")
+    // The tail moves most between runs: show how much.
+    let spread = |outcomes: &[load::Outcome]| {
+        let p99s: Vec<f64> = outcomes.iter().map(|o| f64::from(o.p99_us)).collect();
+        format!(
+            "{:.0} / {:.0} / {:.0} / {:.0}",
+            quantile(&p99s, 0.25),
+            quantile(&p99s, 0.5),
+            quantile(&p99s, 0.75),
+            quantile(&p99s, 1.0)
+        )
     };
     println!(
-        "\np99 (µs) of each fixed-rate run, sorted: ours {}, baseline {}",
-        p99s(&fixed.ours),
-        p99s(&fixed.baseline)
+        "\np99 (µs) of the fixed-rate runs, quartiles and max (25th / median / 75th / max): ours {}, baseline {}",
+        spread(&fixed.ours),
+        spread(&fixed.baseline)
     );
     if let Some(file) = flag(&args, "--perf") {
-        // One more closed-loop run of ours, sampled by perf (CPU clock, call graphs).
+        // One more closed-loop run of ours, 10 s, sampled by perf (CPU clock, call graphs).
         let mut perf = Command::new("perf")
             .args([
                 "record",
@@ -297,7 +308,7 @@ async fn main() -> anyhow::Result<()> {
             .stderr(std::process::Stdio::null())
             .spawn()
             .context("perf")?;
-        let outcome = ours.load(&bodies, connections, seconds, None).await?;
+        let outcome = ours.load(&bodies, connections, 10.0, None).await?;
         eprintln!("  profiled run: {outcome:?}");
         // perf writes its file on SIGINT.
         Command::new("kill")

@@ -16,7 +16,6 @@ use serde_json::json;
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
 const REPLICAS: i32 = 3;
 /// A rollout under a fault may take the controllers' retry backoff to recover.
 const RECOVERY: Duration = Duration::from_secs(300);

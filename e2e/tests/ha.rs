@@ -11,8 +11,6 @@ use serde_json::json;
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
-
 async fn holder(c: &Client) -> Option<String> {
     let lease = Api::<Lease>::namespaced(c.clone(), "persistent-pod-state")
         .get_opt("persistent-pod-state")

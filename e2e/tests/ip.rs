@@ -12,7 +12,6 @@ use serde_json::{Value, json};
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
 const CALICO_MARK: &str = "e2e.persistent-pod-state.io/cni";
 const IP_REQUEST: &str = "persistent-pod-state.io/ip-request";
 const CALICO_IP: &str = "cni.projectcalico.org/ipAddrs";
@@ -248,6 +247,22 @@ async fn scale_down_and_up_gives_the_returning_ordinal_its_old_ip_and_explain_sh
     set_unschedulable(c, &third.node, false).await;
     assert_ne!(back.node, third.node, "its node is cordoned");
     assert_eq!(back.ip, third.ip, "the returning ordinal has its old IP");
+    // Issue 9.4: both halves came back with the ordinal: its IP request and its recorded node,
+    // preferred (the pod waits for no cordoned node), as the PPS asks.
+    let returned = Api::<Pod>::namespaced(c.clone(), &ns)
+        .get("db-2")
+        .await
+        .expect("db-2");
+    assert_eq!(
+        returned.annotations().get(CALICO_IP).map(String::as_str),
+        Some(format!("[\"{}\"]", third.ip).as_str()),
+        "the returning ordinal asked for its recorded IP"
+    );
+    assert_eq!(
+        preferred_terms(&returned),
+        vec![preferred_host_term(&third.node)],
+        "the returning ordinal prefers its recorded node"
+    );
     println!(
         "db-2: scaled down and up: {} on {} -> {} on {}",
         third.ip, third.node, back.ip, back.node

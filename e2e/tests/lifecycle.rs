@@ -9,7 +9,6 @@ use serde_json::json;
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
 const GENERATE: [(&str, &str); 2] = [
     ("kruise.io/auto-generate-persistent-pod-state", "true"),
     ("kruise.io/preferred-persistent-topology", HOST),

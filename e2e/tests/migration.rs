@@ -12,7 +12,6 @@ use serde_json::{Value, json};
 use crate::support::*;
 
 const CRD: &str = "persistentpodstates.apps.kruise.io";
-const HOST: &str = "kubernetes.io/hostname";
 
 /// Upstream's CRD as it differs from ours: no printer columns, a status that requires
 /// `observedGeneration`, and in v1beta1 a minimum weight of 0 and an enum on the retention

@@ -9,8 +9,6 @@ use serde_json::json;
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
-
 fn owned_pod(name: &str, sts_uid: &str) -> Pod {
     serde_json::from_value(json!({
         "metadata": {"name": name, "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",

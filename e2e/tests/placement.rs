@@ -11,13 +11,7 @@ use serde_json::json;
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
 const ZONE: &str = "topology.kubernetes.io/zone";
-
-fn preferred_host_term(node: &str) -> serde_json::Value {
-    json!({"weight": 100, "preference": {"matchExpressions": [
-        {"key": HOST, "operator": "In", "values": [node]}]}})
-}
 
 /// 7a: the seeds' echoserver (as an apps/v1 StatefulSet, same annotations and template).
 #[tokio::test]

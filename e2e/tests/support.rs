@@ -179,6 +179,15 @@ pub async fn wait_sts_rolled(client: &Client, ns: &str, name: &str, replicas: i3
     .await;
 }
 
+/// The node label the seeds pin pods by.
+pub const HOST: &str = "kubernetes.io/hostname";
+
+/// The preferred term the webhook injects for a recorded node (weight 100, the seeds').
+pub fn preferred_host_term(node: &str) -> Value {
+    json!({"weight": 100, "preference": {"matchExpressions": [
+        {"key": HOST, "operator": "In", "values": [node]}]}})
+}
+
 /// Placement of a pod: node, IP and uid.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {

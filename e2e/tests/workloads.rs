@@ -14,7 +14,6 @@ use serde_json::{Value, json};
 
 use crate::support::*;
 
-const HOST: &str = "kubernetes.io/hostname";
 const SLOT: &str = "e2e.example.com/slot";
 
 /// Installs a CRD whose objects keep any fields (no controller exists for them here).
