@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use persistent_pod_state::api::PersistentPodState;
 use persistent_pod_state::placement::{Health, Nodes};
@@ -46,20 +46,10 @@ struct Scan<'a> {
     by_namespace: &'a BTreeMap<String, Vec<Arc<PersistentPodState>>>,
 }
 
-impl Nodes for Scan<'_> {
-    fn visit_with_labels(
-        &self,
-        labels: &BTreeMap<String, String>,
-        visit: &mut dyn FnMut(&Node) -> bool,
-    ) -> bool {
-        self.state.visit_with_labels(labels, visit)
-    }
-    fn all(&self) -> Vec<Arc<Node>> {
-        self.state.all()
-    }
-}
-
 impl Lookup for Scan<'_> {
+    fn nodes(&self) -> &dyn Nodes {
+        self.state.nodes()
+    }
     fn handles(&self, kind: &GroupKind) -> bool {
         self.state.handles(kind)
     }

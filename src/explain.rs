@@ -3,7 +3,6 @@
 //! pod), feeds the same caches the server uses, and runs the webhook's own decision ([`admit`])
 //! on the pod as its workload would create it.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,20 +60,10 @@ struct ExplainLookup<'a> {
     lost_after: Duration,
 }
 
-impl Nodes for ExplainLookup<'_> {
-    fn visit_with_labels(
-        &self,
-        labels: &BTreeMap<String, String>,
-        visit: &mut dyn FnMut(&Node) -> bool,
-    ) -> bool {
-        self.caches.visit_with_labels(labels, visit)
-    }
-    fn all(&self) -> Vec<Arc<Node>> {
-        self.caches.all()
-    }
-}
-
 impl Lookup for ExplainLookup<'_> {
+    fn nodes(&self) -> &dyn Nodes {
+        self.caches
+    }
     // The server's custom kinds are not known here: any kind a PersistentPodState targets.
     fn handles(&self, _: &GroupKind) -> bool {
         true

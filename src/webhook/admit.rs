@@ -19,7 +19,9 @@ use crate::placement::{self, Health, Nodes, PodDemands};
 use crate::workload::{GroupKind, WorkloadRef, pod_workload};
 
 /// What the decision reads from the caches.
-pub trait Lookup: Nodes {
+pub trait Lookup {
+    /// The nodes a placement is checked against.
+    fn nodes(&self) -> &dyn Nodes;
     /// Whether pods controlled by `kind` are handled (StatefulSets and configured kinds).
     fn handles(&self, kind: &GroupKind) -> bool;
     /// The PersistentPodState that targets `workload`.
@@ -161,7 +163,7 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
     let (demands, health) = (PodDemands::of(&pod), lookup.health());
     let place = |recorded: &BTreeMap<String, String>| {
-        placement::required(recorded, &demands, lookup, &health)
+        placement::required(recorded, &demands, lookup.nodes(), &health)
     };
     let holder = |ip: &str| lookup.ip_holder(ip, &namespace, &name);
     let ip = ip_request::decide(
@@ -215,6 +217,9 @@ mod tests {
     }
 
     impl Lookup for Fake {
+        fn nodes(&self) -> &dyn Nodes {
+            self
+        }
         fn handles(&self, kind: &GroupKind) -> bool {
             kind.is_statefulset()
         }

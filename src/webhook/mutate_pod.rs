@@ -4,12 +4,10 @@
 //! The webhook publishes Events (its `sideEffects` is `NoneOnDryRun`): a dry-run request gets
 //! exactly the answer a real one would, but publishes nothing.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::Response;
-use k8s_openapi::api::core::v1::Node;
 use kube::runtime::events::EventType;
 
 use super::WebhookState;
@@ -28,21 +26,11 @@ use crate::workload::{GroupKind, WorkloadRef};
 /// The path this handler is mounted on.
 pub const PATH: &str = "/mutate-pod";
 
-impl Nodes for WebhookState {
-    fn visit_with_labels(
-        &self,
-        labels: &BTreeMap<String, String>,
-        visit: &mut dyn FnMut(&Node) -> bool,
-    ) -> bool {
-        self.caches.visit_with_labels(labels, visit)
-    }
-
-    fn all(&self) -> Vec<Arc<Node>> {
-        self.caches.all()
-    }
-}
-
 impl Lookup for WebhookState {
+    fn nodes(&self) -> &dyn Nodes {
+        &*self.caches
+    }
+
     fn handles(&self, kind: &GroupKind) -> bool {
         self.custom_kinds.handles(kind)
     }
