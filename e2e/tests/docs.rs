@@ -75,10 +75,7 @@ async fn every_command_in_the_docs_runs() {
     })).expect("pps"))
     .await
     .expect("create pps");
-    create_sts(c, &ns, &statefulset("docs", 2, &[])).await;
-    wait_sts_rolled(c, &ns, "docs", 2).await;
-    let placed = placements(c, &ns, &pod_names("docs", 2)).await;
-    wait_states(c, &ns, "docs", &placed).await;
+    let (placed, _) = start_recorded(c, &ns, &statefulset("docs", 2, &[])).await;
     Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(c.clone(), &ns)
         .patch(
             "docs",

@@ -65,7 +65,7 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
     let c = &env.client;
     assert_eq!(env.replicas.len(), 2, "the suite runs two replicas");
     let ns = namespace(c, "e2e-ha").await;
-    create_sts(
+    let (before, states_before) = start_recorded(
         c,
         &ns,
         &statefulset(
@@ -78,9 +78,6 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         ),
     )
     .await;
-    wait_sts_rolled(c, &ns, "ha", 2).await;
-    let before = placements(c, &ns, &pod_names("ha", 2)).await;
-    let states_before = wait_states(c, &ns, "ha", &before).await;
 
     // Both replicas answer webhooks.
     for r in &env.replicas {
@@ -246,7 +243,7 @@ async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-fence").await;
-    create_sts(
+    start_recorded(
         c,
         &ns,
         &statefulset(
@@ -259,9 +256,6 @@ async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
         ),
     )
     .await;
-    wait_sts_rolled(c, &ns, "fenced", 3).await;
-    let before = placements(c, &ns, &pod_names("fenced", 3)).await;
-    wait_states(c, &ns, "fenced", &before).await;
 
     let leader_id = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
     let leader = env

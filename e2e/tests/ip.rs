@@ -6,7 +6,7 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 
@@ -63,17 +63,6 @@ async fn wait_recorded_ip(c: &Client, ns: &str, name: &str, pod: &str, ip: &str)
         },
     )
     .await;
-}
-
-async fn scale(c: &Client, ns: &str, name: &str, replicas: i32) {
-    Api::<StatefulSet>::namespaced(c.clone(), ns)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await
-        .expect("scale");
 }
 
 async fn wait_pod_gone(c: &Client, ns: &str, name: &str) {

@@ -27,17 +27,6 @@ fn hand_made(name: &str, target: &str, retention: Option<&str>) -> PersistentPod
     .expect("pps")
 }
 
-async fn scale(c: &Client, ns: &str, name: &str, replicas: i32) {
-    Api::<StatefulSet>::namespaced(c.clone(), ns)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await
-        .expect("scale");
-}
-
 async fn set_annotations(c: &Client, ns: &str, name: &str, annotations: serde_json::Value) {
     Api::<StatefulSet>::namespaced(c.clone(), ns)
         .patch(

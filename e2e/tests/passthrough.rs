@@ -37,10 +37,7 @@ async fn deployments_and_bare_pods_pass_through_and_dry_run_shows_the_injection(
         })).expect("pps"))
         .await
         .expect("create pps");
-    create_sts(c, &ns, &statefulset("web", 1, &[])).await;
-    wait_sts_rolled(c, &ns, "web", 1).await;
-    let before = placements(c, &ns, &pod_names("web", 1)).await;
-    wait_states(c, &ns, "web", &before).await;
+    let (before, _) = start_recorded(c, &ns, &statefulset("web", 1, &[])).await;
     let sts_api: Api<StatefulSet> = Api::namespaced(c.clone(), &ns);
     sts_api
         .patch(

@@ -189,10 +189,7 @@ async fn required_zone_keeps_the_zone_when_the_node_is_cordoned() {
             ("kruise.io/preferred-persistent-topology", HOST),
         ],
     );
-    create_sts(c, &ns, &sts).await;
-    wait_sts_rolled(c, &ns, "zoned", 1).await;
-    let before = placements(c, &ns, &pod_names("zoned", 1)).await;
-    let states = wait_states(c, &ns, "zoned", &before).await;
+    let (before, states) = start_recorded(c, &ns, &sts).await;
     let node = before["zoned-0"].node.clone();
     let zone = states["zoned-0"].node_topology_labels[ZONE].clone();
 

@@ -182,10 +182,7 @@ async fn a_pods_own_node_selector_wins_over_the_recorded_value() {
         .and_then(|s| s.template.spec.as_mut())
         .expect("pod spec");
     spec.node_selector = Some([(ZONE.to_string(), "zone-a".to_string())].into());
-    create_sts(c, &ns, &sts).await;
-    wait_sts_rolled(c, &ns, "moving", 1).await;
-    let placed = placements(c, &ns, &pod_names("moving", 1)).await;
-    wait_states(c, &ns, "moving", &placed).await;
+    start_recorded(c, &ns, &sts).await;
     let before = scrape(&env).await;
 
     let to_b = json!({"spec": {"template": {"spec": {"nodeSelector": {ZONE: "zone-b"}}}}});
@@ -272,7 +269,7 @@ async fn a_template_excluding_the_recorded_zone_moves_the_pod_to_another_zone() 
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-own-affinity").await;
-    create_sts(
+    let (placed, _) = start_recorded(
         c,
         &ns,
         &statefulset(
@@ -285,9 +282,6 @@ async fn a_template_excluding_the_recorded_zone_moves_the_pod_to_another_zone() 
         ),
     )
     .await;
-    wait_sts_rolled(c, &ns, "zoned", 1).await;
-    let placed = placements(c, &ns, &pod_names("zoned", 1)).await;
-    wait_states(c, &ns, "zoned", &placed).await;
     let zone = node_labels(c, &placed["zoned-0"].node)
         .await
         .get(ZONE)

@@ -249,6 +249,34 @@ pub fn pps_api(client: &Client, ns: &str) -> Api<PersistentPodState> {
     Api::namespaced(client.clone(), ns)
 }
 
+/// Scales the StatefulSet `name` to `replicas`.
+pub async fn scale(c: &Client, ns: &str, name: &str, replicas: i32) {
+    Api::<StatefulSet>::namespaced(c.clone(), ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await
+        .expect("scale");
+}
+
+/// Creates `sts`, waits until all its pods run and its PersistentPodState records each on its
+/// node: their placements and the recorded states.
+pub async fn start_recorded(
+    client: &Client,
+    ns: &str,
+    sts: &StatefulSet,
+) -> (BTreeMap<String, Placement>, BTreeMap<String, PodState>) {
+    let name = sts.name_any();
+    let replicas = sts.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    create_sts(client, ns, sts).await;
+    wait_sts_rolled(client, ns, &name, replicas).await;
+    let placed = placements(client, ns, &pod_names(&name, replicas)).await;
+    let states = wait_states(client, ns, &name, &placed).await;
+    (placed, states)
+}
+
 /// Waits until the PersistentPodState `name` records exactly `expected` pods (by name), each on
 /// the node `placements` gives; returns its states.
 pub async fn wait_states(

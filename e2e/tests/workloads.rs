@@ -368,10 +368,7 @@ async fn upstream_bug_1_a_pps_persisting_only_annotations_gives_them_back() {
         .annotations
         .get_or_insert_with(BTreeMap::new)
         .insert(SLOT.into(), "from-template".into());
-    create_sts(c, &ns, &sts).await;
-    wait_sts_rolled(c, &ns, "web", 1).await;
-    let placed = placements(c, &ns, &pod_names("web", 1)).await;
-    let states = wait_states(c, &ns, "web", &placed).await;
+    let (_, states) = start_recorded(c, &ns, &sts).await;
     assert_eq!(
         states["web-0"].annotations.get(SLOT).map(String::as_str),
         Some("from-template")
