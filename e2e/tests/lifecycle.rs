@@ -28,14 +28,13 @@ fn hand_made(name: &str, target: &str, retention: Option<&str>) -> PersistentPod
 }
 
 async fn set_annotations(c: &Client, ns: &str, name: &str, annotations: serde_json::Value) {
-    Api::<StatefulSet>::namespaced(c.clone(), ns)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
-        )
-        .await
-        .expect("annotate");
+    patch_sts(
+        c,
+        ns,
+        name,
+        json!({"metadata": {"annotations": annotations}}),
+    )
+    .await;
 }
 
 async fn wait_gone(c: &Client, ns: &str, name: &str) {

@@ -249,16 +249,17 @@ pub fn pps_api(client: &Client, ns: &str) -> Api<PersistentPodState> {
     Api::namespaced(client.clone(), ns)
 }
 
+/// Merge-patches the StatefulSet `name`.
+pub async fn patch_sts(c: &Client, ns: &str, name: &str, patch: Value) {
+    Api::<StatefulSet>::namespaced(c.clone(), ns)
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .expect("patch the StatefulSet");
+}
+
 /// Scales the StatefulSet `name` to `replicas`.
 pub async fn scale(c: &Client, ns: &str, name: &str, replicas: i32) {
-    Api::<StatefulSet>::namespaced(c.clone(), ns)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await
-        .expect("scale");
+    patch_sts(c, ns, name, json!({"spec": {"replicas": replicas}})).await;
 }
 
 /// Creates `sts`, waits until all its pods run and its PersistentPodState records each on its
