@@ -573,9 +573,30 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
     entered_rx
         .await
         .expect("the first request is in its handler");
-    // The second is refused while the first still holds the slot: not queued behind it.
-    let refused = app.clone().oneshot(request()).await.expect("infallible");
+    // The second is refused while the first still holds the slot: not queued behind it. Its
+    // body (1 MiB, in chunks) is read to the end first, so that a client still sending gets
+    // the answer rather than a reset connection.
+    let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = drained.clone();
+    let chunks = futures::StreamExt::chain(
+        futures::stream::iter(
+            (0..64)
+                .map(|_| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 16 * 1024]))),
+        ),
+        futures::stream::poll_fn(move |_| {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            std::task::Poll::Ready(None)
+        }),
+    );
+    let big = axum::http::Request::post("/slow")
+        .body(axum::body::Body::from_stream(chunks))
+        .expect("request");
+    let refused = app.clone().oneshot(big).await.expect("infallible");
     assert!(!first.is_finished(), "refused before the first one ended");
+    assert!(
+        drained.load(std::sync::atomic::Ordering::SeqCst),
+        "the refused request's body was read to its end"
+    );
     unavailable_saying(refused, "in flight").await;
     // The first is answered when its time is up.
     let timed_out = first.await.expect("task").expect("infallible");

@@ -6,7 +6,8 @@
 //! timeout (no byte read or written for that long closes the connection: a stalled HTTP/2
 //! preface, a body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound
 //! on HTTP/2 streams per connection. Requests in flight and their duration are bounded by
-//! [`limit_requests`], bodies by the router's limit.
+//! [`limit_requests`] (a refused request's body is read and dropped, so its client gets the
+//! answer), bodies by the router's limit.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -16,10 +17,12 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::Response;
+use futures::StreamExt as _;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
@@ -30,8 +33,8 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::endpoint;
 use super::review::error_response;
+use super::{MAX_BODY, endpoint};
 use crate::metrics::{AdmissionResult, Metrics};
 
 /// What a connection and a request may take.
@@ -101,8 +104,9 @@ impl RequestLimit {
     }
 }
 
-/// Middleware: beyond the requests in flight allowed, a request is answered at once with 503
-/// and a JSON message (never queued); a request that takes longer than the timeout gets 503.
+/// Middleware: beyond the requests in flight allowed, a request is answered with 503 and a JSON
+/// message as soon as its body has been read and dropped (never queued, never handled); a
+/// request that takes longer than the timeout gets 503.
 pub async fn limit_requests(
     State(limit): State<RequestLimit>,
     request: Request,
@@ -110,6 +114,7 @@ pub async fn limit_requests(
 ) -> Response {
     let Ok(_permit) = limit.permits.clone().try_acquire_owned() else {
         limit.refused(&request, AdmissionResult::Overloaded);
+        discard_body(request.into_body(), limit.timeout).await;
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "too many requests in flight; retry",
@@ -125,6 +130,24 @@ pub async fn limit_requests(
             error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
         }
     }
+}
+
+/// Reads a refused request's body to its end and drops it, chunk by chunk (at most
+/// [`MAX_BODY`] bytes, within `within`), so that a client still sending gets the answer and an
+/// HTTP/1 connection stays usable: a connection closed with unread data is reset, and the
+/// answer can be lost with it (as nginx discards the body of a request it answers early).
+async fn discard_body(body: Body, within: Duration) {
+    let mut chunks = body.into_data_stream();
+    let mut read = 0usize;
+    let _ = tokio::time::timeout(within, async {
+        while let Some(Ok(chunk)) = chunks.next().await {
+            read += chunk.len();
+            if read > MAX_BODY {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Whether a connection's client presented a verified certificate (HTTPS connections only).
