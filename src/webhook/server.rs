@@ -224,6 +224,24 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
         polled
     }
 
+    // Vectored writes pass through, so that rustls writes the TLS records it has queued (a
+    // handshake flight) in one system call rather than one call and one segment per record.
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
@@ -357,5 +375,45 @@ async fn run_http<IO>(
             }
         }
         () = activity.idle_for(limits.idle_timeout) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn a_watched_socket_writes_vectored_and_counts_it_as_activity() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let tcp = TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (mut peer, _) = listener.accept().await.expect("accept");
+        // Started a second ago and never touched: a touch now stores about 1000 ms.
+        let activity = Activity {
+            base: Instant::now()
+                .checked_sub(Duration::from_secs(1))
+                .expect("a second of uptime"),
+            last_millis: Arc::default(),
+        };
+        let mut watched = Watched {
+            inner: tcp,
+            activity: activity.clone(),
+        };
+        assert!(watched.is_write_vectored(), "forwarded from the socket");
+        let slices = [
+            std::io::IoSlice::new(b"two "),
+            std::io::IoSlice::new(b"records"),
+        ];
+        let written = watched.write_vectored(&slices).await.expect("write");
+        assert_eq!(written, 11, "both slices in one call");
+        assert!(
+            activity.last_millis.load(Ordering::Relaxed) >= 1000,
+            "counted as activity"
+        );
+        let mut got = [0u8; 11];
+        peer.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"two records");
     }
 }
