@@ -28,3 +28,5 @@ fi
 # The outage itself: how long the component stays down (a fault, not a synchronisation).
 sleep "$down"
 eval "start_bg $(printf '%q' "$name") $(cat "$cmd")"
+# When each component came back (seconds since the epoch), for run.sh's RBAC check.
+echo "$name $(date -u +%s)" >>"$CLUSTER_DIR/restarts.log"
