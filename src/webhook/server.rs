@@ -196,6 +196,16 @@ struct Watched<IO> {
     activity: Activity,
 }
 
+impl<IO> Watched<IO> {
+    /// Counts a write that moved bytes as activity; returns it unchanged.
+    fn wrote(&self, polled: Poll<std::io::Result<usize>>) -> Poll<std::io::Result<usize>> {
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
 impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -218,10 +228,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
-        polled
+        self.wrote(polled)
     }
 
     // Vectored writes pass through, so that rustls writes the TLS records it has queued (a
@@ -232,10 +239,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
-        }
-        polled
+        self.wrote(polled)
     }
 
     fn is_write_vectored(&self) -> bool {
