@@ -139,6 +139,73 @@ struct ApiFigures {
     creates: usize,
     rounds: usize,
     samples: HashMap<&'static str, Vec<f64>>,
+    /// Where the time of a create went, by who answered (from the servers' own metrics).
+    spent: HashMap<&'static str, Spent>,
+}
+
+/// Seconds spent and calls counted (a summary's or histogram's `_sum` and `_count`), summed over
+/// a column's creates: means per create, as the API server and the webhook server timed them.
+#[derive(Clone, Copy, Default)]
+struct Spent {
+    /// The API server's whole mutating admission step (every plugin; in v1.20 an object that
+    /// a webhook changed goes through all of them twice).
+    step: (f64, f64),
+    /// The API server's MutatingAdmissionWebhook plugin (every mutating webhook, and the
+    /// conversions around them).
+    plugin: (f64, f64),
+    /// The API server's call of the webhook (request built and sent, answer read, patch applied).
+    call: (f64, f64),
+    /// Our server's handling of the review (nothing for the other columns).
+    server: (f64, f64),
+}
+
+impl Spent {
+    /// The counters now: the API server's `/metrics` and our replica's.
+    async fn read(client: &Client, webhook: &str, probe: &str) -> anyhow::Result<Spent> {
+        let request = axum::http::Request::get("/metrics").body(Vec::new())?;
+        let apiserver = client.request_text(request).await?;
+        let ours = scrape(probe).await?;
+        let pair = |exposition: &str, name: &str, labels: &str| {
+            let value = |suffix: &str| metric(exposition, &format!("{name}_{suffix}{labels}"));
+            (value("sum").unwrap_or(0.0), value("count").unwrap_or(0.0))
+        };
+        let admit = r#"operation="CREATE",rejected="false",type="admit"}"#;
+        Ok(Spent {
+            step: pair(
+                &apiserver,
+                "apiserver_admission_step_admission_duration_seconds_summary",
+                &format!("{{{admit}"),
+            ),
+            plugin: pair(
+                &apiserver,
+                "apiserver_admission_controller_admission_duration_seconds",
+                &format!(r#"{{name="MutatingAdmissionWebhook",{admit}"#),
+            ),
+            call: pair(
+                &apiserver,
+                "apiserver_admission_webhook_admission_duration_seconds",
+                &format!(r#"{{name="{webhook}",{admit}"#),
+            ),
+            server: pair(
+                &ours,
+                "pps_admission_duration_seconds",
+                r#"{endpoint="/mutate-pod"}"#,
+            ),
+        })
+    }
+
+    /// What was counted between `before` and `self`, added to `total`.
+    fn add_since(self, before: Spent, total: &mut Spent) {
+        for (now, then, sum) in [
+            (self.step, before.step, &mut total.step),
+            (self.plugin, before.plugin, &mut total.plugin),
+            (self.call, before.call, &mut total.call),
+            (self.server, before.server, &mut total.server),
+        ] {
+            sum.0 += now.0 - then.0;
+            sum.1 += now.1 - then.1;
+        }
+    }
 }
 
 /// Which webhook patched a created pod.
@@ -206,7 +273,9 @@ async fn register(
 }
 
 async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
-    let ns = "bench-api";
+    // A namespace of this run's own: the API server looks every create in a namespace deleted
+    // in the last 30 s up live (NamespaceLifecycle), which would time that lookup instead.
+    let ns = &format!("bench-api-{}", std::process::id());
     create_namespace(client, ns).await?;
     let ppss: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &pps_resource());
     ppss.create(&PostParams::default(), &pps_for("db", ns, "WhenDeleted")?)
@@ -268,6 +337,15 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
     // meanwhile; alternating the columns in 10 rounds spreads the drift over all three.
     let (rounds, per_round) = if opts.short { (1, 100) } else { (10, 100) };
     let mut samples: HashMap<&'static str, Vec<f64>> = HashMap::new();
+    let mut spent: HashMap<&'static str, Spent> = HashMap::new();
+    let webhook = ours
+        .webhooks
+        .iter()
+        .flatten()
+        .next()
+        .context("the registration's webhook")?
+        .name
+        .clone();
     let modes = [Answered::Ours, Answered::Nobody, Answered::Bare];
     for round in 0..rounds {
         // A different order each round, so drift over time favours none.
@@ -275,6 +353,7 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
             let mode = modes[(m + round) % modes.len()];
             let probe = pod(0)?;
             register(&configurations, [&ours, &bare], &pods, &probe, mode).await?;
+            let before = Spent::read(client, &webhook, &opts.probe).await?;
             for k in 0..per_round {
                 let body = pod(k)?;
                 let start = Instant::now();
@@ -286,6 +365,9 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
                 let by = answered_by(created)?;
                 anyhow::ensure!(by == mode, "create {k} answered by {by:?}, not {mode:?}");
             }
+            Spent::read(client, &webhook, &opts.probe)
+                .await?
+                .add_since(before, spent.entry(mode.label()).or_default());
         }
     }
     let probe = pod(0)?;
@@ -301,6 +383,7 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         creates: rounds * per_round,
         rounds,
         samples,
+        spent,
     })
 }
 
@@ -841,6 +924,80 @@ fn print_api(api: &ApiFigures) -> anyhow::Result<()> {
         median(&added),
         quantile(&added, 1.0)
     );
+    // Where the time went, by the servers' own clocks (means: the API server's histograms have
+    // buckets far coarser than a millisecond, so only their sums and counts tell).
+    println!(
+        "\nWhere a create's time went, mean ms per create (the API server's and our server's own metrics)\n"
+    );
+    println!("| mean (ms) | no webhook | bare webhook | ours |");
+    println!("|---|---|---|---|");
+    let modes = [Answered::Nobody, Answered::Bare, Answered::Ours];
+    let row = |name: &str, value: &dyn Fn(Answered) -> anyhow::Result<String>| {
+        let cells: Vec<String> = modes.iter().map(|m| value(*m)).collect::<Result<_, _>>()?;
+        println!("| {name} | {} |", cells.join(" | "));
+        anyhow::Ok(())
+    };
+    let creates = api.creates as f64;
+    let mean = |m: Answered| -> anyhow::Result<f64> {
+        let samples = of(m)?;
+        Ok(samples.iter().sum::<f64>() / samples.len() as f64)
+    };
+    let spent = |m: Answered| api.spent.get(m.label()).copied().unwrap_or_default();
+    // Every create was counted where it went through (a metric renamed would leave zeros).
+    for (m, what, counted) in [
+        (
+            Answered::Nobody,
+            "admission",
+            spent(Answered::Nobody).step.1,
+        ),
+        (
+            Answered::Bare,
+            "webhook calls",
+            spent(Answered::Bare).call.1,
+        ),
+        (
+            Answered::Ours,
+            "webhook calls",
+            spent(Answered::Ours).call.1,
+        ),
+        (Answered::Ours, "reviews", spent(Answered::Ours).server.1),
+    ] {
+        anyhow::ensure!(
+            counted >= creates,
+            "{}: {counted} {what} counted for {creates} creates",
+            m.label()
+        );
+    }
+    let ms = |(sum, _count): (f64, f64)| sum * 1e3 / creates;
+    let per_create = |spent: (f64, f64)| format!("{:.3}", ms(spent));
+    row("create, as this client timed it", &|m| {
+        Ok(format!("{:.2}", mean(m)?))
+    })?;
+    row("outside the API server's mutating admission", &|m| {
+        Ok(format!("{:.2}", mean(m)? - ms(spent(m).step)))
+    })?;
+    row(
+        "the API server's mutating admission (all plugins; twice after a patch)",
+        &|m| Ok(per_create(spent(m).step)),
+    )?;
+    row("of it, the mutating webhook plugin", &|m| {
+        Ok(per_create(spent(m).plugin))
+    })?;
+    row(
+        "of that, its call of the webhook (sent, answered, patch applied)",
+        &|m| {
+            Ok(match spent(m).call {
+                (_, 0.0) => "-".to_owned(),
+                call => per_create(call),
+            })
+        },
+    )?;
+    row("of the call, our server's handling of the review", &|m| {
+        Ok(match (m, spent(m).server) {
+            (Answered::Ours, server) => per_create(server),
+            _ => "-".to_owned(),
+        })
+    })?;
     Ok(())
 }
 
