@@ -4,8 +4,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 /// The aggregated ClusterRole carries no `rules`: the controller-manager fills them in, and a
-/// manifest that set them (even to `[]`) would empty them on every re-apply, so that the running
-/// replicas were refused until they were filled again (seen as 403s in the e2e logs).
+/// manifest that set them (even to `[]`) would empty them on every re-apply, and the running
+/// replicas would be refused until they were filled again.
 #[test]
 fn the_aggregated_cluster_role_leaves_its_rules_to_the_controller_manager() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/base/rbac.yaml");
