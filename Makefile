@@ -1,5 +1,5 @@
 # The two commands: `make run` (the main job) and `make test` (every test, e2e included).
-.PHONY: run test lint deny unit bench image e2e manifests bench-full
+.PHONY: run test lint deny unit bench image e2e e2e-v1.20 control-plane manifests bench-full
 
 # Pinned: the dependency policy check (installed by `make deny` when missing).
 CARGO_DENY_VERSION := 0.20.2
@@ -7,7 +7,7 @@ CARGO_DENY_VERSION := 0.20.2
 run:
 	bash e2e/local.sh
 
-test: lint deny unit bench image e2e
+test: lint deny unit bench image e2e e2e-v1.20
 
 lint:
 	cargo fmt --all -- --check
@@ -32,8 +32,20 @@ bench-full:
 image:
 	bash e2e/check-image.sh
 
+# The e2e suite on the current control plane (the exact Kubernetes pinned in e2e/control-plane/).
 e2e:
 	bash e2e/run.sh
+
+# The oldest supported version, v1.20 (Debian's source package): the pre-1.28 registration and
+# a smoke subset (the seeds' story, restore after rolling updates, HA takeover, the pre-1.28
+# overlays accepted).
+E2E_SMOKE := placement::echoserver_from_the_seeds placement::rolling_updates ha::the_other_replica_takes_over manifests::kustomize_overlays
+e2e-v1.20:
+	PPS_KUBERNETES=v1.20 bash e2e/run.sh $(E2E_SMOKE)
+
+# Builds (or finds cached) the current control plane and prints where it is.
+control-plane:
+	bash e2e/build-control-plane.sh
 
 manifests:
 	cargo run --locked -q -- crd > manifests/base/crd.yaml

@@ -12,11 +12,17 @@
 //!     sandbox fails, as Calico's CNI ADD does ("resource already exists"): a
 //!     `FailedCreatePodSandBox` Event, and a retry every second until it can be honoured. An
 //!     address is released when its pod is gone;
+//! - reports what a real kubelet of the control plane's version reports: its version in
+//!   `nodeInfo`, a node Lease in `kube-node-lease` renewed every 10 s (the heartbeat of
+//!   Kubernetes >= 1.17) and the node's status every 5 minutes, and per pod
+//!   `observedGeneration`, `hostIPs`, `PodReadyToStartContainers`, and init
+//!   containers as run (a native sidecar, `restartPolicy: Always`, running and ready; any other
+//!   init container terminated with exit code 0);
 //! - deletes pods that have a deletionTimestamp (there are no containers to stop);
 //! - does nothing for a node whose `Ready` condition is not `True`: a test marks a node dead as
 //!   the node lifecycle controller would (`Unknown`, tainted unreachable), and like a dead
-//!   kubelet this one then neither starts nor finalizes pods there, until the node is Ready
-//!   again (then it catches up with every pod bound to it).
+//!   kubelet this one then neither starts nor finalizes pods there, nor renews the node's Lease,
+//!   until the node is Ready again (then it catches up with every pod bound to it).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::Ipv4Addr;
@@ -25,7 +31,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::TryStreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -170,6 +178,7 @@ async fn register(
     nodes: &Api<Node>,
     name: &str,
     zone: &str,
+    version: &str,
     labels: &[(String, String)],
     taints: &[Value],
 ) -> anyhow::Result<()> {
@@ -200,7 +209,7 @@ async fn register(
         "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
         "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                         "message": "fake kubelet", "lastHeartbeatTime": now, "lastTransitionTime": now}],
-        "nodeInfo": {"kubeletVersion": "v1.20.2-fake", "machineID": "", "systemUUID": "", "bootID": "",
+        "nodeInfo": {"kubeletVersion": version, "machineID": "", "systemUUID": "", "bootID": "",
             "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "", "kubeProxyVersion": "",
             "operatingSystem": "linux", "architecture": "amd64"},
     }});
@@ -289,26 +298,44 @@ impl Kubelet {
         };
         let now = now();
         let cond = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});
-        let containers: Vec<_> = pod
-            .spec
-            .as_ref()
-            .map(|s| {
-                s.containers
-                    .iter()
+        let running = |c: &Container| {
+            json!({
+                "name": c.name, "image": c.image.clone().unwrap_or_default(), "imageID": "",
+                "ready": true, "started": true, "restartCount": 0,
+                "state": {"running": {"startedAt": now}},
+            })
+        };
+        let spec = pod.spec.as_ref();
+        let containers: Vec<_> = spec
+            .map(|s| s.containers.iter().map(running).collect())
+            .unwrap_or_default();
+        // Init containers have run: a native sidecar keeps running, any other one has completed.
+        let init: Vec<_> = spec
+            .and_then(|s| s.init_containers.as_ref())
+            .map(|cs| {
+                cs.iter()
                     .map(|c| {
-                        json!({
-                            "name": c.name, "image": c.image.clone().unwrap_or_default(), "imageID": "",
-                            "ready": true, "started": true, "restartCount": 0,
-                            "state": {"running": {"startedAt": now}},
-                        })
+                        if c.restart_policy.as_deref() == Some("Always") {
+                            running(c)
+                        } else {
+                            json!({
+                                "name": c.name, "image": c.image.clone().unwrap_or_default(), "imageID": "",
+                                "ready": true, "started": false, "restartCount": 0,
+                                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                    "startedAt": now, "finishedAt": now}},
+                            })
+                        }
                     })
                     .collect()
             })
             .unwrap_or_default();
         let status = json!({"metadata": {"uid": uid}, "status": {
-            "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "podIPs": [{"ip": ip}],
-            "startTime": now,
-            "conditions": [cond("Initialized"), cond("Ready"), cond("ContainersReady"), cond("PodScheduled")],
+            "observedGeneration": pod.metadata.generation,
+            "phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+            "podIP": ip, "podIPs": [{"ip": ip}], "startTime": now,
+            "conditions": [cond("PodReadyToStartContainers"), cond("Initialized"), cond("Ready"),
+                cond("ContainersReady"), cond("PodScheduled")],
+            "initContainerStatuses": init,
             "containerStatuses": containers,
         }});
         match api
@@ -359,6 +386,64 @@ impl Kubelet {
                 }
             }
             Err(error) => tracing::warn!(%node, %error, "cannot list the pods of a revived node"),
+        }
+    }
+
+    /// Renews the Lease of every live node of ours every 10 s, as the kubelet does (its lease
+    /// lasts 40 s), and reports the node's status again every 5 minutes when nothing changed
+    /// (the kubelet's `nodeStatusReportFrequency`). A node whose Ready condition is not True is
+    /// dead here: neither happens, and its Lease expires.
+    async fn heartbeat(&self, names: Vec<String>) {
+        const REPORT_EVERY: Duration = Duration::from_secs(300);
+        let leases: Api<Lease> = Api::namespaced(self.client.clone(), "kube-node-lease");
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let mut reported: HashMap<String, std::time::Instant> = HashMap::new();
+        loop {
+            for name in &names {
+                let Some(node) = self.nodes.get(&ObjectRef::new(name)) else {
+                    continue;
+                };
+                if !is_ready(&node) {
+                    continue;
+                }
+                let lease = json!({
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Node",
+                        "name": name, "uid": node.uid().unwrap_or_default()}]},
+                    "spec": {"holderIdentity": name, "leaseDurationSeconds": 40,
+                        "renewTime": MicroTime(k8s_openapi::jiff::Timestamp::now())},
+                });
+                let params = PatchParams::apply("fake-kubelet").force();
+                if let Err(error) = leases.patch(name, &params, &Patch::Apply(&lease)).await {
+                    tracing::warn!(node = %name, %error, "node lease not renewed");
+                }
+                let due = reported
+                    .get(name)
+                    .is_none_or(|at| at.elapsed() >= REPORT_EVERY);
+                if due {
+                    // Only over the status just seen Ready (resourceVersion precondition): a
+                    // node a test marked dead meanwhile stays dead.
+                    let status = json!({
+                        "metadata": {"resourceVersion": node.resource_version()},
+                        "status": {"conditions": [{"type": "Ready", "status": "True",
+                            "reason": "KubeletReady", "message": "fake kubelet",
+                            "lastHeartbeatTime": now()}]},
+                    });
+                    match nodes
+                        .patch_status(name, &PatchParams::default(), &Patch::Strategic(&status))
+                        .await
+                    {
+                        Ok(_) => {
+                            reported.insert(name.clone(), std::time::Instant::now());
+                        }
+                        Err(kube::Error::Api(e)) if e.code == 409 => {}
+                        Err(error) => {
+                            tracing::warn!(node = %name, %error, "node status not reported")
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(10)).await;
         }
     }
 
@@ -441,9 +526,10 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(!node_args.is_empty(), "give at least one --node NAME=ZONE");
     let client = Client::try_default().await?;
+    let version = client.apiserver_version().await?.git_version;
     let nodes: Api<Node> = Api::all(client.clone());
     for (i, (name, zone)) in node_args.iter().enumerate() {
-        register(&nodes, name, zone, &labels, &taints).await?;
+        register(&nodes, name, zone, &version, &labels, &taints).await?;
         ipam.add_node(name, u8::try_from(i + 1)?);
         tracing::info!(node = %name, %zone, "node registered");
     }
@@ -483,6 +569,11 @@ async fn main() -> anyhow::Result<()> {
         async move { kubelet.retry_sandboxes().await }
     });
     store.wait_until_ready().await?;
+    let leases = tokio::spawn({
+        let kubelet = kubelet.clone();
+        let names = node_args.iter().map(|(n, _)| n.clone()).collect();
+        async move { kubelet.heartbeat(names).await }
+    });
     let pods: Api<Pod> = Api::all(client.clone());
     let events = watcher(pods, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
@@ -503,5 +594,6 @@ async fn main() -> anyhow::Result<()> {
     }
     revived.abort();
     retries.abort();
+    leases.abort();
     Ok(())
 }

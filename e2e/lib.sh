@@ -12,10 +12,13 @@
 #   REPLICAS        for serve_up: NAME=WEBHOOK_PORT:PROBE_PORT of each replica (behind a loopback
 #                   load balancer on WEBHOOK_PORT, standing in for a Service)
 #   PPS_CACHE       where the control plane binaries are cached (~/.cache/persistent-pod-state)
+#   PPS_KUBERNETES  the control plane's version: `current` (default: the exact version pinned in
+#                   e2e/control-plane/, built from the Go module proxy) or `v1.20` (the oldest
+#                   supported one, from Debian's source package); see e2e/build-control-plane.sh
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${PPS_CACHE:-$HOME/.cache/persistent-pod-state}"
-KBIN="$CACHE/bin"
+export PPS_KUBERNETES="${PPS_KUBERNETES:-current}"
 PPS_BIN="${PPS_BIN:-$ROOT/target/debug/persistent-pod-state}"
 KUBELET_BIN="${KUBELET_BIN:-$ROOT/target/debug/fake-kubelet}"
 LB_BIN="${LB_BIN:-$ROOT/target/debug/loopback-lb}"
@@ -78,8 +81,18 @@ install_packages() {
   fi
 }
 
+# control_plane_bin: builds (once per version) the control plane of PPS_KUBERNETES and puts its
+# binaries (kubectl and etcd included) first on PATH.
+control_plane_bin() {
+  KBIN=$(bash "$ROOT/e2e/build-control-plane.sh" "$PPS_KUBERNETES" | tail -n 1)
+  export PATH="$KBIN:$PATH"
+}
+
+# legacy: true when the control plane is the oldest supported version (v1.20).
+legacy() { [[ $PPS_KUBERNETES == v1.20 ]]; }
+
 cluster_up() {
-  bash "$ROOT/e2e/build-control-plane.sh"
+  control_plane_bin
   install_packages
   mkdir -p "$CLUSTER_DIR"/{pki,etcd,logs}
   local pki="$CLUSTER_DIR/pki"
@@ -92,13 +105,15 @@ cluster_up() {
   chmod 600 "$pki/tokens.csv"
 
   log "starting etcd on 127.0.0.1:$ETCD_PORT"
-  start_bg etcd etcd --name default --data-dir "$CLUSTER_DIR/etcd" \
+  start_bg etcd "$KBIN/etcd" --name default --data-dir "$CLUSTER_DIR/etcd" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
     --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
     --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 1))" \
     --initial-cluster "default=http://127.0.0.1:$((ETCD_PORT + 1))"
   wait_until 30 etcd curl -sf "http://127.0.0.1:$ETCD_PORT/health"
 
+  # No endpoint reconciler: the API server listens on loopback only, which newer versions
+  # refuse to publish as the `kubernetes` Service's endpoint (nothing here calls it).
   log "starting kube-apiserver on 127.0.0.1:$APISERVER_PORT"
   start_bg kube-apiserver "$KBIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
@@ -108,7 +123,7 @@ cluster_up() {
     --service-account-issuer https://kubernetes.default.svc \
     --service-account-key-file "$pki/sa.key" --service-account-signing-key-file "$pki/sa.key" \
     --service-cluster-ip-range 10.96.0.0/16 --disable-admission-plugins ServiceAccount \
-    --allow-privileged=true
+    --allow-privileged=true --endpoint-reconciler-type none
 
   KUBECONFIG="$CLUSTER_DIR/kubeconfig"
   export KUBECONFIG
@@ -133,12 +148,20 @@ KC
   wait_until 90 kube-apiserver kubectl get --raw /readyz
 
   log "starting kube-controller-manager and kube-scheduler"
+  # Every controller but node lifecycle (the tests mark nodes lost themselves), CSR signing and
+  # node IPAM (no kubelets of ours need them). v1.20 names controllers differently and still
+  # has an insecure port of its own, on by default.
+  local insecure=() controllers='*,-node-lifecycle-controller,-certificatesigningrequest-signing-controller,-node-ipam-controller'
+  if legacy; then
+    insecure=(--port 0)
+    controllers='*,-nodelifecycle,-csrsigning,-nodeipam,-cloud-node-lifecycle'
+  fi
   start_bg kube-controller-manager "$KBIN/kube-controller-manager" --kubeconfig "$KUBECONFIG" \
-    --leader-elect=false --port 0 --secure-port 0 --use-service-account-credentials=false \
-    --controllers '*,-nodelifecycle,-csrsigning,-nodeipam,-cloud-node-lifecycle' \
+    --leader-elect=false "${insecure[@]}" --secure-port 0 --use-service-account-credentials=false \
+    --controllers "$controllers" \
     --root-ca-file "$pki/ca.crt" --service-account-private-key-file "$pki/sa.key"
   start_bg kube-scheduler "$KBIN/kube-scheduler" --kubeconfig "$KUBECONFIG" \
-    --leader-elect=false --port 0 --secure-port 0
+    --leader-elect=false "${insecure[@]}" --secure-port 0
 }
 
 cluster_down() {
@@ -242,22 +265,39 @@ serve_up() {
   wait_until 30 "the load balancer" bash -c "exec 3<>/dev/tcp/127.0.0.1/$WEBHOOK_PORT"
 }
 
+# server_minor: the API server's minor version (e.g. 37).
+server_minor() {
+  kubectl get --raw /version | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p'
+}
+
 # register_webhook: the Mutating (pod CREATE) and Validating (PersistentPodState CREATE/UPDATE)
-# WebhookConfigurations exactly as the manifests ship them, with the pre-1.28 component (this
-# API server is v1.20: no matchConditions), reached at WEBHOOK_HOST instead of the Service.
+# WebhookConfigurations exactly as the manifests ship them, reached at WEBHOOK_HOST instead of the
+# Service: with matchConditions from 1.28, else with the pre-1.28 component. With
+# E2E_CUSTOM_KIND=1 (the e2e suite), the custom kind the suite configures is added to the
+# matchConditions by docs/install.md's patch, verbatim (its kind, example.com/Ring, is the
+# suite's).
 register_webhook() {
   local ca dir="$CLUSTER_DIR/registration" url="https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT" manifests
   ca=$(base64 -w0 <"$CLUSTER_DIR/webhook-certs/ca.crt")
   mkdir -p "$dir"
   # kustomize takes components by relative path only.
   manifests=$(realpath --relative-to="$dir" "$ROOT/manifests")
+  local components="" kinds=""
+  if (($(server_minor) < 28)); then
+    components="components:
+  - $manifests/components/pre-1.28"
+  elif [[ ${E2E_CUSTOM_KIND:-0} == 1 ]]; then
+    kinds="
+  - target: {kind: MutatingWebhookConfiguration, name: persistent-pod-state}
+    patch: |-
+$(awk '/^# custom-kinds-example/ {on = 1} on && /^```/ {exit} on {print "      " $0}' "$ROOT/docs/install.md")"
+  fi
   cat >"$dir/kustomization.yaml" <<YAML
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
   - $manifests/base/webhooks.yaml
-components:
-  - $manifests/components/pre-1.28
+$components
 patches:
   - target: {kind: MutatingWebhookConfiguration, name: persistent-pod-state}
     patch: |-
@@ -268,7 +308,7 @@ patches:
     patch: |-
       - op: replace
         path: /webhooks/0/clientConfig
-        value: {url: "$url/validate-persistentpodstate", caBundle: "$ca"}
+        value: {url: "$url/validate-persistentpodstate", caBundle: "$ca"}$kinds
 YAML
   kubectl kustomize --load-restrictor LoadRestrictionsNone "$dir" | kubectl apply -f - >/dev/null
 }

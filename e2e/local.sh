@@ -19,6 +19,8 @@ if [[ -z ${KUBECONFIG:-} ]]; then
 else
   export CLUSTER_DIR="${CLUSTER_DIR:-$(mktemp -d /tmp/pps-run.XXXXXX)}"
   mkdir -p "$CLUSTER_DIR/logs"
+  # The cluster's own: only kubectl is needed, the machine's, or the local control plane's.
+  command -v kubectl >/dev/null || control_plane_bin
 fi
 
 SERVE_PID=""

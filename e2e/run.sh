@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the end-to-end suite: builds what is needed (the control plane once, cached), starts a
-# fresh local control plane with 4 fake-kubelet nodes in 2 zones (and 3 Calico-like ones), the webhook server, registers
+# Runs the end-to-end suite: builds what is needed (the control plane once per version, cached;
+# PPS_KUBERNETES picks the version, see lib.sh), starts a fresh local control plane with 4 fake-kubelet nodes in 2 zones (and 3 Calico-like ones), the webhook server, registers
 # the webhook, runs `cargo test --features e2e --test e2e`, and tears everything down. Arguments
 # are passed to the test binary (e.g. `bash e2e/run.sh migration` runs the tests matching it).
 set -euo pipefail
@@ -32,8 +32,8 @@ webhook_certs
 install_crd
 service_account
 serve_up
-register_webhook
-log "control plane, fake kubelet and 2 webhook replicas are up; running the e2e suite"
+E2E_CUSTOM_KIND=1 register_webhook
+log "control plane ($("$KBIN/kube-apiserver" --version)), fake kubelet and 2 webhook replicas are up; running the e2e suite"
 
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
   E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \

@@ -1,6 +1,7 @@
-//! The pod webhook's `matchConditions` (CEL), which the local v1.20 API server cannot evaluate:
-//! evaluated here with a CEL interpreter against sample pods, for the expression the base
-//! manifests ship and for the documented custom-kind variant.
+//! The pod webhook's `matchConditions` (CEL), evaluated here with a CEL interpreter against
+//! sample pods (cases no cluster run covers: missing fields, `controller: false`, look-alike
+//! groups), for the expression the base manifests ship and for the documented custom-kind
+//! variant. The API server's own evaluation is shown by the e2e suite (`recent.rs`).
 
 use cel::{Context, Program, Value as Cel};
 use serde::Deserialize;

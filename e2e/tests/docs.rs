@@ -40,6 +40,10 @@ const SHIM: &str = r#"#!/usr/bin/env bash
 if [[ $1 == apply && " $* " != *" --dry-run"* ]]; then
   shift
   if [[ $1 == -k ]]; then src=$("$REAL_KUBECTL" kustomize "$2"); else src=$(cat "$2"); fi
+  if ((SERVER_MINOR >= 28)); then
+    printf '%s\n' "$src" | "$REAL_KUBECTL" apply --dry-run=server -f -
+    exit "${PIPESTATUS[1]}"
+  fi
   # v1.20 serves PodDisruptionBudget as policy/v1beta1 only, and does not know the pod
   # webhook's matchConditions (1.28+): kubectl's client-side schema check is skipped so the
   # server checks the rest and drops that field, as a v1.20 server does.
@@ -109,6 +113,7 @@ async fn every_command_in_the_docs_runs() {
     .expect("utf8")
     .trim()
     .to_owned();
+    let minor = server_minor(c).await.to_string();
     let bin_dir = env.pps_bin.parent().expect("bin dir").to_owned();
     let path = format!(
         "{}:{}:{}",
@@ -136,6 +141,7 @@ async fn every_command_in_the_docs_runs() {
                 .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
                 .env("PATH", &path)
                 .env("REAL_KUBECTL", &real_kubectl)
+                .env("SERVER_MINOR", &minor)
                 .env("PROBE", env.replicas[0].probe_url())
                 .env("NS", &ns)
                 .env("STS", "docs")

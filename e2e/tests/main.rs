@@ -1,8 +1,9 @@
 //! End-to-end suite, against the local control plane started by e2e/run.sh: a real
 //! kube-apiserver, kube-controller-manager (StatefulSet and garbage collector controllers) and
-//! kube-scheduler, the fake kubelet's 4 nodes in 2 zones (and 3 Calico-like nodes, tainted, for
-//! the IP tests), and `persistent-pod-state serve`
-//! registered as the pod mutating webhook.
+//! kube-scheduler of the current version (e2e/build-control-plane.sh), the fake kubelet's 4
+//! nodes in 2 zones (and 3 Calico-like nodes, tainted, for the IP tests), and
+//! `persistent-pod-state serve` registered as the pod mutating webhook. `make e2e-v1.20` runs a
+//! smoke subset on the oldest supported version.
 //!
 //! Tests run one at a time (`--test-threads 1` is not needed for correctness of most, but the
 //! cordon test changes what the scheduler may pick): each uses its own namespace.
@@ -17,6 +18,7 @@ mod manifests;
 mod migration;
 mod passthrough;
 mod placement;
+mod recent;
 mod rotation;
 mod safety;
 mod server;

@@ -204,22 +204,65 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
     stub_cert_manager_crds(&env).await;
     let (ok, out) = kubectl(&env, &["create", "namespace", "persistent-pod-state"], None).await;
     assert!(ok || out.contains("AlreadyExists"), "{out}");
-    // Applied for real on this v1.20 API server: the overlays for clusters before 1.28.
-    for overlay in [
-        "manifests/overlays/self-signed-pre-1.28",
-        "manifests/overlays/cert-manager-pre-1.28",
-    ] {
+    // Accepted by this API server: every overlay its version can take (server-side dry run).
+    let minor = server_minor(&env.client).await;
+    let overlays: &[&str] = if minor >= 28 {
+        &[
+            "manifests/overlays/self-signed",
+            "manifests/overlays/cert-manager",
+            "manifests/overlays/self-signed-pre-1.28",
+            "manifests/overlays/cert-manager-pre-1.28",
+        ]
+    } else {
+        &[
+            "manifests/overlays/self-signed-pre-1.28",
+            "manifests/overlays/cert-manager-pre-1.28",
+        ]
+    };
+    for overlay in overlays {
         let (ok, yaml) = kubectl(&env, &["kustomize", overlay], None).await;
         assert!(ok, "{yaml}");
-        // The local control plane is v1.20, which serves PodDisruptionBudget as policy/v1beta1
-        // only (same fields as the policy/v1 the manifests use for current clusters).
-        let yaml = yaml.replace("apiVersion: policy/v1\n", "apiVersion: policy/v1beta1\n");
+        // v1.20 serves PodDisruptionBudget as policy/v1beta1 only (same fields as the
+        // policy/v1 the manifests use).
+        let yaml = if minor < 21 {
+            yaml.replace("apiVersion: policy/v1\n", "apiVersion: policy/v1beta1\n")
+        } else {
+            yaml
+        };
         let (ok, out) = kubectl(&env, &["apply", "--dry-run=server", "-f", "-"], Some(&yaml)).await;
         assert!(ok, "{overlay} rejected: {out}");
         println!(
             "{overlay}: {} objects accepted by the API server",
             out.lines().count()
         );
+    }
+
+    // The base's policy/v1 PodDisruptionBudget, applied for real: the disruption controller
+    // takes it up (no pod of the service runs here, so none may be disrupted).
+    if minor >= 21 {
+        let pdb = find(&base, "PodDisruptionBudget", "persistent-pod-state");
+        assert_eq!(pdb["apiVersion"], "policy/v1");
+        let (ok, out) = kubectl(&env, &["apply", "-f", "-"], Some(&pdb.to_string())).await;
+        assert!(ok, "{out}");
+        let budgets: kube::Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> =
+            kube::Api::namespaced(env.client.clone(), "persistent-pod-state");
+        let status = wait_for(
+            "the disruption controller to observe the PDB",
+            TIMEOUT,
+            || async {
+                let pdb = budgets.get("persistent-pod-state").await.ok()?;
+                let status = pdb.status?;
+                (status.observed_generation.is_some()
+                    && status.observed_generation == pdb.metadata.generation)
+                    .then_some(status)
+            },
+        )
+        .await;
+        assert_eq!(status.disruptions_allowed, 0, "{status:?}");
+        assert_eq!(status.expected_pods, 0, "{status:?}");
+        let _ = budgets
+            .delete("persistent-pod-state", &Default::default())
+            .await;
     }
 }
 

@@ -194,6 +194,19 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
     }))
     .await;
 
+    // Under upstream's CRD, web-a (stored as v1beta1) holds a retention policy its v1beta1
+    // enum does not allow. From 1.30 the API server ratchets its schema validation (an unchanged
+    // invalid field does not block an update); before, the object could not be written again.
+    let (ok, out) = kubectl(&["-n", &ns, "label", "pps", "web-a", "era=openkruise"]).await;
+    if server_minor(c).await >= 30 {
+        assert!(ok, "the API server ratchets the unchanged enum: {out}");
+    } else {
+        assert!(
+            !ok && out.contains("persistentPodStateRetentionPolicy"),
+            "{out}"
+        );
+    }
+
     // The switch: our CRD and webhook again.
     switch.finish().await;
     crate::support::wait_for("our validating webhook to take effect", TIMEOUT, || async {
@@ -242,6 +255,13 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
         let (ok, out) = kubectl(&["-n", &ns, "label", "pps", name, "team=storage"]).await;
         assert!(ok, "kubectl label pps {name}: {out}");
     }
+    // A spec change that leaves the out-of-range fields (weight 0, an empty key list, an empty
+    // retention policy) as they are passes: only what changes is checked.
+    let annotate = json!({"spec": {"persistentPodAnnotations": [{"key": "example.com/rack"}]}});
+    dynamic("v1beta1")
+        .patch("web-a", &PatchParams::default(), &Patch::Merge(&annotate))
+        .await
+        .expect("an update of the migrated object through ratcheting");
     let reweigh = json!({"spec": {"preferredPersistentTopology": [{"weight": 500, "preference": {"keys": [HOST]}}]}});
     let refused = dynamic("v1beta1")
         .patch("web-a", &PatchParams::default(), &Patch::Merge(&reweigh))

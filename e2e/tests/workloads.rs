@@ -214,14 +214,14 @@ async fn advanced_statefulset_after_its_crd_appears_with_reserved_ordinals_and_s
 async fn custom_workload_from_the_config_file_and_persistent_annotations() {
     let env = env().await;
     let c = &env.client;
-    install_crd(c, "e2e.example.com", "Ring", "rings", &[("v1", true)]).await;
+    install_crd(c, "example.com", "Ring", "rings", &[("v1", true)]).await;
     let ns = namespace(c, "e2e-custom").await;
     // As docs/install.md says: the replicas (the manifests' ServiceAccount) may list and watch
     // the custom kind once a ClusterRole labelled for aggregation grants it.
     let rbac: k8s_openapi::api::rbac::v1::ClusterRole = serde_json::from_value(json!({
         "metadata": {"name": "e2e-rings", "labels": {
             "persistent-pod-state.apps.kruise.io/aggregate-to-controller": "true"}},
-        "rules": [{"apiGroups": ["e2e.example.com"], "resources": ["rings"], "verbs": ["list", "watch"]}]
+        "rules": [{"apiGroups": ["example.com"], "resources": ["rings"], "verbs": ["list", "watch"]}]
     }))
     .expect("cluster role");
     match Api::<k8s_openapi::api::rbac::v1::ClusterRole>::all(c.clone())
@@ -235,7 +235,7 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
     std::fs::write(&config, "customWorkloads: []\n").expect("config");
 
     // Not configured: a PPS targeting a Ring is refused.
-    let target = json!({"apiVersion": "e2e.example.com/v1", "kind": "Ring", "name": "probe"});
+    let target = json!({"apiVersion": "example.com/v1", "kind": "Ring", "name": "probe"});
     let probe = |name: &str| -> persistent_pod_state::api::PersistentPodState {
         serde_json::from_value(
             json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
@@ -258,7 +258,7 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
         "{refused}"
     );
 
-    std::fs::write(&config, "customWorkloads:\n- e2e.example.com/Ring\n").expect("config");
+    std::fs::write(&config, "customWorkloads:\n- example.com/Ring\n").expect("config");
     // Both replicas re-read the file: a few dry runs in a row (spread over them) succeed.
     wait_for("every replica to accept Ring targets", TIMEOUT, || async {
         for _ in 0..4 {
@@ -268,9 +268,9 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
     })
     .await;
 
-    let rings = dynamic(c, &ns, "e2e.example.com/v1", "Ring", "rings");
+    let rings = dynamic(c, &ns, "example.com/v1", "Ring", "rings");
     let ring: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "e2e.example.com/v1", "kind": "Ring",
+        "apiVersion": "example.com/v1", "kind": "Ring",
         "metadata": {"name": "ring", "annotations": {
             "kruise.io/auto-generate-persistent-pod-state": "true",
             "kruise.io/preferred-persistent-topology": HOST,

@@ -48,11 +48,16 @@ pub struct WebhookState {
     pub node_lost_after: Duration,
     /// Whether admission requests must come with a verified client certificate (`--client-ca`).
     pub client_auth: bool,
+    /// The API server, for the one live read admission makes: on a PersistentPodState CREATE,
+    /// the others in its namespace (the cache may not hold one created or deleted a moment
+    /// ago). Without it, the cache answers.
+    pub client: Option<kube::Client>,
 }
 
 impl WebhookState {
     /// A state over `caches` alone, as tests and benchmarks serve: fresh metrics, no Events, no
-    /// custom kinds, nodes lost after the default 5 minutes, no client certificate required.
+    /// custom kinds, nodes lost after the default 5 minutes, no client certificate required, no
+    /// API server.
     pub fn over(caches: Arc<Caches>) -> Self {
         Self {
             caches,
@@ -61,6 +66,7 @@ impl WebhookState {
             custom_kinds: Arc::new(CustomKinds::default()),
             node_lost_after: Duration::from_secs(300),
             client_auth: false,
+            client: None,
         }
     }
 }

@@ -573,3 +573,97 @@ async fn logs_below_debug_carry_no_annotation_value_or_pod_spec() {
     assert!(logs.contains("not a readable Pod"), "{logs}");
     assert!(!logs.contains("SECRET"), "{logs}");
 }
+
+/// A PersistentPodState CREATE checks uniqueness against the API server: one created a moment
+/// ago and not yet in the cache is found (and one the cache still holds but the API server no
+/// longer does is not); when the read fails, the cache answers.
+#[tokio::test]
+async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    let create = |name: &str, target: &str| {
+        serde_json::to_vec(&review(
+            ("apps.kruise.io", "v1beta1", "PersistentPodState"),
+            "CREATE",
+            pps_object("v1beta1", name, target, 5),
+            None,
+        ))
+        .expect("json")
+    };
+    // The cache holds `stale` for `gone`, and nothing for `fresh`.
+    let cached = state(true);
+    cached
+        .caches
+        .apply_pps(watcher::Event::Apply(pps("stale", "gone", json!({}))));
+    let with_api = |answer: Option<Value>| {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let state = super::WebhookState {
+            client: Some(kube::Client::new(service, "default")),
+            ..super::WebhookState::over(cached.caches.clone())
+        };
+        let server = tokio::spawn(async move {
+            let (request, send) = handle.next_request().await.expect("a live read");
+            assert_eq!(request.method(), http::Method::GET);
+            assert!(
+                request
+                    .uri()
+                    .path()
+                    .ends_with("/namespaces/ns/persistentpodstates"),
+                "{}",
+                request.uri()
+            );
+            let response = match answer {
+                Some(list) => Response::builder()
+                    .status(200)
+                    .body(Body::from(serde_json::to_vec(&list).expect("json"))),
+                None => Response::builder().status(500).body(Body::from(
+                    br#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"etcd down","code":500}"#.to_vec(),
+                )),
+            };
+            send.send_response(response.expect("response"));
+        });
+        (std::sync::Arc::new(state), server)
+    };
+    let list = |items: Vec<PersistentPodState>| {
+        json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodStateList",
+               "metadata": {"resourceVersion": "1"}, "items": items})
+    };
+
+    // Created a moment ago, not cached yet: refused.
+    let (state, server) = with_api(Some(list(vec![pps("first", "fresh", json!({}))])));
+    let (status, body) = post(&state, validate_pps::PATH, create("second", "fresh")).await;
+    drop(state);
+    server.await.expect("mock API");
+    assert_eq!(
+        answer(status, &body),
+        Answer::Denied(422, "already targets")
+    );
+    assert!(
+        body["response"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("\"first\"")),
+        "{body}"
+    );
+    // Deleted a moment ago, still cached: allowed.
+    let (state, server) = with_api(Some(list(vec![])));
+    let (status, body) = post(&state, validate_pps::PATH, create("next", "gone")).await;
+    drop(state);
+    server.await.expect("mock API");
+    assert_eq!(answer(status, &body), Answer::Allowed);
+    // The API server fails: the cache answers.
+    let (state, server) = with_api(None);
+    let (status, body) = post(&state, validate_pps::PATH, create("next", "gone")).await;
+    drop(state);
+    server.await.expect("mock API");
+    assert_eq!(
+        answer(status, &body),
+        Answer::Denied(422, "already targets")
+    );
+    assert!(
+        body["response"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("\"stale\"")),
+        "{body}"
+    );
+}

@@ -2,23 +2,30 @@
 //! either version. The rules are the pure [`crate::api::validation`].
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::response::Response;
+use kube::api::{Api, ListParams};
 use serde_json::Value;
 
 use super::WebhookState;
 use super::review::{Admission, AdmissionRequest, Review};
 use crate::api::validation::{Context, validate};
-use crate::api::{KRUISE_GROUP, api_group, keys_field};
+use crate::api::{KRUISE_GROUP, PersistentPodState, api_group, keys_field};
 use crate::metrics::AdmissionResult;
+use crate::state::index::pps_target;
 use crate::workload::{GroupKind, WorkloadRef};
 
 /// The path this handler is mounted on.
 pub const PATH: &str = "/validate-persistentpodstate";
 
-/// Answers one PersistentPodState AdmissionReview. Uniqueness is checked against the cache, so
-/// this route waits for the caches to sync.
+/// How long the live read of a namespace's PersistentPodStates may take before the cache answers
+/// (the API server gives the whole review `timeoutSeconds`, 5 in the manifests).
+const LIVE_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Answers one PersistentPodState AdmissionReview. Uniqueness is checked live on CREATE, else
+/// against the cache, so this route waits for the caches to sync.
 pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
     let Review {
         request: req,
@@ -27,12 +34,57 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review
     let metrics = &state.metrics;
     let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
     let _entered = span.enter();
-    let (answer, result) = decide(&state, &req);
+    let (answer, result) = decide(&state, &req).await;
     metrics.admission(PATH, result, start);
     answer.into_response(&req)
 }
 
-fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, AdmissionResult) {
+/// The other PersistentPodStates that target `workload`, but `name`, sorted. On CREATE they are
+/// read live when an API server is at hand: a PersistentPodState created a moment ago may not be
+/// in the cache yet (a second one for the workload would slip through), one deleted a moment ago
+/// may still be there (a valid one would be refused). If that read fails or is slow, the cache
+/// answers. On UPDATE (`targetRef` is immutable), the cache.
+async fn others_for(
+    state: &WebhookState,
+    workload: &WorkloadRef,
+    name: &str,
+    create: bool,
+) -> Vec<String> {
+    let live = match (&state.client, create) {
+        (Some(client), true) => {
+            let api: Api<PersistentPodState> = Api::namespaced(client.clone(), &workload.namespace);
+            match tokio::time::timeout(LIVE_READ_TIMEOUT, api.list(&ListParams::default())).await {
+                Ok(Ok(list)) => Some(
+                    list.items
+                        .iter()
+                        .filter(|pps| pps_target(pps).as_ref() == Some(workload))
+                        .filter_map(|pps| pps.metadata.name.clone())
+                        .collect::<Vec<_>>(),
+                ),
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "cannot list the namespace's PersistentPodStates; the cache answers");
+                    None
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        "listing the namespace's PersistentPodStates timed out; the cache answers"
+                    );
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let mut others: Vec<String> = live
+        .unwrap_or_else(|| state.caches.pps_names_for(workload))
+        .into_iter()
+        .filter(|other| other != name)
+        .collect();
+    others.sort();
+    others
+}
+
+async fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, AdmissionResult) {
     let update = req.operation == "UPDATE";
     let concerned =
         req.kind.is(KRUISE_GROUP, "PersistentPodState") && (update || req.operation == "CREATE");
@@ -68,12 +120,7 @@ fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, Admission
         kind: GroupKind::new(api_group(target("apiVersion")), target("kind")),
         name: target("name").to_owned(),
     };
-    let others: Vec<String> = state
-        .caches
-        .pps_names_for(&workload)
-        .into_iter()
-        .filter(|other| *other != name)
-        .collect();
+    let others = others_for(state, &workload, &name, !update).await;
     let is_custom_kind =
         |group: &str, kind: &str| state.custom_kinds.contains(&GroupKind::new(group, kind));
     let ctx = Context {
