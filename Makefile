@@ -1,5 +1,5 @@
 # The two commands: `make run` (the main job) and `make test` (every test, e2e included).
-.PHONY: run test lint deny unit bench image e2e e2e-v1.20 control-plane manifests bench-full
+.PHONY: run test lint deny unit bench image e2e e2e-v1.20 control-plane control-plane-v1.20 manifests bench-full
 
 # Pinned: the dependency policy check (installed by `make deny` when missing).
 CARGO_DENY_VERSION := 0.20.2
@@ -7,7 +7,16 @@ CARGO_DENY_VERSION := 0.20.2
 run:
 	bash e2e/local.sh
 
-test: lint deny unit bench image e2e e2e-v1.20
+# Every stage in order, then how long each took (printed also when one fails).
+STAGES := lint deny unit control-plane bench image e2e control-plane-v1.20 e2e-v1.20
+test:
+	@times=$$(mktemp); \
+	trap 'echo; echo "make test: seconds per stage"; cat "$$times"; rm -f "$$times"' EXIT; \
+	for stage in $(STAGES); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory $$stage || { echo "$$stage FAILED after $$(( $$(date +%s) - start ))" >>"$$times"; exit 1; }; \
+		echo "$$stage $$(( $$(date +%s) - start ))" >>"$$times"; \
+	done
 
 lint:
 	cargo fmt --all -- --check
@@ -43,9 +52,11 @@ E2E_SMOKE := placement::echoserver_from_the_seeds placement::rolling_updates ha:
 e2e-v1.20:
 	PPS_KUBERNETES=v1.20 bash e2e/run.sh $(E2E_SMOKE)
 
-# Builds (or finds cached) the current control plane and prints where it is.
+# Build (or find cached) each control plane and print where it is.
 control-plane:
 	bash e2e/build-control-plane.sh
+control-plane-v1.20:
+	bash e2e/build-control-plane.sh v1.20
 
 manifests:
 	cargo run --locked -q -- crd > manifests/base/crd.yaml
