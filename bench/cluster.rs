@@ -453,7 +453,7 @@ async fn controller(client: &Client, opts: &Opts) -> anyhow::Result<ControllerFi
             .default_backoff()
             .applied_objects()
             .try_for_each(move |pod| {
-                if persistent_pod_state::controller::record::is_ready(&pod) {
+                if persistent_pod_state::workload::is_ready(&pod) {
                     let mut seen = seen_ready.lock().unwrap_or_else(|e| e.into_inner());
                     seen.entry(pod.name_any()).or_insert_with(Instant::now);
                 }

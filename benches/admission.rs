@@ -17,7 +17,8 @@ use persistent_pod_state::placement::{Health, Nodes};
 use persistent_pod_state::state::{Caches, pps_target};
 use persistent_pod_state::synthetic;
 use persistent_pod_state::webhook::WebhookState;
-use persistent_pod_state::webhook::admit::{Lookup, Outcome, admit, decode_pod};
+use persistent_pod_state::webhook::admit::{CacheLookup, Lookup, Verdict};
+use persistent_pod_state::webhook::mutate_pod::{Outcome, admit, decode_pod};
 use persistent_pod_state::webhook::review::{Admission, parse};
 use persistent_pod_state::workload::{GroupKind, WorkloadRef, pod_workload};
 
@@ -40,18 +41,19 @@ fn per_call(budget: Duration, mut f: impl FnMut(usize)) -> f64 {
     start.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// Upstream's lookup: every PPS of the namespace, scanned for the target.
+/// Upstream's lookup: every PPS of the namespace, scanned for the target (the rest as the
+/// server's).
 struct Scan<'a> {
-    state: &'a WebhookState,
+    server: CacheLookup<'a>,
     by_namespace: &'a BTreeMap<String, Vec<Arc<PersistentPodState>>>,
 }
 
 impl Lookup for Scan<'_> {
     fn nodes(&self) -> &dyn Nodes {
-        self.state.nodes()
+        self.server.nodes()
     }
     fn handles(&self, kind: &GroupKind) -> bool {
-        self.state.handles(kind)
+        self.server.handles(kind)
     }
     fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
         self.by_namespace
@@ -61,10 +63,10 @@ impl Lookup for Scan<'_> {
             .cloned()
     }
     fn health(&self) -> Health {
-        self.state.health()
+        self.server.health()
     }
     fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
-        self.state.ip_holder(ip, namespace, name)
+        self.server.ip_holder(ip, namespace, name)
     }
 }
 
@@ -123,15 +125,18 @@ fn main() {
         let whole = |lookup: &dyn Lookup| {
             per_call(budget, |k| {
                 let request = parse(bodies[k].clone()).expect("review");
-                let Outcome::Inject(decision) = admit(&request, lookup) else {
+                let Outcome::Decided(decision) = admit(&request, lookup) else {
+                    panic!("the synthetic review is a pod CREATE")
+                };
+                let Verdict::Inject { injection, .. } = &decision.verdict else {
                     panic!("the synthetic pod gets a patch")
                 };
-                black_box(Admission::patch(&decision.injection.patch).expect("patch"));
+                black_box(Admission::patch(&injection.patch).expect("patch"));
             })
         };
-        let indexed = whole(&state);
+        let indexed = whole(&state.lookup());
         let scanned = whole(&Scan {
-            state: &state,
+            server: state.lookup(),
             by_namespace: &by_namespace,
         });
         println!(

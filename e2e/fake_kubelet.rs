@@ -38,6 +38,7 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
+use persistent_pod_state::sync::lock;
 use serde_json::{Value, json};
 
 const CALICO_IP_ANNOTATION: &str = "cni.projectcalico.org/ipAddrs";
@@ -154,10 +155,6 @@ struct Kubelet {
     /// Pods to look at again every second (a failed sandbox, or a start or finalization the API
     /// server did not take): (namespace, name).
     retry: Mutex<BTreeSet<(String, String)>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn now() -> String {

@@ -2,7 +2,7 @@
 //! object and reason, so a burst (a rollout, a flapping node) cannot flood the API server.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -39,7 +39,7 @@ impl Events {
     /// Whether an Event with `reason` on `key` may go out now (and remembers that it did).
     fn allow(&self, key: (String, String, String)) -> bool {
         let now = Instant::now();
-        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut last = crate::sync::lock(&self.last);
         if last
             .get(&key)
             .is_some_and(|t| now.duration_since(*t) < self.min_interval)

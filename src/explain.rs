@@ -1,9 +1,8 @@
 //! `explain POD -n NS`: what a re-created pod would get now, and why. It reads the cluster once
 //! (the pod, its workload's template, the PersistentPodStates of the namespace, every node and
-//! pod), feeds the same caches the server uses, and runs the webhook's own decision ([`admit`])
+//! pod), feeds the same caches the server uses, and runs the webhook's own decision ([`decide`])
 //! on the pod as its workload would create it.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -14,13 +13,10 @@ use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::api::{PersistentPodState, PodState, api_group};
-use crate::ip_request::IpDecision;
-use crate::placement::{Health, Nodes};
+use crate::api::{PersistentPodState, PodState, json_error_summary};
 use crate::state::Caches;
-use crate::webhook::admit::{Lookup, Outcome, admit};
-use crate::webhook::review::parse;
-use crate::workload::{GroupKind, WorkloadRef, controller_owner};
+use crate::webhook::admit::{CacheLookup, Kinds, LeftOut, Verdict, decide};
+use crate::workload::controller_owner;
 
 /// What a re-created pod would get, and what is left out and why.
 #[derive(Debug, Serialize)]
@@ -44,39 +40,6 @@ pub struct Explanation {
     pub patch: Value,
     /// What is left out, and why.
     pub left_out: Vec<LeftOut>,
-}
-
-/// One part of the recorded state not injected.
-#[derive(Debug, Serialize)]
-pub struct LeftOut {
-    /// What, e.g. `required kubernetes.io/hostname=node-a1` or `IP request`.
-    pub what: String,
-    /// Why.
-    pub why: String,
-}
-
-struct ExplainLookup<'a> {
-    caches: &'a Caches,
-    lost_after: Duration,
-}
-
-impl Lookup for ExplainLookup<'_> {
-    fn nodes(&self) -> &dyn Nodes {
-        self.caches
-    }
-    // The server's custom kinds are not known here: any kind a PersistentPodState targets.
-    fn handles(&self, _: &GroupKind) -> bool {
-        true
-    }
-    fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
-        self.caches.pps_for(workload)
-    }
-    fn health(&self) -> Health {
-        Health::now(self.lost_after)
-    }
-    fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
-        self.caches.ip_holder(ip, namespace, name)
-    }
 }
 
 /// The pod its workload would create now: the template's metadata and spec, the name, and a
@@ -112,19 +75,9 @@ pub fn explain_with(
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();
-    let owner: Option<WorkloadRef> = serde_json::from_value::<Pod>(object.clone())
-        .ok()
-        .and_then(|p| controller_owner(p.owner_references()).cloned())
-        .map(|o| WorkloadRef {
-            namespace: namespace.to_owned(),
-            kind: GroupKind::new(api_group(&o.api_version), &o.kind),
-            name: o.name,
-        });
     let mut out = Explanation {
         pod: format!("{namespace}/{name}"),
-        workload: owner
-            .as_ref()
-            .map(|w| format!("{}/{} {}", w.kind.group, w.kind.kind, w.name)),
+        workload: None,
         pod_source: pod_source.to_owned(),
         persistent_pod_state: None,
         shadowed: Vec::new(),
@@ -133,67 +86,40 @@ pub fn explain_with(
         patch: json!([]),
         left_out: Vec::new(),
     };
-    if let Some(w) = &owner {
-        let in_force = caches.pps_for(w);
-        out.persistent_pod_state = in_force.as_ref().map(|p| p.name_any());
+    let pod: Pod = match serde_json::from_value(object) {
+        Ok(pod) => pod,
+        Err(e) => {
+            out.outcome = format!("invalid: {}", json_error_summary(&e));
+            return out;
+        }
+    };
+    let lookup = CacheLookup {
+        caches,
+        kinds: Kinds::Any,
+        node_lost_after: lost_after,
+    };
+    let decision = decide(&pod, namespace, &lookup);
+    if let Some(w) = &decision.workload {
+        out.workload = Some(format!("{}/{} {}", w.kind.group, w.kind.kind, w.name));
+        out.persistent_pod_state = decision.pps.as_ref().map(|p| p.name_any());
         out.shadowed = caches
             .pps_names_for(w)
             .into_iter()
             .filter(|n| Some(n) != out.persistent_pod_state.as_ref())
             .collect();
-        out.recorded = in_force
+        out.recorded = decision
+            .pps
             .as_ref()
             .and_then(|p| p.status.as_ref())
             .and_then(|s| s.pod_states.get(&name))
             .cloned();
     }
-    let body = serde_json::to_vec(&json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {"uid": "explain", "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "operation": "CREATE", "userInfo": {}, "namespace": namespace, "name": name,
-            "object": object}
-    }));
-    let Some(request) = body.ok().and_then(|b| parse(b.into()).ok()) else {
-        out.outcome = "invalid: the request could not be built".into();
-        return out;
-    };
-    let lookup = ExplainLookup { caches, lost_after };
-    match admit(&request, &lookup) {
-        Outcome::Skip(reason) => out.outcome = format!("left alone: {}", reason.as_str()),
-        Outcome::Invalid(e) => out.outcome = format!("invalid: {e}"),
-        Outcome::Inject(decision) => {
+    out.left_out = decision.left_out();
+    match &decision.verdict {
+        Verdict::Skip(reason) => out.outcome = format!("left alone: {}", reason.as_str()),
+        Verdict::Inject { injection, .. } => {
             out.outcome = "inject".into();
-            let injection = &decision.injection;
             out.patch = serde_json::to_value(&injection.patch).unwrap_or_default();
-            if let Some(dropped) = &injection.dropped {
-                for (k, v) in &dropped.values {
-                    out.left_out.push(LeftOut {
-                        what: format!("required {k}={v}"),
-                        why: dropped.reason.describe().to_owned(),
-                    });
-                }
-            }
-            for c in &injection.conflicts {
-                out.left_out.push(LeftOut {
-                    what: format!("required {}={}", c.key, c.recorded_value),
-                    why: format!(
-                        "conflicts with the pod's own nodeSelector {}={}",
-                        c.key, c.pod_value
-                    ),
-                });
-            }
-            if let IpDecision::Skip { reason, detail } = &decision.ip {
-                let why = if detail.is_empty() {
-                    reason.describe().to_owned()
-                } else {
-                    format!("{} ({detail})", reason.describe())
-                };
-                out.left_out.push(LeftOut {
-                    what: "IP request".into(),
-                    why,
-                });
-            }
         }
     }
     out

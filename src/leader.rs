@@ -13,7 +13,7 @@
 //! from, so even a write already under way when the hold was lost cannot overwrite newer data.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -93,12 +93,12 @@ impl Fence {
     }
 
     fn set(&self, until: Option<Instant>) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = until;
+        *crate::sync::lock(&self.0) = until;
     }
 
     /// `Ok` while writes are allowed.
     pub fn check(&self) -> Result<(), Fenced> {
-        let until = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let until = *crate::sync::lock(&self.0);
         match until {
             Some(until) if Instant::now() < until => Ok(()),
             _ => Err(Fenced),

@@ -31,6 +31,7 @@ pub mod placement;
 pub mod probes;
 pub mod serve;
 pub mod state;
+pub mod sync;
 #[cfg(feature = "bench")]
 pub mod synthetic;
 pub mod webhook;

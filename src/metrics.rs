@@ -12,13 +12,8 @@ use prometheus_client::registry::Registry;
 use crate::api::{IpRestore, NodeRestore};
 use crate::ip_request::IpSkipReason;
 use crate::placement::DropReason;
-
-/// The served webhook paths, as the `endpoint` label.
-const ENDPOINTS: [&str; 3] = [
-    crate::webhook::mutate_pod::PATH,
-    crate::webhook::validate_pps::PATH,
-    crate::webhook::convert::PATH,
-];
+use crate::webhook::admit::SkipReason;
+use crate::webhook::endpoints;
 
 /// Outcome of one admission request.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -75,21 +70,6 @@ pub enum InjectionKind {
 pub struct InjectionLabels {
     /// What was injected.
     pub kind: InjectionKind,
-}
-
-/// Why a pod was let through without a patch.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum SkipReason {
-    /// Not a Pod CREATE without subresource.
-    NotPodCreate,
-    /// No controller ownerReference.
-    NoController,
-    /// The controller is not a handled StatefulSet-like kind.
-    NotStatefulSet,
-    /// No PersistentPodState targets the workload.
-    NoPersistentPodState,
-    /// No state is recorded for the pod's name.
-    NoState,
 }
 
 /// Labels of the skip counter.
@@ -561,7 +541,7 @@ impl Metrics {
     /// exposed from the start at 0: `rate()` and absence alerts work, and a scrape lists every
     /// metric the process has.
     fn expose_every_label_set(&self) {
-        for endpoint in ENDPOINTS {
+        for endpoint in endpoints::ALL {
             for &result in AdmissionResult::ALL {
                 let _ = self
                     .admission_requests

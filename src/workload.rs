@@ -63,18 +63,12 @@ impl CustomKinds {
 
     /// Whether `kind` is configured.
     pub fn contains(&self, kind: &GroupKind) -> bool {
-        self.0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .contains(kind)
+        crate::sync::read(&self.0).contains(kind)
     }
 
     /// Replaces the set; returns the kinds that were added.
     pub fn replace(&self, kinds: BTreeSet<GroupKind>) -> Vec<GroupKind> {
-        let mut current = self
-            .0
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut current = crate::sync::write(&self.0);
         let added = kinds.difference(&current).cloned().collect();
         *current = kinds;
         added
@@ -111,6 +105,14 @@ pub fn pod_workload<K: kube::Resource>(pod: &K, namespace: &str) -> Option<Workl
         kind: GroupKind::new(api_group(&owner.api_version), &owner.kind),
         name: owner.name.clone(),
     })
+}
+
+/// Whether the pod's Ready condition is True.
+pub fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// The pod's IPs, every family (`status.podIPs`, else `status.podIP`).

@@ -148,7 +148,7 @@ async fn settle(
         for name in &names {
             if let Ok(Some(pod)) = pods.get_opt(name).await
                 && pod.metadata.deletion_timestamp.is_none()
-                && persistent_pod_state::controller::record::is_ready(&pod)
+                && persistent_pod_state::workload::is_ready(&pod)
                 && let Some(p) = placement(&pod)
             {
                 now.insert(name.clone(), p);

@@ -219,7 +219,7 @@ pub async fn placements(
             for name in names {
                 let pod = api.get_opt(name).await.ok()??;
                 if pod.metadata.deletion_timestamp.is_some()
-                    || !persistent_pod_state::controller::record::is_ready(&pod)
+                    || !persistent_pod_state::workload::is_ready(&pod)
                 {
                     return None;
                 }
@@ -602,10 +602,8 @@ pub async fn wait_replaced(client: &Client, ns: &str, name: &str, old_uid: &str)
             let pod = api.get_opt(name).await.ok()??;
             let fresh =
                 pod.uid().as_deref() != Some(old_uid) && pod.metadata.deletion_timestamp.is_none();
-            (fresh
-                && persistent_pod_state::controller::record::is_ready(&pod)
-                && placement(&pod).is_some())
-            .then_some(pod)
+            (fresh && persistent_pod_state::workload::is_ready(&pod) && placement(&pod).is_some())
+                .then_some(pod)
         },
     )
     .await

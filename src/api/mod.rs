@@ -5,6 +5,8 @@
 //! type lives here, and both versions' spec types come from one definition ([`versioned`]).
 
 pub mod conversion;
+pub mod ip_request;
+pub mod keys;
 pub mod v1alpha1;
 pub mod v1beta1;
 pub mod validation;
@@ -270,6 +272,18 @@ pub fn crd_yaml(
     ca_bundle: Option<&[u8]>,
 ) -> Result<String, serde_yaml_ng::Error> {
     serde_yaml_ng::to_string(&crd(endpoint, ca_bundle))
+}
+
+/// What is wrong with JSON, without quoting it (a parse error may quote part of a pod spec,
+/// which stays out of logs): the kind of error and where.
+pub fn json_error_summary(e: &serde_json::Error) -> String {
+    let kind = match e.classify() {
+        serde_json::error::Category::Io => "unreadable",
+        serde_json::error::Category::Syntax => "not valid JSON",
+        serde_json::error::Category::Data => "not of the expected shape",
+        serde_json::error::Category::Eof => "truncated",
+    };
+    format!("{kind} (line {}, column {})", e.line(), e.column())
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::ResourceExt;
 
+use crate::api::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::api::{
     AUTO_GENERATE_ANNOTATION, PERSISTENT_ANNOTATIONS_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
     PersistentPodAnnotation, REQUIRED_TOPOLOGY_ANNOTATION, TargetReference,
@@ -13,7 +14,6 @@ use crate::api::{
 use crate::api::{
     NodeTopologyTerm, PersistentPodState, PersistentPodStateSpec, PreferredTopologyTerm,
 };
-use crate::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 
 /// Weight of the preferred term generated from `kruise.io/preferred-persistent-topology`.
 pub const GENERATED_PREFERRED_WEIGHT: i32 = 100;

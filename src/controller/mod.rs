@@ -7,7 +7,7 @@ pub mod generate;
 pub mod record;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
@@ -31,6 +31,7 @@ use crate::metrics::{GeneratorAction, Metrics, Reconciler, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, WorkloadStore, pps_target};
+use crate::webhook::admit::LeftOut;
 use crate::workload::{GroupKind, MAX_RESERVED_ENTRIES, WorkloadInfo, WorkloadRef};
 use generate::{Leave, Plan};
 use record::{Observed, Target};
@@ -106,7 +107,7 @@ impl Backoff {
     const TRACKED: usize = 10_000;
 
     fn failed(&self, key: String) -> Duration {
-        let mut failures = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut failures = crate::sync::lock(&self.0);
         if failures.len() >= Self::TRACKED {
             failures.clear();
         }
@@ -124,10 +125,7 @@ impl Backoff {
     }
 
     fn succeeded(&self, key: &str) {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(key);
+        crate::sync::lock(&self.0).remove(key);
     }
 }
 
@@ -145,7 +143,7 @@ impl Pacing {
 
     /// How long a write to `pps` must still wait, if at all.
     fn wait(&self, pps: &ObjectRef<PersistentPodState>) -> Option<Duration> {
-        let last = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let last = crate::sync::lock(&self.0);
         let since = last.get(pps)?.elapsed();
         Self::INTERVAL.checked_sub(since).filter(|d| !d.is_zero())
     }
@@ -153,7 +151,7 @@ impl Pacing {
     /// Notes a write to `pps` now (and forgets writes older than the interval: the map holds
     /// only the PersistentPodStates written in the last interval).
     fn wrote(&self, pps: ObjectRef<PersistentPodState>) {
-        let mut last = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut last = crate::sync::lock(&self.0);
         last.retain(|_, at| at.elapsed() < Self::INTERVAL);
         last.insert(pps, Instant::now());
     }
@@ -457,10 +455,7 @@ fn report_limits(ctx: &Context, pps: &PersistentPodState, target: &Target) {
     }
     let key = ObjectRef::from_obj(pps);
     let newly = {
-        let mut reported = ctx
-            .reported_limits
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut reported = crate::sync::lock(&ctx.reported_limits);
         let newly = !over.is_empty() && reported.get(&key) != Some(&over);
         if over.is_empty() {
             reported.remove(&key);
@@ -511,10 +506,7 @@ fn report_unplaceable(
     let unplaceable = record::unplaceable_states(&pps.spec, status, &place);
     let key = ObjectRef::from_obj(pps);
     let newly: Vec<(String, Dropped)> = {
-        let mut reported = ctx
-            .reported_unplaceable
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut reported = crate::sync::lock(&ctx.reported_unplaceable);
         let before = reported.remove(&key).unwrap_or_default();
         let newly = unplaceable
             .iter()
@@ -531,15 +523,10 @@ fn report_unplaceable(
         newly
     };
     for (pod, dropped) in newly {
-        let wanted: Vec<String> = dropped
-            .values
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
+        let left_out: Vec<LeftOut> = LeftOut::required(&dropped).collect();
         let note = format!(
-            "required {} recorded for pod {pod} will be left out of a re-created pod: {}",
-            wanted.join(","),
-            dropped.reason.describe()
+            "a re-created pod {pod} would be left without {}",
+            LeftOut::list(&left_out)
         );
         ctx.events.publish(
             pps,
@@ -658,7 +645,7 @@ pub async fn reconcile_workload(
             "Generate",
             format!(
                 "{}: {error}; not copied to the generated PersistentPodState, so its pods request no IP",
-                crate::ip_request::IP_REQUEST_ANNOTATION
+                crate::api::ip_request::IP_REQUEST_ANNOTATION
             ),
         );
     }

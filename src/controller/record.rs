@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use serde_json::{Map, Value};
 
@@ -39,14 +38,6 @@ pub struct Observed<'a> {
     pub pod_exists: &'a dyn Fn(&str) -> bool,
     /// A node's labels, if the node is known.
     pub node_labels: &'a dyn Fn(&str) -> Option<BTreeMap<String, String>>,
-}
-
-/// Whether the pod's Ready condition is True.
-pub fn is_ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// The state to record for a Ready pod with a node, or `None` if it cannot be recorded yet

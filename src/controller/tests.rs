@@ -549,7 +549,7 @@ async fn a_workloads_invalid_ip_request_is_not_copied_and_is_counted() {
     let caches = world();
     let (wctx, mut handle) = generator(&caches);
     let mut annotations = asking("a");
-    annotations[crate::ip_request::IP_REQUEST_ANNOTATION] = json!("calcio");
+    annotations[crate::api::ip_request::IP_REQUEST_ANNOTATION] = json!("calcio");
     let sts = Arc::new(statefulset(annotations));
     let sent = drive(
         reconcile_workload(sts, wctx.clone()),
@@ -561,7 +561,7 @@ async fn a_workloads_invalid_ip_request_is_not_copied_and_is_counted() {
     assert_eq!(sent[0].method, Method::POST, "the PPS is still generated");
     assert!(
         sent[0].body["metadata"]["annotations"]
-            .get(crate::ip_request::IP_REQUEST_ANNOTATION)
+            .get(crate::api::ip_request::IP_REQUEST_ANNOTATION)
             .is_none(),
         "without the invalid value: {}",
         sent[0].body

@@ -5,7 +5,7 @@
 //! current one only at `InitDone`, exactly like the reflector store it sits next to.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{RwLock, RwLockReadGuard};
 
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
@@ -76,15 +76,12 @@ impl<S> Shared<S> {
     where
         S: Indexer<K>,
     {
-        self.0
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .apply(event)
+        crate::sync::write(&self.0).apply(event)
     }
 
     /// Read access to the current index.
     pub fn read(&self) -> ReadIndex<'_, S> {
-        ReadIndex(self.0.read().unwrap_or_else(PoisonError::into_inner))
+        ReadIndex(crate::sync::read(&self.0))
     }
 }
 

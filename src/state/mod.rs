@@ -14,7 +14,7 @@ pub mod trim;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -31,11 +31,8 @@ use trim::{CachedPod, Read};
 
 use crate::api::PersistentPodState;
 use crate::placement::{Nodes, health_fields};
+use crate::sync::lock;
 use crate::workload::{GroupKind, WorkloadRef, native_statefulset_resource};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// A watched workload kind: its store, and the feed that writes it.
 #[derive(Clone)]
@@ -282,10 +279,7 @@ impl Caches {
     /// Returns false if exactly this resource is watched already.
     pub fn add_workload_kind(self: &Arc<Self>, ar: ApiResource) -> bool {
         let kind = GroupKind::new(&ar.group, &ar.kind);
-        let mut workloads = self
-            .workloads
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut workloads = crate::sync::write(&self.workloads);
         if workloads.get(&kind).is_some_and(|w| w.resource == ar) {
             return false;
         }
@@ -319,11 +313,7 @@ impl Caches {
 
     /// Stops watching a workload kind (its CRD is gone); its workloads become unknown.
     pub fn remove_workload_kind(&self, kind: &GroupKind) {
-        let removed = self
-            .workloads
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(kind);
+        let removed = crate::sync::write(&self.workloads).remove(kind);
         if let Some(old) = removed {
             old.stop();
             tracing::info!(group = %kind.group, kind = %kind.kind, "no longer watching workload kind");
@@ -333,9 +323,7 @@ impl Caches {
 
     /// The watched workload kinds.
     pub fn workload_kinds(&self) -> Vec<(GroupKind, WorkloadStore)> {
-        self.workloads
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
+        crate::sync::read(&self.workloads)
             .iter()
             .map(|(k, w)| (k.clone(), w.clone()))
             .collect()
@@ -348,11 +336,7 @@ impl Caches {
 
     /// The store and resource of a workload kind, if it is watched.
     pub fn workload_store(&self, kind: &GroupKind) -> Option<WorkloadStore> {
-        self.workloads
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(kind)
-            .cloned()
+        crate::sync::read(&self.workloads).get(kind).cloned()
     }
 
     /// The PersistentPodState in force for `workload`: when several target it (made before
@@ -472,7 +456,7 @@ fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<Per
         serde_json::to_value(obj)
             .and_then(serde_json::from_value::<PersistentPodState>)
             .map_err(|error| {
-                let error = crate::webhook::review::json_error_summary(&error);
+                let error = crate::api::json_error_summary(&error);
                 tracing::warn!(namespace = namespace.unwrap_or_default(), %name, %error,
                     "PersistentPodState cannot be read; ignored until it changes");
             })

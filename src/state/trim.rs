@@ -146,7 +146,7 @@ fn pod_meta(m: ObjectMeta) -> ObjectMeta {
 
 impl From<Pod> for CachedPod {
     fn from(pod: Pod) -> Self {
-        let ready = crate::controller::record::is_ready(&pod);
+        let ready = crate::workload::is_ready(&pod);
         let ips = crate::workload::pod_ips(&pod);
         CachedPod {
             metadata: pod_meta(pod.metadata),

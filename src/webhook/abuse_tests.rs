@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::server::{Limits, serve};
 use super::testing::state;
-use super::{MAX_BODY, convert, mutate_pod, router, validate_pps};
+use super::{MAX_BODY, endpoints, router};
 use crate::certs;
 
 const TEST_LIMITS: Limits = Limits {
@@ -306,18 +306,22 @@ fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
 async fn malformed_requests_get_clear_answers_and_the_server_keeps_serving() {
     let server = start().await;
     let good = review(pod_request(json!({})));
-    let paths = [mutate_pod::PATH, validate_pps::PATH, convert::PATH];
+    let paths = [
+        endpoints::MUTATE_POD,
+        endpoints::VALIDATE_PPS,
+        endpoints::CONVERT,
+    ];
     let mut cases = 0;
     for path in paths {
         for (what, body, want) in bodies() {
             // Conversion reviews have another shape: what admission reads as a request with a
             // uid is a conversion request with a uid and no desired version (a failure).
             let want = match (path, want) {
-                (p, Want::Uid) if p == convert::PATH => Want::Uid,
+                (p, Want::Uid) if p == endpoints::CONVERT => Want::Uid,
                 (_, w) => w,
             };
             let got = server.post(path, "application/json", &body).await;
-            if path == convert::PATH && matches!(want, Want::Uid) {
+            if path == endpoints::CONVERT && matches!(want, Want::Uid) {
                 let answered =
                     matches!(&got, Got::Answer(200, b) if b.contains("\"uid\":\"u-bad\""));
                 assert!(answered, "{path} {what}: {got:?}");
@@ -431,7 +435,7 @@ async fn misbehaving_connections_are_closed_within_their_bounds() {
     // Still serving.
     let got = server
         .post(
-            mutate_pod::PATH,
+            endpoints::MUTATE_POD,
             "application/json",
             &review(pod_request(json!({}))),
         )
@@ -445,7 +449,9 @@ async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
     let (ca, cert, key) = client_identity();
     let body = review(pod_request(json!({})));
     let with = start_with(Some((&ca, &cert, &key))).await;
-    let got = with.post(mutate_pod::PATH, "application/json", &body).await;
+    let got = with
+        .post(endpoints::MUTATE_POD, "application/json", &body)
+        .await;
     assert!(
         matches!(got, Got::Answer(200, _)),
         "verified client: {got:?}"
@@ -457,10 +463,10 @@ async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
         ..with
     };
     let got = anonymous
-        .post(mutate_pod::PATH, "application/json", &body)
+        .post(endpoints::MUTATE_POD, "application/json", &body)
         .await;
     check(
-        mutate_pod::PATH,
+        endpoints::MUTATE_POD,
         "no client certificate",
         &got,
         Want::Error(403),
@@ -468,7 +474,7 @@ async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
     let conversion = serde_json::to_vec(&json!({"request": {"uid": "c", "desiredAPIVersion": "apps.kruise.io/v1beta1", "objects": []}}))
         .expect("json");
     let got = anonymous
-        .post(convert::PATH, "application/json", &conversion)
+        .post(endpoints::CONVERT, "application/json", &conversion)
         .await;
     assert!(
         matches!(got, Got::Answer(200, _)),
@@ -648,7 +654,7 @@ async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
     let body = review(pod_request(json!({})));
     let mut request = format!(
         "POST {} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        mutate_pod::PATH,
+        endpoints::MUTATE_POD,
         body.len()
     )
     .into_bytes();

@@ -1,22 +1,40 @@
-//! The admission decision for a pod, pure: from the request, the pod and what the caches know,
-//! whether the pod is left alone (and why), unreadable, or gets an injection. The handler in
-//! [`super::mutate_pod`] only turns the outcome into metrics, Events and the response.
+//! The admission decision for a pod, pure and free of the wire format: from a pod being created,
+//! its namespace and what the caches know, whether it is left alone (and why) or steered back
+//! by a recorded state, and what of that state it does not get (and why). The pod webhook
+//! ([`super::mutate_pod`]), `explain` and the controller's reports all describe a decision
+//! through [`Decision::left_out`] and [`LeftOut`].
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, Pod, PodSpec, Toleration};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use serde::Deserialize;
+use serde::Serialize;
 
-use super::inject::{Injection, injection_for};
-use super::review::{AdmissionRequest, json_error_summary};
+use super::inject::{Conflict, Injection, injection_for};
 use crate::api::PersistentPodState;
-use crate::ip_request::{self, IP_REQUEST_ANNOTATION, IpDecision};
-use crate::metrics::SkipReason;
-use crate::placement::{self, Health, Nodes, PodDemands};
-use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+use crate::api::ip_request::IP_REQUEST_ANNOTATION;
+use crate::ip_request::{self, IpDecision, IpSkipReason};
+use crate::placement::{self, Dropped, Health, Nodes, PodDemands};
+use crate::state::Caches;
+use crate::workload::{CustomKinds, GroupKind, WorkloadRef, pod_workload};
+
+/// Why a pod was let through without a patch.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Not a Pod CREATE without subresource.
+    NotPodCreate,
+    /// No controller ownerReference.
+    NoController,
+    /// The controller is not a handled StatefulSet-like kind.
+    NotStatefulSet,
+    /// No PersistentPodState targets the workload.
+    NoPersistentPodState,
+    /// No state is recorded for the pod's name.
+    NoState,
+}
 
 /// What the decision reads from the caches.
 pub trait Lookup {
@@ -32,145 +50,219 @@ pub trait Lookup {
     fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String>;
 }
 
-/// An injection decided for a pod.
+/// Which workload kinds' pods are handled.
+#[derive(Clone, Copy)]
+pub enum Kinds<'a> {
+    /// StatefulSets and the configured custom kinds (the server).
+    Configured(&'a CustomKinds),
+    /// Any kind a PersistentPodState targets (`explain`, which does not know the server's
+    /// configuration).
+    Any,
+}
+
+/// The decision's view of the shared caches: the one [`Lookup`] the server and `explain` use.
+pub struct CacheLookup<'a> {
+    /// The caches.
+    pub caches: &'a Caches,
+    /// Which kinds are handled.
+    pub kinds: Kinds<'a>,
+    /// How long a node may be not ready before it counts as lost.
+    pub node_lost_after: Duration,
+}
+
+impl Lookup for CacheLookup<'_> {
+    fn nodes(&self) -> &dyn Nodes {
+        self.caches
+    }
+
+    fn handles(&self, kind: &GroupKind) -> bool {
+        match self.kinds {
+            Kinds::Configured(kinds) => kinds.handles(kind),
+            Kinds::Any => true,
+        }
+    }
+
+    fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+        self.caches.pps_for(workload)
+    }
+
+    fn health(&self) -> Health {
+        Health::now(self.node_lost_after)
+    }
+
+    fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
+        self.caches.ip_holder(ip, namespace, name)
+    }
+}
+
+/// What happens to a pod being created, with what the decision found on the way.
 #[derive(Debug)]
 pub struct Decision {
-    /// The PersistentPodState whose recorded state is injected.
-    pub pps: Arc<PersistentPodState>,
     /// The pod's namespace.
     pub namespace: String,
     /// The pod's name.
     pub pod: String,
-    /// What is injected, and what was left out.
-    pub injection: Injection,
-    /// Whether the recorded IPs are requested, and if not why.
-    pub ip: IpDecision,
+    /// The workload that controls the pod, if any.
+    pub workload: Option<WorkloadRef>,
+    /// The PersistentPodState in force for that workload, if any.
+    pub pps: Option<Arc<PersistentPodState>>,
+    /// Left alone, or steered.
+    pub verdict: Verdict,
 }
 
-/// The outcome of one pod admission.
+/// Whether a pod is left alone or steered back.
 #[derive(Debug)]
-pub enum Outcome {
-    /// Allowed untouched.
+pub enum Verdict {
+    /// Allowed untouched, and why.
     Skip(SkipReason),
-    /// The review's object is not a readable Pod: allowed untouched, reported.
-    Invalid(String),
     /// A recorded state applies.
-    Inject(Box<Decision>),
+    Inject {
+        /// What is injected, and what was left out.
+        injection: Injection,
+        /// Whether the recorded IPs are requested, and if not why.
+        ip: IpDecision,
+    },
 }
 
-/// The metadata the decision reads.
-#[derive(Deserialize)]
+/// Which part of a recorded state a [`LeftOut`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
-struct ReadMeta {
-    name: Option<String>,
-    generate_name: Option<String>,
-    namespace: Option<String>,
-    annotations: Option<BTreeMap<String, String>>,
-    owner_references: Option<Vec<OwnerReference>>,
+pub enum Part {
+    /// A required value, left out so the pod is not stranded.
+    Required,
+    /// A required value the pod sets otherwise itself.
+    Conflict,
+    /// The request for the recorded IPs.
+    IpRequest,
 }
 
-/// The affinity the decision reads: node affinity (the rest is only noticed as present).
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ReadAffinity {
-    node_affinity: Option<NodeAffinity>,
+/// One part of a recorded state a pod does not get, and why: the one description the webhook's
+/// Events, `explain` and the controller's reports share.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LeftOut {
+    /// Which part.
+    #[serde(skip)]
+    pub part: Part,
+    /// What, e.g. `required kubernetes.io/hostname=node-a1` or `IP request`.
+    pub what: String,
+    /// Why.
+    pub why: String,
 }
 
-/// The spec fields the decision reads: what the pod demands of a node.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ReadSpec {
-    node_selector: Option<BTreeMap<String, String>>,
-    affinity: Option<ReadAffinity>,
-    tolerations: Option<Vec<Toleration>>,
-}
-
-#[derive(Deserialize)]
-struct ReadPod {
-    metadata: Option<ReadMeta>,
-    spec: Option<ReadSpec>,
-}
-
-/// Decodes of a pod only what the decision reads (metadata naming it and its owner, its
-/// annotations, and its node selector, node affinity and tolerations), skipping the rest of
-/// the object (containers, volumes, managed fields) without building it: the decode is most of
-/// an admission's cost. The patch only adds to what the pod has, so nothing skipped is lost.
-pub fn decode_pod(object: &str) -> Result<Pod, serde_json::Error> {
-    let read: ReadPod = serde_json::from_str(object)?;
-    let metadata = read
-        .metadata
-        .map_or_else(ObjectMeta::default, |m| ObjectMeta {
-            name: m.name,
-            generate_name: m.generate_name,
-            namespace: m.namespace,
-            annotations: m.annotations,
-            owner_references: m.owner_references,
-            ..ObjectMeta::default()
-        });
-    Ok(Pod {
-        metadata,
-        spec: read.spec.map(|s| PodSpec {
-            node_selector: s.node_selector,
-            affinity: s.affinity.map(|a| Affinity {
-                node_affinity: a.node_affinity,
-                ..Affinity::default()
-            }),
-            tolerations: s.tolerations,
-            ..PodSpec::default()
-        }),
-        status: None,
-    })
-}
-
-/// Decides what happens to the pod in `request` (decoded from the request body, once).
-pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
-    if !request.kind.is("", "Pod")
-        || request.operation != "CREATE"
-        || request.sub_resource.is_some()
-    {
-        return Outcome::Skip(SkipReason::NotPodCreate);
+impl LeftOut {
+    /// The required values of `dropped`, one each.
+    pub fn required(dropped: &Dropped) -> impl Iterator<Item = Self> + '_ {
+        dropped.values.iter().map(|(k, v)| Self {
+            part: Part::Required,
+            what: format!("required {k}={v}"),
+            why: dropped.reason.describe().to_owned(),
+        })
     }
-    let pod = match request.object().map(decode_pod) {
-        Some(Ok(pod)) => pod,
-        Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
-        None => return Outcome::Invalid("the request carries no object".into()),
-    };
-    let namespace = request
-        .namespace
-        .clone()
-        .or_else(|| pod.metadata.namespace.clone())
-        .unwrap_or_default();
-    // A pod created with generateName has no name in the object; the request may carry it.
-    let name = pod
-        .metadata
-        .name
-        .clone()
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| request.name.clone());
 
-    let Some(workload) = pod_workload(&pod, &namespace) else {
-        return Outcome::Skip(SkipReason::NoController);
+    /// A recorded required value the pod sets otherwise.
+    pub fn conflict(c: &Conflict) -> Self {
+        Self {
+            part: Part::Conflict,
+            what: format!("required {}={}", c.key, c.recorded_value),
+            why: format!(
+                "conflicts with the pod's own nodeSelector {}={}",
+                c.key, c.pod_value
+            ),
+        }
+    }
+
+    /// The IP request, not made for `reason` (`detail` says what exactly).
+    pub fn ip_request(reason: IpSkipReason, detail: &str) -> Self {
+        let why = if detail.is_empty() {
+            reason.describe().to_owned()
+        } else {
+            format!("{} ({detail})", reason.describe())
+        };
+        Self {
+            part: Part::IpRequest,
+            what: "IP request".into(),
+            why,
+        }
+    }
+
+    /// `items` as one line: `what: why; what: why`.
+    pub fn list(items: &[Self]) -> String {
+        items
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+impl fmt::Display for LeftOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.what, self.why)
+    }
+}
+
+impl Decision {
+    /// What of the recorded state the pod does not get, and why (nothing when left alone).
+    pub fn left_out(&self) -> Vec<LeftOut> {
+        let Verdict::Inject { injection, ip } = &self.verdict else {
+            return Vec::new();
+        };
+        let mut out: Vec<LeftOut> = injection
+            .dropped
+            .iter()
+            .flat_map(LeftOut::required)
+            .collect();
+        out.extend(injection.conflicts.iter().map(LeftOut::conflict));
+        if let IpDecision::Skip { reason, detail } = ip {
+            out.push(LeftOut::ip_request(*reason, detail));
+        }
+        out
+    }
+}
+
+/// Decides what happens to `pod`, being created in `namespace` (its name set, from the request
+/// when the pod has only a `generateName`).
+pub fn decide(pod: &Pod, namespace: &str, lookup: &dyn Lookup) -> Decision {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let workload = pod_workload(pod, namespace);
+    let mut decision = Decision {
+        namespace: namespace.to_owned(),
+        pod: name,
+        workload: workload.clone(),
+        pps: None,
+        verdict: Verdict::Skip(SkipReason::NoController),
+    };
+    let Some(workload) = workload else {
+        return decision;
     };
     if !lookup.handles(&workload.kind) {
-        return Outcome::Skip(SkipReason::NotStatefulSet);
+        decision.verdict = Verdict::Skip(SkipReason::NotStatefulSet);
+        return decision;
     }
     let Some(pps) = lookup.pps_for(&workload) else {
-        return Outcome::Skip(SkipReason::NoPersistentPodState);
+        decision.verdict = Verdict::Skip(SkipReason::NoPersistentPodState);
+        return decision;
     };
-    let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(&name)) else {
-        return Outcome::Skip(SkipReason::NoState);
+    decision.pps = Some(pps.clone());
+    let Some(state) = pps
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_states.get(&decision.pod))
+    else {
+        decision.verdict = Verdict::Skip(SkipReason::NoState);
+        return decision;
     };
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
-    let (demands, health) = (PodDemands::of(&pod), lookup.health());
+    let (demands, health) = (PodDemands::of(pod), lookup.health());
     let place = |recorded: &BTreeMap<String, String>| {
         placement::required(recorded, &demands, lookup.nodes(), &health)
     };
-    let holder = |ip: &str| lookup.ip_holder(ip, &namespace, &name);
+    let holder = |ip: &str| lookup.ip_holder(ip, namespace, &decision.pod);
     let ip = ip_request::decide(
         pps.annotations()
             .get(IP_REQUEST_ANNOTATION)
             .map(String::as_str),
-        &pod,
+        pod,
         &state.pod_ips,
         &holder,
     );
@@ -178,26 +270,22 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
         IpDecision::Request { annotation, value } => Some((annotation.as_str(), value.as_str())),
         _ => None,
     };
-    let injection = injection_for(&pod, pps_name, &pps.spec, state, &place, request);
-    Outcome::Inject(Box::new(Decision {
-        pps: pps.clone(),
-        namespace,
-        pod: name,
-        injection,
-        ip,
-    }))
+    let injection = injection_for(pod, pps_name, &pps.spec, state, &place, request);
+    decision.verdict = Verdict::Inject { injection, ip };
+    decision
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::review::parse;
+pub(super) mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Node;
     use serde_json::{Value, json};
 
-    struct Fake {
-        pps: Option<Arc<PersistentPodState>>,
-        nodes: bool,
+    /// A lookup over one PersistentPodState (or none) and one node `n1` with any labels asked
+    /// for (or no node).
+    pub struct Fake {
+        pub pps: Option<Arc<PersistentPodState>>,
+        pub nodes: bool,
     }
 
     impl Nodes for Fake {
@@ -234,31 +322,19 @@ mod tests {
         }
     }
 
-    /// A parsed request for `object` (absent when `None`).
-    fn request(
-        kind: &str,
-        operation: &str,
-        sub: Option<&str>,
-        object: Option<Value>,
-    ) -> AdmissionRequest {
-        let body = serde_json::to_vec(&json!({
-            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": kind},
-                "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": sub,
-                "operation": operation, "userInfo": {}, "namespace": "ns", "name": "web-0",
-                "object": object}
-        }))
-        .expect("json");
-        parse(body.into()).expect("request")
+    fn pod(owner_kind: Option<&str>) -> Pod {
+        let owners = owner_kind.map(|kind| {
+            json!([{"apiVersion": "apps/v1", "kind": kind, "name": "web", "uid": "u", "controller": true}])
+        });
+        serde_json::from_value(
+            json!({"metadata": {"name": "web-0", "ownerReferences": owners},
+            "spec": {"containers": [{"name": "c"}]}}),
+        )
+        .expect("pod")
     }
 
-    fn pod(owner_kind: &str) -> Value {
-        json!({"metadata": {"name": "web-0", "ownerReferences": [{"apiVersion": "apps/v1",
-            "kind": owner_kind, "name": "web", "uid": "u", "controller": true}]},
-            "spec": {"containers": [{"name": "c"}]}})
-    }
-
-    fn pps(states: Value) -> Arc<PersistentPodState> {
+    /// The PersistentPodState `web` (requiring `zone`) with `states`.
+    pub fn pps(states: Value) -> Arc<PersistentPodState> {
         Arc::new(
             serde_json::from_value(json!({
                 "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
@@ -271,138 +347,87 @@ mod tests {
         )
     }
 
-    fn skipped(outcome: Outcome) -> Option<SkipReason> {
-        match outcome {
-            Outcome::Skip(r) => Some(r),
-            _ => None,
+    fn skipped(decision: &Decision) -> Option<SkipReason> {
+        match decision.verdict {
+            Verdict::Skip(r) => Some(r),
+            Verdict::Inject { .. } => None,
         }
     }
 
     #[test]
-    fn decides_skip_invalid_or_inject() {
+    fn decides_skip_or_inject() {
         let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
         let with = Fake {
             pps: Some(pps(state)),
             nodes: true,
         };
-        let create = |object: Option<Value>| request("Pod", "CREATE", None, object);
-        let cases = [
-            (
-                request("Pod", "UPDATE", None, Some(pod("StatefulSet"))),
-                SkipReason::NotPodCreate,
-            ),
-            (
-                request("Pod", "CREATE", Some("binding"), Some(pod("StatefulSet"))),
-                SkipReason::NotPodCreate,
-            ),
-            (
-                request("Service", "CREATE", None, Some(pod("StatefulSet"))),
-                SkipReason::NotPodCreate,
-            ),
-            (
-                create(Some(json!({"metadata": {"name": "web-0"}}))),
-                SkipReason::NoController,
-            ),
-            (create(Some(pod("ReplicaSet"))), SkipReason::NotStatefulSet),
-        ];
-        for (req, want) in cases {
-            assert_eq!(skipped(admit(&req, &with)), Some(want));
-        }
+        assert_eq!(
+            skipped(&decide(&pod(None), "ns", &with)),
+            Some(SkipReason::NoController)
+        );
+        assert_eq!(
+            skipped(&decide(&pod(Some("ReplicaSet")), "ns", &with)),
+            Some(SkipReason::NotStatefulSet)
+        );
         let without = Fake {
             pps: None,
             nodes: true,
         };
         assert_eq!(
-            skipped(admit(&create(Some(pod("StatefulSet"))), &without)),
+            skipped(&decide(&pod(Some("StatefulSet")), "ns", &without)),
             Some(SkipReason::NoPersistentPodState)
         );
         let no_state = Fake {
             pps: Some(pps(json!({}))),
             nodes: true,
         };
-        assert_eq!(
-            skipped(admit(&create(Some(pod("StatefulSet"))), &no_state)),
-            Some(SkipReason::NoState)
-        );
-        assert!(matches!(
-            admit(&create(Some(json!({"spec": []}))), &with),
-            Outcome::Invalid(_)
-        ));
-        assert!(matches!(admit(&create(None), &with), Outcome::Invalid(_)));
-        let Outcome::Inject(decision) = admit(&create(Some(pod("StatefulSet"))), &with) else {
-            panic!("injects")
-        };
+        let decision = decide(&pod(Some("StatefulSet")), "ns", &no_state);
+        assert_eq!(skipped(&decision), Some(SkipReason::NoState));
+        assert!(decision.pps.is_some(), "the PPS in force is known");
+        let decision = decide(&pod(Some("StatefulSet")), "ns", &with);
         assert_eq!(
             (decision.namespace.as_str(), decision.pod.as_str()),
             ("ns", "web-0")
         );
-        assert_eq!(decision.injection.required, 1);
-    }
-
-    #[test]
-    fn the_request_name_stands_in_for_a_generated_name() {
-        let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
-        let lookup = Fake {
-            pps: Some(pps(state)),
-            nodes: false,
-        };
-        let mut object = pod("StatefulSet");
-        object["metadata"]["name"] = json!("");
-        let Outcome::Inject(decision) =
-            admit(&request("Pod", "CREATE", None, Some(object)), &lookup)
-        else {
+        let Verdict::Inject { injection, .. } = &decision.verdict else {
             panic!("injects")
         };
-        assert_eq!(decision.pod, "web-0");
-        assert!(decision.injection.dropped.is_some(), "no node has zone=z1");
+        assert_eq!(injection.required, 1);
+        assert!(decision.left_out().is_empty());
     }
 
     #[test]
-    fn the_partial_decode_injects_exactly_what_the_full_pod_would() {
+    fn what_is_left_out_is_described_once() {
         let pps: PersistentPodState = serde_json::from_value(json!({
             "metadata": {"name": "web", "namespace": "ns", "annotations": {
                 "persistent-pod-state.io/ip-request": "calico"}},
             "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
-                     "requiredPersistentTopology": {"keys": ["zone"]},
-                     "preferredPersistentTopology": [{"weight": 50, "preference": {"keys": ["host"]}}],
-                     "persistentPodAnnotations": [{"key": "a"}]}
+                     "requiredPersistentTopology": {"keys": ["zone", "disk"]}},
+            "status": {"podStates": {"web-0": {"nodeName": "n1",
+                "nodeTopologyLabels": {"zone": "z1", "disk": "ssd"}}}}
         }))
         .expect("pps");
-        let state: crate::api::PodState = serde_json::from_value(json!({
-            "nodeName": "n1", "nodeTopologyLabels": {"zone": "z1", "host": "n1"},
-            "annotations": {"a": "1"}, "podIPs": ["10.0.0.1"]}))
-        .expect("state");
-        let owner = json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "u", "controller": true}]);
-        let pods = [
-            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"containers": [{"name": "c"}]}}),
-            json!({"metadata": {"name": "web-0", "ownerReferences": owner, "annotations": {"a": "0"},
-                    "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}]},
-                   "spec": {"nodeSelector": {"zone": "z2", "disk": "ssd"},
-                            "tolerations": [{"key": "t", "operator": "Exists"}],
-                            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}},
-                            "containers": [{"name": "c", "env": [{"name": "X", "value": "y"}]}],
-                            "volumes": [{"name": "v", "emptyDir": {}}]}}),
-            json!({"metadata": {"name": "web-0", "ownerReferences": owner},
-                   "spec": {"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-                       {"weight": 1, "preference": {"matchExpressions": [{"key": "k", "operator": "Exists"}]}}],
-                       "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                           {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["z9"]}]}]}}}}}),
-            json!({"metadata": {"name": "web-0", "ownerReferences": owner}}),
-            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"affinity": {}}}),
-        ];
-        let keep = |recorded: &BTreeMap<String, String>| placement::Required {
-            kept: recorded.clone(),
-            dropped: None,
+        let lookup = Fake {
+            pps: Some(Arc::new(pps)),
+            nodes: false,
         };
-        for object in pods {
-            let full: Pod = serde_json::from_value(object.clone()).expect("full pod");
-            let partial = decode_pod(&object.to_string()).expect("partial pod");
-            assert_eq!(PodDemands::of(&full), PodDemands::of(&partial));
-            assert_eq!(pod_workload(&full, "ns"), pod_workload(&partial, "ns"));
-            let request = Some(("cni.projectcalico.org/ipAddrs", "[\"10.0.0.1\"]"));
-            let inject =
-                |pod: &Pod| injection_for(pod, "web", &pps.spec, &state, &keep, request).patch;
-            assert_eq!(inject(&full), inject(&partial), "{object}");
+        let mut pod = pod(Some("StatefulSet"));
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.node_selector = Some(BTreeMap::from([("disk".into(), "hdd".into())]));
         }
+        let left_out = decide(&pod, "ns", &lookup).left_out();
+        let described: Vec<String> = left_out.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            described,
+            [
+                "required zone=z1: no node has them",
+                "required disk=ssd: conflicts with the pod's own nodeSelector disk=hdd",
+                "IP request: no IP is recorded for it",
+            ]
+        );
+        assert_eq!(
+            left_out.iter().map(|l| l.part).collect::<Vec<_>>(),
+            [Part::Required, Part::Conflict, Part::IpRequest]
+        );
     }
 }

@@ -6,13 +6,10 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::Response;
 
-use super::WebhookState;
 use super::review::{Conversion, conversion_response};
+use super::{WebhookState, endpoints};
 use crate::api::conversion::convert;
 use crate::metrics::AdmissionResult;
-
-/// The path this handler is mounted on.
-pub const PATH: &str = "/convert";
 
 /// Answers one ConversionReview. Conversion does not need the caches, so it is served from the
 /// first moment (the API server needs it to read v1alpha1 objects at all).
@@ -43,6 +40,6 @@ pub async fn convert_objects(
             AdmissionResult::InvalidObject
         }
     };
-    state.metrics.admission(PATH, result, start);
+    state.metrics.admission(endpoints::CONVERT, result, start);
     conversion_response(&request.uid, converted)
 }

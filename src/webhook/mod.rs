@@ -3,6 +3,7 @@
 
 pub mod admit;
 pub mod convert;
+pub mod endpoints;
 pub mod inject;
 pub mod mutate_pod;
 pub mod review;
@@ -71,14 +72,6 @@ impl WebhookState {
     }
 }
 
-/// The metric label of a request path: one of the served paths, or `other`.
-pub fn endpoint(path: &str) -> &'static str {
-    [mutate_pod::PATH, validate_pps::PATH, convert::PATH]
-        .into_iter()
-        .find(|p| *p == path)
-        .unwrap_or("other")
-}
-
 /// Answers 503 until the caches have synced, so the API server's failurePolicy decides rather
 /// than a silent "allowed" from empty caches.
 async fn require_synced(
@@ -89,7 +82,7 @@ async fn require_synced(
     if state.caches.is_synced() {
         return next.run(request).await;
     }
-    let path = endpoint(request.uri().path());
+    let path = endpoints::label(request.uri().path());
     state
         .metrics
         .admission(path, AdmissionResult::Unavailable, Instant::now());
@@ -110,7 +103,7 @@ async fn require_client_cert(
     if !state.client_auth || verified {
         return next.run(request).await;
     }
-    let path = endpoint(request.uri().path());
+    let path = endpoints::label(request.uri().path());
     state
         .metrics
         .admission(path, AdmissionResult::Forbidden, Instant::now());
@@ -124,8 +117,8 @@ async fn require_client_cert(
 /// API server needs it to read v1alpha1 objects at all); the others wait for the caches.
 pub fn router(state: Arc<WebhookState>) -> Router {
     let from_caches = Router::new()
-        .route(mutate_pod::PATH, post(mutate_pod::mutate_pod))
-        .route(validate_pps::PATH, post(validate_pps::validate_pps))
+        .route(endpoints::MUTATE_POD, post(mutate_pod::mutate_pod))
+        .route(endpoints::VALIDATE_PPS, post(validate_pps::validate_pps))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_synced,
@@ -139,7 +132,7 @@ pub fn router(state: Arc<WebhookState>) -> Router {
         server::RequestLimit::new(MAX_IN_FLIGHT, REQUEST_TIMEOUT, Some(state.metrics.clone()));
     Router::new()
         .merge(from_caches)
-        .route(convert::PATH, post(convert::convert_objects))
+        .route(endpoints::CONVERT, post(convert::convert_objects))
         .fallback(|| async { review::error_response(StatusCode::NOT_FOUND, "no such path") })
         .method_not_allowed_fallback(|| async {
             review::error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")

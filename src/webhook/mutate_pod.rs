@@ -1,51 +1,143 @@
-//! `POST /mutate-pod`: answers Pod CREATE reviews from the shared caches. The decision is the
-//! pure [`admit`]; this handler turns its outcome into metrics, Events and the response.
+//! `POST /mutate-pod`: answers Pod CREATE reviews from the shared caches. The handler filters
+//! the review (a Pod CREATE without subresource) and decodes the pod; the decision is the pure
+//! [`decide`]; the handler turns it into metrics, Events and the response.
 //!
 //! The webhook publishes Events (its `sideEffects` is `NoneOnDryRun`): a dry-run request gets
 //! exactly the answer a real one would, but publishes nothing.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::Response;
+use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, Pod, PodSpec, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::runtime::events::EventType;
+use serde::Deserialize;
 
-use super::WebhookState;
-use super::admit::{Decision, Lookup, Outcome, admit};
-use super::review::{Admission, Review};
-use crate::api::PersistentPodState;
-use crate::events::Events;
+use super::admit::{
+    CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide,
+};
+use super::inject::Injection;
+use super::review::{Admission, AdmissionRequest, Review};
+use super::{WebhookState, endpoints};
+use crate::api::{PersistentPodState, json_error_summary};
 use crate::ip_request::IpDecision;
 use crate::metrics::{
     AdmissionResult, DropLabels, InjectionKind, InjectionLabels, IpRequestLabels, IpRequestResult,
     IpSkipLabels, SkipLabels,
 };
-use crate::placement::{Health, Nodes};
-use crate::workload::{GroupKind, WorkloadRef};
 
-/// The path this handler is mounted on.
-pub const PATH: &str = "/mutate-pod";
-
-impl Lookup for WebhookState {
-    fn nodes(&self) -> &dyn Nodes {
-        &*self.caches
+impl WebhookState {
+    /// The decision's view of this server's caches and configuration.
+    pub fn lookup(&self) -> CacheLookup<'_> {
+        CacheLookup {
+            caches: &self.caches,
+            kinds: Kinds::Configured(&self.custom_kinds),
+            node_lost_after: self.node_lost_after,
+        }
     }
+}
 
-    fn handles(&self, kind: &GroupKind) -> bool {
-        self.custom_kinds.handles(kind)
-    }
+/// What the handler makes of a review.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Not a Pod CREATE without subresource: allowed untouched.
+    NotPodCreate,
+    /// The review's object is not a readable Pod: allowed untouched, reported.
+    Invalid(String),
+    /// The pod's decision.
+    Decided(Box<Decision>),
+}
 
-    fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
-        self.caches.pps_for(workload)
-    }
+/// The metadata the decision reads.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadMeta {
+    name: Option<String>,
+    generate_name: Option<String>,
+    namespace: Option<String>,
+    annotations: Option<BTreeMap<String, String>>,
+    owner_references: Option<Vec<OwnerReference>>,
+}
 
-    fn health(&self) -> Health {
-        Health::now(self.node_lost_after)
-    }
+/// The affinity the decision reads: node affinity (the rest is only noticed as present).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadAffinity {
+    node_affinity: Option<NodeAffinity>,
+}
 
-    fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
-        self.caches.ip_holder(ip, namespace, name)
+/// The spec fields the decision reads: what the pod demands of a node.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadSpec {
+    node_selector: Option<BTreeMap<String, String>>,
+    affinity: Option<ReadAffinity>,
+    tolerations: Option<Vec<Toleration>>,
+}
+
+#[derive(Deserialize)]
+struct ReadPod {
+    metadata: Option<ReadMeta>,
+    spec: Option<ReadSpec>,
+}
+
+/// Decodes of a pod only what the decision reads (metadata naming it and its owner, its
+/// annotations, and its node selector, node affinity and tolerations), skipping the rest of
+/// the object (containers, volumes, managed fields) without building it: the decode is most of
+/// an admission's cost. The patch only adds to what the pod has, so nothing skipped is lost.
+pub fn decode_pod(object: &str) -> Result<Pod, serde_json::Error> {
+    let read: ReadPod = serde_json::from_str(object)?;
+    let metadata = read
+        .metadata
+        .map_or_else(ObjectMeta::default, |m| ObjectMeta {
+            name: m.name,
+            generate_name: m.generate_name,
+            namespace: m.namespace,
+            annotations: m.annotations,
+            owner_references: m.owner_references,
+            ..ObjectMeta::default()
+        });
+    Ok(Pod {
+        metadata,
+        spec: read.spec.map(|s| PodSpec {
+            node_selector: s.node_selector,
+            affinity: s.affinity.map(|a| Affinity {
+                node_affinity: a.node_affinity,
+                ..Affinity::default()
+            }),
+            tolerations: s.tolerations,
+            ..PodSpec::default()
+        }),
+        status: None,
+    })
+}
+
+/// Filters the review (a Pod CREATE without subresource), decodes the pod (once, from the
+/// request body) and decides.
+pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
+    if !request.kind.is("", "Pod")
+        || request.operation != "CREATE"
+        || request.sub_resource.is_some()
+    {
+        return Outcome::NotPodCreate;
     }
+    let mut pod = match request.object().map(decode_pod) {
+        Some(Ok(pod)) => pod,
+        Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
+        None => return Outcome::Invalid("the request carries no object".into()),
+    };
+    let namespace = request
+        .namespace
+        .clone()
+        .or_else(|| pod.metadata.namespace.clone())
+        .unwrap_or_default();
+    // A pod created with generateName has no name in the object; the request may carry it.
+    if pod.metadata.name.as_deref().is_none_or(str::is_empty) {
+        pod.metadata.name = Some(request.name.clone());
+    }
+    Outcome::Decided(Box::new(decide(&pod, &namespace, lookup)))
 }
 
 /// Answers one pod AdmissionReview.
@@ -53,58 +145,65 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     let Review { request, received } = review;
     let span = tracing::info_span!("admission", uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(), name = %request.name);
     let _entered = span.enter();
-    let outcome = admit(&request, state.as_ref());
+    let outcome = admit(&request, &state.lookup());
     let (answer, result) = respond(&state, request.dry_run, outcome);
-    state.metrics.admission(PATH, result, received);
+    state
+        .metrics
+        .admission(endpoints::MUTATE_POD, result, received);
     answer.into_response(&request)
 }
 
+fn skipped(state: &WebhookState, reason: SkipReason) -> (Admission, AdmissionResult) {
+    state
+        .metrics
+        .skipped
+        .get_or_create(&SkipLabels { reason })
+        .inc();
+    tracing::debug!(reason = reason.as_str(), "allowed without patch");
+    (Admission::allow(), AdmissionResult::Allowed)
+}
+
 fn respond(state: &WebhookState, dry_run: bool, outcome: Outcome) -> (Admission, AdmissionResult) {
-    match outcome {
-        Outcome::Skip(reason) => {
-            state
-                .metrics
-                .skipped
-                .get_or_create(&SkipLabels { reason })
-                .inc();
-            tracing::debug!(reason = reason.as_str(), "allowed without patch");
-            (Admission::allow(), AdmissionResult::Allowed)
-        }
+    let decision = match outcome {
+        Outcome::NotPodCreate => return skipped(state, SkipReason::NotPodCreate),
         Outcome::Invalid(error) => {
             tracing::warn!(%error, "object is not a readable Pod; allowed without patch");
-            (Admission::allow(), AdmissionResult::InvalidObject)
+            return (Admission::allow(), AdmissionResult::InvalidObject);
         }
-        Outcome::Inject(decision) => {
-            report(state, dry_run, &decision);
-            let injection = &decision.injection;
-            if injection.patch.0.is_empty() {
-                return (Admission::allow(), AdmissionResult::Allowed);
-            }
-            match Admission::patch(&injection.patch) {
-                Ok(patched) => {
-                    tracing::debug!(
-                        pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
-                        required = injection.required,
-                        preferred = injection.preferred,
-                        annotations = injection.annotations,
-                        "injected persistent pod state"
-                    );
-                    (patched, AdmissionResult::Patched)
-                }
-                Err(error) => {
-                    tracing::error!(%error, "could not serialize the patch; allowing without it");
-                    (Admission::allow(), AdmissionResult::Allowed)
-                }
-            }
+        Outcome::Decided(decision) => decision,
+    };
+    let (Verdict::Inject { injection, ip }, Some(pps)) = (&decision.verdict, &decision.pps) else {
+        return match &decision.verdict {
+            Verdict::Skip(reason) => skipped(state, *reason),
+            Verdict::Inject { .. } => (Admission::allow(), AdmissionResult::Allowed),
+        };
+    };
+    report(state, dry_run, &decision, pps, injection, ip);
+    if injection.patch.0.is_empty() {
+        return (Admission::allow(), AdmissionResult::Allowed);
+    }
+    match Admission::patch(&injection.patch) {
+        Ok(patched) => {
+            tracing::debug!(
+                pps = pps.metadata.name.as_deref().unwrap_or_default(),
+                required = injection.required,
+                preferred = injection.preferred,
+                annotations = injection.annotations,
+                "injected persistent pod state"
+            );
+            (patched, AdmissionResult::Patched)
+        }
+        Err(error) => {
+            tracing::error!(%error, "could not serialize the patch; allowing without it");
+            (Admission::allow(), AdmissionResult::Allowed)
         }
     }
 }
 
-/// Counts the IP request, or reports why none was made (metric and, unless a dry run, an Event
-/// naming the pod).
-fn report_ip(state: &WebhookState, events: Option<&Arc<Events>>, decision: &Decision) {
+/// Counts the IP request, or why none was made.
+fn count_ip(state: &WebhookState, ip: &IpDecision) {
     let m = &state.metrics;
-    let result = match &decision.ip {
+    let result = match ip {
         IpDecision::NotAsked => return,
         IpDecision::Request { annotation, .. } => {
             tracing::debug!(%annotation, "recorded IPs requested");
@@ -118,24 +217,6 @@ fn report_ip(state: &WebhookState, events: Option<&Arc<Events>>, decision: &Deci
             // The detail may quote a tenant's annotation value: below info only.
             tracing::info!(reason = reason.describe(), "recorded IPs not requested");
             tracing::debug!(%detail, "why the recorded IPs were not requested");
-            if let Some(events) = events {
-                let mut note = format!(
-                    "pod {}: recorded IPs not requested: {}",
-                    decision.pod,
-                    reason.describe()
-                );
-                if !detail.is_empty() {
-                    note.push_str(&format!(" ({detail})"));
-                }
-                events.publish_about(
-                    &decision.pps,
-                    &decision.pod,
-                    EventType::Warning,
-                    "IPRequestSkipped",
-                    "Inject",
-                    note,
-                );
-            }
             IpRequestResult::Skipped
         }
     };
@@ -145,9 +226,16 @@ fn report_ip(state: &WebhookState, events: Option<&Arc<Events>>, decision: &Deci
 }
 
 /// Counts what was injected and reports what was left out (metrics, logs and, unless this is a
-/// dry run, Events on the PersistentPodState).
-fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
-    let (m, injection, pod) = (&state.metrics, &decision.injection, &decision.pod);
+/// dry run, Events on the PersistentPodState, described by [`Decision::left_out`]).
+fn report(
+    state: &WebhookState,
+    dry_run: bool,
+    decision: &Decision,
+    pps: &PersistentPodState,
+    injection: &Injection,
+    ip: &IpDecision,
+) {
+    let m = &state.metrics;
     for (kind, n) in [
         (InjectionKind::Required, injection.required),
         (InjectionKind::Preferred, injection.preferred),
@@ -159,7 +247,6 @@ fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
                 .inc_by(n as u64);
         }
     }
-    let events = state.events.as_ref().filter(|_| !dry_run);
     if let Some(dropped) = &injection.dropped {
         m.required_dropped
             .get_or_create(&DropLabels {
@@ -171,47 +258,207 @@ fn report(state: &WebhookState, dry_run: bool, decision: &Decision) {
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
-        tracing::warn!(pps = decision.pps.metadata.name.as_deref().unwrap_or_default(),
+        tracing::warn!(pps = pps.metadata.name.as_deref().unwrap_or_default(),
             values = %values.join(","), reason = dropped.reason.describe(),
             "recorded required values left out so the pod is not stranded");
-        if let Some(events) = events {
-            let kept: Vec<String> = injection
-                .kept_required
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            let note = format!(
-                "pod {pod}: left out required {} ({}); kept required [{}]; preferred placement injected",
-                values.join(","),
-                dropped.reason.describe(),
-                kept.join(",")
-            );
-            events.publish(
-                &decision.pps,
-                EventType::Warning,
-                "RequiredTopologySkipped",
-                "Inject",
-                note,
-            );
-        }
     }
-    report_ip(state, events, decision);
+    count_ip(state, ip);
     for c in &injection.conflicts {
         m.injection_conflicts.inc();
         tracing::info!(key = %c.key, "pod sets its own nodeSelector value; recorded value not injected");
     }
-    if let (Some(events), false) = (events, injection.conflicts.is_empty()) {
-        let keys: Vec<&str> = injection.conflicts.iter().map(|c| c.key.as_str()).collect();
+    let Some(events) = state.events.as_ref().filter(|_| !dry_run) else {
+        return;
+    };
+    let left_out = decision.left_out();
+    let of = |part: Part| -> Vec<LeftOut> {
+        left_out
+            .iter()
+            .filter(|l| l.part == part)
+            .cloned()
+            .collect()
+    };
+    let pod = &decision.pod;
+    let required = of(Part::Required);
+    if !required.is_empty() {
+        let kept: Vec<String> = injection
+            .kept_required
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         let note = format!(
-            "pod {pod} sets {} itself; the recorded value was not injected",
-            keys.join(",")
+            "pod {pod}: left out {}; kept required [{}]; preferred placement injected",
+            LeftOut::list(&required),
+            kept.join(",")
         );
         events.publish(
-            &decision.pps,
+            pps,
+            EventType::Warning,
+            "RequiredTopologySkipped",
+            "Inject",
+            note,
+        );
+    }
+    let ip_request = of(Part::IpRequest);
+    if !ip_request.is_empty() {
+        let note = format!("pod {pod}: left out {}", LeftOut::list(&ip_request));
+        events.publish_about(
+            pps,
+            pod,
+            EventType::Warning,
+            "IPRequestSkipped",
+            "Inject",
+            note,
+        );
+    }
+    let conflicts = of(Part::Conflict);
+    if !conflicts.is_empty() {
+        let note = format!(
+            "pod {pod}: left out {}; the pod's own values stay",
+            LeftOut::list(&conflicts)
+        );
+        events.publish(
+            pps,
             EventType::Warning,
             "NodeSelectorConflict",
             "Inject",
             note,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::admit::tests::{Fake, pps};
+    use super::super::review::parse;
+    use super::*;
+    use crate::placement::{self, PodDemands};
+    use crate::workload::pod_workload;
+    use serde_json::{Value, json};
+
+    /// A parsed request for `object` (absent when `None`).
+    fn request(
+        kind: &str,
+        operation: &str,
+        sub: Option<&str>,
+        object: Option<Value>,
+    ) -> AdmissionRequest {
+        let body = serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": kind},
+                "resource": {"group": "", "version": "v1", "resource": "pods"}, "subResource": sub,
+                "operation": operation, "userInfo": {}, "namespace": "ns", "name": "web-0",
+                "object": object}
+        }))
+        .expect("json");
+        parse(body.into()).expect("request")
+    }
+
+    fn pod(owner_kind: &str) -> Value {
+        json!({"metadata": {"name": "web-0", "ownerReferences": [{"apiVersion": "apps/v1",
+            "kind": owner_kind, "name": "web", "uid": "u", "controller": true}]},
+            "spec": {"containers": [{"name": "c"}]}})
+    }
+
+    #[test]
+    fn filters_pod_creates_and_reports_unreadable_pods() {
+        let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
+        let with = Fake {
+            pps: Some(pps(state)),
+            nodes: true,
+        };
+        for req in [
+            request("Pod", "UPDATE", None, Some(pod("StatefulSet"))),
+            request("Pod", "CREATE", Some("binding"), Some(pod("StatefulSet"))),
+            request("Service", "CREATE", None, Some(pod("StatefulSet"))),
+        ] {
+            assert!(matches!(admit(&req, &with), Outcome::NotPodCreate));
+        }
+        let create = |object: Option<Value>| request("Pod", "CREATE", None, object);
+        assert!(matches!(
+            admit(&create(Some(json!({"spec": []}))), &with),
+            Outcome::Invalid(_)
+        ));
+        assert!(matches!(admit(&create(None), &with), Outcome::Invalid(_)));
+        let Outcome::Decided(decision) = admit(&create(Some(pod("StatefulSet"))), &with) else {
+            panic!("decided")
+        };
+        assert_eq!(
+            (decision.namespace.as_str(), decision.pod.as_str()),
+            ("ns", "web-0")
+        );
+        assert!(matches!(decision.verdict, Verdict::Inject { .. }));
+    }
+
+    #[test]
+    fn the_request_name_stands_in_for_a_generated_name() {
+        let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
+        let lookup = Fake {
+            pps: Some(pps(state)),
+            nodes: false,
+        };
+        let mut object = pod("StatefulSet");
+        object["metadata"]["name"] = json!("");
+        let Outcome::Decided(decision) =
+            admit(&request("Pod", "CREATE", None, Some(object)), &lookup)
+        else {
+            panic!("decided")
+        };
+        assert_eq!(decision.pod, "web-0");
+        let Verdict::Inject { injection, .. } = &decision.verdict else {
+            panic!("injects")
+        };
+        assert!(injection.dropped.is_some(), "no node has zone=z1");
+    }
+
+    #[test]
+    fn the_partial_decode_injects_exactly_what_the_full_pod_would() {
+        let pps: PersistentPodState = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns", "annotations": {
+                "persistent-pod-state.io/ip-request": "calico"}},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                     "requiredPersistentTopology": {"keys": ["zone"]},
+                     "preferredPersistentTopology": [{"weight": 50, "preference": {"keys": ["host"]}}],
+                     "persistentPodAnnotations": [{"key": "a"}]}
+        }))
+        .expect("pps");
+        let state: crate::api::PodState = serde_json::from_value(json!({
+            "nodeName": "n1", "nodeTopologyLabels": {"zone": "z1", "host": "n1"},
+            "annotations": {"a": "1"}, "podIPs": ["10.0.0.1"]}))
+        .expect("state");
+        let owner = json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "u", "controller": true}]);
+        let pods = [
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"containers": [{"name": "c"}]}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner, "annotations": {"a": "0"},
+                    "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}]},
+                   "spec": {"nodeSelector": {"zone": "z2", "disk": "ssd"},
+                            "tolerations": [{"key": "t", "operator": "Exists"}],
+                            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}},
+                            "containers": [{"name": "c", "env": [{"name": "X", "value": "y"}]}],
+                            "volumes": [{"name": "v", "emptyDir": {}}]}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner},
+                   "spec": {"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                       {"weight": 1, "preference": {"matchExpressions": [{"key": "k", "operator": "Exists"}]}}],
+                       "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                           {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["z9"]}]}]}}}}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"affinity": {}}}),
+        ];
+        let keep = |recorded: &BTreeMap<String, String>| placement::Required {
+            kept: recorded.clone(),
+            dropped: None,
+        };
+        for object in pods {
+            let full: Pod = serde_json::from_value(object.clone()).expect("full pod");
+            let partial = decode_pod(&object.to_string()).expect("partial pod");
+            assert_eq!(PodDemands::of(&full), PodDemands::of(&partial));
+            assert_eq!(pod_workload(&full, "ns"), pod_workload(&partial, "ns"));
+            let request = Some(("cni.projectcalico.org/ipAddrs", "[\"10.0.0.1\"]"));
+            let inject = |pod: &Pod| {
+                super::super::inject::injection_for(pod, "web", &pps.spec, &state, &keep, request)
+                    .patch
+            };
+            assert_eq!(inject(&full), inject(&partial), "{object}");
+        }
     }
 }

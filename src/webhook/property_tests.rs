@@ -4,8 +4,8 @@
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
+use super::endpoints;
 use super::testing::{post, state};
-use super::{convert, mutate_pod, validate_pps};
 use crate::api::conversion;
 use crate::api::validation::{Context, validate};
 
@@ -62,7 +62,7 @@ proptest! {
                         "name": "p", "object": object, "oldObject": object}
         })).expect("json");
         let synced = state(true);
-        for path in [mutate_pod::PATH, validate_pps::PATH] {
+        for path in [endpoints::MUTATE_POD, endpoints::VALIDATE_PPS] {
             let (status, answer) = runtime().block_on(post(&synced, path, body.clone()));
             prop_assert_eq!(status.as_u16(), 200, "{} {}", path, answer);
             prop_assert_eq!(&answer["response"]["uid"], "prop");
@@ -78,7 +78,7 @@ proptest! {
             "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
             "request": {"uid": "prop", "desiredAPIVersion": desired, "objects": objects}
         })).expect("json");
-        let (status, answer) = runtime().block_on(post(&state(false), convert::PATH, body));
+        let (status, answer) = runtime().block_on(post(&state(false), endpoints::CONVERT, body));
         prop_assert_eq!(status.as_u16(), 200, "{}", answer);
         prop_assert_eq!(&answer["response"]["uid"], "prop");
         let result = answer["response"]["result"]["status"].as_str();
@@ -88,7 +88,7 @@ proptest! {
     #[test]
     fn arbitrary_bytes_get_a_review_or_a_json_error(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let synced = state(true);
-        for path in [mutate_pod::PATH, validate_pps::PATH, convert::PATH] {
+        for path in [endpoints::MUTATE_POD, endpoints::VALIDATE_PPS, endpoints::CONVERT] {
             let (status, answer) = runtime().block_on(post(&synced, path, bytes.clone()));
             prop_assert!(status.as_u16() == 200 || (answer["error"].is_string() && status.is_client_error()), "{} {}", status, answer);
         }

@@ -24,7 +24,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{WebhookState, endpoint};
+use super::{WebhookState, endpoints};
+use crate::api::json_error_summary;
 use crate::metrics::AdmissionResult;
 
 /// The AdmissionReview versions answered (the request's is echoed).
@@ -370,18 +371,6 @@ pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Res
     )
 }
 
-/// What is wrong with JSON, without quoting it (a parse error may quote part of a pod spec,
-/// which stays out of logs): the kind of error and where.
-pub fn json_error_summary(e: &serde_json::Error) -> String {
-    let kind = match e.classify() {
-        serde_json::error::Category::Io => "unreadable",
-        serde_json::error::Category::Syntax => "not valid JSON",
-        serde_json::error::Category::Data => "not of the expected shape",
-        serde_json::error::Category::Eof => "truncated",
-    };
-    format!("{kind} (line {}, column {})", e.line(), e.column())
-}
-
 /// A JSON error body `{"error": message}` with `status`.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()
@@ -390,7 +379,7 @@ pub fn error_response(status: StatusCode, message: &str) -> Response {
 /// Reads the body (within the router's body limit); a body that cannot be read is answered
 /// with its status (413 when too large) and a JSON message.
 async fn body(req: Request, state: &Arc<WebhookState>) -> Result<(Bytes, &'static str), Response> {
-    let path = endpoint(req.uri().path());
+    let path = endpoints::label(req.uri().path());
     let start = Instant::now();
     let json = req
         .headers()

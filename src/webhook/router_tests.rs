@@ -5,8 +5,8 @@ use axum::http::StatusCode;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 
+use super::endpoints;
 use super::testing::{post, state};
-use super::{convert, mutate_pod, validate_pps};
 use crate::api::PersistentPodState;
 
 fn review(kind: (&str, &str, &str), operation: &str, object: Value, old: Option<Value>) -> Value {
@@ -159,7 +159,7 @@ async fn mutate_pod_answers_every_case_with_the_uid_or_a_json_error() {
         ),
     ];
     for (what, request, want) in cases {
-        let (status, json) = post(&synced, mutate_pod::PATH, request).await;
+        let (status, json) = post(&synced, endpoints::MUTATE_POD, request).await;
         assert_eq!(answer(status, &json), want, "{what}: {json}");
         if want == Answer::Patched {
             let patch: json_patch::Patch =
@@ -204,7 +204,7 @@ async fn mutate_pod_answers_every_case_with_the_uid_or_a_json_error() {
     let unsynced = state(false);
     let (status, json) = post(
         &unsynced,
-        mutate_pod::PATH,
+        endpoints::MUTATE_POD,
         body(review(POD, "CREATE", pod(Some("web")), None)),
     )
     .await;
@@ -309,12 +309,12 @@ async fn validate_pps_allows_denies_and_rejects_bad_bodies() {
         ("not JSON", b"\xff\xfe".to_vec(), Answer::Error(400)),
     ];
     for (what, request, want) in cases {
-        let (status, json) = post(&synced, validate_pps::PATH, request).await;
+        let (status, json) = post(&synced, endpoints::VALIDATE_PPS, request).await;
         assert_eq!(answer(status, &json), want, "{what}: {json}");
     }
     let (status, json) = post(
         &state(false),
-        validate_pps::PATH,
+        endpoints::VALIDATE_PPS,
         body(review(
             kind("v1beta1"),
             "CREATE",
@@ -348,8 +348,12 @@ async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
         (&alpha, "apps.kruise.io/v1beta1", &beta),
         (&beta, "apps.kruise.io/v1alpha1", &alpha),
     ] {
-        let (status, json) =
-            post(&unsynced, convert::PATH, conversion(to, vec![from.clone()])).await;
+        let (status, json) = post(
+            &unsynced,
+            endpoints::CONVERT,
+            conversion(to, vec![from.clone()]),
+        )
+        .await;
         assert_eq!(status, StatusCode::OK, "{json}");
         assert_eq!(json["response"]["uid"], "conv-1");
         assert_eq!(json["response"]["result"]["status"], "Success", "{json}");
@@ -357,7 +361,7 @@ async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
     }
     let (status, json) = post(
         &unsynced,
-        convert::PATH,
+        endpoints::CONVERT,
         conversion("apps.kruise.io/v9", vec![alpha.clone()]),
     )
     .await;
@@ -369,7 +373,7 @@ async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
         br#"{"kind": "ConversionReview"}"#,
         br#"{"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview"}"#,
     ] {
-        let (status, json) = post(&unsynced, convert::PATH, bad.to_vec()).await;
+        let (status, json) = post(&unsynced, endpoints::CONVERT, bad.to_vec()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{json}");
         assert!(json["error"].is_string());
     }
@@ -386,7 +390,7 @@ async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
     );
     with_ip.metadata.annotations = Some(
         [(
-            crate::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+            crate::api::ip_request::IP_REQUEST_ANNOTATION.to_string(),
             "calico".to_string(),
         )]
         .into(),
@@ -395,7 +399,7 @@ async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
     caches.apply_node(watcher::Event::Apply(node("n1", "z1")));
     let body = || serde_json::to_vec(&review(POD, "CREATE", pod(Some("web")), None)).expect("json");
 
-    let (status, json) = post(&synced, mutate_pod::PATH, body()).await;
+    let (status, json) = post(&synced, endpoints::MUTATE_POD, body()).await;
     assert_eq!(answer(status, &json), Answer::Patched);
     let patch: json_patch::Patch =
         serde_json::from_slice(&patch_bytes(&json["response"]["patch"])).expect("patch");
@@ -407,7 +411,7 @@ async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
     );
     // Invoked again with its own result (reinvocation): nothing more to do.
     let again = serde_json::to_vec(&review(POD, "CREATE", object, None)).expect("json");
-    let (status, json) = post(&synced, mutate_pod::PATH, again).await;
+    let (status, json) = post(&synced, endpoints::MUTATE_POD, again).await;
     assert_eq!(answer(status, &json), Answer::Allowed, "idempotent: {json}");
     assert!(
         synced
@@ -425,7 +429,7 @@ async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
         )
         .expect("pod"),
     ));
-    let (status, json) = post(&synced, mutate_pod::PATH, body()).await;
+    let (status, json) = post(&synced, endpoints::MUTATE_POD, body()).await;
     assert_eq!(
         answer(status, &json),
         Answer::Patched,
@@ -473,7 +477,7 @@ async fn an_ip_request_or_recorded_ip_that_does_not_parse_is_never_injected() {
         );
         with_ip.metadata.annotations = Some(
             [(
-                crate::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+                crate::api::ip_request::IP_REQUEST_ANNOTATION.to_string(),
                 request.to_string(),
             )]
             .into(),
@@ -484,7 +488,7 @@ async fn an_ip_request_or_recorded_ip_that_does_not_parse_is_never_injected() {
             .apply_node(watcher::Event::Apply(node("n1", "z1")));
         let body =
             serde_json::to_vec(&review(POD, "CREATE", pod(Some("web")), None)).expect("json");
-        let (status, json) = post(&synced, mutate_pod::PATH, body).await;
+        let (status, json) = post(&synced, endpoints::MUTATE_POD, body).await;
         assert_eq!(
             answer(status, &json),
             Answer::Patched,
@@ -517,10 +521,7 @@ struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl std::io::Write for Captured {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(buf);
+        crate::sync::lock(&self.0).extend_from_slice(buf);
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -546,7 +547,7 @@ async fn logs_below_debug_carry_no_annotation_value_or_pod_spec() {
     );
     with_ip.metadata.annotations = Some(
         [(
-            crate::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+            crate::api::ip_request::IP_REQUEST_ANNOTATION.to_string(),
             "calico".to_string(),
         )]
         .into(),
@@ -559,16 +560,10 @@ async fn logs_below_debug_carry_no_annotation_value_or_pod_spec() {
         json!({"metadata": {"name": "web-0"}, "spec": {"nodeSelector": "SECRET-SPEC-VALUE"}});
     for object in [own, unreadable] {
         let body = serde_json::to_vec(&review(POD, "CREATE", object, None)).expect("json");
-        let (status, _) = post(&synced, mutate_pod::PATH, body).await;
+        let (status, _) = post(&synced, endpoints::MUTATE_POD, body).await;
         assert_eq!(status, StatusCode::OK);
     }
-    let logs = String::from_utf8_lossy(
-        &captured
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    )
-    .into_owned();
+    let logs = String::from_utf8_lossy(&crate::sync::lock(&captured.0)).into_owned();
     assert!(logs.contains("recorded IPs not requested"), "{logs}");
     assert!(logs.contains("not a readable Pod"), "{logs}");
     assert!(!logs.contains("SECRET"), "{logs}");
@@ -632,7 +627,7 @@ async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
 
     // Created a moment ago, not cached yet: refused.
     let (state, server) = with_api(Some(list(vec![pps("first", "fresh", json!({}))])));
-    let (status, body) = post(&state, validate_pps::PATH, create("second", "fresh")).await;
+    let (status, body) = post(&state, endpoints::VALIDATE_PPS, create("second", "fresh")).await;
     drop(state);
     server.await.expect("mock API");
     assert_eq!(
@@ -647,13 +642,13 @@ async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
     );
     // Deleted a moment ago, still cached: allowed.
     let (state, server) = with_api(Some(list(vec![])));
-    let (status, body) = post(&state, validate_pps::PATH, create("next", "gone")).await;
+    let (status, body) = post(&state, endpoints::VALIDATE_PPS, create("next", "gone")).await;
     drop(state);
     server.await.expect("mock API");
     assert_eq!(answer(status, &body), Answer::Allowed);
     // The API server fails: the cache answers.
     let (state, server) = with_api(None);
-    let (status, body) = post(&state, validate_pps::PATH, create("next", "gone")).await;
+    let (status, body) = post(&state, endpoints::VALIDATE_PPS, create("next", "gone")).await;
     drop(state);
     server.await.expect("mock API");
     assert_eq!(

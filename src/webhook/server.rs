@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::review::error_response;
-use super::{MAX_BODY, endpoint};
+use super::{MAX_BODY, endpoints};
 use crate::metrics::{AdmissionResult, Metrics};
 
 /// What a connection and a request may take.
@@ -99,7 +99,11 @@ impl RequestLimit {
 
     fn refused(&self, request: &Request, result: AdmissionResult) {
         if let Some(m) = &self.metrics {
-            m.admission(endpoint(request.uri().path()), result, Instant::now());
+            m.admission(
+                endpoints::label(request.uri().path()),
+                result,
+                Instant::now(),
+            );
         }
     }
 }
@@ -125,7 +129,11 @@ pub async fn limit_requests(
         Ok(response) => response,
         Err(_) => {
             if let Some(m) = &limit.metrics {
-                m.admission(endpoint(&path), AdmissionResult::TimedOut, Instant::now());
+                m.admission(
+                    endpoints::label(&path),
+                    AdmissionResult::TimedOut,
+                    Instant::now(),
+                );
             }
             error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
         }

@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -82,7 +82,7 @@ impl ReloadingCert {
 
     /// The pair to serve now, reloaded first if the files changed.
     pub fn current(&self) -> Arc<CertifiedKey> {
-        let mut loaded = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut loaded = crate::sync::lock(&self.loaded);
         if loaded.checked.elapsed() >= RECHECK {
             loaded.checked = Instant::now();
             let now = (FileStamp::of(&self.cert), FileStamp::of(&self.key));

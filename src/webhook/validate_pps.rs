@@ -9,16 +9,13 @@ use axum::response::Response;
 use kube::api::{Api, ListParams};
 use serde_json::Value;
 
-use super::WebhookState;
 use super::review::{Admission, AdmissionRequest, Review};
+use super::{WebhookState, endpoints};
 use crate::api::validation::{Context, validate};
 use crate::api::{KRUISE_GROUP, PersistentPodState, api_group, keys_field};
 use crate::metrics::AdmissionResult;
 use crate::state::index::pps_target;
 use crate::workload::{GroupKind, WorkloadRef};
-
-/// The path this handler is mounted on.
-pub const PATH: &str = "/validate-persistentpodstate";
 
 /// How long the live read of a namespace's PersistentPodStates may take before the cache answers
 /// (the API server gives the whole review `timeoutSeconds`, 5 in the manifests).
@@ -35,7 +32,7 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review
     let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
     let _entered = span.enter();
     let (answer, result) = decide(&state, &req).await;
-    metrics.admission(PATH, result, start);
+    metrics.admission(endpoints::VALIDATE_PPS, result, start);
     answer.into_response(&req)
 }
 
