@@ -148,6 +148,16 @@ pub enum Plan {
     Leave(Leave),
 }
 
+/// What the generator does for one workload, and what it reports about it.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    /// What is sent to the API server.
+    pub plan: Plan,
+    /// Why the workload's `persistent-pod-state.io/ip-request` is not copied, when it asks for
+    /// generation and carries a value that is not valid.
+    pub invalid_ip_request: Option<String>,
+}
+
 /// Decides what the generator does for `workload`, given the PersistentPodState named like it
 /// (`existing`) and the names of the PersistentPodStates that target it (`targeting`). A
 /// PersistentPodState not generated for the workload is never changed or deleted.
@@ -155,17 +165,44 @@ pub fn plan(
     workload: &Workload<'_>,
     existing: Option<&PersistentPodState>,
     targeting: &[String],
-) -> Plan {
+) -> Planned {
     if workload.deleting {
-        return Plan::Leave(Leave::WorkloadDeleting);
+        return Planned {
+            plan: Plan::Leave(Leave::WorkloadDeleting),
+            invalid_ip_request: None,
+        };
     }
-    let generated = existing.is_some_and(|p| generated_for(p.owner_references(), workload.uid));
     let desired = desired_spec(
         workload.api_version,
         workload.kind,
         workload.name,
         workload.annotations,
     );
+    // Copied onto the generated PersistentPodState when valid; an invalid one is left out (so
+    // it never reaches a pod) and reported.
+    let (ip_request, invalid_ip_request) =
+        match (&desired, workload.annotations.get(IP_REQUEST_ANNOTATION)) {
+            (Some(_), Some(value)) => match IpRequest::parse(value) {
+                Ok(_) => (Some(value.as_str()), None),
+                Err(e) => (None, Some(e)),
+            },
+            _ => (None, None),
+        };
+    Planned {
+        plan: plan_spec(workload, existing, targeting, desired, ip_request),
+        invalid_ip_request,
+    }
+}
+
+/// [`plan`], once the desired spec and the valid IP request are known.
+fn plan_spec(
+    workload: &Workload<'_>,
+    existing: Option<&PersistentPodState>,
+    targeting: &[String],
+    desired: Option<PersistentPodStateSpec>,
+    ip_request: Option<&str>,
+) -> Plan {
+    let generated = existing.is_some_and(|p| generated_for(p.owner_references(), workload.uid));
     let Some(mut spec) = desired else {
         return match existing {
             Some(p) if generated => Plan::Delete {
@@ -181,7 +218,6 @@ pub fn plan(
     if targeting.iter().any(|other| other != workload.name) {
         return Plan::Leave(Leave::OtherTargets);
     }
-    let ip_request = ip_request_of(workload);
     if let Some(current) = existing {
         // The target is matched by group and kind: keep the version already written (the
         // watched version can change, and targetRef is immutable).
@@ -227,27 +263,6 @@ pub fn plan(
         spec,
         status: None,
     }))
-}
-
-/// The workload's `persistent-pod-state.io/ip-request`, copied onto the generated
-/// PersistentPodState when it is a valid value (an invalid one is left out, so it never
-/// reaches a pod; see [`invalid_ip_request`]).
-fn ip_request_of<'a>(workload: &Workload<'a>) -> Option<&'a str> {
-    let value = workload.annotations.get(IP_REQUEST_ANNOTATION)?;
-    IpRequest::parse(value).ok().map(|_| value.as_str())
-}
-
-/// Why the workload's `persistent-pod-state.io/ip-request` cannot be copied, when it asks for
-/// generation and carries one that is not valid.
-pub fn invalid_ip_request(workload: &Workload<'_>) -> Option<String> {
-    desired_spec(
-        workload.api_version,
-        workload.kind,
-        workload.name,
-        workload.annotations,
-    )?;
-    let value = workload.annotations.get(IP_REQUEST_ANNOTATION)?;
-    IpRequest::parse(value).err().map(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -400,7 +415,7 @@ mod tests {
         let hand_made = existing(None, "apps/v1", &["host"]);
         let other_uid = existing(Some("u0"), "apps/v1", &["host"]);
 
-        let create = plan(&workload(&zone), None, &[]);
+        let create = plan(&workload(&zone), None, &[]).plan;
         assert_eq!(applied_keys(&create), Some(vec!["zone".to_string()]));
         let Plan::Apply(created) = &create else {
             unreachable!()
@@ -409,37 +424,40 @@ mod tests {
         assert_eq!(created.owner_references()[0].controller, Some(true));
 
         assert_eq!(
-            applied_keys(&plan(&workload(&zone), Some(&mine_old), &["web".into()])),
+            applied_keys(&plan(&workload(&zone), Some(&mine_old), &["web".into()]).plan),
             Some(vec!["zone".to_string()]),
             "update"
         );
         let cases = [
             (
-                plan(&workload(&zone), Some(&mine), &["web".into()]),
+                plan(&workload(&zone), Some(&mine), &["web".into()]).plan,
                 "Leave(UpToDate)",
             ),
-            (plan(&deleting, Some(&mine), &[]), "Leave(WorkloadDeleting)"),
             (
-                plan(&workload(&zone), Some(&hand_made), &["web".into()]),
+                plan(&deleting, Some(&mine), &[]).plan,
+                "Leave(WorkloadDeleting)",
+            ),
+            (
+                plan(&workload(&zone), Some(&hand_made), &["web".into()]).plan,
                 "Leave(HandMade)",
             ),
             (
-                plan(&workload(&zone), Some(&other_uid), &[]),
+                plan(&workload(&zone), Some(&other_uid), &[]).plan,
                 "Leave(HandMade)",
             ),
             (
-                plan(&workload(&zone), None, &["other".into()]),
+                plan(&workload(&zone), None, &["other".into()]).plan,
                 "Leave(OtherTargets)",
             ),
             (
-                plan(&workload(&nothing), Some(&mine), &[]),
+                plan(&workload(&nothing), Some(&mine), &[]).plan,
                 r#"Delete { uid: "pps-uid", resource_version: None }"#,
             ),
             (
-                plan(&workload(&nothing), Some(&hand_made), &[]),
+                plan(&workload(&nothing), Some(&hand_made), &[]).plan,
                 "Leave(NotAsked)",
             ),
-            (plan(&workload(&nothing), None, &[]), "Leave(NotAsked)"),
+            (plan(&workload(&nothing), None, &[]).plan, "Leave(NotAsked)"),
         ];
         for (i, (got, want)) in cases.into_iter().enumerate() {
             assert_eq!(format!("{got:?}"), want, "case {i}");
@@ -453,10 +471,11 @@ mod tests {
         edited.spec.persistent_pod_state_retention_policy =
             Some(crate::api::RetentionPolicy::WhenDeleted);
         assert!(matches!(
-            plan(&workload(&zone), Some(&edited), &["web".into()]),
+            plan(&workload(&zone), Some(&edited), &["web".into()]).plan,
             Plan::Leave(Leave::UpToDate)
         ));
-        let Plan::Apply(applied) = plan(&workload(&asking("host")), Some(&edited), &["web".into()])
+        let Plan::Apply(applied) =
+            plan(&workload(&asking("host")), Some(&edited), &["web".into()]).plan
         else {
             panic!("the required keys changed")
         };
@@ -470,7 +489,7 @@ mod tests {
     fn the_workloads_ip_request_is_copied_when_valid() {
         let mut with_ip = asking("zone");
         with_ip.insert(IP_REQUEST_ANNOTATION.into(), "calico".into());
-        let Plan::Apply(created) = plan(&workload(&with_ip), None, &[]) else {
+        let Plan::Apply(created) = plan(&workload(&with_ip), None, &[]).plan else {
             panic!("created")
         };
         assert_eq!(
@@ -483,7 +502,7 @@ mod tests {
         let mine = existing(Some("u1"), "apps/v1", &["zone"]);
         assert!(
             matches!(
-                plan(&workload(&with_ip), Some(&mine), &["web".into()]),
+                plan(&workload(&with_ip), Some(&mine), &["web".into()]).plan,
                 Plan::Apply(_)
             ),
             "the existing PPS lacks it: updated"
@@ -494,12 +513,12 @@ mod tests {
             "calico".into(),
         )]));
         assert!(matches!(
-            plan(&workload(&with_ip), Some(&has_it), &["web".into()]),
+            plan(&workload(&with_ip), Some(&has_it), &["web".into()]).plan,
             Plan::Leave(Leave::UpToDate)
         ));
         let mut invalid = asking("zone");
         invalid.insert(IP_REQUEST_ANNOTATION.into(), "weave".into());
-        let Plan::Apply(created) = plan(&workload(&invalid), None, &[]) else {
+        let Plan::Apply(created) = plan(&workload(&invalid), None, &[]).plan else {
             panic!("created")
         };
         assert!(
@@ -507,14 +526,20 @@ mod tests {
             "never copied"
         );
         assert!(
-            invalid_ip_request(&workload(&invalid)).is_some_and(|e| e.contains("weave")),
+            plan(&workload(&invalid), None, &[])
+                .invalid_ip_request
+                .is_some_and(|e| e.contains("weave")),
             "reported"
         );
-        assert_eq!(invalid_ip_request(&workload(&with_ip)), None, "valid");
+        assert_eq!(
+            plan(&workload(&with_ip), None, &[]).invalid_ip_request,
+            None,
+            "valid"
+        );
         let mut not_generating = invalid.clone();
         not_generating.insert(AUTO_GENERATE_ANNOTATION.into(), "false".into());
         assert_eq!(
-            invalid_ip_request(&workload(&not_generating)),
+            plan(&workload(&not_generating), None, &[]).invalid_ip_request,
             None,
             "nothing to copy it to"
         );
@@ -526,7 +551,7 @@ mod tests {
         let written_v1beta1 = existing(Some("u1"), "apps/v1beta1", &["zone"]);
         assert!(
             matches!(
-                plan(&workload(&zone), Some(&written_v1beta1), &[]),
+                plan(&workload(&zone), Some(&written_v1beta1), &[]).plan,
                 Plan::Leave(Leave::UpToDate)
             ),
             "targetRef is immutable: only group and kind are compared"

@@ -1,6 +1,6 @@
 //! The pure core of the controller: from a PersistentPodState, its workload, the workload's pods
-//! and the nodes, the status it should have; and the minimal merge patch from one status to
-//! another.
+//! and the nodes, the whole change a reconcile makes ([`change`]): the status it should have, the
+//! minimal merge patch to it, and which states were recorded, pruned and restored.
 
 use std::collections::BTreeMap;
 
@@ -102,24 +102,82 @@ pub fn compare(before: &PodState, now: &PodState) -> Restore {
     Restore { node, ip }
 }
 
-/// The pods that came back since `old` and how (those whose state in `new` is of another pod
-/// than in `old`, with a restore judged): pod name, the state it was steered back to, the new
-/// state, and the outcome.
-pub fn restorations<'a>(
-    old: Option<&'a PersistentPodStateStatus>,
-    new: &'a PersistentPodStateStatus,
-) -> Vec<(&'a str, &'a PodState, &'a PodState, Restore)> {
-    let Some(old) = old else {
-        return Vec::new();
-    };
-    new.pod_states
-        .iter()
-        .filter_map(|(name, now)| {
-            let before = old.pod_states.get(name)?;
-            let restore = now.last_restore?;
-            (before.pod_uid != now.pod_uid).then_some((name.as_str(), before, now, restore))
-        })
-        .collect()
+/// A pod that came back since the last status, and how.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Restoration {
+    /// The pod's name.
+    pub pod: String,
+    /// The state it was steered back to.
+    pub before: PodState,
+    /// Its state now.
+    pub now: PodState,
+    /// How it came back.
+    pub restore: Restore,
+}
+
+/// What one reconcile changes in a PersistentPodState's status, computed once: the shell
+/// writes `patch` and reports the rest.
+#[derive(Clone, Debug)]
+pub struct StatusChange {
+    /// The status it should have.
+    pub status: PersistentPodStateStatus,
+    /// The merge patch from the current status to it; `None`: nothing to write.
+    pub patch: Option<Value>,
+    /// States added or changed, by pod name.
+    pub recorded: Vec<String>,
+    /// States removed, by pod name.
+    pub pruned: Vec<String>,
+    /// Pods that came back since the current status.
+    pub restorations: Vec<Restoration>,
+}
+
+/// The whole change a reconcile makes to a PersistentPodState named `pps_name` with `spec` (at
+/// `generation`) whose status is `current`, as [`desired_status`] decides it.
+pub fn change(
+    pps_name: &str,
+    spec: &PersistentPodStateSpec,
+    generation: i64,
+    current: Option<&PersistentPodStateStatus>,
+    observed: &Observed<'_>,
+) -> Result<StatusChange, serde_json::Error> {
+    let status = desired_status(pps_name, spec, generation, current, observed);
+    let patch = merge_patch(
+        &serde_json::to_value(current)?,
+        &serde_json::to_value(&status)?,
+    );
+    let empty = BTreeMap::new();
+    let old = current.map_or(&empty, |s| &s.pod_states);
+    let (mut recorded, mut restorations) = (Vec::new(), Vec::new());
+    for (pod, now) in &status.pod_states {
+        let before = old.get(pod);
+        if before == Some(now) {
+            continue;
+        }
+        recorded.push(pod.clone());
+        // Another pod of that name (another uid) whose restore was judged: it came back.
+        if let (Some(before), Some(restore)) = (before, now.last_restore)
+            && before.pod_uid != now.pod_uid
+        {
+            restorations.push(Restoration {
+                pod: pod.clone(),
+                before: before.clone(),
+                now: now.clone(),
+                restore,
+            });
+        }
+    }
+    let pruned = old
+        .keys()
+        .filter(|k| !status.pod_states.contains_key(*k))
+        .cloned()
+        .collect();
+    Ok(StatusChange {
+        status,
+        patch,
+        recorded,
+        pruned,
+        restorations,
+    })
 }
 
 /// The status a PersistentPodState should have.
@@ -226,7 +284,7 @@ pub fn unplaceable_states(
 
 /// The RFC 7386 merge patch that turns `old` into `new`, or `None` if they are equal. Only
 /// changed members are sent, so a concurrent change to other members is kept.
-pub fn merge_patch(old: &Value, new: &Value) -> Option<Value> {
+fn merge_patch(old: &Value, new: &Value) -> Option<Value> {
     if old == new {
         return None;
     }
@@ -379,7 +437,7 @@ mod tests {
             recreated("web-3", "a3", "n2", &[], true),
         ];
         let refs: Vec<&CachedPod> = first.iter().collect();
-        let observed = |pods: &'_ [&'_ CachedPod]| -> PersistentPodStateStatus {
+        let observed = |pods: &'_ [&'_ CachedPod]| -> StatusChange {
             let exists = |_: &str| true;
             let observed = Observed {
                 target: live(4),
@@ -387,12 +445,13 @@ mod tests {
                 pod_exists: &exists,
                 node_labels: &nodes,
             };
-            desired_status("web", &spec(None), 1, None, &observed)
+            change("web", &spec(None), 1, None, &observed).expect("change")
         };
-        let before = observed(&refs);
+        let first = observed(&refs);
+        assert!(first.restorations.is_empty());
+        let before = first.status;
         assert_eq!(before.recorded, Some(4));
         assert_eq!(before.restored, None, "nothing re-created yet");
-        assert!(restorations(None, &before).is_empty());
 
         // Re-created: web-0 back on its node with its IPs (families in another order), web-1
         // on another node with another IP, web-2 not steered by the webhook (not judged), web-3
@@ -405,7 +464,7 @@ mod tests {
         ];
         let refs: Vec<&CachedPod> = second.iter().collect();
         let exists = |_: &str| true;
-        let after = desired_status(
+        let second = change(
             "web",
             &spec(None),
             1,
@@ -416,14 +475,21 @@ mod tests {
                 pod_exists: &exists,
                 node_labels: &nodes,
             },
-        );
-        let judged: Vec<(&str, Option<&str>, Option<&str>, Restore)> =
-            restorations(Some(&before), &after)
-                .into_iter()
-                .map(|(pod, was, now, r)| {
-                    (pod, was.node_name.as_deref(), now.node_name.as_deref(), r)
-                })
-                .collect();
+        )
+        .expect("change");
+        let judged: Vec<(&str, Option<&str>, Option<&str>, Restore)> = second
+            .restorations
+            .iter()
+            .map(|r| {
+                (
+                    r.pod.as_str(),
+                    r.before.node_name.as_deref(),
+                    r.now.node_name.as_deref(),
+                    r.restore,
+                )
+            })
+            .collect();
+        let after = second.status.clone();
         let restore = |node, ip| Restore { node, ip };
         assert_eq!(
             judged,
@@ -451,7 +517,7 @@ mod tests {
         assert_eq!(after.recorded, Some(4));
         assert_eq!(after.restored.as_deref(), Some("2/3"));
         // A later status computation of the same pods keeps the judgement and reports nothing new.
-        let again = desired_status(
+        let again = change(
             "web",
             &spec(None),
             1,
@@ -462,9 +528,10 @@ mod tests {
                 pod_exists: &exists,
                 node_labels: &nodes,
             },
-        );
-        assert!(restorations(Some(&after), &again).is_empty());
-        assert_eq!(again.restored.as_deref(), Some("2/3"));
+        )
+        .expect("change");
+        assert!(again.restorations.is_empty());
+        assert_eq!(again.status.restored.as_deref(), Some("2/3"));
     }
 
     #[test]

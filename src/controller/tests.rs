@@ -230,7 +230,7 @@ async fn status_writes_are_paced_and_a_change_within_the_interval_waits_for_the_
     assert!(sent.is_empty(), "{sent:?}");
     // Looked at again before the interval is over (the Action exposes no getter: its Debug
     // shows the delay, in ms).
-    let paced = kube::runtime::controller::Action::requeue(super::Pacing::INTERVAL);
+    let paced = kube::runtime::controller::Action::requeue(super::retry::Pacing::INTERVAL);
     assert!(
         action != paced && format!("{action:?}").ends_with("ms) }"),
         "{action:?}"
@@ -476,23 +476,23 @@ async fn a_pps_over_the_limits_is_reported_and_only_the_limits_are_read() {
 
 #[test]
 fn retries_back_off_exponentially_with_jitter_per_object_until_a_success() {
-    let backoff = super::Backoff::default();
+    let backoff = super::retry::Backoff::default();
     let delays: Vec<Duration> = (0..12).map(|_| backoff.failed("a".into())).collect();
     for (n, delay) in delays.iter().enumerate() {
-        let full = super::Backoff::BASE
+        let full = super::retry::Backoff::BASE
             .saturating_mul(2u32.pow(n as u32))
-            .min(super::Backoff::MAX);
+            .min(super::retry::Backoff::MAX);
         assert!(
             *delay >= full / 2 && *delay <= full,
             "failure {}: {delay:?} not within half and all of {full:?}",
             n + 1
         );
     }
-    assert!(delays[11] >= super::Backoff::MAX / 2, "capped, not reset");
+    assert!(delays[11] >= super::retry::Backoff::MAX / 2, "capped, not reset");
     // Another object starts from the base; a success starts this one over.
-    assert!(backoff.failed("b".into()) <= super::Backoff::BASE);
+    assert!(backoff.failed("b".into()) <= super::retry::Backoff::BASE);
     backoff.succeeded("a");
-    assert!(backoff.failed("a".into()) <= super::Backoff::BASE);
+    assert!(backoff.failed("a".into()) <= super::retry::Backoff::BASE);
     // Jitter: objects failing together do not all get the same delay.
     let together: std::collections::BTreeSet<Duration> = (0..20)
         .map(|i| backoff.failed(format!("together-{i}")))
@@ -527,7 +527,7 @@ async fn a_conflicting_status_write_fails_the_reconcile_timed_and_counted_for_a_
         }
     };
     let error = result.expect_err("a conflict fails the reconcile");
-    assert!(super::is_conflict(&error), "{error}");
+    assert!(super::retry::is_conflict(&error), "{error}");
     let action = super::pps_error_policy(pps, &error, ctx.clone());
     assert!(
         format!("{action:?}").contains("requeue_after: Some"),

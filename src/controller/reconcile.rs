@@ -1,0 +1,241 @@
+//! The controllers' shells: read the caches, call the pure [`super::record`] and
+//! [`super::generate`], write the result, and hand what happened to [`super::report`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
+};
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, ResourceExt};
+use serde_json::json;
+
+use super::generate::{self, Leave, Plan};
+use super::record::{self, Observed, Target};
+use super::retry::failure_key;
+use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
+use crate::api::{PersistentPodState, PersistentPodStateStatus};
+use crate::metrics::{GeneratorAction, Reconciler};
+use crate::placement::Health;
+use crate::state::trim::CachedPod;
+use crate::state::{Caches, WorkloadLookup, pps_target};
+use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
+
+fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
+    match caches.workload(workload) {
+        WorkloadLookup::Found(obj) => {
+            let info = WorkloadInfo::from_object(&obj);
+            if info.deleting {
+                Target::Gone
+            } else {
+                Target::Live(info)
+            }
+        }
+        WorkloadLookup::Absent => Target::Gone,
+        WorkloadLookup::Unknown => Target::Unknown,
+    }
+}
+
+/// Records the states of the target's Ready pods and prunes states no longer needed, writing
+/// only what changed.
+#[tracing::instrument(skip_all, fields(namespace = pps.namespace().unwrap_or_default(), name = %pps.name_any(), uid = pps.uid().unwrap_or_default()))]
+pub async fn reconcile_pps(
+    pps: Arc<PersistentPodState>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile_timer(Reconciler::Status);
+    let (Some(namespace), Some(target)) = (pps.namespace(), pps_target(&pps)) else {
+        return Ok(Action::await_change());
+    };
+    if let Some(in_force) = ctx.caches.pps_for(&target)
+        && in_force.metadata.name != pps.metadata.name
+    {
+        report::duplicate(&ctx, &pps, &in_force.name_any(), &target);
+        return Ok(Action::requeue(RESYNC));
+    }
+    let workload_target = target_of(&ctx.caches, &target);
+    let change = {
+        let caches = &ctx.caches;
+        let pods = caches.pods_of(&target);
+        let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
+        let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
+        let node_labels = |name: &str| caches.node(name).map(|n| n.labels().clone());
+        let observed = Observed {
+            target: workload_target.clone(),
+            pods: &pods,
+            pod_exists: &pod_exists,
+            node_labels: &node_labels,
+        };
+        let generation = pps.metadata.generation.unwrap_or_default();
+        record::change(
+            &pps.name_any(),
+            &pps.spec,
+            generation,
+            pps.status.as_ref(),
+            &observed,
+        )?
+    };
+
+    let key = ObjectRef::from_obj(pps.as_ref());
+    // A write within the pacing interval waits (what changes meanwhile joins it); what is
+    // reported below from the computed status is not held back with it.
+    let paced = change.patch.as_ref().and_then(|_| ctx.pacing.wait(&key));
+    if let (Some(patch), None) = (&change.patch, paced) {
+        // Conditional on the version the status was computed from: a stale writer (a replica
+        // that lost the Lease, or a reconcile of an older copy) gets a conflict, never
+        // overwrites newer states; the next reconcile computes again from the cache.
+        let mut body = json!({ "status": patch });
+        if let Some(version) = pps.resource_version() {
+            body["metadata"] = json!({ "resourceVersion": version });
+        }
+        ctx.fence.check()?;
+        let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
+        api.patch_status(
+            &pps.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(body),
+        )
+        .await?;
+        ctx.pacing.wrote(key);
+        report::written(&ctx, &pps, &change);
+    }
+    ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
+    let health = Health::now(ctx.node_lost_after);
+    report::unplaceable(&ctx, &pps, &change.status, &health);
+    report::limits(&ctx, &pps, &workload_target);
+    let next = next_look(&ctx.caches, &change.status, &health);
+    Ok(Action::requeue(paced.map_or(next, |wait| wait.min(next))))
+}
+
+/// When to look at a PersistentPodState again without a change: at the resync period, or just
+/// after a recorded node that is not ready now would count as lost (so the report follows).
+fn next_look(caches: &Caches, status: &PersistentPodStateStatus, health: &Health) -> Duration {
+    status
+        .pod_states
+        .values()
+        .filter_map(|s| s.node_name.as_deref())
+        .filter_map(|name| caches.node(name))
+        .filter_map(|node| health.lost_at(&node))
+        .filter(|at| *at > health.now)
+        .map(|at| {
+            let secs = at.as_second().saturating_sub(health.now.as_second());
+            Duration::from_secs(u64::try_from(secs).unwrap_or(0) + 1)
+        })
+        .fold(RESYNC, Duration::min)
+}
+
+/// The context of one workload kind's generator.
+pub struct WorkloadContext {
+    pub(super) ctx: Arc<Context>,
+    /// The kind's resource (objects from a list carry no apiVersion/kind of their own).
+    resource: ApiResource,
+}
+
+impl WorkloadContext {
+    /// The generator context of the workload kind `resource`.
+    pub fn new(ctx: Arc<Context>, resource: ApiResource) -> Self {
+        Self { ctx, resource }
+    }
+}
+
+/// Creates, updates or deletes the PersistentPodState generated from a workload's annotations,
+/// as [`generate::plan`] decides.
+#[tracing::instrument(skip_all, fields(namespace = obj.namespace().unwrap_or_default(), name = %obj.name_any(), uid = obj.uid().unwrap_or_default()))]
+pub async fn reconcile_workload(
+    obj: Arc<DynamicObject>,
+    wctx: Arc<WorkloadContext>,
+) -> Result<Action, Error> {
+    let ctx = &wctx.ctx;
+    let _timer = ctx.metrics.reconcile_timer(Reconciler::Generator);
+    let types = &wctx.resource;
+    let (Some(namespace), Some(uid)) = (obj.namespace(), obj.uid()) else {
+        return Ok(Action::await_change());
+    };
+    let name = obj.name_any();
+    let workload = generate::Workload {
+        api_version: &types.api_version,
+        kind: &types.kind,
+        namespace: &namespace,
+        name: &name,
+        uid: &uid,
+        annotations: obj.annotations(),
+        deleting: obj.metadata.deletion_timestamp.is_some(),
+    };
+    let existing = ctx
+        .caches
+        .pps
+        .get(&ObjectRef::new(&name).within(&namespace));
+    let targeting = ctx.caches.pps_names_for(&WorkloadRef {
+        namespace: namespace.clone(),
+        kind: GroupKind::new(crate::api::api_group(&types.api_version), &types.kind),
+        name: name.clone(),
+    });
+    let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
+    let planned = generate::plan(&workload, existing.as_deref(), &targeting);
+    if let Some(error) = &planned.invalid_ip_request {
+        report::invalid_ip_request(ctx, obj.as_ref(), types, error);
+    }
+    let plan = planned.plan;
+    if !matches!(plan, Plan::Leave(_)) {
+        ctx.fence.check()?;
+    }
+    match plan {
+        Plan::Apply(pps) => {
+            // A new one is created (fails if one appeared meanwhile: looked at again from the
+            // cache); an existing one is applied conditionally on the version planned from.
+            let applied = if pps.resource_version().is_none() {
+                api.create(&PostParams::default(), &pps).await
+            } else {
+                api.patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&pps),
+                )
+                .await
+            };
+            match applied {
+                // The namespace is going away with the workload: nothing to generate.
+                Err(kube::Error::Api(e))
+                    if e.code == 403 && e.message.contains("being terminated") =>
+                {
+                    tracing::debug!("namespace terminating; not generating");
+                    return Ok(Action::await_change());
+                }
+                other => other?,
+            };
+            ctx.metrics.generator_write(GeneratorAction::Apply);
+            tracing::info!("generated PersistentPodState applied");
+        }
+        Plan::Delete {
+            uid,
+            resource_version,
+        } => {
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(uid),
+                    resource_version,
+                }),
+                ..DeleteParams::default()
+            };
+            let deleted = api.delete(&name, &params).await;
+            ctx.metrics.generator_write(GeneratorAction::Delete);
+            match deleted {
+                Ok(_) => tracing::info!("generated PersistentPodState deleted"),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Plan::Leave(reason @ (Leave::HandMade | Leave::OtherTargets)) => {
+            tracing::warn!(
+                reason = reason.as_str(),
+                "not generating a PersistentPodState"
+            );
+        }
+        Plan::Leave(reason) => tracing::debug!(reason = reason.as_str(), "nothing to generate"),
+    }
+    ctx.failures
+        .succeeded(&failure_key("generator", obj.as_ref()));
+    Ok(Action::await_change())
+}

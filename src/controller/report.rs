@@ -1,0 +1,232 @@
+//! What the controllers report: Events on PersistentPodStates and workloads, and the metrics
+//! that follow what was written or found.
+
+use std::collections::BTreeMap;
+use std::collections::BTreeSet;
+
+use kube::api::{ApiResource, DynamicObject};
+use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
+
+use super::Context;
+use super::record::{self, Restoration, StatusChange, Target};
+use crate::api::ip_request::IP_REQUEST_ANNOTATION;
+use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
+use crate::metrics::RestoreLabels;
+use crate::placement::{self, Dropped, Health, PodDemands};
+use crate::sync::lock;
+use crate::webhook::admit::LeftOut;
+use crate::workload::{MAX_RESERVED_ENTRIES, WorkloadRef};
+
+/// The node label a moved pod's Event reports the zone of, when recorded.
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// A PersistentPodState that records nothing because an older one targets its workload.
+pub(super) fn duplicate(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    older: &str,
+    target: &WorkloadRef,
+) {
+    tracing::warn!(%older, "another PersistentPodState targets the workload and is older; recording nothing");
+    let note = format!(
+        "PersistentPodState {older} targets {}/{} {} too and is older: it is the one in force; this one records nothing",
+        target.kind.group, target.kind.kind, target.name
+    );
+    ctx.events
+        .publish(pps, EventType::Warning, "DuplicateTarget", "Record", note);
+}
+
+/// A status written: counted, logged, and the states recorded, restored and pruned reported.
+pub(super) fn written(ctx: &Context, pps: &PersistentPodState, change: &StatusChange) {
+    ctx.metrics.status_writes.inc();
+    ctx.metrics
+        .states_recorded
+        .inc_by(change.recorded.len() as u64);
+    ctx.metrics.states_pruned.inc_by(change.pruned.len() as u64);
+    tracing::info!(
+        recorded = change.recorded.len(),
+        pruned = change.pruned.len(),
+        states = change.status.pod_states.len(),
+        "status updated"
+    );
+    if !change.recorded.is_empty() {
+        let placed: Vec<String> = change
+            .recorded
+            .iter()
+            .map(|pod| {
+                let node = change
+                    .status
+                    .pod_states
+                    .get(pod)
+                    .and_then(|s| s.node_name.as_deref());
+                format!("{pod} on {}", node.unwrap_or("?"))
+            })
+            .collect();
+        let note = format!("recorded {}", placed.join(", "));
+        ctx.events
+            .publish(pps, EventType::Normal, "StatesRecorded", "Record", note);
+    }
+    restorations(ctx, pps, change);
+    if !change.pruned.is_empty() {
+        let note = format!(
+            "pruned {} (pods gone, ordinals no longer live)",
+            change.pruned.join(", ")
+        );
+        ctx.events
+            .publish(pps, EventType::Normal, "StatesPruned", "Prune", note);
+    }
+}
+
+/// Counts the pods that came back since the last status, by whether they kept their node and
+/// IP; one that moved or changed IP gets a Warning Event naming it, the old and the new value.
+fn restorations(ctx: &Context, pps: &PersistentPodState, change: &StatusChange) {
+    for Restoration {
+        pod,
+        before,
+        now,
+        restore,
+    } in &change.restorations
+    {
+        ctx.metrics
+            .restored
+            .get_or_create(&RestoreLabels {
+                node: restore.node,
+                ip: restore.ip,
+            })
+            .inc();
+        if restore.restored() {
+            continue;
+        }
+        let node = |s: &PodState| s.node_name.clone().unwrap_or_else(|| "?".into());
+        let zone = |s: &PodState| s.node_topology_labels.get(ZONE_LABEL).cloned();
+        let mut what = Vec::new();
+        if restore.node == NodeRestore::Moved {
+            what.push(format!("node {} -> {}", node(before), node(now)));
+            if let (Some(a), Some(b)) = (zone(before), zone(now))
+                && a != b
+            {
+                what.push(format!("zone {a} -> {b}"));
+            }
+        }
+        if restore.ip == IpRestore::Changed {
+            what.push(format!(
+                "IP {} -> {}",
+                before.pod_ips.join(","),
+                now.pod_ips.join(",")
+            ));
+        }
+        let note = format!("pod {pod} came back changed: {}", what.join("; "));
+        tracing::warn!(%pod, changes = %what.join("; "), "re-created pod not fully restored");
+        ctx.events.publish_about(
+            pps,
+            pod,
+            EventType::Warning,
+            "PodNotRestored",
+            "Restore",
+            note,
+        );
+    }
+}
+
+/// Reports (Warning Event when newly over, and the gauge of such objects) a PersistentPodState
+/// that asks for more than the limits, or whose workload reserves more ordinals entries than
+/// are read: what is beyond is ignored, never allocated.
+pub(super) fn limits(ctx: &Context, pps: &PersistentPodState, target: &Target) {
+    let mut over = pps.spec.over_limits();
+    if let Target::Live(w) = target
+        && w.reserved_truncated
+    {
+        over.push(format!(
+            "the workload's reserveOrdinals has more than {MAX_RESERVED_ENTRIES} entries (only the first are read)"
+        ));
+    }
+    let key = ObjectRef::from_obj(pps);
+    let newly = {
+        let mut reported = lock(&ctx.reported_limits);
+        let newly = !over.is_empty() && reported.get(&key) != Some(&over);
+        if over.is_empty() {
+            reported.remove(&key);
+        } else {
+            reported.insert(key, over.clone());
+        }
+        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
+        ctx.metrics.over_limits.set(reported.len() as i64);
+        newly
+    };
+    if newly {
+        let note = format!("over the limits, ignored beyond them: {}", over.join("; "));
+        tracing::warn!(%note, "PersistentPodState over the limits");
+        ctx.events
+            .publish(pps, EventType::Warning, "LimitExceeded", "Record", note);
+    }
+}
+
+/// Publishes a Warning Event for each state that newly became unplaceable (its required node or
+/// zone is gone or lost), and keeps the gauge of such states current.
+pub(super) fn unplaceable(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    status: &PersistentPodStateStatus,
+    health: &Health,
+) {
+    let demands = PodDemands::default();
+    let place = |recorded: &BTreeMap<String, String>| {
+        placement::required(recorded, &demands, ctx.caches.as_ref(), health)
+    };
+    let unplaceable = record::unplaceable_states(&pps.spec, status, &place);
+    let key = ObjectRef::from_obj(pps);
+    let newly: Vec<(String, Dropped)> = {
+        let mut reported = lock(&ctx.reported_unplaceable);
+        let before = reported.remove(&key).unwrap_or_default();
+        let newly = unplaceable
+            .iter()
+            .filter(|(pod, _)| !before.contains(*pod))
+            .map(|(p, v)| (p.clone(), v.clone()))
+            .collect();
+        if !unplaceable.is_empty() {
+            reported.insert(key, unplaceable.keys().cloned().collect());
+        }
+        // PPS deleted since they were reported are forgotten.
+        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
+        let total: usize = reported.values().map(BTreeSet::len).sum();
+        ctx.metrics.states_unplaceable.set(total as i64);
+        newly
+    };
+    for (pod, dropped) in newly {
+        let left_out: Vec<LeftOut> = LeftOut::required(&dropped).collect();
+        let note = format!(
+            "a re-created pod {pod} would be left without {}",
+            LeftOut::list(&left_out)
+        );
+        ctx.events.publish(
+            pps,
+            EventType::Warning,
+            "RequiredTopologyUnavailable",
+            "Inject",
+            note,
+        );
+    }
+}
+
+/// A workload whose ip-request annotation is not valid, so it is not copied: counted, and a
+/// Warning Event on the workload (the value is the tenant's: in the Event, not in the logs).
+pub(super) fn invalid_ip_request(
+    ctx: &Context,
+    obj: &DynamicObject,
+    types: &ApiResource,
+    error: &str,
+) {
+    ctx.metrics.invalid_workload_ip_requests.inc();
+    tracing::warn!("the workload's ip-request annotation is not valid; not copied");
+    ctx.events.publish_on(
+        kube::Resource::object_ref(obj, types),
+        "",
+        EventType::Warning,
+        "InvalidIPRequest",
+        "Generate",
+        format!(
+            "{IP_REQUEST_ANNOTATION}: {error}; not copied to the generated PersistentPodState, so its pods request no IP"
+        ),
+    );
+}

@@ -1,0 +1,124 @@
+//! Pacing and retry: how often a PersistentPodState's status may be written, and when a failed
+//! reconcile is tried again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
+
+use super::{Context, Error, WorkloadContext};
+use crate::api::PersistentPodState;
+use crate::metrics::Reconciler;
+use crate::sync::lock;
+
+/// Retry delays of failed reconciles: exponential by consecutive failures of an object
+/// (0.5 s, 1 s, 2 s ... up to 5 min), with jitter (each delay is between half and all of it),
+/// so many objects failing together do not retry in step.
+#[derive(Default)]
+pub(super) struct Backoff(Mutex<HashMap<String, u32>>);
+
+impl Backoff {
+    pub(super) const BASE: Duration = Duration::from_millis(500);
+    pub(super) const MAX: Duration = Duration::from_secs(300);
+    /// Objects tracked at most (failures of objects gone since are forgotten beyond it).
+    const TRACKED: usize = 10_000;
+
+    /// Counts a failure of `key`; the delay before its next try.
+    pub(super) fn failed(&self, key: String) -> Duration {
+        let mut failures = lock(&self.0);
+        if failures.len() >= Self::TRACKED {
+            failures.clear();
+        }
+        let n = failures.entry(key.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        let exponential = Self::BASE
+            .saturating_mul(2u32.saturating_pow((*n).saturating_sub(1).min(16)))
+            .min(Self::MAX);
+        let random = std::hash::BuildHasher::hash_one(
+            &std::hash::RandomState::new(),
+            (&key, *n, std::time::SystemTime::now()),
+        );
+        // Between half and all of the exponential delay.
+        exponential.mul_f64(0.5 + (random % 1000) as f64 / 2000.0)
+    }
+
+    /// Forgets the failures of `key`.
+    pub(super) fn succeeded(&self, key: &str) {
+        lock(&self.0).remove(key);
+    }
+}
+
+/// Status writes are paced: at most one per PersistentPodState per [`Pacing::INTERVAL`]. The
+/// first change after a quiet spell is written at once; changes that follow within the interval
+/// (a large StatefulSet becoming Ready pod after pod) wait for its end and are written together,
+/// so a rollout costs a few writes, not one per pod, and each pod is recorded within the
+/// interval (plus a reconcile). The wait also lets the cache catch up with the last write, so
+/// the next is rarely computed from a stale copy (which would be a conflict and a retry).
+#[derive(Default)]
+pub(super) struct Pacing(pub(super) Mutex<HashMap<ObjectRef<PersistentPodState>, Instant>>);
+
+impl Pacing {
+    pub(super) const INTERVAL: Duration = Duration::from_millis(300);
+
+    /// How long a write to `pps` must still wait, if at all.
+    pub(super) fn wait(&self, pps: &ObjectRef<PersistentPodState>) -> Option<Duration> {
+        let last = lock(&self.0);
+        let since = last.get(pps)?.elapsed();
+        Self::INTERVAL.checked_sub(since).filter(|d| !d.is_zero())
+    }
+
+    /// Notes a write to `pps` now (and forgets writes older than the interval: the map holds
+    /// only the PersistentPodStates written in the last interval).
+    pub(super) fn wrote(&self, pps: ObjectRef<PersistentPodState>) {
+        let mut last = lock(&self.0);
+        last.retain(|_, at| at.elapsed() < Self::INTERVAL);
+        last.insert(pps, Instant::now());
+    }
+}
+
+/// The key a failure of `obj` is counted under, per controller.
+pub(super) fn failure_key<K: ResourceExt>(controller: &str, obj: &K) -> String {
+    format!(
+        "{controller}/{}/{}",
+        obj.namespace().unwrap_or_default(),
+        obj.name_any()
+    )
+}
+
+/// Whether an error is a conflict (a write conditional on an older version).
+pub(super) fn is_conflict(error: &Error) -> bool {
+    matches!(error, Error::Kube(kube::Error::Api(e)) if e.code == 409)
+}
+
+/// The PersistentPodState controller's retry: counted, backed off per object.
+pub(super) fn pps_error_policy(
+    pps: Arc<PersistentPodState>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Action {
+    ctx.metrics.reconcile_error(Reconciler::Status);
+    let delay = ctx.failures.failed(failure_key("pps", pps.as_ref()));
+    if is_conflict(error) {
+        tracing::info!(pps = %pps.name_any(), namespace = ?pps.namespace(), "status changed meanwhile; computing again");
+    } else {
+        tracing::warn!(pps = %pps.name_any(), namespace = ?pps.namespace(), %error, ?delay, "reconcile failed; retrying");
+    }
+    Action::requeue(delay)
+}
+
+/// A generator's retry: counted, backed off per object.
+pub(super) fn workload_error_policy(
+    obj: Arc<DynamicObject>,
+    error: &Error,
+    wctx: Arc<WorkloadContext>,
+) -> Action {
+    let ctx = &wctx.ctx;
+    ctx.metrics.reconcile_error(Reconciler::Generator);
+    let delay = ctx.failures.failed(failure_key("generator", obj.as_ref()));
+    tracing::warn!(workload = %obj.name_any(), namespace = ?obj.namespace(), %error, ?delay, "generation failed; retrying");
+    Action::requeue(delay)
+}
