@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod placement;
 pub mod probes;
 pub mod serve;
+pub mod serving;
 pub mod state;
 pub mod sync;
 #[cfg(feature = "bench")]

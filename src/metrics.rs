@@ -537,6 +537,12 @@ impl Metrics {
         }
     }
 
+    /// Counts a request answered before its handler (refused, timed out, not synced, not
+    /// authenticated), by its path.
+    pub fn refused(&self, path: &str, result: AdmissionResult) {
+        self.admission(endpoints::label(path), result, Instant::now());
+    }
+
     /// Creates every label set of every family (they are all small enums), so each series is
     /// exposed from the start at 0: `rate()` and absence alerts work, and a scrape lists every
     /// metric the process has.

@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use crate::metrics::Metrics;
+use crate::serving::{RequestLimit, limit_requests};
 use crate::state::Caches;
-use crate::webhook::server::{RequestLimit, limit_requests};
 
 /// What the probes report on.
 pub struct Health {
@@ -36,7 +36,7 @@ impl Health {
 
 /// The probe routes (a few requests at once, each within 5 s).
 pub fn router(health: Arc<Health>) -> Router {
-    let limit = RequestLimit::new(8, Duration::from_secs(5), None);
+    let limit = RequestLimit::new(8, Duration::from_secs(5), crate::webhook::MAX_BODY, None);
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))

@@ -19,8 +19,8 @@ use crate::events::Events;
 use crate::leader::{self, Ended, Fence, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
+use crate::serving::{self, Limits};
 use crate::state::Caches;
-use crate::webhook::server::{self, Limits};
 use crate::webhook::{self, WebhookState};
 use crate::workload::CustomKinds;
 
@@ -81,7 +81,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         client_auth: args.client_ca.is_some(),
         client: Some(client.clone()),
     }));
-    let webhook_server = tokio::spawn(server::serve(
+    let webhook_server = tokio::spawn(serving::serve(
         webhook_listener,
         Some(tokio_rustls::TlsAcceptor::from(tls)),
         webhook_app,
@@ -91,7 +91,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     ));
     // The probe server outlives the webhook drain, so /readyz answers 503 throughout it.
     let probes_stop = CancellationToken::new();
-    let probe_server = tokio::spawn(server::serve(
+    let probe_server = tokio::spawn(serving::serve(
         probe_listener,
         None,
         probes::router(health.clone()),

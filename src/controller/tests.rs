@@ -488,7 +488,10 @@ fn retries_back_off_exponentially_with_jitter_per_object_until_a_success() {
             n + 1
         );
     }
-    assert!(delays[11] >= super::retry::Backoff::MAX / 2, "capped, not reset");
+    assert!(
+        delays[11] >= super::retry::Backoff::MAX / 2,
+        "capped, not reset"
+    );
     // Another object starts from the base; a success starts this one over.
     assert!(backoff.failed("b".into()) <= super::retry::Backoff::BASE);
     backoff.succeeded("a");

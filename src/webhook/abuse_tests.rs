@@ -15,10 +15,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
-use super::server::{Limits, serve};
 use super::testing::state;
 use super::{MAX_BODY, endpoints, router};
 use crate::certs;
+use crate::serving::{Limits, serve};
 
 const TEST_LIMITS: Limits = Limits {
     max_connections: 64,
@@ -548,7 +548,7 @@ async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
 
 #[tokio::test]
 async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_time_out() {
-    use super::server::{RequestLimit, limit_requests};
+    use crate::serving::{RequestLimit, limit_requests};
     use tower::ServiceExt;
     let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
     let entered = Arc::new(std::sync::Mutex::new(Some(entered_tx)));
@@ -566,7 +566,7 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
             }),
         )
         .layer(axum::middleware::from_fn_with_state(
-            RequestLimit::new(1, Duration::from_millis(500), None),
+            RequestLimit::new(1, Duration::from_millis(500), super::MAX_BODY, None),
             limit_requests,
         ));
     let request = || {

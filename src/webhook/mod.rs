@@ -7,12 +7,11 @@ pub mod endpoints;
 pub mod inject;
 pub mod mutate_pod;
 pub mod review;
-pub mod server;
 pub mod tls;
 pub mod validate_pps;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -23,6 +22,7 @@ use axum::routing::post;
 
 use crate::events::Events;
 use crate::metrics::{AdmissionResult, Metrics};
+use crate::serving::{ClientCertificate, RequestLimit, error_response, limit_requests};
 use crate::state::Caches;
 use crate::workload::CustomKinds;
 
@@ -82,11 +82,10 @@ async fn require_synced(
     if state.caches.is_synced() {
         return next.run(request).await;
     }
-    let path = endpoints::label(request.uri().path());
     state
         .metrics
-        .admission(path, AdmissionResult::Unavailable, Instant::now());
-    review::error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
+        .refused(request.uri().path(), AdmissionResult::Unavailable);
+    error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
 }
 
 /// Answers 403 to an admission request without a verified client certificate, when
@@ -98,16 +97,15 @@ async fn require_client_cert(
 ) -> Response {
     let verified = request
         .extensions()
-        .get::<server::ClientCertificate>()
+        .get::<ClientCertificate>()
         .is_some_and(|c| c.verified);
     if !state.client_auth || verified {
         return next.run(request).await;
     }
-    let path = endpoints::label(request.uri().path());
     state
         .metrics
-        .admission(path, AdmissionResult::Forbidden, Instant::now());
-    review::error_response(
+        .refused(request.uri().path(), AdmissionResult::Forbidden);
+    error_response(
         StatusCode::FORBIDDEN,
         "a client certificate signed by the configured CA is required",
     )
@@ -128,20 +126,21 @@ pub fn router(state: Arc<WebhookState>) -> Router {
             state.clone(),
             require_client_cert,
         ));
-    let limit =
-        server::RequestLimit::new(MAX_IN_FLIGHT, REQUEST_TIMEOUT, Some(state.metrics.clone()));
+    let limit = RequestLimit::new(
+        MAX_IN_FLIGHT,
+        REQUEST_TIMEOUT,
+        MAX_BODY,
+        Some(state.metrics.clone()),
+    );
     Router::new()
         .merge(from_caches)
         .route(endpoints::CONVERT, post(convert::convert_objects))
-        .fallback(|| async { review::error_response(StatusCode::NOT_FOUND, "no such path") })
+        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "no such path") })
         .method_not_allowed_fallback(|| async {
-            review::error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")
+            error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .route_layer(middleware::from_fn_with_state(
-            limit,
-            server::limit_requests,
-        ))
+        .route_layer(middleware::from_fn_with_state(limit, limit_requests))
         .with_state(state)
 }
 

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::Json;
+use crate::serving::error_response;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{StatusCode, header};
@@ -369,11 +369,6 @@ pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Res
         StatusCode::OK,
         &json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview", "response": response}),
     )
-}
-
-/// A JSON error body `{"error": message}` with `status`.
-pub fn error_response(status: StatusCode, message: &str) -> Response {
-    (status, Json(json!({ "error": message }))).into_response()
 }
 
 /// Reads the body (within the router's body limit); a body that cannot be read is answered

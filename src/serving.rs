@@ -1,5 +1,6 @@
-//! The serving loop, for the HTTPS webhook port and the plain-HTTP probe port: every
-//! connection and request is bounded, and shutdown drains gracefully.
+//! The serving loop, generic over the app it serves: the HTTPS webhook port and the plain-HTTP
+//! probe port both run it. Every connection and request is bounded, and shutdown drains
+//! gracefully.
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (over it, a new connection is closed at
 //! once); a deadline for the TLS handshake; a deadline for request headers (HTTP/1); an idle
@@ -33,8 +34,10 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::review::error_response;
-use super::{MAX_BODY, endpoints};
+use axum::Json;
+use axum::response::IntoResponse;
+use serde_json::json;
+
 use crate::metrics::{AdmissionResult, Metrics};
 
 /// What a connection and a request may take.
@@ -77,33 +80,43 @@ impl Limits {
     };
 }
 
+/// A JSON error body `{"error": message}` with `status`.
+pub fn error_response(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({ "error": message }))).into_response()
+}
+
 /// Requests in flight, and how long one may take.
 #[derive(Clone)]
 pub struct RequestLimit {
     permits: Arc<Semaphore>,
     timeout: Duration,
-    /// Counts refused requests by endpoint (the webhook port).
+    /// The largest body a refused request has read and dropped.
+    max_body: usize,
+    /// Counts refused requests by path (the webhook port).
     metrics: Option<Arc<Metrics>>,
 }
 
 impl RequestLimit {
-    /// At most `in_flight` requests at once, each answered within `timeout`; refusals counted
-    /// in `metrics` if given.
-    pub fn new(in_flight: usize, timeout: Duration, metrics: Option<Arc<Metrics>>) -> Self {
+    /// At most `in_flight` requests at once, each answered within `timeout`; a refused
+    /// request's body (up to `max_body` bytes) is read and dropped; refusals counted in
+    /// `metrics` if given.
+    pub fn new(
+        in_flight: usize,
+        timeout: Duration,
+        max_body: usize,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Self {
         Self {
             permits: Arc::new(Semaphore::new(in_flight)),
             timeout,
+            max_body,
             metrics,
         }
     }
 
-    fn refused(&self, request: &Request, result: AdmissionResult) {
+    fn refused(&self, path: &str, result: AdmissionResult) {
         if let Some(m) = &self.metrics {
-            m.admission(
-                endpoints::label(request.uri().path()),
-                result,
-                Instant::now(),
-            );
+            m.refused(path, result);
         }
     }
 }
@@ -117,8 +130,8 @@ pub async fn limit_requests(
     next: Next,
 ) -> Response {
     let Ok(_permit) = limit.permits.clone().try_acquire_owned() else {
-        limit.refused(&request, AdmissionResult::Overloaded);
-        discard_body(request.into_body(), limit.timeout).await;
+        limit.refused(request.uri().path(), AdmissionResult::Overloaded);
+        discard_body(request.into_body(), limit.max_body, limit.timeout).await;
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "too many requests in flight; retry",
@@ -128,29 +141,23 @@ pub async fn limit_requests(
     match tokio::time::timeout(limit.timeout, next.run(request)).await {
         Ok(response) => response,
         Err(_) => {
-            if let Some(m) = &limit.metrics {
-                m.admission(
-                    endpoints::label(&path),
-                    AdmissionResult::TimedOut,
-                    Instant::now(),
-                );
-            }
+            limit.refused(&path, AdmissionResult::TimedOut);
             error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
         }
     }
 }
 
-/// Reads a refused request's body to its end and drops it, chunk by chunk (at most
-/// [`MAX_BODY`] bytes, within `within`), so that a client still sending gets the answer and an
-/// HTTP/1 connection stays usable: a connection closed with unread data is reset, and the
-/// answer can be lost with it (as nginx discards the body of a request it answers early).
-async fn discard_body(body: Body, within: Duration) {
+/// Reads a refused request's body to its end and drops it, chunk by chunk (at most `max`
+/// bytes, within `within`), so that a client still sending gets the answer and an HTTP/1
+/// connection stays usable: a connection closed with unread data is reset, and the answer can
+/// be lost with it (as nginx discards the body of a request it answers early).
+async fn discard_body(body: Body, max: usize, within: Duration) {
     let mut chunks = body.into_data_stream();
     let mut read = 0usize;
     let _ = tokio::time::timeout(within, async {
         while let Some(Ok(chunk)) = chunks.next().await {
             read += chunk.len();
-            if read > MAX_BODY {
+            if read > max {
                 break;
             }
         }
