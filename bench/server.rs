@@ -10,8 +10,8 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::state::Caches;
 use persistent_pod_state::serving::{Limits, serve};
+use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use tokio_util::sync::CancellationToken;
 

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
@@ -36,15 +35,6 @@ async fn restart(env: &Env, name: &str, kill: bool, down: Duration) {
         .await
         .expect("restart.sh runs");
     assert!(status.success(), "restart.sh {args:?}");
-}
-
-async fn holder(c: &Client) -> Option<String> {
-    Api::<Lease>::namespaced(c.clone(), "persistent-pod-state")
-        .get_opt("persistent-pod-state")
-        .await
-        .ok()??
-        .spec?
-        .holder_identity
 }
 
 fn pid_of(env: &Env, name: &str) -> String {
@@ -75,16 +65,14 @@ impl Fault {
     }
 
     async fn inject(self, env: &Env) {
-        let c = &env.client;
         match self {
             Self::ApiServerRestart => restart(env, "kube-apiserver", false, Duration::ZERO).await,
             Self::EtcdRestart => restart(env, "etcd", false, Duration::ZERO).await,
             Self::ServeKilled => {
-                let leader = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
-                let name = leader.trim_start_matches("e2e-");
+                let (leader, _) = leader_and_follower(env).await;
                 restart(
                     env,
-                    &format!("persistent-pod-state-{name}"),
+                    &format!("persistent-pod-state-{}", leader.name),
                     true,
                     Duration::ZERO,
                 )
@@ -94,11 +82,8 @@ impl Fault {
                 restart(env, "loopback-lb", false, Duration::from_secs(30)).await
             }
             Self::LeaderPaused => {
-                let leader = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
-                let pid = pid_of(
-                    env,
-                    &format!("persistent-pod-state-{}", leader.trim_start_matches("e2e-")),
-                );
+                let (leader, _) = leader_and_follower(env).await;
+                let pid = pid_of(env, &format!("persistent-pod-state-{}", leader.name));
                 let signal = |sig: &str| {
                     std::process::Command::new("kill")
                         .args([sig, &pid])
@@ -188,7 +173,7 @@ async fn faults_during_rolling_updates_lose_nothing_and_strand_no_pod() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-faults").await;
-    create_sts(
+    let (recorded, _) = start_recorded(
         c,
         &ns,
         &statefulset(
@@ -201,9 +186,6 @@ async fn faults_during_rolling_updates_lose_nothing_and_strand_no_pod() {
         ),
     )
     .await;
-    wait_sts_rolled(c, &ns, "db", REPLICAS).await;
-    let recorded = placements(c, &ns, &pod_names("db", REPLICAS)).await;
-    wait_states(c, &ns, "db", &recorded).await;
 
     let mut rows = Vec::new();
     for (round, fault) in [

@@ -4,20 +4,11 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::coordination::v1::Lease;
+use kube::Api;
 use kube::api::{Patch, PatchParams};
-use kube::{Api, Client};
 use serde_json::json;
 
 use crate::support::*;
-
-async fn holder(c: &Client) -> Option<String> {
-    let lease = Api::<Lease>::namespaced(c.clone(), "persistent-pod-state")
-        .get_opt("persistent-pod-state")
-        .await
-        .ok()??;
-    lease.spec?.holder_identity
-}
 
 /// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it.
 fn restart(env: &Env, replica: &Replica) {
@@ -100,19 +91,7 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         assert_eq!(code, 400, "replica {} answers", r.name);
     }
 
-    let leader_id = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
-    let leader = env
-        .replicas
-        .iter()
-        .find(|r| r.identity() == leader_id)
-        .expect("a replica leads")
-        .clone();
-    let follower = env
-        .replicas
-        .iter()
-        .find(|r| r.identity() != leader_id)
-        .expect("a follower")
-        .clone();
+    let (leader, follower) = leader_and_follower(&env).await;
     assert!(
         metric(
             &http_get(&format!("{}/metrics", follower.probe_url()))
@@ -170,17 +149,8 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
     .await;
 
     // Nothing lost, and recording continues: scale out, and a re-created pod still comes back.
-    Api::<StatefulSet>::namespaced(c.clone(), &ns)
-        .patch(
-            "ha",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": 3}})),
-        )
-        .await
-        .expect("scale out");
-    wait_sts_rolled(c, &ns, "ha", 3).await;
-    let now = placements(c, &ns, &pod_names("ha", 3)).await;
-    let states = wait_states(c, &ns, "ha", &now).await;
+    scale(c, &ns, "ha", 3).await;
+    let (_, states) = wait_recorded(c, &ns, "ha", &pod_names("ha", 3), "ha").await;
     for (pod, state) in &states_before {
         assert_eq!(
             states.get(pod),
@@ -257,19 +227,7 @@ async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
     )
     .await;
 
-    let leader_id = wait_for("a Lease holder", TIMEOUT, || holder(c)).await;
-    let leader = env
-        .replicas
-        .iter()
-        .find(|r| r.identity() == leader_id)
-        .expect("a replica leads")
-        .clone();
-    let follower = env
-        .replicas
-        .iter()
-        .find(|r| r.identity() != leader_id)
-        .expect("a follower")
-        .clone();
+    let (leader, follower) = leader_and_follower(&env).await;
     let (pid, log) = replica_process(&env, &leader);
     let log_before = std::fs::read_to_string(&log).unwrap_or_default().len();
 

@@ -54,7 +54,7 @@ async fn scale_in_prunes_under_when_scaled_only_and_deletion_removes_generated_p
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-retention").await;
-    create_sts(c, &ns, &statefulset("scaled", 3, &GENERATE)).await;
+    start_recorded(c, &ns, &statefulset("scaled", 3, &GENERATE)).await;
     pps_api(c, &ns)
         .create(
             &PostParams::default(),
@@ -62,12 +62,7 @@ async fn scale_in_prunes_under_when_scaled_only_and_deletion_removes_generated_p
         )
         .await
         .expect("hand-made pps");
-    create_sts(c, &ns, &statefulset("kept", 3, &[])).await;
-    for sts in ["scaled", "kept"] {
-        wait_sts_rolled(c, &ns, sts, 3).await;
-        let before = placements(c, &ns, &pod_names(sts, 3)).await;
-        wait_states(c, &ns, sts, &before).await;
-    }
+    start_recorded(c, &ns, &statefulset("kept", 3, &[])).await;
 
     scale(c, &ns, "scaled", 1).await;
     scale(c, &ns, "kept", 1).await;
@@ -153,7 +148,8 @@ async fn generation_follows_annotations_and_never_touches_hand_made_pps() {
     api.create(&PostParams::default(), &manual)
         .await
         .expect("hand-made pps");
-    create_sts(
+    // The controller has processed the workload once the hand-made PPS recorded its pod.
+    start_recorded(
         c,
         &ns,
         &statefulset(
@@ -169,10 +165,6 @@ async fn generation_follows_annotations_and_never_touches_hand_made_pps() {
         ),
     )
     .await;
-    wait_sts_rolled(c, &ns, "manual", 1).await;
-    let before = placements(c, &ns, &pod_names("manual", 1)).await;
-    // The controller has processed the workload once the hand-made PPS recorded its pod.
-    wait_states(c, &ns, "manual", &before).await;
     set_annotations(
         c,
         &ns,

@@ -234,11 +234,8 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
     })
     .await;
 
-    create_sts(c, &ns, &statefulset("web", 2, &[])).await;
-    wait_sts_rolled(c, &ns, "web", 2).await;
-    let placed = placements(c, &ns, &pod_names("web", 2)).await;
     // The oldest records; the other records nothing and says why.
-    wait_states(c, &ns, "web-a", &placed).await;
+    let (placed, _) = start_recorded_by(c, &ns, &statefulset("web", 2, &[]), "web-a").await;
     wait_event(c, &ns, "web-b", "DuplicateTarget").await;
     let b = pps_api(c, &ns).get("web-b").await.expect("web-b");
     assert!(

@@ -27,11 +27,7 @@ async fn echoserver_from_the_seeds_comes_back_on_its_node_with_its_ip() {
             ("kruise.io/preferred-persistent-topology", HOST),
         ],
     );
-    create_sts(c, &ns, &sts).await;
-    wait_sts_rolled(c, &ns, "echoserver", 2).await;
-    let names = pod_names("echoserver", 2);
-    let before = placements(c, &ns, &names).await;
-    let states = wait_states(c, &ns, "echoserver", &before).await;
+    let (before, states) = start_recorded(c, &ns, &sts).await;
     for (pod, p) in &before {
         assert_eq!(
             states[pod].node_topology_labels.get(HOST),
@@ -53,7 +49,7 @@ async fn echoserver_from_the_seeds_comes_back_on_its_node_with_its_ip() {
         ("StatefulSet", "echoserver", Some(true))
     );
 
-    for name in &names {
+    for name in before.keys() {
         let pod = recreate_pod(c, &ns, name).await;
         let after = placement(&pod).expect("placed");
         assert_eq!(
@@ -258,11 +254,7 @@ spec:
         .await
         .expect("the seed's PersistentPodState is accepted");
 
-    create_sts(c, &ns, &statefulset("echoserver", 2, &[])).await;
-    wait_sts_rolled(c, &ns, "echoserver", 2).await;
-    let names = pod_names("echoserver", 2);
-    let before = placements(c, &ns, &names).await;
-    let states = wait_states(c, &ns, "echoserver", &before).await;
+    let (before, states) = start_recorded(c, &ns, &statefulset("echoserver", 2, &[])).await;
     for state in states.values() {
         let keys: Vec<&String> = state.node_topology_labels.keys().collect();
         assert_eq!(keys, ["failure-domain.beta.kubernetes.io/zone", HOST]);

@@ -221,11 +221,9 @@ async fn a_statefulset_starting_at_ordinal_5_with_claim_retention_keeps_its_live
                 "accessModes": ["ReadWriteOnce"], "storageClassName": "e2e-local",
                 "resources": {"requests": {"storage": "1Gi"}}}}]}}),
     );
-    create_sts(c, &ns, &sts).await;
-    wait_sts_rolled(c, &ns, "db", 2).await;
-    let names = vec!["db-5".to_owned(), "db-6".to_owned()];
-    let placed = placements(c, &ns, &names).await;
-    wait_states(c, &ns, "db", &placed).await;
+    let names = sts_pod_names(&sts);
+    assert_eq!(names, ["db-5", "db-6"]);
+    let (placed, _) = start_recorded(c, &ns, &sts).await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), &ns);
     for pod in &names {
         let claim = claims.get(&format!("data-{pod}")).await.expect("claim");

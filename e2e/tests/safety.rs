@@ -215,7 +215,7 @@ async fn a_pod_pinned_to_a_lost_node_runs_on_another_node() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-lost-node").await;
-    create_sts(
+    let (placed, _) = start_recorded(
         c,
         &ns,
         &statefulset(
@@ -228,9 +228,6 @@ async fn a_pod_pinned_to_a_lost_node_runs_on_another_node() {
         ),
     )
     .await;
-    wait_sts_rolled(c, &ns, "pinned", 1).await;
-    let placed = placements(c, &ns, &pod_names("pinned", 1)).await;
-    wait_states(c, &ns, "pinned", &placed).await;
     let dead = placed["pinned-0"].node.clone();
     let before = scrape(&env).await;
 

@@ -262,6 +262,19 @@ pub async fn scale(c: &Client, ns: &str, name: &str, replicas: i32) {
     patch_sts(c, ns, name, json!({"spec": {"replicas": replicas}})).await;
 }
 
+/// The pod names of `sts` (from `spec.ordinals.start`, 0 when unset).
+pub fn sts_pod_names(sts: &StatefulSet) -> Vec<String> {
+    let spec = sts.spec.as_ref();
+    let replicas = spec.and_then(|s| s.replicas).unwrap_or(1);
+    let start = spec
+        .and_then(|s| s.ordinals.as_ref())
+        .and_then(|o| o.start)
+        .unwrap_or(0);
+    (start..start + replicas)
+        .map(|i| format!("{}-{i}", sts.name_any()))
+        .collect()
+}
+
 /// Creates `sts`, waits until all its pods run and its PersistentPodState records each on its
 /// node: their placements and the recorded states.
 pub async fn start_recorded(
@@ -269,12 +282,33 @@ pub async fn start_recorded(
     ns: &str,
     sts: &StatefulSet,
 ) -> (BTreeMap<String, Placement>, BTreeMap<String, PodState>) {
-    let name = sts.name_any();
-    let replicas = sts.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    start_recorded_by(client, ns, sts, &sts.name_any()).await
+}
+
+/// [`start_recorded`], with the states recorded by the PersistentPodState `pps`.
+pub async fn start_recorded_by(
+    client: &Client,
+    ns: &str,
+    sts: &StatefulSet,
+    pps: &str,
+) -> (BTreeMap<String, Placement>, BTreeMap<String, PodState>) {
     create_sts(client, ns, sts).await;
-    wait_sts_rolled(client, ns, &name, replicas).await;
-    let placed = placements(client, ns, &pod_names(&name, replicas)).await;
-    let states = wait_states(client, ns, &name, &placed).await;
+    wait_recorded(client, ns, &sts.name_any(), &sts_pod_names(sts), pps).await
+}
+
+/// Waits until the StatefulSet `name` runs exactly the Ready pods `pods`, all of its revision,
+/// and the PersistentPodState `pps` records each on its node: their placements and the states.
+pub async fn wait_recorded(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    pods: &[String],
+    pps: &str,
+) -> (BTreeMap<String, Placement>, BTreeMap<String, PodState>) {
+    let replicas = i32::try_from(pods.len()).expect("replicas");
+    wait_sts_rolled(client, ns, name, replicas).await;
+    let placed = placements(client, ns, pods).await;
+    let states = wait_states(client, ns, pps, &placed).await;
     (placed, states)
 }
 
@@ -607,6 +641,31 @@ pub async fn wait_replaced(client: &Client, ns: &str, name: &str, old_uid: &str)
         },
     )
     .await
+}
+
+/// The identity holding the replicas' Lease, if any.
+pub async fn holder(c: &Client) -> Option<String> {
+    Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(c.clone(), "persistent-pod-state")
+        .get_opt("persistent-pod-state")
+        .await
+        .ok()??
+        .spec?
+        .holder_identity
+}
+
+/// The replica holding the Lease (once one does), and another one.
+pub async fn leader_and_follower(env: &Env) -> (Replica, Replica) {
+    let leader = wait_for("a Lease holder", TIMEOUT, || holder(&env.client)).await;
+    let find = |leads: bool| {
+        env.replicas
+            .iter()
+            .find(|r| (r.identity() == leader) == leads)
+            .cloned()
+    };
+    (
+        find(true).expect("a replica leads"),
+        find(false).expect("a follower"),
+    )
 }
 
 /// The API server's minor version (e.g. 37 for v1.37.2).
