@@ -70,14 +70,18 @@ KUBE_VERSION=$(pinned k8s.io/kubernetes "$KUBE_MOD")
 ETCD_VERSION=$(pinned go.etcd.io/etcd/server/v3 "$ETCD_MOD")
 CURRENT_BIN="$CACHE/kubernetes-$KUBE_VERSION/bin"
 
-current_ok() {
+# built_ok DIR VERSION: DIR holds the control plane of Kubernetes VERSION, with the current
+# build's kubectl and etcd.
+built_ok() {
   local b
   for b in kube-apiserver kube-controller-manager kube-scheduler; do
-    reports "$CURRENT_BIN/$b" "Kubernetes $KUBE_VERSION" --version || return 1
+    reports "$1/$b" "Kubernetes $2" --version || return 1
   done
-  reports "$CURRENT_BIN/kubectl" "Client Version: $KUBE_VERSION" version --client || return 1
-  reports "$CURRENT_BIN/etcd" "etcd Version: ${ETCD_VERSION#v}" --version
+  reports "$1/kubectl" "Client Version: $KUBE_VERSION" version --client || return 1
+  reports "$1/etcd" "etcd Version: ${ETCD_VERSION#v}" --version
 }
+
+current_ok() { built_ok "$CURRENT_BIN" "$KUBE_VERSION"; }
 
 # build_current: the current control plane into $CURRENT_BIN (etcd beside it).
 build_current() {
@@ -137,15 +141,8 @@ LEGACY_VERSION=v1.20.2
 LEGACY_SRC_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
 LEGACY_BIN="$CACHE/kubernetes-$LEGACY_VERSION/bin"
 
-legacy_ok() {
-  local b
-  for b in kube-apiserver kube-controller-manager kube-scheduler; do
-    reports "$LEGACY_BIN/$b" "Kubernetes $LEGACY_VERSION" --version || return 1
-  done
-  # kubectl and etcd are the current build's (a symlink each).
-  reports "$LEGACY_BIN/kubectl" "Client Version: $KUBE_VERSION" version --client || return 1
-  reports "$LEGACY_BIN/etcd" "etcd Version: ${ETCD_VERSION#v}" --version
-}
+# kubectl and etcd there are the current build's (a symlink each).
+legacy_ok() { built_ok "$LEGACY_BIN" "$LEGACY_VERSION"; }
 
 build_legacy() {
   build_current

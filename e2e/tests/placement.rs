@@ -6,7 +6,6 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::discovery::ApiResource;
 use kube::{Api, ResourceExt};
-use persistent_pod_state::api::INJECTED_ANNOTATION;
 use serde_json::json;
 
 use crate::support::*;
@@ -52,17 +51,7 @@ async fn echoserver_from_the_seeds_comes_back_on_its_node_with_its_ip() {
     for name in before.keys() {
         let pod = recreate_pod(c, &ns, name).await;
         let after = placement(&pod).expect("placed");
-        assert_eq!(
-            pod.annotations()
-                .get(INJECTED_ANNOTATION)
-                .map(String::as_str),
-            Some("echoserver")
-        );
-        assert_eq!(
-            preferred_terms(&pod),
-            vec![preferred_host_term(&before[name].node)]
-        );
-        assert_eq!(after.node, before[name].node, "{name} back on its node");
+        assert_steered_back(&pod, "echoserver", &before[name]);
         assert_eq!(after.ip, before[name].ip, "{name} kept its IP");
         println!(
             "{name}: node {} ip {} kept after re-creation",

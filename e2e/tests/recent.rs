@@ -237,20 +237,7 @@ async fn a_statefulset_starting_at_ordinal_5_with_claim_retention_keeps_its_live
 
     // Re-created: steered back to its node (where its volume is).
     let pod = recreate_pod(c, &ns, "db-5").await;
-    assert_eq!(
-        pod.annotations()
-            .get(INJECTED_ANNOTATION)
-            .map(String::as_str),
-        Some("db")
-    );
-    assert_eq!(
-        preferred_terms(&pod),
-        vec![preferred_host_term(&placed["db-5"].node)]
-    );
-    assert_eq!(
-        placement(&pod).map(|p| p.node),
-        Some(placed["db-5"].node.clone())
-    );
+    assert_steered_back(&pod, "db", &placed["db-5"]);
 
     // Scaled to one: db-6 and its claim go, and only db-6's state is pruned (ordinal 5 is live).
     scale(c, &ns, "db", 1).await;
@@ -297,20 +284,7 @@ async fn a_pod_with_a_native_sidecar_is_patched_and_comes_back() {
     );
     let (placed, _) = start_recorded(c, &ns, &sts).await;
     let pod = recreate_pod(c, &ns, "side-0").await;
-    assert_eq!(
-        pod.annotations()
-            .get(INJECTED_ANNOTATION)
-            .map(String::as_str),
-        Some("side")
-    );
-    assert_eq!(
-        preferred_terms(&pod),
-        vec![preferred_host_term(&placed["side-0"].node)]
-    );
-    assert_eq!(
-        placement(&pod).map(|p| p.node),
-        Some(placed["side-0"].node.clone())
-    );
+    assert_steered_back(&pod, "side", &placed["side-0"]);
     let spec = pod.spec.expect("spec");
     let kept: Vec<(String, Option<String>)> = spec
         .init_containers

@@ -188,6 +188,29 @@ pub fn preferred_host_term(node: &str) -> Value {
         {"key": HOST, "operator": "In", "values": [node]}]}})
 }
 
+/// Asserts that `pod` was steered back by the PersistentPodState `pps` (its injection
+/// annotation, a preferred term for the recorded node) and runs on the recorded node.
+pub fn assert_steered_back(pod: &Pod, pps: &str, recorded: &Placement) {
+    let name = pod.name_any();
+    assert_eq!(
+        pod.annotations()
+            .get(persistent_pod_state::api::INJECTED_ANNOTATION)
+            .map(String::as_str),
+        Some(pps),
+        "{name} steered by {pps}"
+    );
+    assert_eq!(
+        preferred_terms(pod),
+        vec![preferred_host_term(&recorded.node)],
+        "{name}'s preferred node"
+    );
+    assert_eq!(
+        placement(pod).map(|p| p.node),
+        Some(recorded.node.clone()),
+        "{name} back on its node"
+    );
+}
+
 /// Placement of a pod: node, IP and uid.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {

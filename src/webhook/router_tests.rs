@@ -624,12 +624,20 @@ async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
         json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodStateList",
                "metadata": {"resourceVersion": "1"}, "items": items})
     };
+    // Creates `name` for `target` while the API server answers its list with `answer`.
+    let validate = |answer: Option<Value>, name: &'static str, target: &'static str| {
+        let (state, server) = with_api(answer);
+        async move {
+            let answered = post(&state, endpoints::VALIDATE_PPS, create(name, target)).await;
+            drop(state);
+            server.await.expect("mock API");
+            answered
+        }
+    };
 
     // Created a moment ago, not cached yet: refused.
-    let (state, server) = with_api(Some(list(vec![pps("first", "fresh", json!({}))])));
-    let (status, body) = post(&state, endpoints::VALIDATE_PPS, create("second", "fresh")).await;
-    drop(state);
-    server.await.expect("mock API");
+    let listed = list(vec![pps("first", "fresh", json!({}))]);
+    let (status, body) = validate(Some(listed), "second", "fresh").await;
     assert_eq!(
         answer(status, &body),
         Answer::Denied(422, "already targets")
@@ -641,16 +649,10 @@ async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
         "{body}"
     );
     // Deleted a moment ago, still cached: allowed.
-    let (state, server) = with_api(Some(list(vec![])));
-    let (status, body) = post(&state, endpoints::VALIDATE_PPS, create("next", "gone")).await;
-    drop(state);
-    server.await.expect("mock API");
+    let (status, body) = validate(Some(list(vec![])), "next", "gone").await;
     assert_eq!(answer(status, &body), Answer::Allowed);
     // The API server fails: the cache answers.
-    let (state, server) = with_api(None);
-    let (status, body) = post(&state, endpoints::VALIDATE_PPS, create("next", "gone")).await;
-    drop(state);
-    server.await.expect("mock API");
+    let (status, body) = validate(None, "next", "gone").await;
     assert_eq!(
         answer(status, &body),
         Answer::Denied(422, "already targets")
