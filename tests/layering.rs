@@ -1,7 +1,8 @@
 //! Data flows one way between the files of `src/`: no file names (through `crate::` or
-//! `super::` paths) a file that names it back, directly or around a circle. A mod.rs and its
-//! own direct children, and the crate root, are left out (Rust's usual parent/child traffic);
-//! test code (`*tests.rs` files and `#[cfg(test)]` items) is left out too.
+//! `super::` paths, in code or in a doc comment's link) a file that names it back, directly or
+//! around a circle. A mod.rs and its own direct children, and the crate root, are left out
+//! (Rust's usual parent/child traffic); test code (`*tests.rs` files and `#[cfg(test)]` items),
+//! plain comments and string literals are left out too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -22,7 +23,8 @@ fn module_of(relative: &str) -> ModPath {
     parts
 }
 
-/// `text` without comments, string literals and `#[cfg(test)]` items.
+/// `text` without plain comments, string literals and `#[cfg(test)]` items (doc comments stay:
+/// their links name items as code does).
 fn code_of(text: &str) -> String {
     let mut out = String::new();
     let mut lines = text.lines().peekable();
@@ -47,7 +49,12 @@ fn code_of(text: &str) -> String {
                 '\\' if in_string => {
                     chars.next();
                 }
-                '/' if !in_string && chars.peek() == Some(&'/') => break,
+                '/' if !in_string && chars.peek() == Some(&'/') => {
+                    chars.next();
+                    if !matches!(chars.peek(), Some('/' | '!')) {
+                        break;
+                    }
+                }
                 _ if in_string => {}
                 _ => out.push(c),
             }
@@ -268,11 +275,12 @@ fn src_has_no_import_circles() {
 fn the_check_finds_circles_through_every_path_form() {
     let file = |path: &str, text: &str| (module_of(path), code_of(text));
     let files: BTreeMap<ModPath, String> = [
-        file("lib.rs", "pub mod a; pub mod b; pub mod c;"),
+        file("lib.rs", "pub mod a; pub mod b; pub mod c; pub mod d;"),
         file("a/mod.rs", "use crate::b::{self, x::{Y, Z}};\npub mod inner;"),
         file("a/inner.rs", "use super::Thing; // parent: left out\nfn f() { super::super::c::g(); }"),
         file("b.rs", "fn f() { crate::a::inner::h(); }"),
         file("c.rs", "use crate::b::f;\n// crate::a is only named in a comment\nconst S: &str = \"crate::a\";\n#[cfg(test)]\nmod tests {\n    use crate::a;\n}"),
+        file("d.rs", "//! Decided in [`crate::c`].\n/// See [`super::b::f`]."),
     ]
     .into_iter()
     .collect();
@@ -284,6 +292,11 @@ fn the_check_finds_circles_through_every_path_form() {
         edges[&m("c")],
         BTreeSet::from([m("b")]),
         "comments, strings and tests do not count"
+    );
+    assert_eq!(
+        edges[&m("d")],
+        BTreeSet::from([m("b"), m("c")]),
+        "doc links count"
     );
     assert_eq!(circles(&edges), vec![vec![m("a::inner"), m("b"), m("c")]]);
 }

@@ -1,6 +1,6 @@
 //! The vocabulary of IP requests: the PersistentPodState annotation that asks for them, the CNI
 //! annotations a re-created pod can carry, and how each encodes addresses. When a request is
-//! made is decided in [`crate::ip_request`].
+//! made is decided in `src/ip_request.rs`, on the floor above.
 
 use std::net::IpAddr;
 

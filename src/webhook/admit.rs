@@ -1,7 +1,7 @@
 //! The admission decision for a pod, pure and free of the wire format: from a pod being created,
 //! its namespace and what the caches know, whether it is left alone (and why) or steered back
 //! by a recorded state, and what of that state it does not get (and why). The pod webhook
-//! ([`super::mutate_pod`]), `explain` and the controller's reports all describe a decision
+//! (`mutate_pod.rs`), `explain` and the controller's reports all describe a decision
 //! through [`Decision::left_out`] and [`LeftOut`].
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! The paths the admission server serves: the one list that routing, the handlers and the
 //! metrics share.
 
-/// Pod CREATE reviews ([`super::mutate_pod`]).
+/// Pod CREATE reviews (`mutate_pod.rs`).
 pub const MUTATE_POD: &str = "/mutate-pod";
 /// PersistentPodState CREATE and UPDATE reviews ([`super::validate_pps`]).
 pub const VALIDATE_PPS: &str = "/validate-persistentpodstate";
