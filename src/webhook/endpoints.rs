@@ -3,9 +3,9 @@
 
 /// Pod CREATE reviews (`mutate_pod.rs`).
 pub const MUTATE_POD: &str = "/mutate-pod";
-/// PersistentPodState CREATE and UPDATE reviews ([`super::validate_pps`]).
+/// PersistentPodState CREATE and UPDATE reviews (`validate_pps.rs`).
 pub const VALIDATE_PPS: &str = "/validate-persistentpodstate";
-/// ConversionReviews of PersistentPodStates ([`super::convert`]).
+/// ConversionReviews of PersistentPodStates (`convert.rs`).
 pub const CONVERT: &str = "/convert";
 
 /// Every served path.
