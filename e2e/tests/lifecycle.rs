@@ -207,29 +207,7 @@ async fn a_users_edit_of_a_generated_pps_stays_and_the_steady_state_writes_nothi
     .await
     .expect("the user's edit");
     let generation = api.get("steady").await.expect("pps").metadata.generation;
-    let reconciles = "pps_reconcile_duration_seconds_count{controller=\"generator\"}";
-    let writes = |text: &str| {
-        metric(text, "pps_generator_writes_total{action=\"apply\"}")
-            + metric(text, "pps_generator_writes_total{action=\"delete\"}")
-    };
-    let before = scrape(&env).await;
-    for round in 0..3 {
-        let seen = metric(&scrape(&env).await, reconciles);
-        set_annotations(
-            c,
-            &ns,
-            "steady",
-            json!({"example.com/unrelated": round.to_string()}),
-        )
-        .await;
-        wait_for(
-            "a generator reconcile of the annotated workload",
-            TIMEOUT,
-            || async { (metric(&scrape(&env).await, reconciles) > seen).then_some(()) },
-        )
-        .await;
-    }
-    let after = scrape(&env).await;
+    let sent = generator_writes_over_reconciles(&env, &ns, "steady", 3).await;
     let now = api.get("steady").await.expect("pps");
     assert_eq!(
         now.spec
@@ -239,15 +217,111 @@ async fn a_users_edit_of_a_generated_pps_stays_and_the_steady_state_writes_nothi
         "the user's retention policy stays"
     );
     assert_eq!(now.metadata.generation, generation, "no new generation");
-    assert_eq!(
-        writes(&after),
-        writes(&before),
-        "the generator sent nothing"
-    );
+    assert_eq!(sent, 0.0, "the generator sent nothing");
     println!(
-        "3 generator reconciles of an up-to-date PPS: {} requests, generation {:?} unchanged",
-        writes(&after) - writes(&before),
-        generation
+        "3 generator reconciles of an up-to-date PPS: {sent} requests, generation {generation:?} unchanged"
+    );
+    delete_namespace(c, &ns).await;
+}
+
+/// Writes the generator sent while the workload `sts` was annotated `rounds` times with an
+/// unrelated annotation, each time once a generator reconcile followed.
+async fn generator_writes_over_reconciles(env: &Env, ns: &str, sts: &str, rounds: usize) -> f64 {
+    let reconciles = "pps_reconcile_duration_seconds_count{controller=\"generator\"}";
+    let writes = |text: &str| {
+        metric(text, "pps_generator_writes_total{action=\"apply\"}")
+            + metric(text, "pps_generator_writes_total{action=\"delete\"}")
+    };
+    let before = scrape(env).await;
+    for round in 0..rounds {
+        let seen = metric(&scrape(env).await, reconciles);
+        set_annotations(
+            &env.client,
+            ns,
+            sts,
+            json!({"example.com/unrelated": round.to_string()}),
+        )
+        .await;
+        wait_for(
+            "a generator reconcile of the annotated workload",
+            TIMEOUT,
+            || async { (metric(&scrape(env).await, reconciles) > seen).then_some(()) },
+        )
+        .await;
+    }
+    writes(&scrape(env).await) - writes(&before)
+}
+
+/// Issue 19.5: every annotation removed from a workload is removed from its generated PPS
+/// (whoever wrote the field first), and then later workload events send nothing.
+#[tokio::test]
+async fn an_annotation_removed_from_the_workload_leaves_the_pps_and_then_nothing_is_sent() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-generator-follow").await;
+    let api = pps_api(c, &ns);
+    const REQUIRED: &str = "kruise.io/required-persistent-topology";
+    const PREFERRED: &str = "kruise.io/preferred-persistent-topology";
+    const ANNOTATIONS: &str = "kruise.io/persistent-pod-annotations";
+    const IP: &str = "persistent-pod-state.io/ip-request";
+    create_sts(
+        c,
+        &ns,
+        &statefulset(
+            "follow",
+            1,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                (REQUIRED, "topology.kubernetes.io/zone"),
+                (PREFERRED, HOST),
+                (ANNOTATIONS, "example.com/slot"),
+                (IP, "calico"),
+            ],
+        ),
+    )
+    .await;
+    // What the generated PPS holds of each annotation.
+    let holds = |pps: &PersistentPodState, annotation: &str| -> bool {
+        let spec = &pps.spec;
+        match annotation {
+            REQUIRED => spec.required_persistent_topology.is_some(),
+            PREFERRED => !spec.preferred_persistent_topology.is_empty(),
+            ANNOTATIONS => !spec.persistent_pod_annotations.is_empty(),
+            _ => pps
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(IP)),
+        }
+    };
+    let all = [PREFERRED, ANNOTATIONS, IP, REQUIRED];
+    wait_for("the generated PPS with every field", TIMEOUT, || async {
+        let pps = api.get_opt("follow").await.ok()??;
+        all.iter().all(|a| holds(&pps, a)).then_some(())
+    })
+    .await;
+    for removed in all {
+        if removed == REQUIRED {
+            // A PPS needs a topology: the preferred one comes back before the required goes.
+            set_annotations(c, &ns, "follow", json!({ PREFERRED: HOST })).await;
+        }
+        set_annotations(c, &ns, "follow", json!({ removed: null })).await;
+        wait_for(&format!("{removed} to leave the PPS"), TIMEOUT, || async {
+            let pps = api.get_opt("follow").await.ok()??;
+            (!holds(&pps, removed)).then_some(())
+        })
+        .await;
+    }
+    let pps = api.get("follow").await.expect("pps");
+    assert!(
+        holds(&pps, PREFERRED) && !holds(&pps, REQUIRED),
+        "{:?}",
+        pps.spec
+    );
+    let sent = generator_writes_over_reconciles(&env, &ns, "follow", 3).await;
+    assert_eq!(
+        sent, 0.0,
+        "nothing sent once the PPS follows the annotations"
     );
     delete_namespace(c, &ns).await;
 }

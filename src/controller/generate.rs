@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::ResourceExt;
+use serde_json::{Value, json};
 
 use crate::api::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::api::{
@@ -135,8 +136,10 @@ impl Leave {
 /// What the generator does for one workload.
 #[derive(Clone, Debug)]
 pub enum Plan {
-    /// Server-side apply this PersistentPodState.
-    Apply(Box<PersistentPodState>),
+    /// Create this PersistentPodState (fails if one of that name appeared meanwhile).
+    Create(Box<PersistentPodState>),
+    /// Merge-patch the generated PersistentPodState (conditional on the version planned from).
+    Update(Value),
     /// Delete the generated PersistentPodState with this uid.
     Delete {
         /// Precondition: only this object is deleted.
@@ -218,51 +221,77 @@ fn plan_spec(
     if targeting.iter().any(|other| other != workload.name) {
         return Plan::Leave(Leave::OtherTargets);
     }
-    if let Some(current) = existing {
-        // The target is matched by group and kind: keep the version already written (the
-        // watched version can change, and targetRef is immutable).
-        let written = &current.spec.target_ref;
-        if written.group() == spec.target_ref.group() && written.kind == spec.target_ref.kind {
-            spec.target_ref.api_version = written.api_version.clone();
-        }
-        // Only what the annotations express is compared: a user's edit of the rest (the
-        // retention policy; an IP request the workload does not ask for) stays, and the
-        // steady state sends nothing.
-        let mut expressed = current.spec.clone();
-        expressed.persistent_pod_state_retention_policy = None;
-        let ip_request_ok = ip_request.is_none_or(|v| {
-            current
-                .annotations()
-                .get(IP_REQUEST_ANNOTATION)
-                .map(String::as_str)
-                == Some(v)
-        });
-        if expressed == spec && ip_request_ok {
-            return Plan::Leave(Leave::UpToDate);
-        }
+    let Some(current) = existing else {
+        return Plan::Create(Box::new(PersistentPodState {
+            metadata: ObjectMeta {
+                name: Some(workload.name.to_owned()),
+                namespace: Some(workload.namespace.to_owned()),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: workload.api_version.to_owned(),
+                    kind: workload.kind.to_owned(),
+                    name: workload.name.to_owned(),
+                    uid: workload.uid.to_owned(),
+                    controller: Some(true),
+                    block_owner_deletion: None,
+                }]),
+                annotations: ip_request
+                    .map(|v| BTreeMap::from([(IP_REQUEST_ANNOTATION.to_owned(), v.to_owned())])),
+                ..ObjectMeta::default()
+            },
+            spec,
+            status: None,
+        }));
+    };
+    // The target is matched by group and kind: keep the version already written (the watched
+    // version can change, and targetRef is immutable).
+    let written = &current.spec.target_ref;
+    if written.group() == spec.target_ref.group() && written.kind == spec.target_ref.kind {
+        spec.target_ref.api_version = written.api_version.clone();
     }
-    let annotations =
-        ip_request.map(|v| BTreeMap::from([(IP_REQUEST_ANNOTATION.to_owned(), v.to_owned())]));
-    Plan::Apply(Box::new(PersistentPodState {
-        metadata: ObjectMeta {
-            name: Some(workload.name.to_owned()),
-            namespace: Some(workload.namespace.to_owned()),
-            owner_references: Some(vec![OwnerReference {
-                api_version: workload.api_version.to_owned(),
-                kind: workload.kind.to_owned(),
-                name: workload.name.to_owned(),
-                uid: workload.uid.to_owned(),
-                controller: Some(true),
-                block_owner_deletion: None,
-            }]),
-            annotations,
-            // Conditional on the version planned from (none: a creation).
-            resource_version: existing.and_then(|p| p.resource_version()),
-            ..ObjectMeta::default()
+    // What the annotations express follows them exactly, a field they no longer give included;
+    // the rest (the retention policy, labels, other annotations) is the user's and stays. The
+    // steady state sends nothing.
+    let mut expressed = current.spec.clone();
+    expressed.persistent_pod_state_retention_policy = None;
+    let written_ip = current
+        .annotations()
+        .get(IP_REQUEST_ANNOTATION)
+        .map(String::as_str);
+    if expressed == spec && written_ip == ip_request {
+        return Plan::Leave(Leave::UpToDate);
+    }
+    Plan::Update(expressed_patch(
+        &spec,
+        ip_request,
+        current.resource_version(),
+    ))
+}
+
+/// The JSON merge patch that sets every field the annotations express to `spec` and
+/// `ip_request` (a field they do not give is removed), conditional on `resource_version`.
+fn expressed_patch(
+    spec: &PersistentPodStateSpec,
+    ip_request: Option<&str>,
+    resource_version: Option<String>,
+) -> Value {
+    // An empty list is no list: removed, as the annotations give none.
+    let value = |v: serde_json::Result<Value>| match v {
+        Ok(Value::Array(a)) if a.is_empty() => Value::Null,
+        Ok(v) => v,
+        Err(_) => Value::Null,
+    };
+    json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "annotations": {IP_REQUEST_ANNOTATION: ip_request},
         },
-        spec,
-        status: None,
-    }))
+        "spec": {
+            "targetRef": value(serde_json::to_value(&spec.target_ref)),
+            "requiredPersistentTopology": value(serde_json::to_value(&spec.required_persistent_topology)),
+            "preferredPersistentTopology": value(serde_json::to_value(&spec.preferred_persistent_topology)),
+            "persistentPodAnnotations": value(serde_json::to_value(&spec.persistent_pod_annotations)),
+        },
+    })
 }
 
 #[cfg(test)]
@@ -395,9 +424,14 @@ mod tests {
         .expect("pps")
     }
 
+    /// The required keys a create or an update writes.
     fn applied_keys(plan: &Plan) -> Option<Vec<String>> {
         match plan {
-            Plan::Apply(p) => Some(p.spec.required_keys().to_vec()),
+            Plan::Create(p) => Some(p.spec.required_keys().to_vec()),
+            Plan::Update(patch) => {
+                serde_json::from_value(patch["spec"]["requiredPersistentTopology"]["keys"].clone())
+                    .ok()
+            }
             _ => None,
         }
     }
@@ -417,7 +451,7 @@ mod tests {
 
         let create = plan(&workload(&zone), None, &[]).plan;
         assert_eq!(applied_keys(&create), Some(vec!["zone".to_string()]));
-        let Plan::Apply(created) = &create else {
+        let Plan::Create(created) = &create else {
             unreachable!()
         };
         assert_eq!(created.owner_references()[0].uid, "u1");
@@ -474,14 +508,75 @@ mod tests {
             plan(&workload(&zone), Some(&edited), &["web".into()]).plan,
             Plan::Leave(Leave::UpToDate)
         ));
-        let Plan::Apply(applied) =
+        let Plan::Update(patch) =
             plan(&workload(&asking("host")), Some(&edited), &["web".into()]).plan
         else {
             panic!("the required keys changed")
         };
+        assert!(
+            patch["spec"]
+                .get("persistentPodStateRetentionPolicy")
+                .is_none(),
+            "the merge patch leaves the user's field alone because it is not sent: {patch}"
+        );
+    }
+
+    #[test]
+    fn an_annotation_removed_from_the_workload_is_removed_from_the_pps() {
+        let mut full = asking("zone");
+        full.insert(PREFERRED_TOPOLOGY_ANNOTATION.into(), "host".into());
+        full.insert(PERSISTENT_ANNOTATIONS_ANNOTATION.into(), "a".into());
+        full.insert(IP_REQUEST_ANNOTATION.into(), "calico".into());
+        let Plan::Create(written) = plan(&workload(&full), None, &[]).plan else {
+            panic!("created")
+        };
+        let mut written = *written;
+        written.metadata.uid = Some("pps-uid".into());
+        written.metadata.resource_version = Some("7".into());
+        let removed = |key: &str| {
+            let mut less = full.clone();
+            less.remove(key);
+            let Plan::Update(patch) = plan(&workload(&less), Some(&written), &["web".into()]).plan
+            else {
+                panic!("{key} removed: an update")
+            };
+            patch
+        };
+        let patch = removed(PREFERRED_TOPOLOGY_ANNOTATION);
+        assert_eq!(patch["spec"]["preferredPersistentTopology"], Value::Null);
+        assert_eq!(patch["metadata"]["resourceVersion"], "7", "conditional");
         assert_eq!(
-            applied.spec.persistent_pod_state_retention_policy, None,
-            "server-side apply leaves the user's field alone because it is not sent"
+            removed(REQUIRED_TOPOLOGY_ANNOTATION)["spec"]["requiredPersistentTopology"],
+            Value::Null
+        );
+        assert_eq!(
+            removed(PERSISTENT_ANNOTATIONS_ANNOTATION)["spec"]["persistentPodAnnotations"],
+            Value::Null
+        );
+        assert_eq!(
+            removed(IP_REQUEST_ANNOTATION)["metadata"]["annotations"][IP_REQUEST_ANNOTATION],
+            Value::Null
+        );
+        // Applied, the patch gives exactly what the workload asks for: the next plan sends
+        // nothing.
+        let mut less = full.clone();
+        less.remove(PREFERRED_TOPOLOGY_ANNOTATION);
+        less.remove(IP_REQUEST_ANNOTATION);
+        let Plan::Update(patch) = plan(&workload(&less), Some(&written), &["web".into()]).plan
+        else {
+            panic!("an update")
+        };
+        let mut after = serde_json::to_value(&written).expect("json");
+        json_patch::merge(&mut after, &patch);
+        let after: PersistentPodState = serde_json::from_value(after).expect("pps");
+        assert!(after.annotations().get(IP_REQUEST_ANNOTATION).is_none());
+        assert!(after.spec.preferred_persistent_topology.is_empty());
+        assert!(
+            matches!(
+                plan(&workload(&less), Some(&after), &["web".into()]).plan,
+                Plan::Leave(Leave::UpToDate)
+            ),
+            "steady"
         );
     }
 
@@ -489,7 +584,7 @@ mod tests {
     fn the_workloads_ip_request_is_copied_when_valid() {
         let mut with_ip = asking("zone");
         with_ip.insert(IP_REQUEST_ANNOTATION.into(), "calico".into());
-        let Plan::Apply(created) = plan(&workload(&with_ip), None, &[]).plan else {
+        let Plan::Create(created) = plan(&workload(&with_ip), None, &[]).plan else {
             panic!("created")
         };
         assert_eq!(
@@ -503,7 +598,7 @@ mod tests {
         assert!(
             matches!(
                 plan(&workload(&with_ip), Some(&mine), &["web".into()]).plan,
-                Plan::Apply(_)
+                Plan::Update(_)
             ),
             "the existing PPS lacks it: updated"
         );
@@ -518,7 +613,7 @@ mod tests {
         ));
         let mut invalid = asking("zone");
         invalid.insert(IP_REQUEST_ANNOTATION.into(), "weave".into());
-        let Plan::Apply(created) = plan(&workload(&invalid), None, &[]).plan else {
+        let Plan::Create(created) = plan(&workload(&invalid), None, &[]).plan else {
             panic!("created")
         };
         assert!(

@@ -181,33 +181,25 @@ pub async fn reconcile_workload(
     if !matches!(plan, Plan::Leave(_)) {
         ctx.fence.check()?;
     }
-    match plan {
-        Plan::Apply(pps) => {
-            // A new one is created (fails if one appeared meanwhile: looked at again from the
-            // cache); an existing one is applied conditionally on the version planned from.
-            let applied = if pps.resource_version().is_none() {
-                api.create(&PostParams::default(), &pps).await
-            } else {
-                api.patch(
-                    &name,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&pps),
-                )
+    let (post, patch) = (
+        PostParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PostParams::default()
+        },
+        PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        },
+    );
+    // A new one is created (fails if one appeared meanwhile: looked at again from the cache);
+    // an existing one is merge-patched, conditionally on the version planned from.
+    let written = match plan {
+        Plan::Create(pps) => Some(api.create(&post, &pps).await.map(drop)),
+        Plan::Update(body) => Some(
+            api.patch(&name, &patch, &Patch::Merge(body))
                 .await
-            };
-            match applied {
-                // The namespace is going away with the workload: nothing to generate.
-                Err(kube::Error::Api(e))
-                    if e.code == 403 && e.message.contains("being terminated") =>
-                {
-                    tracing::debug!("namespace terminating; not generating");
-                    return Ok(Action::await_change());
-                }
-                other => other?,
-            };
-            ctx.metrics.generator_write(GeneratorAction::Apply);
-            tracing::info!("generated PersistentPodState applied");
-        }
+                .map(drop),
+        ),
         Plan::Delete {
             uid,
             resource_version,
@@ -226,14 +218,31 @@ pub async fn reconcile_workload(
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 Err(e) => return Err(e.into()),
             }
+            None
         }
         Plan::Leave(reason @ (Leave::HandMade | Leave::OtherTargets)) => {
             tracing::warn!(
                 reason = reason.as_str(),
                 "not generating a PersistentPodState"
             );
+            None
         }
-        Plan::Leave(reason) => tracing::debug!(reason = reason.as_str(), "nothing to generate"),
+        Plan::Leave(reason) => {
+            tracing::debug!(reason = reason.as_str(), "nothing to generate");
+            None
+        }
+    };
+    if let Some(written) = written {
+        match written {
+            // The namespace is going away with the workload: nothing to generate.
+            Err(kube::Error::Api(e)) if e.code == 403 && e.message.contains("being terminated") => {
+                tracing::debug!("namespace terminating; not generating");
+                return Ok(Action::await_change());
+            }
+            other => other?,
+        }
+        ctx.metrics.generator_write(GeneratorAction::Apply);
+        tracing::info!("generated PersistentPodState written");
     }
     ctx.failures
         .succeeded(&failure_key("generator", obj.as_ref()));

@@ -362,7 +362,7 @@ async fn generator_creates_the_pps_and_never_merges_into_one_made_meanwhile() {
     assert_eq!(create.method, Method::POST);
     assert_eq!(
         create.path_and_query,
-        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates?"
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates?&fieldManager=persistent-pod-state"
     );
     assert_eq!(
         create.body["metadata"]["ownerReferences"][0]["uid"], "sts-uid",
@@ -400,9 +400,11 @@ async fn upstream_bug_3_changing_persistent_pod_annotations_reaches_the_generato
     assert_eq!(apply.method, Method::PATCH);
     assert_eq!(
         apply.path_and_query,
-        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?&force=true&fieldManager=persistent-pod-state"
+        "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web?&fieldManager=persistent-pod-state"
     );
-    assert_eq!(apply.content_type, "application/apply-patch+yaml");
+    // A merge patch of what the annotations express: a field they no longer give is removed
+    // whoever wrote it (an apply would leave one another field manager owns).
+    assert_eq!(apply.content_type, "application/merge-patch+json");
     assert_eq!(
         apply.body["metadata"]["resourceVersion"], "7",
         "conditional on the version planned from"
