@@ -97,6 +97,7 @@ pub fn explain_with(
         caches,
         kinds: Kinds::Any,
         node_lost_after: lost_after,
+        reservations: None,
     };
     let decision = decide(&pod, namespace, &lookup);
     if let Some(w) = &decision.workload {

@@ -79,6 +79,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         custom_kinds: custom_kinds.clone(),
         node_lost_after: args.node_lost_after,
         client_auth: args.client_ca.is_some(),
+        ip_reservations: Default::default(),
         client: Some(client.clone()),
     }));
     let webhook_server = tokio::spawn(serving::serve(

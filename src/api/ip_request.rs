@@ -2,6 +2,7 @@
 //! annotations a re-created pod can carry, and how each encodes addresses. When a request is
 //! made is decided in `src/ip_request.rs`, on the floor above.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use super::keys::qualified_name_error;
@@ -72,5 +73,55 @@ impl IpRequest {
             Self::Calico => serde_json::Value::from(texts).to_string(),
             _ => texts.join(","),
         }
+    }
+}
+
+/// The IPs a pod requests through a preset's annotation (Calico's, Kube-OVN's or Antrea's),
+/// each printed back from its parsed form so that it compares with a status IP; what does not
+/// parse is left out.
+pub fn requested_ips(annotations: &BTreeMap<String, String>) -> Vec<String> {
+    let mut ips = Vec::new();
+    for preset in [IpRequest::Calico, IpRequest::KubeOvn, IpRequest::Antrea] {
+        let Some(value) = annotations.get(preset.annotation()) else {
+            continue;
+        };
+        let texts: Vec<String> = match preset {
+            IpRequest::Calico => serde_json::from_str(value).unwrap_or_default(),
+            _ => value.split(',').map(str::to_owned).collect(),
+        };
+        for ip in texts.iter().filter_map(|t| t.trim().parse::<IpAddr>().ok()) {
+            let ip = ip.to_string();
+            if !ips.contains(&ip) {
+                ips.push(ip);
+            }
+        }
+    }
+    ips
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_presets_requests_are_read_and_garbage_is_left_out() {
+        let annotations = BTreeMap::from([
+            (
+                CALICO_IP_ANNOTATION.to_owned(),
+                r#"["10.0.0.5","fd00::05"]"#.to_owned(),
+            ),
+            (
+                KUBE_OVN_IP_ANNOTATION.to_owned(),
+                "10.0.0.6, nonsense".to_owned(),
+            ),
+            (ANTREA_IP_ANNOTATION.to_owned(), "10.0.0.5".to_owned()),
+            ("example.com/ips".to_owned(), "10.0.0.9".to_owned()),
+        ]);
+        assert_eq!(
+            requested_ips(&annotations),
+            ["10.0.0.5", "fd00::5", "10.0.0.6"]
+        );
+        let garbage = BTreeMap::from([(CALICO_IP_ANNOTATION.to_owned(), "not json".to_owned())]);
+        assert!(requested_ips(&garbage).is_empty());
     }
 }

@@ -13,6 +13,7 @@ use kube::{Resource, ResourceExt};
 
 use super::trim::CachedPod;
 use crate::api::PersistentPodState;
+use crate::api::ip_request::requested_ips;
 use crate::workload::{GroupKind, WorkloadRef, pod_workload};
 
 /// An index over objects of kind `K`, updated one object at a time.
@@ -187,8 +188,9 @@ impl<K: Resource + OfWorkload> Indexer<K> for ByWorkload {
     }
 }
 
-/// Live pods by IP: which pod holds an address. A pod holds its IPs until it is gone (one being
-/// deleted still does); a pod that has finished (`Succeeded`, `Failed`) does not.
+/// Live pods by IP: which pod holds an address. A pod holds its IPs (those its status reports,
+/// and from its creation those it requests through a preset's annotation) until it is gone (one
+/// being deleted still does); a pod that has finished (`Succeeded`, `Failed`) does not.
 #[derive(Debug, Default)]
 pub struct PodsByIp {
     holders: HashMap<String, BTreeSet<(String, String)>>,
@@ -220,10 +222,18 @@ impl PodsByIp {
 impl Indexer<CachedPod> for PodsByIp {
     fn upsert(&mut self, pod: &CachedPod) -> bool {
         let id = id(pod);
+        // A pod not finished holds its status IPs and, from its creation on, the IPs it
+        // requests through a preset's annotation (before its status reports them).
         let ips = if pod.finished() {
             Vec::new()
         } else {
-            pod.ips.clone()
+            let mut ips = pod.ips.clone();
+            for ip in requested_ips(pod.annotations()) {
+                if !ips.contains(&ip) {
+                    ips.push(ip);
+                }
+            }
+            ips
         };
         if self.ips_of.get(&id).map(Vec::as_slice).unwrap_or_default() == ips.as_slice() {
             return false;
@@ -436,6 +446,27 @@ mod tests {
             "b", "10.0.0.3", "Running",
         )));
         assert!(holders("10.0.0.3").is_empty());
+    }
+
+    #[test]
+    fn a_pod_holds_the_ip_it_requests_from_its_creation() {
+        let index = Shared::<PodsByIp>::default();
+        let holders = |ip: &str| -> Vec<String> {
+            index.read().holders(ip).map(|(_, n)| n.clone()).collect()
+        };
+        // Just created: no status yet, a Calico request.
+        let created: CachedPod = serde_json::from_value(json!({"metadata": {"name": "c",
+            "namespace": "ns", "annotations": {"cni.projectcalico.org/ipAddrs": "[\"10.0.0.7\"]"}}}))
+        .expect("pod");
+        index.apply(&watcher::Event::Apply(created.clone()));
+        assert_eq!(holders("10.0.0.7"), ["c"]);
+        let mut finished = created;
+        finished.phase = Some("Failed".into());
+        index.apply(&watcher::Event::Apply(finished));
+        assert!(
+            holders("10.0.0.7").is_empty(),
+            "a finished pod holds nothing"
+        );
     }
 
     #[test]

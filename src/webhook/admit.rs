@@ -4,10 +4,11 @@
 //! (`mutate_pod.rs`), `explain` and the controller's reports all describe a decision
 //! through [`Decision::left_out`] and [`LeftOut`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -60,6 +61,52 @@ pub enum Kinds<'a> {
     Any,
 }
 
+/// IPs this server has just asked the CNI for, for pods its cache does not show yet: until
+/// the cache does (or [`IpReservations::HOLD`] has passed), another pod is not sent them, so
+/// two reviews back to back never ask for one IP.
+#[derive(Debug, Default)]
+pub struct IpReservations(Mutex<HashMap<String, (String, Instant)>>);
+
+impl IpReservations {
+    /// How long a reservation holds: far longer than the cache takes to see a created pod.
+    pub const HOLD: Duration = Duration::from_secs(30);
+
+    /// The pod (`namespace/name`) other than `who` that reserved `ip`, if any.
+    pub fn holder(&self, ip: &str, who: &str) -> Option<String> {
+        let reserved = crate::sync::lock(&self.0);
+        reserved
+            .get(&normalized(ip))
+            .filter(|(by, at)| by != who && at.elapsed() < Self::HOLD)
+            .map(|(by, _)| by.clone())
+    }
+
+    /// Reserves `ips` for `who` (`namespace/name`), unless another pod holds a reservation of
+    /// one of them: then nothing is reserved, and that pod is returned.
+    pub fn reserve(&self, ips: &[String], who: &str) -> Result<(), String> {
+        let mut reserved = crate::sync::lock(&self.0);
+        reserved.retain(|_, (_, at)| at.elapsed() < Self::HOLD);
+        let ips: Vec<String> = ips.iter().map(|ip| normalized(ip)).collect();
+        if let Some((by, _)) = ips
+            .iter()
+            .filter_map(|ip| reserved.get(ip))
+            .find(|(by, _)| by != who)
+        {
+            return Err(by.clone());
+        }
+        for ip in ips {
+            reserved.insert(ip, (who.to_owned(), Instant::now()));
+        }
+        Ok(())
+    }
+}
+
+/// `ip` as its parsed form prints (as status IPs are written), or as given.
+fn normalized(ip: &str) -> String {
+    ip.trim()
+        .parse::<IpAddr>()
+        .map_or_else(|_| ip.to_owned(), |ip| ip.to_string())
+}
+
 /// The decision's view of the shared caches: the one [`Lookup`] the server and `explain` use.
 pub struct CacheLookup<'a> {
     /// The caches.
@@ -68,6 +115,8 @@ pub struct CacheLookup<'a> {
     pub kinds: Kinds<'a>,
     /// How long a node may be not ready before it counts as lost.
     pub node_lost_after: Duration,
+    /// IPs just asked for, not in the cache yet (the server's; `explain` has none).
+    pub reservations: Option<&'a IpReservations>,
 }
 
 impl Lookup for CacheLookup<'_> {
@@ -91,7 +140,10 @@ impl Lookup for CacheLookup<'_> {
     }
 
     fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
-        self.caches.ip_holder(ip, namespace, name)
+        self.caches.ip_holder(ip, namespace, name).or_else(|| {
+            self.reservations?
+                .holder(ip, &format!("{namespace}/{name}"))
+        })
     }
 }
 

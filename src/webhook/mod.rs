@@ -25,6 +25,7 @@ use crate::metrics::{AdmissionResult, Metrics};
 use crate::serving::{ClientCertificate, RequestLimit, error_response, limit_requests};
 use crate::state::Caches;
 use crate::workload::CustomKinds;
+use admit::IpReservations;
 
 /// Largest accepted request body: the API server's own request limit (3 MiB). Over it: 413.
 pub const MAX_BODY: usize = 3 * 1024 * 1024;
@@ -49,6 +50,8 @@ pub struct WebhookState {
     pub node_lost_after: Duration,
     /// Whether admission requests must come with a verified client certificate (`--client-ca`).
     pub client_auth: bool,
+    /// IPs just asked for on behalf of pods the cache does not show yet.
+    pub ip_reservations: IpReservations,
     /// The API server, for the one live read admission makes: on a PersistentPodState CREATE,
     /// the others in its namespace (the cache may not hold one created or deleted a moment
     /// ago). Without it, the cache answers.
@@ -67,6 +70,7 @@ impl WebhookState {
             custom_kinds: Arc::new(CustomKinds::default()),
             node_lost_after: Duration::from_secs(300),
             client_auth: false,
+            ip_reservations: IpReservations::default(),
             client: None,
         }
     }

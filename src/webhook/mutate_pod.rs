@@ -35,6 +35,7 @@ impl WebhookState {
             caches: &self.caches,
             kinds: Kinds::Configured(&self.custom_kinds),
             node_lost_after: self.node_lost_after,
+            reservations: Some(&self.ip_reservations),
         }
     }
 }
@@ -145,12 +146,47 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     let Review { request, received } = review;
     let span = tracing::info_span!("admission", uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(), name = %request.name);
     let _entered = span.enter();
-    let outcome = admit(&request, &state.lookup());
+    let lookup = state.lookup();
+    let mut outcome = admit(&request, &lookup);
+    // The IPs asked for are reserved until the cache shows the pod; a review that lost the race
+    // for one to another (a reservation made since it decided) decides again, and is not sent
+    // it.
+    if !request.dry_run
+        && let Some((ips, who)) = requested(&outcome)
+        && state.ip_reservations.reserve(&ips, &who).is_err()
+    {
+        outcome = admit(&request, &lookup);
+    }
     let (answer, result) = respond(&state, request.dry_run, outcome);
     state
         .metrics
         .admission(endpoints::MUTATE_POD, result, received);
     answer.into_response(&request)
+}
+
+/// The recorded IPs a decision asks for, and for whom (`namespace/name`).
+fn requested(outcome: &Outcome) -> Option<(Vec<String>, String)> {
+    let Outcome::Decided(decision) = outcome else {
+        return None;
+    };
+    let Verdict::Inject {
+        ip: IpDecision::Request { .. },
+        ..
+    } = &decision.verdict
+    else {
+        return None;
+    };
+    let state = decision
+        .pps
+        .as_ref()?
+        .status
+        .as_ref()?
+        .pod_states
+        .get(&decision.pod)?;
+    Some((
+        state.pod_ips.clone(),
+        format!("{}/{}", decision.namespace, decision.pod),
+    ))
 }
 
 fn skipped(state: &WebhookState, reason: SkipReason) -> (Admission, AdmissionResult) {

@@ -664,3 +664,77 @@ async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
         "{body}"
     );
 }
+
+/// Two pods whose states recorded the same IP (it was reused over time), reviewed back to back
+/// or at once, before the cache shows either: only one is sent the IP; a dry run reserves
+/// nothing.
+#[tokio::test]
+async fn two_reviews_are_never_sent_one_ip() {
+    let with_ip = |name: &str| {
+        let mut p = pps(
+            name,
+            name,
+            json!({ format!("{name}-0"): {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"},
+                    "podIPs": ["10.0.0.5"]}}),
+        );
+        p.metadata.annotations = Some(
+            [(
+                crate::api::ip_request::IP_REQUEST_ANNOTATION.to_string(),
+                "calico".to_string(),
+            )]
+            .into(),
+        );
+        p
+    };
+    let requested = |json: &Value| -> bool {
+        let Some(patch) = json["response"]["patch"].as_str() else {
+            return false;
+        };
+        String::from_utf8_lossy(&patch_bytes(&json!(patch))).contains("ipAddrs")
+    };
+    let body = |owner: &str, dry_run: bool| {
+        let mut r = review(POD, "CREATE", pod(Some(owner)), None);
+        r["request"]["name"] = json!(format!("{owner}-0"));
+        r["request"]["dryRun"] = json!(dry_run);
+        serde_json::to_vec(&r).expect("json")
+    };
+    for together in [false, true] {
+        let synced = state(true);
+        for name in ["web", "db"] {
+            synced
+                .caches
+                .apply_pps(watcher::Event::Apply(with_ip(name)));
+        }
+        synced
+            .caches
+            .apply_node(watcher::Event::Apply(node("n1", "z1")));
+        // A dry run of one reserves nothing.
+        let (_, dry) = post(&synced, endpoints::MUTATE_POD, body("db", true)).await;
+        assert!(requested(&dry), "a dry run shows the request: {dry}");
+        let ((_, web), (_, db)) = if together {
+            tokio::join!(
+                post(&synced, endpoints::MUTATE_POD, body("web", false)),
+                post(&synced, endpoints::MUTATE_POD, body("db", false)),
+            )
+        } else {
+            (
+                post(&synced, endpoints::MUTATE_POD, body("web", false)).await,
+                post(&synced, endpoints::MUTATE_POD, body("db", false)).await,
+            )
+        };
+        assert_eq!(
+            [requested(&web), requested(&db)]
+                .iter()
+                .filter(|r| **r)
+                .count(),
+            1,
+            "together: {together}; web: {web}; db: {db}"
+        );
+        if !together {
+            assert!(requested(&web), "the first one gets it");
+            // The first pod's review again (the API server's reinvocation): still its own.
+            let (_, again) = post(&synced, endpoints::MUTATE_POD, body("web", false)).await;
+            assert!(requested(&again), "{again}");
+        }
+    }
+}
