@@ -7,7 +7,12 @@
 //! - a `Ready` status other than `True` (`False`, `Unknown` or anything else) counts as not
 //!   ready; without a `lastTransitionTime` it has been so for an unknown time and the node is
 //!   lost at once (dropping a pin is safe: the preferred part still steers the pod back);
-//! - likewise a `node.kubernetes.io/unreachable` or `not-ready` taint without `timeAdded`;
+//! - a `node.kubernetes.io/unreachable` or `not-ready` taint without `timeAdded` (the node
+//!   lifecycle controller sets its NoSchedule taints so) dates from its twin of the same key
+//!   that has one (the NoExecute taint), else from when the `Ready` condition stopped being
+//!   `True`; with neither, it has been there for an unknown time and the node is lost at once;
+//! - a `node.kubernetes.io/out-of-service` taint (non-graceful node shutdown) makes a node lost
+//!   at once, whatever its conditions;
 //! - a node selector requirement with an unknown operator, or a `Gt`/`Lt` value that is not
 //!   one integer, matches no node (as the scheduler does).
 
@@ -27,6 +32,8 @@ pub const UNREACHABLE_TAINT: &str = "node.kubernetes.io/unreachable";
 pub const NOT_READY_TAINT: &str = "node.kubernetes.io/not-ready";
 /// Taint of a cordoned node: maintenance, not loss.
 pub const UNSCHEDULABLE_TAINT: &str = "node.kubernetes.io/unschedulable";
+/// Taint an operator sets on a node that is shut down for good (non-graceful node shutdown).
+pub const OUT_OF_SERVICE_TAINT: &str = "node.kubernetes.io/out-of-service";
 
 /// How node loss is judged.
 #[derive(Clone, Copy, Debug)]
@@ -63,19 +70,36 @@ impl Health {
             .as_ref()
             .and_then(|s| s.conditions.as_ref())
             .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
-        if let Some(c) = ready.filter(|c| c.status != "True") {
-            earliest(since(c.last_transition_time.as_ref().map(|t| t.0)));
+        // Not ready since (`Some(None)`: not ready, since when unknown).
+        let not_ready_since = ready
+            .filter(|c| c.status != "True")
+            .map(|c| c.last_transition_time.as_ref().map(|t| t.0));
+        if let Some(t) = not_ready_since {
+            earliest(since(t));
         }
-        for taint in taints(node) {
+        let taints = taints(node);
+        for taint in taints {
+            if taint.key == OUT_OF_SERVICE_TAINT {
+                earliest(Timestamp::MIN);
+            }
             if taint.key == UNREACHABLE_TAINT || taint.key == NOT_READY_TAINT {
-                earliest(since(taint.time_added.as_ref().map(|t| t.0)));
+                let added = |t: &Taint| t.time_added.as_ref().map(|t| t.0);
+                let dated = added(taint)
+                    .or_else(|| {
+                        taints
+                            .iter()
+                            .filter(|twin| twin.key == taint.key)
+                            .find_map(added)
+                    })
+                    .or(not_ready_since.flatten());
+                earliest(since(dated));
             }
         }
         lost
     }
 
     /// Whether `node` is lost: not ready, or tainted unreachable/not-ready, for longer than
-    /// `lost_after`. A cordoned node is not lost.
+    /// `lost_after`, or tainted out-of-service. A cordoned node is not lost.
     pub fn is_lost(&self, node: &Node) -> bool {
         self.lost_at(node).is_some_and(|t| t <= self.now)
     }
@@ -98,7 +122,13 @@ pub fn health_fields(node: &Node) -> (Option<(&str, Option<Timestamp>)>, Vec<&Ta
     let lifecycle = taints(node)
         .iter()
         .filter(|t| {
-            [UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT].contains(&t.key.as_str())
+            [
+                UNREACHABLE_TAINT,
+                NOT_READY_TAINT,
+                UNSCHEDULABLE_TAINT,
+                OUT_OF_SERVICE_TAINT,
+            ]
+            .contains(&t.key.as_str())
         })
         .collect();
     (ready, lifecycle)
@@ -440,6 +470,12 @@ mod tests {
                 false,
             ),
             (
+                "out of service, ready",
+                json!({"spec": {"taints": [{"key": OUT_OF_SERVICE_TAINT, "value": "nodeshutdown", "effect": "NoExecute"}]},
+                       "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-22T11:00:00Z"}]}}),
+                true,
+            ),
+            (
                 "a garbage taint",
                 json!({"spec": {"taints": [{"key": "", "effect": "Whatever"}]}}),
                 false,
@@ -448,6 +484,28 @@ mod tests {
         for (what, extra, lost) in cases {
             assert_eq!(h.is_lost(&node("n", "z", extra)), lost, "{what}");
         }
+
+        // As the node lifecycle controller taints an unreachable node: the NoSchedule taint
+        // without timeAdded, its NoExecute twin with one, Ready Unknown since the same moment.
+        let unreachable = |since: &str| {
+            json!({"spec": {"taints": [
+                    {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"},
+                    {"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": since}]},
+                   "status": {"conditions": [{"type": "Ready", "status": "Unknown", "lastTransitionTime": since}]}})
+        };
+        assert!(
+            !h.is_lost(&node("n", "z", unreachable("2026-11-22T11:59:59Z"))),
+            "a second ago: within the grace period"
+        );
+        assert_eq!(
+            h.lost_at(&node("n", "z", unreachable("2026-11-22T11:59:59Z"))),
+            Some(at("2026-11-22T12:04:59Z"))
+        );
+        assert!(h.is_lost(&node("n", "z", unreachable("2026-11-22T11:00:00Z"))));
+        // Only the NoSchedule taint, Ready False since a minute: dated by the condition.
+        let not_ready = json!({"spec": {"taints": [{"key": NOT_READY_TAINT, "effect": "NoSchedule"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": "2026-11-22T11:59:00Z"}]}});
+        assert!(!h.is_lost(&node("n", "z", not_ready)));
         let later = Health {
             lost_after: HOUR * 2,
             ..h
