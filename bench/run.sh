@@ -64,7 +64,7 @@ cluster_up
 # The bare webhook of 11.3 (what calling any webhook costs the API server).
 start_bg bench-baseline "$ROOT/target/release/bench-baseline" --listen 127.0.0.1:29500 \
   --cert-dir "$CLUSTER_DIR/baseline-certs"
-bench_nodes=()
+mapfile -t bench_nodes < <(kubelet_args)
 for n in a1 a2 a3 a4 b1 b2 b3 b4; do bench_nodes+=(--node "bench-$n=zone-${n:0:1}"); done
 start_bg fake-kubelet "$KUBELET_BIN" "${bench_nodes[@]}"
 wait_until 60 "8 ready nodes" bash -c \

@@ -2,7 +2,8 @@
 //!
 //! - registers Ready nodes (`--node NAME=ZONE`, repeatable) with hostname and zone labels, plus
 //!   `--node-label K=V` and `--node-taint K=V:EFFECT` on each;
-//! - marks every pod bound to one of its nodes Running and Ready, with a pod IP from its IPAM
+//! - marks every pod bound to one of its nodes Running and Ready (again, if something marked it
+//!   not ready), with a pod IP from its IPAM
 //!   (`--ipam`):
 //!   - `host-local` (default) as the seeds' patched host-local: per node a /24, the same pod
 //!     name on the same node gets the same IP back, another node another IP;
@@ -13,21 +14,25 @@
 //!     `FailedCreatePodSandBox` Event, and a retry every second until it can be honoured. An
 //!     address is released when its pod is gone;
 //! - reports what a real kubelet of the control plane's version reports: its version in
-//!   `nodeInfo`, a node Lease in `kube-node-lease` renewed every 10 s (the heartbeat of
-//!   Kubernetes >= 1.17) and the node's status every 5 minutes, and per pod
+//!   `nodeInfo`, a node Lease in `kube-node-lease` (`--lease-seconds`, default 40 as the
+//!   kubelet's; renewed every quarter of it: the heartbeat the node lifecycle controller reads),
+//!   the node `Ready` again at once whenever it finds it otherwise (as a live kubelet's status
+//!   update does) and every 5 minutes in any case, and per pod
 //!   `observedGeneration`, `hostIPs`, `PodReadyToStartContainers`, and init
 //!   containers as run (a native sidecar, `restartPolicy: Always`, running and ready; any other
 //!   init container terminated with exit code 0);
 //! - deletes pods that have a deletionTimestamp (there are no containers to stop);
-//! - does nothing for a node whose `Ready` condition is not `True`: a test marks a node dead as
-//!   the node lifecycle controller would (`Unknown`, tainted unreachable), and like a dead
-//!   kubelet this one then neither starts nor finalizes pods there, nor renews the node's Lease,
-//!   until the node is Ready again (then it catches up with every pod bound to it).
+//! - stops being the kubelet of a node while the file `NODE.stopped` exists in `--control-dir`
+//!   (a test's way to kill a kubelet): like a dead kubelet it then neither renews the node's
+//!   Lease nor reports its status, nor starts or finalizes pods there (the node lifecycle
+//!   controller, where it runs, marks the node `Unknown` and taints it unreachable); once the
+//!   file is gone it reports the node Ready again and catches up with every pod bound to it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::TryStreamExt;
@@ -155,6 +160,12 @@ struct Kubelet {
     /// Pods to look at again every second (a failed sandbox, or a start or finalization the API
     /// server did not take): (namespace, name).
     retry: Mutex<BTreeSet<(String, String)>>,
+    /// Where a test stops a node's kubelet (`NODE.stopped`).
+    control_dir: Option<PathBuf>,
+    /// The nodes whose kubelet is stopped now.
+    stopped: Mutex<BTreeSet<String>>,
+    /// How long the node Lease lasts.
+    lease: Duration,
 }
 
 fn now() -> String {
@@ -169,6 +180,12 @@ fn is_ready(node: &Node) -> bool {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The Ready condition a live kubelet reports.
+fn ready_condition() -> Value {
+    json!({"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake kubelet",
+           "lastHeartbeatTime": now(), "lastTransitionTime": now()})
 }
 
 async fn register(
@@ -200,12 +217,10 @@ async fn register(
         Err(e) => return Err(e).context("creating node"),
     }
     let resources = json!({"cpu": "8", "memory": "32Gi", "pods": "110"});
-    let now = now();
     let status = json!({"status": {
         "capacity": resources, "allocatable": resources,
         "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                        "message": "fake kubelet", "lastHeartbeatTime": now, "lastTransitionTime": now}],
+        "conditions": [ready_condition()],
         "nodeInfo": {"kubeletVersion": version, "machineID": "", "systemUUID": "", "bootID": "",
             "kernelVersion": "", "osImage": "", "containerRuntimeVersion": "", "kubeProxyVersion": "",
             "operatingSystem": "linux", "architecture": "amd64"},
@@ -239,11 +254,7 @@ impl Kubelet {
             return Ok(());
         };
         let ours = lock(&self.ipam).knows(&node);
-        let alive = self
-            .nodes
-            .get(&ObjectRef::new(&node))
-            .is_some_and(|n| is_ready(&n));
-        if !ours || !alive {
+        if !ours || lock(&self.stopped).contains(&node) {
             return Ok(());
         }
         let ns = pod.namespace().unwrap_or_default();
@@ -272,10 +283,14 @@ impl Kubelet {
                 }
             };
         }
+        // Running and Ready as reported: nothing to do. A pod the node lifecycle controller
+        // marked not ready (its node was unknown for a while) is reported Ready again, as the
+        // kubelet's status manager does.
         let running = pod
             .status
             .as_ref()
-            .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some());
+            .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some())
+            && persistent_pod_state::workload::is_ready(pod);
         if running {
             return Ok(());
         }
@@ -386,52 +401,74 @@ impl Kubelet {
         }
     }
 
-    /// Renews the Lease of every live node of ours every 10 s, as the kubelet does (its lease
-    /// lasts 40 s), and reports the node's status again every 5 minutes when nothing changed
-    /// (the kubelet's `nodeStatusReportFrequency`). A node whose Ready condition is not True is
-    /// dead here: neither happens, and its Lease expires.
+    /// Whether a test has stopped `node`'s kubelet.
+    fn stopped_by_test(&self, node: &str) -> bool {
+        self.control_dir
+            .as_ref()
+            .is_some_and(|dir| dir.join(format!("{node}.stopped")).exists())
+    }
+
+    /// The kubelets' heartbeat, every second: which are stopped; for each live one the node
+    /// Lease renewed every quarter of its duration, the node reported Ready whenever it is found
+    /// otherwise and every 5 minutes (the kubelet's `nodeStatusReportFrequency`); a kubelet
+    /// started again catches up with its pods.
     async fn heartbeat(&self, names: Vec<String>) {
         const REPORT_EVERY: Duration = Duration::from_secs(300);
         let leases: Api<Lease> = Api::namespaced(self.client.clone(), "kube-node-lease");
         let nodes: Api<Node> = Api::all(self.client.clone());
-        let mut reported: HashMap<String, std::time::Instant> = HashMap::new();
+        let (mut renewed, mut reported): (HashMap<String, Instant>, HashMap<String, Instant>) =
+            (HashMap::new(), HashMap::new());
+        let renew_every = self.lease / 4;
         loop {
             for name in &names {
                 let Some(node) = self.nodes.get(&ObjectRef::new(name)) else {
                     continue;
                 };
-                if !is_ready(&node) {
+                if self.stopped_by_test(name) {
+                    if lock(&self.stopped).insert(name.clone()) {
+                        tracing::info!(node = %name, "kubelet stopped by the test");
+                    }
                     continue;
                 }
-                let lease = json!({
-                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Node",
-                        "name": name, "uid": node.uid().unwrap_or_default()}]},
-                    "spec": {"holderIdentity": name, "leaseDurationSeconds": 40,
-                        "renewTime": MicroTime(k8s_openapi::jiff::Timestamp::now())},
-                });
-                let params = PatchParams::apply("fake-kubelet").force();
-                if let Err(error) = leases.patch(name, &params, &Patch::Apply(&lease)).await {
-                    tracing::warn!(node = %name, %error, "node lease not renewed");
-                }
-                let due = reported
+                let revived = lock(&self.stopped).remove(name);
+                if renewed
                     .get(name)
-                    .is_none_or(|at| at.elapsed() >= REPORT_EVERY);
+                    .is_none_or(|at| at.elapsed() >= renew_every)
+                {
+                    let lease = json!({
+                        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                        "metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Node",
+                            "name": name, "uid": node.uid().unwrap_or_default()}]},
+                        "spec": {"holderIdentity": name, "leaseDurationSeconds": self.lease.as_secs(),
+                            "renewTime": MicroTime(k8s_openapi::jiff::Timestamp::now())},
+                    });
+                    let params = PatchParams::apply("fake-kubelet").force();
+                    match leases.patch(name, &params, &Patch::Apply(&lease)).await {
+                        Ok(_) => {
+                            renewed.insert(name.clone(), Instant::now());
+                        }
+                        Err(error) => {
+                            tracing::warn!(node = %name, %error, "node lease not renewed")
+                        }
+                    }
+                }
+                let due = !is_ready(&node)
+                    || reported
+                        .get(name)
+                        .is_none_or(|at| at.elapsed() >= REPORT_EVERY);
                 if due {
-                    // Only over the status just seen Ready (resourceVersion precondition): a
-                    // node a test marked dead meanwhile stays dead.
+                    // Conditional on the node as just seen: a test that marked it dead in the
+                    // meantime (after stopping this kubelet) is not overwritten.
                     let status = json!({
                         "metadata": {"resourceVersion": node.resource_version()},
-                        "status": {"conditions": [{"type": "Ready", "status": "True",
-                            "reason": "KubeletReady", "message": "fake kubelet",
-                            "lastHeartbeatTime": now()}]},
+                        "status": {"conditions": [ready_condition()]},
                     });
                     match nodes
                         .patch_status(name, &PatchParams::default(), &Patch::Strategic(&status))
                         .await
                     {
                         Ok(_) => {
-                            reported.insert(name.clone(), std::time::Instant::now());
+                            reported.insert(name.clone(), Instant::now());
                         }
                         Err(kube::Error::Api(e)) if e.code == 409 => {}
                         Err(error) => {
@@ -439,8 +476,12 @@ impl Kubelet {
                         }
                     }
                 }
+                if revived {
+                    tracing::info!(node = %name, "kubelet started again; catching up");
+                    self.catch_up(name).await;
+                }
             }
-            tokio::time::sleep(Duration::from_secs(10)).await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 
@@ -481,7 +522,8 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
-    let usage = "usage: fake-kubelet [--ipam host-local|calico] [--node-label K=V]... [--node-taint K=V:EFFECT]... --node NAME=ZONE...";
+    let usage = "usage: fake-kubelet [--ipam host-local|calico] [--node-label K=V]... [--node-taint K=V:EFFECT]... [--control-dir DIR] [--lease-seconds N] --node NAME=ZONE...";
+    let (mut control_dir, mut lease) = (None, Duration::from_secs(40));
     let (mut node_args, mut labels, mut taints) = (Vec::new(), Vec::new(), Vec::new());
     let mut ipam = Ipam::HostLocal {
         subnets: HashMap::new(),
@@ -505,6 +547,12 @@ async fn main() -> anyhow::Result<()> {
                 labels.push((k.to_owned(), v.to_owned()));
             }
             "--node-taint" => taints.push(parse_taint(&value()?)?),
+            "--control-dir" => control_dir = Some(PathBuf::from(value()?)),
+            "--lease-seconds" => {
+                let secs: u64 = value()?.parse().context("--lease-seconds needs a number")?;
+                anyhow::ensure!(secs >= 4, "--lease-seconds must be at least 4");
+                lease = Duration::from_secs(secs);
+            }
             "--ipam" => {
                 ipam = match value()?.as_str() {
                     "host-local" => Ipam::HostLocal {
@@ -536,28 +584,21 @@ async fn main() -> anyhow::Result<()> {
         ipam: Mutex::new(ipam),
         nodes: store.clone(),
         retry: Mutex::default(),
+        control_dir,
+        stopped: Mutex::default(),
+        lease,
     });
     let node_events = reflector::reflector(writer, watcher(nodes, watcher::Config::default()))
         .default_backoff()
         .applied_objects();
-    // A node that comes back to Ready: catch up with every pod bound to it.
-    let revived = tokio::spawn({
-        let kubelet = kubelet.clone();
-        async move {
-            futures::pin_mut!(node_events);
-            let mut ready: HashMap<String, bool> = HashMap::new();
-            loop {
-                match node_events.try_next().await {
-                    Ok(Some(node)) => {
-                        let name = node.name_any();
-                        let now = is_ready(&node);
-                        if ready.insert(name.clone(), now) == Some(false) && now {
-                            kubelet.catch_up(&name).await;
-                        }
-                    }
-                    Ok(None) => return,
-                    Err(error) => tracing::warn!(%error, "node watch failed; retrying"),
-                }
+    // The node store is fed for the kubelet's loops.
+    let node_feed = tokio::spawn(async move {
+        futures::pin_mut!(node_events);
+        loop {
+            match node_events.try_next().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return,
+                Err(error) => tracing::warn!(%error, "node watch failed; retrying"),
             }
         }
     });
@@ -589,7 +630,7 @@ async fn main() -> anyhow::Result<()> {
             Err(error) => tracing::warn!(%error, "pod watch failed; retrying"),
         }
     }
-    revived.abort();
+    node_feed.abort();
     retries.abort();
     leases.abort();
     Ok(())

@@ -148,18 +148,23 @@ KC
   wait_until 90 kube-apiserver kubectl get --raw /readyz
 
   log "starting kube-controller-manager and kube-scheduler"
-  # Every controller but node lifecycle (the tests mark nodes lost themselves), CSR signing and
-  # node IPAM (no kubelets of ours need them). v1.20 names controllers differently and still
-  # has an insecure port of its own, on by default.
-  local insecure=() controllers='*,-node-lifecycle-controller,-certificatesigningrequest-signing-controller,-node-ipam-controller'
+  # Every controller but CSR signing and node IPAM (no kubelets of ours need them). The node
+  # lifecycle controller watches the fake kubelets' Leases (10 s, renewed every 2.5 s) and marks a
+  # node whose kubelet stopped unknown and unreachable after 20 s, tainting it as on a real
+  # cluster. On v1.20 it does not run (the tests there mark nothing lost), controllers have
+  # other names, and there is still an insecure port of its own, on by default.
+  local version_flags=(--node-monitor-grace-period 20s --node-monitor-period 1s)
+  local controllers='*,-certificatesigningrequest-signing-controller,-node-ipam-controller'
   if legacy; then
-    insecure=(--port 0)
+    version_flags=(--port 0)
     controllers='*,-nodelifecycle,-csrsigning,-nodeipam,-cloud-node-lifecycle'
   fi
   start_bg kube-controller-manager "$KBIN/kube-controller-manager" --kubeconfig "$KUBECONFIG" \
-    --leader-elect=false "${insecure[@]}" --secure-port 0 --use-service-account-credentials=false \
+    --leader-elect=false "${version_flags[@]}" --secure-port 0 --use-service-account-credentials=false \
     --controllers "$controllers" \
     --root-ca-file "$pki/ca.crt" --service-account-private-key-file "$pki/sa.key"
+  local insecure=()
+  if legacy; then insecure=(--port 0); fi
   start_bg kube-scheduler "$KBIN/kube-scheduler" --kubeconfig "$KUBECONFIG" \
     --leader-elect=false "${insecure[@]}" --secure-port 0
 }
@@ -175,14 +180,23 @@ cluster_down() {
   done
 }
 
+# kubelet_args: what every fake kubelet runs with: where a test stops one, and Leases the node
+# lifecycle controller's 20 s grace period fits (10 s, renewed every 2.5 s).
+kubelet_args() {
+  mkdir -p "$CLUSTER_DIR/kubelet"
+  printf '%s\n' --control-dir "$CLUSTER_DIR/kubelet" --lease-seconds 10
+}
+
 nodes_up() {
   local args=() n
+  mapfile -t args < <(kubelet_args)
   for n in "${NODES[@]}"; do args+=(--node "$n"); done
   log "starting the fake kubelet for ${NODES[*]}"
   start_bg fake-kubelet "$KUBELET_BIN" "${args[@]}"
   wait_until 60 "${#NODES[@]} ready nodes" bash -c \
     "[[ \$(kubectl get nodes -l '!$CALICO_MARK' -o jsonpath='{range .items[*]}{.spec.taints}{\"|\"}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^|True$') -eq ${#NODES[@]} ]]"
-  args=(--ipam calico --node-label "$CALICO_MARK=calico" --node-taint "$CALICO_MARK=calico:NoSchedule")
+  mapfile -t args < <(kubelet_args)
+  args+=(--ipam calico --node-label "$CALICO_MARK=calico" --node-taint "$CALICO_MARK=calico:NoSchedule")
   for n in "${CALICO_NODES[@]}"; do args+=(--node "$n"); done
   log "starting the Calico-like fake kubelet for ${CALICO_NODES[*]}"
   start_bg fake-kubelet-calico "$KUBELET_BIN" "${args[@]}"

@@ -64,34 +64,48 @@ impl Events {
         action: &str,
         note: String,
     ) {
-        self.publish_about(pps, "", type_, reason, action, note);
+        self.publish_on(pps.object_ref(&()), None, type_, reason, action, note);
     }
 
-    /// Publishes an Event about `pps` concerning `subject` (a pod), rate-limited per object,
-    /// reason and subject: Events about different pods are not folded into one.
+    /// Publishes an Event about `pps` concerning its pod `pod` (the Event's related object),
+    /// rate-limited per object, reason and pod: Events about different pods are not folded into
+    /// one, neither by the limit nor into one series (series are kept per object, reason and
+    /// related object).
     pub fn publish_about(
         &self,
         pps: &PersistentPodState,
-        subject: &str,
+        pod: &str,
         type_: EventType,
         reason: &str,
         action: &str,
         note: String,
     ) {
-        self.publish_on(pps.object_ref(&()), subject, type_, reason, action, note);
+        let reference = pps.object_ref(&());
+        let related = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(pod.to_owned()),
+            namespace: reference.namespace.clone(),
+            ..ObjectReference::default()
+        };
+        self.publish_on(reference, Some(related), type_, reason, action, note);
     }
 
-    /// Publishes an Event about any object (`reference`), rate-limited like
-    /// [`Events::publish_about`].
+    /// Publishes an Event about any object (`reference`), concerning `related` if given,
+    /// rate-limited per object, reason and related object.
     pub fn publish_on(
         &self,
         reference: ObjectReference,
-        subject: &str,
+        related: Option<ObjectReference>,
         type_: EventType,
         reason: &str,
         action: &str,
         note: String,
     ) {
+        let subject = related
+            .as_ref()
+            .and_then(|r| r.name.as_deref())
+            .unwrap_or_default();
         let key = (
             reference.namespace.clone().unwrap_or_default(),
             format!(
@@ -109,7 +123,7 @@ impl Events {
             reason: reason.to_owned(),
             note: Some(note),
             action: action.to_owned(),
-            secondary: None,
+            secondary: related,
         };
         let recorder = self.recorder.clone();
         tokio::spawn(async move {

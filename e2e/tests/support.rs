@@ -563,6 +563,7 @@ pub fn serve_command(
 pub struct LostNode {
     client: Client,
     node: String,
+    kubelet: Option<StoppedKubelet>,
     revived: bool,
 }
 
@@ -598,19 +599,58 @@ async fn set_node_health(client: &Client, node: &str, lost_since: Option<&str>) 
         .expect("node taints");
 }
 
-/// Marks `node` as the node lifecycle controller (not running here) marks a node whose kubelet
-/// stopped reporting `ago` before now: `Ready` `Unknown` since then, tainted `unreachable`
-/// (NoSchedule and NoExecute) since then. The fake kubelet then leaves the node's pods alone.
+/// Where the fake kubelet learns that a test stopped a node's kubelet (`NODE.stopped`).
+fn kubelet_marker(node: &str) -> PathBuf {
+    PathBuf::from(setting("E2E_CLUSTER_DIR"))
+        .join("kubelet")
+        .join(format!("{node}.stopped"))
+}
+
+/// A stopped fake kubelet, started again when dropped (also when a test fails half-way).
+#[must_use]
+pub struct StoppedKubelet(String);
+
+impl Drop for StoppedKubelet {
+    fn drop(&mut self) {
+        start_kubelet(&self.0);
+    }
+}
+
+/// Stops the fake kubelet of `node`, as a kubelet dies: it no longer renews the node's Lease,
+/// reports its status, or starts or finalizes pods there, until the returned guard is dropped.
+pub fn stop_kubelet(node: &str) -> StoppedKubelet {
+    let marker = kubelet_marker(node);
+    if let Some(dir) = marker.parent() {
+        std::fs::create_dir_all(dir).expect("kubelet control dir");
+    }
+    std::fs::write(&marker, "").expect("kubelet stop marker");
+    StoppedKubelet(node.to_owned())
+}
+
+/// Starts the fake kubelet of `node` again: it reports the node Ready and catches up.
+fn start_kubelet(node: &str) {
+    match std::fs::remove_file(kubelet_marker(node)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => panic!("kubelet stop marker: {e}"),
+    }
+}
+
+/// Marks `node` as a node whose kubelet stopped reporting `ago` before now, as the node
+/// lifecycle controller would have marked it by now: its kubelet stopped, `Ready` `Unknown`
+/// since then, tainted `unreachable` (NoSchedule and NoExecute) since then.
 pub async fn mark_node_lost(client: &Client, node: &str, ago: Duration) -> LostNode {
     let secs = i64::try_from(ago.as_secs()).expect("seconds");
     let since = k8s_openapi::jiff::Timestamp::now()
         .checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(secs))
         .expect("time")
         .to_string();
+    let kubelet = stop_kubelet(node);
     set_node_health(client, node, Some(&since)).await;
     LostNode {
         client: client.clone(),
         node: node.to_owned(),
+        kubelet: Some(kubelet),
         revived: false,
     }
 }
@@ -618,6 +658,7 @@ pub async fn mark_node_lost(client: &Client, node: &str, ago: Duration) -> LostN
 impl LostNode {
     /// The kubelet reports again: Ready, untainted.
     pub async fn revive(mut self) {
+        drop(self.kubelet.take());
         set_node_health(&self.client, &self.node, None).await;
         self.revived = true;
     }
@@ -629,6 +670,7 @@ impl Drop for LostNode {
             return;
         }
         let (client, node) = (self.client.clone(), self.node.clone());
+        drop(self.kubelet.take());
         // A failing test unwinds here: revive on a runtime of its own, so the next test has it.
         let _ = std::thread::spawn(move || {
             if let Ok(rt) = tokio::runtime::Runtime::new() {

@@ -221,7 +221,7 @@ pub(super) fn invalid_ip_request(
     tracing::warn!("the workload's ip-request annotation is not valid; not copied");
     ctx.events.publish_on(
         kube::Resource::object_ref(obj, types),
-        "",
+        None,
         EventType::Warning,
         "InvalidIPRequest",
         "Generate",

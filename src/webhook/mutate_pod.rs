@@ -262,7 +262,8 @@ fn count_ip(state: &WebhookState, ip: &IpDecision) {
 }
 
 /// Counts what was injected and reports what was left out (metrics, logs and, unless this is a
-/// dry run, Events on the PersistentPodState, described by [`Decision::left_out`]).
+/// dry run, Events on the PersistentPodState, one per pod, described by
+/// [`Decision::left_out`]).
 fn report(
     state: &WebhookState,
     dry_run: bool,
@@ -327,8 +328,9 @@ fn report(
             LeftOut::list(&required),
             kept.join(",")
         );
-        events.publish(
+        events.publish_about(
             pps,
+            pod,
             EventType::Warning,
             "RequiredTopologySkipped",
             "Inject",
@@ -353,8 +355,9 @@ fn report(
             "pod {pod}: left out {}; the pod's own values stay",
             LeftOut::list(&conflicts)
         );
-        events.publish(
+        events.publish_about(
             pps,
+            pod,
             EventType::Warning,
             "NodeSelectorConflict",
             "Inject",

@@ -738,3 +738,64 @@ async fn two_reviews_are_never_sent_one_ip() {
         }
     }
 }
+
+/// `RequiredTopologySkipped` is reported per pod: two pods of one PersistentPodState left
+/// without their lost node within the rate-limit interval each get their Event.
+#[tokio::test]
+async fn required_values_left_out_are_reported_per_pod() {
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    let (service, mut api) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let synced = state(true);
+    let with_events = std::sync::Arc::new(super::WebhookState {
+        events: Some(std::sync::Arc::new(crate::events::Events::new(
+            kube::Client::new(service, "default"),
+            None,
+            std::time::Duration::from_secs(3600),
+        ))),
+        ..super::WebhookState::over(synced.caches.clone())
+    });
+    // Zone z9 is recorded; no node has it.
+    with_events.caches.apply_pps(watcher::Event::Apply(pps(
+        "web",
+        "web",
+        json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z9"}},
+               "web-1": {"nodeName": "n2", "nodeTopologyLabels": {"zone": "z9"}}}),
+    )));
+    let mut notes = Vec::new();
+    for name in ["web-0", "web-1"] {
+        let mut object = pod(Some("web"));
+        object["metadata"]["name"] = json!(name);
+        let body = serde_json::to_vec(&review(POD, "CREATE", object, None)).expect("json");
+        let (status, json) = post(&with_events, endpoints::MUTATE_POD, body).await;
+        assert!(
+            matches!(answer(status, &json), Answer::Allowed | Answer::Patched),
+            "{json}"
+        );
+        let (request, send) =
+            tokio::time::timeout(std::time::Duration::from_secs(5), api.next_request())
+                .await
+                .expect("an Event in time")
+                .expect("an Event");
+        let bytes = http_body_util::BodyExt::collect(request.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        let event: Value = serde_json::from_slice(&bytes).expect("event");
+        assert_eq!(event["reason"], "RequiredTopologySkipped");
+        assert_eq!(
+            event["related"]["name"], name,
+            "the pod is the related object"
+        );
+        notes.push(event["note"].as_str().unwrap_or_default().to_owned());
+        send.send_response(
+            Response::builder()
+                .status(201)
+                .body(Body::from(bytes.to_vec()))
+                .expect("response"),
+        );
+    }
+    assert!(notes[0].starts_with("pod web-0:"), "{notes:?}");
+    assert!(notes[1].starts_with("pod web-1:"), "{notes:?}");
+}

@@ -1,0 +1,200 @@
+//! Node loss as a real cluster shows it (issue 19.2): the node lifecycle controller runs on the
+//! current control plane and marks a node whose kubelet stopped `Unknown` and unreachable,
+//! tainting it as it does on any cluster. A short outage keeps the pin (`--node-lost-after`
+//! holds); an out-of-service taint lets the pod go at once. (The controller of v1.37 dates both
+//! its taints; a NoSchedule taint without `timeAdded` is dated by its NoExecute twin, shown in
+//! process in `placement.rs`.)
+
+use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+
+use crate::support::*;
+use serde_json::json;
+
+const UNREACHABLE: &str = "node.kubernetes.io/unreachable";
+
+fn taints(node: &Node) -> Vec<Taint> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+}
+
+/// Stops `node`'s kubelet and waits until the node lifecycle controller has marked the node
+/// unreachable: `Ready` `Unknown`, tainted unreachable NoSchedule and NoExecute.
+async fn kubelet_dies(c: &Client, node: &str) -> StoppedKubelet {
+    let kubelet = stop_kubelet(node);
+    let nodes: Api<Node> = Api::all(c.clone());
+    wait_for(
+        &format!("the node lifecycle controller to mark {node} unreachable"),
+        TIMEOUT,
+        || async {
+            let n = nodes.get(node).await.ok()?;
+            let unknown = n
+                .status
+                .as_ref()?
+                .conditions
+                .as_ref()?
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "Unknown");
+            let t = taints(&n);
+            let no_schedule = t
+                .iter()
+                .any(|t| t.key == UNREACHABLE && t.effect == "NoSchedule");
+            let no_execute = t
+                .iter()
+                .any(|t| t.key == UNREACHABLE && t.effect == "NoExecute");
+            (unknown && no_schedule && no_execute).then_some(())
+        },
+    )
+    .await;
+    kubelet
+}
+
+/// Starts `node`'s kubelet again and waits until the node is Ready and untainted.
+async fn kubelet_returns(c: &Client, node: &str, kubelet: StoppedKubelet) {
+    drop(kubelet);
+    let nodes: Api<Node> = Api::all(c.clone());
+    wait_for(&format!("{node} Ready and untainted"), TIMEOUT, || async {
+        let n = nodes.get(node).await.ok()?;
+        let ready = persistent_pod_state::placement::Health::now(std::time::Duration::ZERO)
+            .lost_at(&n)
+            .is_none();
+        (ready && taints(&n).iter().all(|t| t.key != UNREACHABLE)).then_some(())
+    })
+    .await;
+}
+
+/// The replacement of `name` (another uid than `old_uid`), once created (scheduled or not).
+async fn created_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    wait_for(&format!("{name} to be created again"), TIMEOUT, || async {
+        pods.get_opt(name)
+            .await
+            .ok()?
+            .filter(|p| p.uid().as_deref() != Some(old_uid))
+    })
+    .await
+}
+
+fn pinned_to(pod: &Pod) -> Option<String> {
+    pod.spec
+        .as_ref()?
+        .node_selector
+        .as_ref()?
+        .get(HOST)
+        .cloned()
+}
+
+fn required_host(name: &str) -> k8s_openapi::api::apps::v1::StatefulSet {
+    statefulset(
+        name,
+        1,
+        &[
+            ("kruise.io/auto-generate-persistent-pod-state", "true"),
+            ("kruise.io/required-persistent-topology", HOST),
+            ("kruise.io/preferred-persistent-topology", HOST),
+        ],
+    )
+}
+
+/// A pod re-created a moment after its node went unreachable stays pinned to it (the grace
+/// period holds: the controller's undated NoSchedule taint is dated by its NoExecute twin),
+/// waits, and comes back to its node when the kubelet returns.
+#[tokio::test]
+async fn a_short_outage_keeps_the_pin_and_the_pod_returns_to_its_node() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-short-outage").await;
+    let (placed, _) = start_recorded(c, &ns, &required_host("brief")).await;
+    let node = placed["brief-0"].node.clone();
+    let kubelet = kubelet_dies(c, &node).await;
+    // As an operator does for a pod on a node that does not answer.
+    let old_uid = force_delete_pod(c, &ns, "brief-0").await;
+    let waiting = created_again(c, &ns, "brief-0", &old_uid).await;
+    assert_eq!(
+        pinned_to(&waiting).as_deref(),
+        Some(node.as_str()),
+        "within --node-lost-after the pin stays"
+    );
+    assert!(
+        waiting
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_ref())
+            .is_none(),
+        "it waits for its node"
+    );
+    kubelet_returns(c, &node, kubelet).await;
+    let back = wait_replaced(c, &ns, "brief-0", &old_uid).await;
+    assert_eq!(placement(&back).map(|p| p.node), Some(node.clone()));
+    println!("brief-0: re-created while {node} was unreachable, waited, back on {node}");
+    delete_namespace(c, &ns).await;
+}
+
+/// A node tainted `node.kubernetes.io/out-of-service` (non-graceful shutdown) is lost at once:
+/// the re-created pod is not pinned to it and runs elsewhere.
+#[tokio::test]
+async fn an_out_of_service_node_is_lost_at_once() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-out-of-service").await;
+    let (placed, _) = start_recorded(c, &ns, &required_host("oos")).await;
+    let node = placed["oos-0"].node.clone();
+    let kubelet = kubelet_dies(c, &node).await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let old_uid = pods
+        .get("oos-0")
+        .await
+        .expect("pod")
+        .uid()
+        .unwrap_or_default();
+    let nodes: Api<Node> = Api::all(c.clone());
+    let mut with = taints(&nodes.get(&node).await.expect("node"));
+    with.push(
+        serde_json::from_value(json!({"key": "node.kubernetes.io/out-of-service",
+            "value": "nodeshutdown", "effect": "NoExecute"}))
+        .expect("taint"),
+    );
+    nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"taints": with}})),
+        )
+        .await
+        .expect("out-of-service taint");
+    // The taint evicts the pod and the pod GC controller force-deletes it (the node is not
+    // ready and out of service); an operator may do it first (only that pod: uid precondition).
+    let params = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: Some(old_uid.clone()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default().grace_period(0)
+    };
+    let _ = pods.delete("oos-0", &params).await;
+    let pod = wait_replaced(c, &ns, "oos-0", &old_uid).await;
+    assert_ne!(
+        pinned_to(&pod).as_deref(),
+        Some(node.as_str()),
+        "no pin to an out-of-service node"
+    );
+    assert_ne!(placement(&pod).map(|p| p.node), Some(node.clone()));
+    wait_event(c, &ns, "oos", "RequiredTopologySkipped").await;
+    let without: Vec<Taint> = taints(&nodes.get(&node).await.expect("node"))
+        .into_iter()
+        .filter(|t| t.key != "node.kubernetes.io/out-of-service")
+        .collect();
+    nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"taints": without}})),
+        )
+        .await
+        .expect("taint removed");
+    kubelet_returns(c, &node, kubelet).await;
+    delete_namespace(c, &ns).await;
+}
