@@ -22,6 +22,8 @@
 //!   containers as run (a native sidecar, `restartPolicy: Always`, running and ready; any other
 //!   init container terminated with exit code 0);
 //! - deletes pods that have a deletionTimestamp (there are no containers to stop);
+//! - registers a node again (a new Node object, another uid) when its Node object is deleted
+//!   while the kubelet runs, as a kubelet does;
 //! - stops being the kubelet of a node while the file `NODE.stopped` exists in `--control-dir`
 //!   (a test's way to kill a kubelet): like a dead kubelet it then neither renews the node's
 //!   Lease nor reports its status, nor starts or finalizes pods there (the node lifecycle
@@ -166,6 +168,16 @@ struct Kubelet {
     stopped: Mutex<BTreeSet<String>>,
     /// How long the node Lease lasts.
     lease: Duration,
+    /// How each node is registered: its zone, and the labels, taints and version of all.
+    registration: Registration,
+}
+
+/// What a node is registered with.
+struct Registration {
+    zones: HashMap<String, String>,
+    labels: Vec<(String, String)>,
+    taints: Vec<Value>,
+    version: String,
 }
 
 fn now() -> String {
@@ -421,15 +433,27 @@ impl Kubelet {
         let renew_every = self.lease / 4;
         loop {
             for name in &names {
-                let Some(node) = self.nodes.get(&ObjectRef::new(name)) else {
-                    continue;
-                };
                 if self.stopped_by_test(name) {
                     if lock(&self.stopped).insert(name.clone()) {
                         tracing::info!(node = %name, "kubelet stopped by the test");
                     }
                     continue;
                 }
+                let Some(node) = self.nodes.get(&ObjectRef::new(name)) else {
+                    // Its Node object was deleted: a kubelet registers its node again (a new
+                    // object, another uid).
+                    let r = &self.registration;
+                    let zone = r.zones.get(name).map(String::as_str).unwrap_or_default();
+                    match register(&nodes, name, zone, &r.version, &r.labels, &r.taints).await {
+                        Ok(()) => {
+                            tracing::info!(node = %name, "node object gone; registered again")
+                        }
+                        Err(error) => {
+                            tracing::warn!(node = %name, %error, "cannot register the node again")
+                        }
+                    }
+                    continue;
+                };
                 let revived = lock(&self.stopped).remove(name);
                 if renewed
                     .get(name)
@@ -587,6 +611,12 @@ async fn main() -> anyhow::Result<()> {
         control_dir,
         stopped: Mutex::default(),
         lease,
+        registration: Registration {
+            zones: node_args.iter().cloned().collect(),
+            labels,
+            taints,
+            version,
+        },
     });
     let node_events = reflector::reflector(writer, watcher(nodes, watcher::Config::default()))
         .default_backoff()

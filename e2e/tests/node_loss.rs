@@ -198,3 +198,50 @@ async fn an_out_of_service_node_is_lost_at_once() {
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }
+
+/// A node deleted and registered again under its name (a machine replaced) is reported: each
+/// state records its node's uid, a Node of that name with another uid is a `NodeReplaced`
+/// Event naming the pod and the node (its local data there is gone), and the pod running there
+/// is recorded on the new node.
+#[tokio::test]
+async fn a_node_replaced_under_its_name_is_reported() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-node-replaced").await;
+    let (placed, states) = start_recorded(c, &ns, &required_host("repl")).await;
+    let node = placed["repl-0"].node.clone();
+    let nodes: Api<Node> = Api::all(c.clone());
+    let old_uid = nodes.get(&node).await.expect("node").uid();
+    assert!(old_uid.is_some());
+    assert_eq!(
+        states["repl-0"].node_uid, old_uid,
+        "the node's uid is recorded"
+    );
+    nodes
+        .delete(&node, &DeleteParams::default())
+        .await
+        .expect("delete the node");
+    let new_uid = wait_for(&format!("{node} registered again"), TIMEOUT, || async {
+        nodes
+            .get_opt(&node)
+            .await
+            .ok()??
+            .uid()
+            .filter(|uid| Some(uid) != old_uid.as_ref())
+    })
+    .await;
+    wait_event_noting(c, &ns, "repl", "NodeReplaced", &["repl-0", &node]).await;
+    let pps = pps_api(c, &ns);
+    wait_for("repl-0 recorded on the new node", TIMEOUT, || async {
+        let state = pps
+            .get("repl")
+            .await
+            .ok()?
+            .status?
+            .pod_states
+            .remove("repl-0")?;
+        (state.node_uid.as_deref() == Some(new_uid.as_str())).then_some(())
+    })
+    .await;
+    delete_namespace(c, &ns).await;
+}

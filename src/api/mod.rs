@@ -131,7 +131,7 @@ pub struct PersistentPodStateStatus {
 
 /// Where a pod ran the last time it was Ready, and its persisted annotations.
 ///
-/// `podIPs`, `podUID` and `lastRestore` extend the upstream API (additive, optional).
+/// `podIPs`, `podUID`, `nodeUID` and `lastRestore` extend the upstream API (additive, optional).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodState {
@@ -150,6 +150,10 @@ pub struct PodState {
     /// Extension: the uid of the pod recorded, to tell a re-created pod from the same one.
     #[serde(default, rename = "podUID", skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
+    /// Extension: the uid of the node the pod ran on, to tell a node replaced under the same
+    /// name (its local data gone) from the same node.
+    #[serde(default, rename = "nodeUID", skip_serializing_if = "Option::is_none")]
+    pub node_uid: Option<String>,
     /// Extension: how the last re-created pod of this name came back, compared with what it
     /// was steered back to.
     #[serde(default, skip_serializing_if = "Option::is_none")]

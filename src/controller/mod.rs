@@ -39,6 +39,9 @@ pub const FIELD_MANAGER: &str = "persistent-pod-state";
 /// How often every object is reconciled even without a change.
 const RESYNC: Duration = Duration::from_secs(300);
 
+/// What was last reported about each PersistentPodState (so a report goes out once).
+type Reported<T> = Mutex<HashMap<ObjectRef<PersistentPodState>, T>>;
+
 /// What the controllers share.
 pub struct Context {
     /// API client.
@@ -54,9 +57,11 @@ pub struct Context {
     /// Open while this replica may write (its hold on the Lease is certain).
     pub fence: Fence,
     /// Unplaceable states already reported, by PersistentPodState.
-    reported_unplaceable: Mutex<HashMap<ObjectRef<PersistentPodState>, BTreeSet<String>>>,
+    reported_unplaceable: Reported<BTreeSet<String>>,
     /// What each PersistentPodState over the limits was reported for.
-    reported_limits: Mutex<HashMap<ObjectRef<PersistentPodState>, Vec<String>>>,
+    reported_limits: Reported<Vec<String>>,
+    /// Replaced nodes already reported, by PersistentPodState: (pod, the node's new uid).
+    reported_replaced: Reported<BTreeSet<(String, String)>>,
     /// Consecutive failures by object, for the retry backoff.
     failures: Backoff,
     /// When each PersistentPodState's status was last written.
@@ -82,6 +87,7 @@ impl Context {
             fence,
             reported_unplaceable: Mutex::default(),
             reported_limits: Mutex::default(),
+            reported_replaced: Mutex::default(),
             failures: Backoff::default(),
             pacing: Pacing::default(),
         }

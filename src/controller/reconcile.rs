@@ -61,12 +61,17 @@ pub async fn reconcile_pps(
         let pods = caches.pods_of(&target);
         let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
         let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
-        let node_labels = |name: &str| caches.node(name).map(|n| n.labels().clone());
+        let node = |name: &str| {
+            caches.node(name).map(|n| record::NodeSeen {
+                labels: n.labels().clone(),
+                uid: n.uid(),
+            })
+        };
         let observed = Observed {
             target: workload_target.clone(),
             pods: &pods,
             pod_exists: &pod_exists,
-            node_labels: &node_labels,
+            node: &node,
         };
         let generation = pps.metadata.generation.unwrap_or_default();
         record::change(
@@ -104,6 +109,7 @@ pub async fn reconcile_pps(
     ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
     let health = Health::now(ctx.node_lost_after);
     report::unplaceable(&ctx, &pps, &change.status, &health);
+    report::replaced(&ctx, &pps, &change);
     report::limits(&ctx, &pps, &workload_target);
     let next = next_look(&ctx.caches, &change.status, &health);
     Ok(Action::requeue(paced.map_or(next, |wait| wait.min(next))))

@@ -36,8 +36,31 @@ pub struct Observed<'a> {
     pub pods: &'a [&'a CachedPod],
     /// Whether a pod of that name exists in the namespace (whoever owns it).
     pub pod_exists: &'a dyn Fn(&str) -> bool,
-    /// A node's labels, if the node is known.
-    pub node_labels: &'a dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+    /// A node, if it is known.
+    pub node: &'a dyn Fn(&str) -> Option<NodeSeen>,
+}
+
+/// What recording reads of a node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeSeen {
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// Its uid.
+    pub uid: Option<String>,
+}
+
+/// A node that was replaced under the name a state recorded (another uid): the pod's local
+/// data there is gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replaced {
+    /// The pod whose state recorded the node.
+    pub pod: String,
+    /// The node's name.
+    pub node: String,
+    /// The uid recorded.
+    pub recorded_uid: String,
+    /// The uid of the node of that name now.
+    pub uid: String,
 }
 
 /// The state to record for a Ready pod with a node, or `None` if it cannot be recorded yet
@@ -45,17 +68,18 @@ pub struct Observed<'a> {
 pub fn pod_state(
     spec: &PersistentPodStateSpec,
     pod: &CachedPod,
-    node_labels: &dyn Fn(&str) -> Option<BTreeMap<String, String>>,
+    nodes: &dyn Fn(&str) -> Option<NodeSeen>,
 ) -> Option<PodState> {
     if !pod.ready {
         return None;
     }
     let node = pod.node_name.as_ref().filter(|n| !n.is_empty())?;
     let keys = spec.topology_keys();
+    let seen = nodes(node);
     let node_topology_labels = if keys.is_empty() {
         BTreeMap::new()
     } else {
-        let labels = node_labels(node)?;
+        let labels = &seen.as_ref()?.labels;
         keys.iter()
             .filter_map(|k| labels.get(*k).map(|v| ((*k).to_owned(), v.clone())))
             .collect()
@@ -75,6 +99,7 @@ pub fn pod_state(
         annotations,
         pod_ips: pod.ips.clone(),
         pod_uid: pod.uid(),
+        node_uid: seen.and_then(|n| n.uid),
         last_restore: None,
     })
 }
@@ -129,6 +154,8 @@ pub struct StatusChange {
     pub pruned: Vec<String>,
     /// Pods that came back since the current status.
     pub restorations: Vec<Restoration>,
+    /// Nodes the current status recorded that were replaced under their name since.
+    pub replaced: Vec<Replaced>,
 }
 
 /// The whole change a reconcile makes to a PersistentPodState named `pps_name` with `spec` (at
@@ -171,12 +198,26 @@ pub fn change(
         .filter(|k| !status.pod_states.contains_key(*k))
         .cloned()
         .collect();
+    let replaced = old
+        .iter()
+        .filter_map(|(pod, state)| {
+            let (node, recorded_uid) = (state.node_name.as_ref()?, state.node_uid.as_ref()?);
+            let uid = (observed.node)(node)?.uid?;
+            (uid != *recorded_uid).then(|| Replaced {
+                pod: pod.clone(),
+                node: node.clone(),
+                recorded_uid: recorded_uid.clone(),
+                uid,
+            })
+        })
+        .collect();
     Ok(StatusChange {
         status,
         patch,
         recorded,
         pruned,
         restorations,
+        replaced,
     })
 }
 
@@ -219,7 +260,7 @@ pub fn desired_status(
         {
             continue;
         }
-        if let Some(mut state) = pod_state(spec, pod, observed.node_labels) {
+        if let Some(mut state) = pod_state(spec, pod, observed.node) {
             let steered = pod
                 .annotations()
                 .get(INJECTED_ANNOTATION)
@@ -351,13 +392,14 @@ mod tests {
         .expect("pod")
     }
 
-    fn nodes(name: &str) -> Option<BTreeMap<String, String>> {
+    fn nodes(name: &str) -> Option<NodeSeen> {
         let zone = if name.ends_with('1') { "z1" } else { "z2" };
-        (name != "unknown").then(|| {
-            [(HOST, name), (ZONE, zone), ("other", "o")]
+        (name != "unknown").then(|| NodeSeen {
+            labels: [(HOST, name), (ZONE, zone), ("other", "o")]
                 .into_iter()
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                .collect()
+                .collect(),
+            uid: Some(format!("uid-{name}")),
         })
     }
 
@@ -394,7 +436,7 @@ mod tests {
             target,
             pods: &refs,
             pod_exists: &exists,
-            node_labels: &nodes,
+            node: &nodes,
         };
         let out = desired_status("web", &spec(retention), 7, Some(&current), &observed);
         assert_eq!(out.observed_generation, 7);
@@ -443,7 +485,7 @@ mod tests {
                 target: live(4),
                 pods,
                 pod_exists: &exists,
-                node_labels: &nodes,
+                node: &nodes,
             };
             change("web", &spec(None), 1, None, &observed).expect("change")
         };
@@ -473,7 +515,7 @@ mod tests {
                 target: live(4),
                 pods: &refs,
                 pod_exists: &exists,
-                node_labels: &nodes,
+                node: &nodes,
             },
         )
         .expect("change");
@@ -526,7 +568,7 @@ mod tests {
                 target: live(4),
                 pods: &refs,
                 pod_exists: &exists,
-                node_labels: &nodes,
+                node: &nodes,
             },
         )
         .expect("change");
@@ -619,7 +661,7 @@ mod tests {
             target: live(1),
             pods: &refs,
             pod_exists: &exists,
-            node_labels: &nodes,
+            node: &nodes,
         };
         let first = desired_status("web", &spec(None), 1, None, &observed);
         assert_eq!(
@@ -735,5 +777,41 @@ mod tests {
                 assert_eq!(doc, new, "patch applies");
             }
         }
+    }
+
+    #[test]
+    fn a_node_replaced_under_its_name_is_found_and_the_state_takes_the_new_uid() {
+        let pods = [pod("web-0", Some("node-1"), true, "u1")];
+        let refs: Vec<&CachedPod> = pods.iter().collect();
+        let exists = |_: &str| true;
+        let mut recorded = state("node-1");
+        assert_eq!(recorded.node_uid.as_deref(), Some("uid-node-1"), "recorded");
+        recorded.node_uid = Some("uid-before".into());
+        let current = PersistentPodStateStatus {
+            observed_generation: 1,
+            pod_states: [("web-0".to_string(), recorded)].into(),
+            ..PersistentPodStateStatus::default()
+        };
+        let observed = Observed {
+            target: live(1),
+            pods: &refs,
+            pod_exists: &exists,
+            node: &nodes,
+        };
+        let change = change("web", &spec(None), 1, Some(&current), &observed).expect("change");
+        assert_eq!(
+            change.replaced,
+            [Replaced {
+                pod: "web-0".into(),
+                node: "node-1".into(),
+                recorded_uid: "uid-before".into(),
+                uid: "uid-node-1".into(),
+            }]
+        );
+        assert_eq!(
+            change.status.pod_states["web-0"].node_uid.as_deref(),
+            Some("uid-node-1"),
+            "the running pod is recorded on the new node"
+        );
     }
 }

@@ -9,7 +9,7 @@ use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
-use super::record::{self, Restoration, StatusChange, Target};
+use super::record::{self, Replaced, Restoration, StatusChange, Target};
 use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
 use crate::metrics::RestoreLabels;
@@ -204,6 +204,45 @@ pub(super) fn unplaceable(
             EventType::Warning,
             "RequiredTopologyUnavailable",
             "Inject",
+            note,
+        );
+    }
+}
+
+/// Publishes a Warning Event for each recorded node newly found replaced under its name (the
+/// pod's local data there is gone), once per pod and new node.
+pub(super) fn replaced(ctx: &Context, pps: &PersistentPodState, change: &StatusChange) {
+    let key = ObjectRef::from_obj(pps);
+    let now: BTreeSet<(String, String)> = change
+        .replaced
+        .iter()
+        .map(|r| (r.pod.clone(), r.uid.clone()))
+        .collect();
+    let newly: Vec<&Replaced> = {
+        let mut reported = lock(&ctx.reported_replaced);
+        let before = reported.remove(&key).unwrap_or_default();
+        if !now.is_empty() {
+            reported.insert(key, now.clone());
+        }
+        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
+        change
+            .replaced
+            .iter()
+            .filter(|r| !before.contains(&(r.pod.clone(), r.uid.clone())))
+            .collect()
+    };
+    for r in newly {
+        tracing::warn!(pod = %r.pod, node = %r.node, "the recorded node was replaced under its name");
+        let note = format!(
+            "node {} of pod {} was replaced (uid {} -> {}): the pod's local data there is gone",
+            r.node, r.pod, r.recorded_uid, r.uid
+        );
+        ctx.events.publish_about(
+            pps,
+            &r.pod,
+            EventType::Warning,
+            "NodeReplaced",
+            "Record",
             note,
         );
     }
