@@ -100,8 +100,8 @@ fn required_host(name: &str) -> k8s_openapi::api::apps::v1::StatefulSet {
 }
 
 /// A pod re-created a moment after its node went unreachable stays pinned to it (the grace
-/// period holds: the controller's undated NoSchedule taint is dated by its NoExecute twin),
-/// waits, and comes back to its node when the kubelet returns.
+/// period `--node-lost-after` holds with the controller's taints and conditions), waits, and
+/// comes back to its node when the kubelet returns.
 #[tokio::test]
 async fn a_short_outage_keeps_the_pin_and_the_pod_returns_to_its_node() {
     let env = env().await;
