@@ -9,6 +9,7 @@
 #   APISERVER_PORT  kube-apiserver HTTPS port
 #   WEBHOOK_HOST    address the API server calls the webhook at (default 127.0.0.1)
 #   WEBHOOK_PORT    the port the API server calls the webhooks on
+#   NODE_LOST_AFTER for serve_up: the replicas' --node-lost-after (default 5m)
 #   REPLICAS        for serve_up: NAME=WEBHOOK_PORT:PROBE_PORT of each replica (behind a loopback
 #                   load balancer on WEBHOOK_PORT, standing in for a Service)
 #   PPS_CACHE       where the control plane binaries are cached (~/.cache/persistent-pod-state)
@@ -261,7 +262,7 @@ serve_replica() {
     PPS_LISTEN="127.0.0.1:$2" PPS_PROBE_LISTEN="127.0.0.1:$3" \
     PPS_TLS_CERT="$CLUSTER_DIR/webhook-tls/tls.crt" PPS_TLS_KEY="$CLUSTER_DIR/webhook-tls/tls.key" \
     PPS_SHUTDOWN_DELAY_SECONDS=0 PPS_LEADER_IDENTITY="e2e-$1" PPS_LEASE_NAMESPACE=persistent-pod-state \
-    PPS_CUSTOM_WORKLOAD_CONFIG="$CLUSTER_DIR/custom-workloads.yaml" \
+    PPS_CUSTOM_WORKLOAD_CONFIG="$CLUSTER_DIR/custom-workloads.yaml" PPS_NODE_LOST_AFTER="${NODE_LOST_AFTER:-5m}" \
     PPS_LEASE_DURATION_SECONDS="${LEASE_DURATION:-8}" PPS_LEASE_RENEW_DEADLINE_SECONDS="${LEASE_RENEW_DEADLINE:-5}" PPS_LEASE_RETRY_PERIOD_SECONDS=1 \
     "$PPS_BIN" serve
   wait_until 60 "replica $1 readiness" curl -sf "http://127.0.0.1:$3/readyz"

@@ -10,6 +10,8 @@ export CLUSTER_DIR="${CLUSTER_DIR:-$(mktemp -d /tmp/pps-e2e.XXXXXX)}"
 export ETCD_PORT="${ETCD_PORT:-12379}" APISERVER_PORT="${APISERVER_PORT:-16443}"
 export WEBHOOK_PORT="${WEBHOOK_PORT:-19440}"
 export REPLICAS="${REPLICAS:-a=19443:18080 b=19444:18081}"
+# Short, so that the release of pods stranded on a lost node is seen within a test.
+export NODE_LOST_AFTER="${NODE_LOST_AFTER:-45s}"
 
 cd "$ROOT"
 cargo build --locked --features e2e --bins
@@ -36,6 +38,7 @@ E2E_CUSTOM_KIND=1 register_webhook
 log "control plane ($("$KBIN/kube-apiserver" --version)), fake kubelet and 2 webhook replicas are up; running the e2e suite"
 
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
+  E2E_NODE_LOST_AFTER="$NODE_LOST_AFTER" \
   E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
   E2E_SA_KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" \
   cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture "$@"

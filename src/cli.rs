@@ -108,6 +108,11 @@ pub struct ServeArgs {
     /// pin to it is left out of re-created pods (e.g. `5m`, `90s`, `1h`).
     #[arg(long, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
     pub node_lost_after: Duration,
+    /// Waiting pods released per PersistentPodState per minute at most (a burst of that many,
+    /// then one every 60/N s): a pod pinned by the webhook to values no usable node has any
+    /// more is deleted so that its workload re-creates it. 0: none is released.
+    #[arg(long, env = "PPS_MAX_RELEASES_PER_MINUTE", default_value_t = 10)]
+    pub max_releases_per_minute: u32,
     /// Leader election.
     #[command(flatten)]
     pub lease: LeaseArgs,

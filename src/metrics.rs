@@ -335,6 +335,9 @@ pub struct Metrics {
     pub required_dropped: Family<DropLabels, Counter>,
     /// States whose required values no node has, seen by the controller.
     pub states_unplaceable: Gauge,
+    /// Waiting pods released (deleted, to be re-created) because no usable node has the
+    /// required values the webhook added, by reason.
+    pub pods_released: Family<DropLabels, Counter>,
     /// Pods let through without a patch, by reason.
     pub skipped: Family<SkipLabels, Counter>,
     /// Pod states recorded or re-recorded.
@@ -394,6 +397,7 @@ impl Metrics {
             injection_conflicts: Counter::default(),
             required_dropped: Family::default(),
             states_unplaceable: Gauge::default(),
+            pods_released: Family::default(),
             skipped: Family::default(),
             states_recorded: Counter::default(),
             states_pruned: Counter::default(),
@@ -436,6 +440,11 @@ impl Metrics {
             "required_dropped",
             "Admissions whose recorded required values were partly or wholly left out, by reason",
             m.required_dropped.clone(),
+        );
+        registry.register(
+            "pods_released",
+            "Waiting pods released because no usable node has the required values the webhook added, by reason",
+            m.pods_released.clone(),
         );
         registry.register(
             "states_unplaceable",
@@ -565,6 +574,7 @@ impl Metrics {
         }
         for &reason in DropReason::ALL {
             let _ = self.required_dropped.get_or_create(&DropLabels { reason });
+            let _ = self.pods_released.get_or_create(&DropLabels { reason });
         }
         for &controller in Reconciler::ALL {
             let _ = self

@@ -26,6 +26,8 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
+/// The label every node carries with its own name.
+pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 /// Taint of a node whose kubelet stopped reporting (node lifecycle controller).
 pub const UNREACHABLE_TAINT: &str = "node.kubernetes.io/unreachable";
 /// Taint of a node whose kubelet reports not ready.
@@ -147,6 +149,8 @@ pub struct PodDemands<'a> {
     node_selector: Option<&'a BTreeMap<String, String>>,
     required: Option<&'a NodeSelector>,
     tolerations: &'a [Toleration],
+    /// Whether every taint is taken as tolerated (the pod is not known).
+    any_taint: bool,
 }
 
 impl<'a> PodDemands<'a> {
@@ -165,6 +169,17 @@ impl<'a> PodDemands<'a> {
             tolerations: spec
                 .and_then(|s| s.tolerations.as_deref())
                 .unwrap_or_default(),
+            any_taint: false,
+        }
+    }
+
+    /// Nothing demanded, every taint tolerated: whether a node usable at all has the values
+    /// (the controller's judgements, which do not know the pod's tolerations; the webhook
+    /// judged those when it admitted the pod).
+    pub fn none() -> Self {
+        Self {
+            any_taint: true,
+            ..Self::default()
         }
     }
 
@@ -183,13 +198,15 @@ impl<'a> PodDemands<'a> {
     }
 
     fn tolerates(&self, taints: &[Taint]) -> bool {
-        taints
-            .iter()
-            .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
-            .filter(|t| {
-                ![UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT].contains(&t.key.as_str())
-            })
-            .all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
+        self.any_taint
+            || taints
+                .iter()
+                .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
+                .filter(|t| {
+                    ![UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT]
+                        .contains(&t.key.as_str())
+                })
+                .all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
     }
 }
 

@@ -108,14 +108,17 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Fence::open()
     };
     let mut controllers = tokio::spawn({
-        let ctx = Arc::new(controller::Context::new(
-            client.clone(),
-            caches.clone(),
-            metrics.clone(),
-            events.clone(),
-            args.node_lost_after,
-            fence.clone(),
-        ));
+        let ctx = Arc::new(
+            controller::Context::new(
+                client.clone(),
+                caches.clone(),
+                metrics.clone(),
+                events.clone(),
+                args.node_lost_after,
+                fence.clone(),
+            )
+            .releasing(args.max_releases_per_minute),
+        );
         let shutdown = shutdown.clone();
         let client = client.clone();
         let metrics = metrics.clone();

@@ -332,7 +332,9 @@ async fn the_service_account_rbac_is_enough_to_run_and_no_more() {
         ("list", "pods", "yes"),
         ("patch", "persistentpodstates.apps.kruise.io/status", "yes"),
         ("create", "events.events.k8s.io", "yes"),
-        ("delete", "pods", "no"),
+        // Releasing a waiting pod the webhook pinned to a node no longer usable.
+        ("delete", "pods", "yes"),
+        ("delete", "nodes", "no"),
         ("update", "statefulsets.apps", "no"),
         ("get", "secrets", "no"),
     ] {

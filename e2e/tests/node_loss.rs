@@ -245,3 +245,90 @@ async fn a_node_replaced_under_its_name_is_reported() {
     .await;
     delete_namespace(c, &ns).await;
 }
+
+/// The replicas' `--node-lost-after` (`45s`, `5m`, ...).
+fn lost_after(env: &Env) -> std::time::Duration {
+    let text = env.node_lost_after.trim();
+    let (number, unit) = text.split_at(text.len() - 1);
+    let n: u64 = number.parse().expect("a duration like 45s or 5m");
+    std::time::Duration::from_secs(match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        other => panic!("unit {other}"),
+    })
+}
+
+/// A pod re-created while its node was unreachable is pinned to it (the grace period); when
+/// the node stays away past `--node-lost-after`, the controller releases the waiting pod (it
+/// runs nothing: deleted by uid and resourceVersion), its StatefulSet re-creates it, and the
+/// webhook injects what is still usable: it runs elsewhere. It waited because of the pin no
+/// longer than `--node-lost-after` plus 30 s.
+#[tokio::test]
+async fn a_pod_stranded_after_admission_is_released_and_runs_elsewhere() {
+    let env = env().await;
+    let c = &env.client;
+    let lost_after = lost_after(&env);
+    let ns = namespace(c, "e2e-release").await;
+    let (placed, _) = start_recorded(c, &ns, &required_host("stuck")).await;
+    let node = placed["stuck-0"].node.clone();
+    let before = scrape(&env).await;
+    let kubelet = kubelet_dies(c, &node).await;
+    let first_uid = force_delete_pod(c, &ns, "stuck-0").await;
+    let waiting = created_again(c, &ns, "stuck-0", &first_uid).await;
+    assert_eq!(
+        pinned_to(&waiting).as_deref(),
+        Some(node.as_str()),
+        "admitted within the grace period: pinned"
+    );
+    let pinned_uid = waiting.uid().unwrap_or_default();
+    let pinned_at = waiting
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0)
+        .expect("created");
+    let released = wait_for(
+        "the pinned pod to be released and created again",
+        lost_after + std::time::Duration::from_secs(90),
+        || async {
+            let pod = Api::<Pod>::namespaced(c.clone(), &ns)
+                .get_opt("stuck-0")
+                .await
+                .ok()??;
+            (pod.uid().as_deref() != Some(pinned_uid.as_str())
+                && pod.uid().as_deref() != Some(first_uid.as_str()))
+            .then_some(pod)
+        },
+    )
+    .await;
+    let waited = released
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0)
+        .expect("created")
+        .duration_since(pinned_at);
+    let bound = k8s_openapi::jiff::SignedDuration::try_from(lost_after).expect("duration")
+        + k8s_openapi::jiff::SignedDuration::from_secs(30);
+    assert!(
+        waited <= bound,
+        "pending because of the pin for {waited:?}, more than --node-lost-after + 30 s"
+    );
+    assert_ne!(pinned_to(&released).as_deref(), Some(node.as_str()));
+    let running = wait_replaced(c, &ns, "stuck-0", &pinned_uid).await;
+    assert_ne!(placement(&running).map(|p| p.node), Some(node.clone()));
+    wait_event_noting(c, &ns, "stuck", "PodReleased", &["stuck-0", &node]).await;
+    let series = "pps_pods_released_total{reason=\"node_lost\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    println!(
+        "stuck-0: pinned to unreachable {node}, released after {waited:?} (--node-lost-after {}), now runs on {}",
+        env.node_lost_after,
+        placement(&running).map(|p| p.node).unwrap_or_default()
+    );
+    kubelet_returns(c, &node, kubelet).await;
+    delete_namespace(c, &ns).await;
+}

@@ -28,6 +28,8 @@ pub struct Env {
     pub lease_duration: Duration,
     /// A kubeconfig of the manifests' ServiceAccount, which the replicas run with.
     pub sa_kubeconfig: PathBuf,
+    /// The replicas' `--node-lost-after`, as they are given it.
+    pub node_lost_after: String,
 }
 
 /// One `serve` replica started by e2e/run.sh.
@@ -83,6 +85,7 @@ pub async fn env() -> Env {
             setting("E2E_LEASE_DURATION").parse().expect("seconds"),
         ),
         sa_kubeconfig: setting("E2E_SA_KUBECONFIG").into(),
+        node_lost_after: setting("E2E_NODE_LOST_AFTER"),
     }
 }
 
@@ -553,6 +556,7 @@ pub fn serve_command(
         .env("PPS_TLS_CERT", certs.join("tls.crt"))
         .env("PPS_TLS_KEY", certs.join("tls.key"))
         .env("PPS_LEASE_NAMESPACE", "persistent-pod-state")
+        .env("PPS_NODE_LOST_AFTER", &env.node_lost_after)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     command

@@ -41,6 +41,31 @@ pub const PREFERRED_TOPOLOGY_ANNOTATION: &str = "kruise.io/preferred-persistent-
 pub const PERSISTENT_ANNOTATIONS_ANNOTATION: &str = "kruise.io/persistent-pod-annotations";
 /// Pod annotation set by the webhook: the name of the PersistentPodState that was injected.
 pub const INJECTED_ANNOTATION: &str = "kruise.io/injected-persistent-pod-state";
+/// Pod annotation set by the webhook: the required values it added to `spec.nodeSelector`
+/// (`key=value,...`), so the controller knows which of a waiting pod's constraints are its own
+/// to release.
+pub const INJECTED_REQUIRED_ANNOTATION: &str = "persistent-pod-state.io/injected-required";
+
+/// The value of [`INJECTED_REQUIRED_ANNOTATION`] for `values`.
+pub fn encode_required(values: &BTreeMap<String, String>) -> String {
+    values
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The values an [`INJECTED_REQUIRED_ANNOTATION`] names; `None` if it does not parse (then no
+/// value is taken for the webhook's).
+pub fn decode_required(text: &str) -> Option<BTreeMap<String, String>> {
+    text.split(',')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=')?;
+            (!k.is_empty()).then(|| (k.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
 
 /// The workload whose pods a PersistentPodState keeps in place.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]

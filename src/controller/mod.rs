@@ -31,7 +31,7 @@ use crate::metrics::Metrics;
 use crate::state::{Caches, WorkloadStore};
 use crate::workload::GroupKind;
 pub use reconcile::{WorkloadContext, reconcile_pps, reconcile_workload};
-use retry::{Backoff, Pacing, pps_error_policy, workload_error_policy};
+use retry::{Backoff, Pacing, Releases, pps_error_policy, workload_error_policy};
 
 /// Field manager name for server-side apply.
 pub const FIELD_MANAGER: &str = "persistent-pod-state";
@@ -66,6 +66,8 @@ pub struct Context {
     failures: Backoff,
     /// When each PersistentPodState's status was last written.
     pacing: Pacing,
+    /// Releases of waiting pods allowed, by PersistentPodState.
+    releases: Releases,
 }
 
 impl Context {
@@ -90,7 +92,14 @@ impl Context {
             reported_replaced: Mutex::default(),
             failures: Backoff::default(),
             pacing: Pacing::default(),
+            releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
         }
+    }
+
+    /// At most `per_minute` waiting pods released per PersistentPodState per minute (0: none).
+    pub fn releasing(mut self, per_minute: u32) -> Self {
+        self.releases = Releases::new(per_minute);
+        self
     }
 }
 

@@ -1,9 +1,11 @@
 //! The controllers' shells: read the caches, call the pure [`super::record`] and
 //! [`super::generate`], write the result, and hand what happened to [`super::report`].
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
 };
@@ -18,7 +20,7 @@ use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
 use crate::api::{PersistentPodState, PersistentPodStateStatus};
 use crate::metrics::{GeneratorAction, Reconciler};
-use crate::placement::Health;
+use crate::placement::{self, Health, PodDemands};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
@@ -56,10 +58,10 @@ pub async fn reconcile_pps(
         return Ok(Action::requeue(RESYNC));
     }
     let workload_target = target_of(&ctx.caches, &target);
+    let pods = ctx.caches.pods_of(&target);
+    let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
     let change = {
         let caches = &ctx.caches;
-        let pods = caches.pods_of(&target);
-        let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
         let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
         let node = |name: &str| {
             caches.node(name).map(|n| record::NodeSeen {
@@ -112,7 +114,52 @@ pub async fn reconcile_pps(
     report::replaced(&ctx, &pps, &change);
     report::limits(&ctx, &pps, &workload_target);
     let next = next_look(&ctx.caches, &change.status, &health);
-    Ok(Action::requeue(paced.map_or(next, |wait| wait.min(next))))
+    let mut wait = paced.map_or(next, |wait| wait.min(next));
+    if let Some(later) = release_stranded(&ctx, &pps, &namespace, &pods, &health).await? {
+        wait = wait.min(later);
+    }
+    Ok(Action::requeue(wait))
+}
+
+/// Deletes the pods the webhook pinned to required values no usable node has any more (only
+/// unscheduled ones, each by uid and resourceVersion), as many as the rate allows, so that
+/// their workload re-creates them and the webhook injects what is still usable. When the rate
+/// holds some back, how long until the next may go.
+async fn release_stranded(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    namespace: &str,
+    pods: &[&CachedPod],
+    health: &Health,
+) -> Result<Option<Duration>, Error> {
+    let demands = PodDemands::none();
+    let place = |values: &BTreeMap<String, String>| {
+        placement::required(values, &demands, ctx.caches.as_ref(), health)
+    };
+    let stranded = record::stranded(&pps.name_any(), pods, &place);
+    let key = ObjectRef::from_obj(pps);
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    for pod in &stranded {
+        if let Err(later) = ctx.releases.take(&key) {
+            tracing::info!(pod = %pod.pod, ?later, "release rate reached; the pod waits for the next");
+            return Ok(Some(later));
+        }
+        ctx.fence.check()?;
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(pod.uid.clone()),
+                resource_version: pod.resource_version.clone(),
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(&pod.pod, &params).await {
+            Ok(_) => report::released(ctx, pps, pod),
+            // Gone, or changed since (scheduled, re-created): looked at again from the cache.
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(None)
 }
 
 /// When to look at a PersistentPodState again without a change: at the resync period, or just

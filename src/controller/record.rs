@@ -9,10 +9,10 @@ use serde_json::{Map, Value};
 
 use crate::api::PersistentPodStateSpec;
 use crate::api::{
-    INJECTED_ANNOTATION, IpRestore, NodeRestore, PersistentPodStateStatus, PodState, Restore,
-    RetentionPolicy,
+    INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, IpRestore, NodeRestore,
+    PersistentPodStateStatus, PodState, Restore, RetentionPolicy, decode_required, encode_required,
 };
-use crate::placement::{Dropped, Required};
+use crate::placement::{Dropped, HOSTNAME_LABEL, Required};
 use crate::state::trim::CachedPod;
 use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
 
@@ -319,6 +319,53 @@ pub fn unplaceable_states(
             place(&spec.required_values(state))
                 .dropped
                 .map(|d| (pod.clone(), d))
+        })
+        .collect()
+}
+
+/// A pod the webhook pinned that no usable node can take any more.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stranded {
+    /// Its name.
+    pub pod: String,
+    /// Its uid (a delete precondition: only this pod).
+    pub uid: String,
+    /// Its resourceVersion (a delete precondition: only as seen).
+    pub resource_version: Option<String>,
+    /// The node it was pinned to (its hostname value when pinned by one, else the values).
+    pub node: String,
+    /// The required values the webhook added that no usable node has, and why.
+    pub dropped: Dropped,
+}
+
+/// The pods of `pods` that the PersistentPodState `pps_name` steered, that wait unscheduled
+/// (not being deleted), and whose required values the webhook added (its
+/// `persistent-pod-state.io/injected-required` annotation) no usable node has any more, as
+/// `place` judges: they wait for nothing, and only because of the webhook. A value the pod set
+/// itself is never one of them.
+pub fn stranded(
+    pps_name: &str,
+    pods: &[&CachedPod],
+    place: &dyn Fn(&BTreeMap<String, String>) -> Required,
+) -> Vec<Stranded> {
+    pods.iter()
+        .filter(|p| p.node_name.as_deref().is_none_or(str::is_empty))
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && !p.finished())
+        .filter(|p| p.annotations().get(INJECTED_ANNOTATION).map(String::as_str) == Some(pps_name))
+        .filter_map(|p| {
+            let values = decode_required(p.annotations().get(INJECTED_REQUIRED_ANNOTATION)?)?;
+            let dropped = place(&values).dropped?;
+            let node = values
+                .get(HOSTNAME_LABEL)
+                .cloned()
+                .unwrap_or_else(|| encode_required(&values));
+            Some(Stranded {
+                pod: p.name_any(),
+                uid: p.uid()?,
+                resource_version: p.resource_version(),
+                node,
+                dropped,
+            })
         })
         .collect()
 }
@@ -813,5 +860,52 @@ mod tests {
             Some("uid-node-1"),
             "the running pod is recorded on the new node"
         );
+    }
+
+    #[test]
+    fn only_unscheduled_pods_pinned_by_the_webhook_to_unusable_values_are_stranded() {
+        use crate::api::{INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION};
+        let waiting = |name: &str, annotations: Value, node: Option<&str>| -> CachedPod {
+            serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns",
+                "uid": format!("uid-{name}"), "resourceVersion": "9", "annotations": annotations},
+                "spec": {"nodeName": node, "containers": []}, "status": {"phase": "Pending"}}))
+            .expect("pod")
+        };
+        let ours = |values: &str| json!({INJECTED_ANNOTATION: "web", INJECTED_REQUIRED_ANNOTATION: values});
+        let pods = [
+            waiting("lost", ours("kubernetes.io/hostname=dead"), None),
+            waiting("usable", ours("kubernetes.io/hostname=alive"), None),
+            waiting(
+                "scheduled",
+                ours("kubernetes.io/hostname=dead"),
+                Some("dead"),
+            ),
+            waiting(
+                "other-pps",
+                json!({INJECTED_ANNOTATION: "other", INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=dead"}),
+                None,
+            ),
+            waiting("not-ours", json!({}), None),
+            waiting("garbage", ours("no equals sign"), None),
+        ];
+        let refs: Vec<&CachedPod> = pods.iter().collect();
+        let place = |values: &BTreeMap<String, String>| Required {
+            kept: BTreeMap::new(),
+            dropped: (values.get(HOST).map(String::as_str) == Some("dead")).then(|| Dropped {
+                values: values.clone(),
+                reason: DropReason::NodeLost,
+            }),
+        };
+        let found = stranded("web", &refs, &place);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(
+            (
+                found[0].pod.as_str(),
+                found[0].uid.as_str(),
+                found[0].node.as_str()
+            ),
+            ("lost", "uid-lost", "dead")
+        );
+        assert_eq!(found[0].resource_version.as_deref(), Some("9"));
     }
 }

@@ -9,10 +9,10 @@ use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
-use super::record::{self, Replaced, Restoration, StatusChange, Target};
+use super::record::{self, Replaced, Restoration, StatusChange, Stranded, Target};
 use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
-use crate::metrics::RestoreLabels;
+use crate::metrics::{DropLabels, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::sync::lock;
 use crate::webhook::admit::LeftOut;
@@ -170,7 +170,7 @@ pub(super) fn unplaceable(
     status: &PersistentPodStateStatus,
     health: &Health,
 ) {
-    let demands = PodDemands::default();
+    let demands = PodDemands::none();
     let place = |recorded: &BTreeMap<String, String>| {
         placement::required(recorded, &demands, ctx.caches.as_ref(), health)
     };
@@ -246,6 +246,32 @@ pub(super) fn replaced(ctx: &Context, pps: &PersistentPodState, change: &StatusC
             note,
         );
     }
+}
+
+/// A waiting pod released: counted, and a Warning Event naming the pod, the node and why.
+pub(super) fn released(ctx: &Context, pps: &PersistentPodState, stranded: &Stranded) {
+    let reason = stranded.dropped.reason;
+    ctx.metrics
+        .pods_released
+        .get_or_create(&DropLabels { reason })
+        .inc();
+    let left_out: Vec<LeftOut> = LeftOut::required(&stranded.dropped).collect();
+    tracing::warn!(pod = %stranded.pod, node = %stranded.node, reason = reason.describe(),
+        "released a pod waiting for a node that is no longer usable");
+    let note = format!(
+        "pod {} released: it waited for node {}, but {}; re-created, it gets what is still usable",
+        stranded.pod,
+        stranded.node,
+        LeftOut::list(&left_out)
+    );
+    ctx.events.publish_about(
+        pps,
+        &stranded.pod,
+        EventType::Warning,
+        "PodReleased",
+        "Release",
+        note,
+    );
 }
 
 /// A workload whose ip-request annotation is not valid, so it is not copied: counted, and a

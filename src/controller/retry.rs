@@ -80,6 +80,50 @@ impl Pacing {
     }
 }
 
+/// Releases of waiting pods, per PersistentPodState: a token bucket of `per_minute` tokens,
+/// refilled at that rate, so that a burst of stranded pods is released at once up to it and
+/// the rest at the rate.
+pub(super) struct Releases {
+    per_minute: u32,
+    buckets: Mutex<HashMap<ObjectRef<PersistentPodState>, (f64, Instant)>>,
+}
+
+impl Releases {
+    /// The default of `--max-releases-per-minute`.
+    pub(super) const DEFAULT_PER_MINUTE: u32 = 10;
+
+    pub(super) fn new(per_minute: u32) -> Self {
+        Self {
+            per_minute,
+            buckets: Mutex::default(),
+        }
+    }
+
+    /// Takes a release for `pps` if one is left; else how long until one is.
+    pub(super) fn take(&self, pps: &ObjectRef<PersistentPodState>) -> Result<(), Duration> {
+        if self.per_minute == 0 {
+            return Err(Duration::from_secs(60));
+        }
+        let full = f64::from(self.per_minute);
+        let per_second = full / 60.0;
+        let mut buckets = lock(&self.buckets);
+        let now = Instant::now();
+        // Buckets refilled full are forgotten (the map holds only recent releasers).
+        buckets.retain(|_, (tokens, at)| {
+            *tokens + now.duration_since(*at).as_secs_f64() * per_second < full
+        });
+        let (tokens, at) = buckets.entry(pps.clone()).or_insert((full, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * per_second).min(full);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - *tokens) / per_second))
+        }
+    }
+}
+
 /// The key a failure of `obj` is counted under, per controller.
 pub(super) fn failure_key<K: ResourceExt>(controller: &str, obj: &K) -> String {
     format!(

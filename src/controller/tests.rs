@@ -598,3 +598,22 @@ async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
         "reported although the write waits: {metrics}"
     );
 }
+
+#[test]
+fn releases_are_limited_per_pps_and_refill() {
+    let releases = super::retry::Releases::new(2);
+    let a = kube::runtime::reflector::ObjectRef::<PersistentPodState>::new("a").within("ns");
+    let b = kube::runtime::reflector::ObjectRef::<PersistentPodState>::new("b").within("ns");
+    assert!(releases.take(&a).is_ok());
+    assert!(releases.take(&a).is_ok());
+    let wait = releases.take(&a).expect_err("the burst is spent");
+    assert!(
+        wait > Duration::ZERO && wait <= Duration::from_secs(30),
+        "one back within 30 s at 2 a minute: {wait:?}"
+    );
+    assert!(releases.take(&b).is_ok(), "per PersistentPodState");
+    assert!(
+        super::retry::Releases::new(0).take(&a).is_err(),
+        "0: none released"
+    );
+}

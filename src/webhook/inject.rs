@@ -4,12 +4,14 @@
 use std::collections::BTreeMap;
 
 use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation};
+use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 use crate::api::PersistentPodStateSpec;
-use crate::api::{INJECTED_ANNOTATION, PodState};
+use crate::api::{
+    INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PodState, decode_required, encode_required,
+};
 use crate::placement::{Dropped, Required};
 
 const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
@@ -98,19 +100,38 @@ pub fn injection_for(
     let placed = place(&required);
     out.dropped = placed.dropped;
     out.kept_required = placed.kept.clone();
-    let required = placed.kept;
+    // What this webhook adds (not what the pod sets itself): what it may later release the
+    // pod from. A value it added before (a reinvocation with its own result) stays its own.
+    let pod_annotations = pod.metadata.annotations.as_ref();
+    let added_before = pod_annotations
+        .filter(|a| a.get(INJECTED_ANNOTATION).map(String::as_str) == Some(pps_name))
+        .and_then(|a| a.get(INJECTED_REQUIRED_ANNOTATION))
+        .and_then(|text| decode_required(text))
+        .unwrap_or_default();
+    let set_by_pod = |key: &str| pod_spec.node_selector.as_ref().and_then(|own| own.get(key));
+    let injected: BTreeMap<String, String> = placed
+        .kept
+        .iter()
+        .filter(|(key, _)| set_by_pod(key).is_none())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    out.required = injected.len();
+    let ours: BTreeMap<String, String> = placed
+        .kept
+        .into_iter()
+        .filter(|(key, value)| {
+            set_by_pod(key).is_none()
+                || (set_by_pod(key) == Some(value) && added_before.get(key) == Some(value))
+        })
+        .collect();
     match &pod_spec.node_selector {
-        None if !required.is_empty() => {
-            out.required = required.len();
-            add(&mut ops, &["spec", "nodeSelector"], json!(required));
+        None if !injected.is_empty() => {
+            add(&mut ops, &["spec", "nodeSelector"], json!(injected));
         }
         None => {}
-        Some(existing) => {
-            for (key, value) in &required {
-                if !existing.contains_key(key) {
-                    out.required += 1;
-                    add(&mut ops, &["spec", "nodeSelector", key], json!(value));
-                }
+        Some(_) => {
+            for (key, value) in &injected {
+                add(&mut ops, &["spec", "nodeSelector", key], json!(value));
             }
         }
     }
@@ -181,7 +202,6 @@ pub fn injection_for(
     }
 
     // c. persistent annotations (never over the pod's own) and the injected-state marker
-    let pod_annotations = pod.metadata.annotations.as_ref();
     let mut annotations: BTreeMap<String, String> = spec
         .persistent_annotation_keys()
         .filter(|key| *key != INJECTED_ANNOTATION)
@@ -200,26 +220,42 @@ pub fn injection_for(
     {
         annotations.insert(key.to_owned(), value.to_owned());
     }
+    // The webhook's own annotations say exactly what it did: which PersistentPodState, and
+    // which required values it added (none: the annotation is not there).
+    let own = [
+        (INJECTED_ANNOTATION, Some(pps_name.to_owned())),
+        (
+            INJECTED_REQUIRED_ANNOTATION,
+            (!ours.is_empty()).then(|| encode_required(&ours)),
+        ),
+    ];
     match pod_annotations {
         None => {
-            annotations.insert(INJECTED_ANNOTATION.to_owned(), pps_name.to_owned());
+            for (key, value) in own {
+                if let Some(value) = value {
+                    annotations.insert(key.to_owned(), value);
+                }
+            }
             add(&mut ops, &["metadata", "annotations"], json!(annotations));
         }
         Some(existing) => {
             for (key, value) in &annotations {
                 add(&mut ops, &["metadata", "annotations", key], json!(value));
             }
-            match existing.get(INJECTED_ANNOTATION) {
-                Some(v) if v == pps_name => {}
-                Some(_) => ops.push(PatchOperation::Replace(ReplaceOperation {
-                    path: pointer(&["metadata", "annotations", INJECTED_ANNOTATION]),
-                    value: json!(pps_name),
-                })),
-                None => add(
-                    &mut ops,
-                    &["metadata", "annotations", INJECTED_ANNOTATION],
-                    json!(pps_name),
-                ),
+            for (key, value) in own {
+                let path = pointer(&["metadata", "annotations", key]);
+                match (existing.get(key), value) {
+                    (Some(have), Some(want)) if *have == want => {}
+                    (Some(_), Some(want)) => ops.push(PatchOperation::Replace(ReplaceOperation {
+                        path,
+                        value: json!(want),
+                    })),
+                    (None, Some(want)) => {
+                        add(&mut ops, &["metadata", "annotations", key], json!(want))
+                    }
+                    (Some(_), None) => ops.push(PatchOperation::Remove(RemoveOperation { path })),
+                    (None, None) => {}
+                }
             }
         }
     }
@@ -319,9 +355,54 @@ mod tests {
         );
         assert_eq!(
             out["metadata"]["annotations"],
-            json!({"a~b/c": "v", INJECTED_ANNOTATION: "web"})
+            json!({"a~b/c": "v", INJECTED_ANNOTATION: "web",
+                   INJECTED_REQUIRED_ANNOTATION: format!("{ZONE}=z1")})
         );
         assert_eq!((inj.required, inj.preferred, inj.annotations), (1, 1, 1));
+    }
+
+    #[test]
+    fn the_required_values_added_are_named_and_only_those() {
+        let s = spec(&[ZONE, HOST], &[], &[]);
+        let st = state(&[(ZONE, "z1"), (HOST, "node-a1")], &[]);
+        // The pod sets the zone itself: only the hostname is the webhook's.
+        let (p, raw) = pod(json!({"metadata": {"name": "web-0"},
+            "spec": {"nodeSelector": {ZONE: "z1"}, "containers": []}}));
+        let out = apply(&raw, &injection_for(&p, "web", &s, &st, &anywhere, None));
+        assert_eq!(
+            out["metadata"]["annotations"][INJECTED_REQUIRED_ANNOTATION],
+            format!("{HOST}=node-a1")
+        );
+        // Invoked again with its own result: nothing changes.
+        let (again, _) = pod(out.clone());
+        let inj = injection_for(&again, "web", &s, &st, &anywhere, None);
+        assert!(inj.patch.0.is_empty(), "{:?}", inj.patch);
+        // A template that carries the annotation (copied from a steered pod) looks like a
+        // reinvocation: what it names and the pod sets as named stays named; the hostname the
+        // pod sets itself is not taken for the webhook's.
+        let (copied, raw) = pod(json!({"metadata": {"name": "web-0", "annotations": {
+                INJECTED_ANNOTATION: "web", INJECTED_REQUIRED_ANNOTATION: format!("{ZONE}=z1")}},
+            "spec": {"nodeSelector": {ZONE: "z1", HOST: "node-a1"}, "containers": []}}));
+        let out = apply(
+            &raw,
+            &injection_for(&copied, "web", &s, &st, &anywhere, None),
+        );
+        assert_eq!(
+            out["metadata"]["annotations"][INJECTED_REQUIRED_ANNOTATION],
+            format!("{ZONE}=z1"),
+            "what it names stays its own; the pod's own hostname is not added"
+        );
+        assert_eq!(
+            decode_required(&encode_required(&BTreeMap::from([
+                ("a".to_owned(), "1".to_owned()),
+                ("b/c".to_owned(), "2".to_owned())
+            ]))),
+            Some(BTreeMap::from([
+                ("a".to_owned(), "1".to_owned()),
+                ("b/c".to_owned(), "2".to_owned())
+            ]))
+        );
+        assert_eq!(decode_required("no-equals"), None);
     }
 
     #[test]
