@@ -29,6 +29,7 @@ pub mod leader;
 pub mod metrics;
 pub mod placement;
 pub mod probes;
+pub mod release;
 pub mod serve;
 pub mod serving;
 pub mod state;

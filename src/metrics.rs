@@ -338,6 +338,9 @@ pub struct Metrics {
     /// Waiting pods released (deleted, to be re-created) because no usable node has the
     /// required values the webhook added, by reason.
     pub pods_released: Family<DropLabels, Counter>,
+    /// Claims on node-local volumes of a node that is gone released (deleted, with their waiting
+    /// pod, to be re-created elsewhere), by how the node is gone.
+    pub local_volumes_released: Family<DropLabels, Counter>,
     /// Pods let through without a patch, by reason.
     pub skipped: Family<SkipLabels, Counter>,
     /// Pod states recorded or re-recorded.
@@ -398,6 +401,7 @@ impl Metrics {
             required_dropped: Family::default(),
             states_unplaceable: Gauge::default(),
             pods_released: Family::default(),
+            local_volumes_released: Family::default(),
             skipped: Family::default(),
             states_recorded: Counter::default(),
             states_pruned: Counter::default(),
@@ -443,8 +447,13 @@ impl Metrics {
         );
         registry.register(
             "pods_released",
-            "Waiting pods released because no usable node has the required values the webhook added, by reason",
+            "Waiting pods released because no usable node has the required values the webhook added, or their node-local volumes' node is gone, by reason",
             m.pods_released.clone(),
+        );
+        registry.register(
+            "local_volumes_released",
+            "Claims on node-local volumes of a node that is gone released with their waiting pod, by reason",
+            m.local_volumes_released.clone(),
         );
         registry.register(
             "states_unplaceable",
@@ -575,6 +584,9 @@ impl Metrics {
         for &reason in DropReason::ALL {
             let _ = self.required_dropped.get_or_create(&DropLabels { reason });
             let _ = self.pods_released.get_or_create(&DropLabels { reason });
+            let _ = self
+                .local_volumes_released
+                .get_or_create(&DropLabels { reason });
         }
         for &controller in Reconciler::ALL {
             let _ = self

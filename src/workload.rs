@@ -151,6 +151,8 @@ pub struct WorkloadInfo {
     pub reserved_truncated: bool,
     /// Whether the workload has a deletionTimestamp.
     pub deleting: bool,
+    /// The names of its `volumeClaimTemplates` (its pods' own claims are `<name>-<pod>`).
+    pub claim_templates: Vec<String>,
 }
 
 impl WorkloadInfo {
@@ -176,6 +178,7 @@ impl WorkloadInfo {
             reserved,
             reserved_truncated,
             deleting: obj.metadata.deletion_timestamp.is_some(),
+            claim_templates: claim_templates(spec),
         }
     }
 
@@ -198,6 +201,18 @@ impl WorkloadInfo {
             .sum();
         ordinal - start - reserved_below < i64::from(self.replicas)
     }
+}
+
+/// The names of a workload's `volumeClaimTemplates`, from its spec.
+fn claim_templates(spec: Option<&Value>) -> Vec<String> {
+    spec.and_then(|s| s.get("volumeClaimTemplates"))
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.pointer("/metadata/name")?.as_str())
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Entries of `reserveOrdinals` read at most; the rest is ignored (and reported).

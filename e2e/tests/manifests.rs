@@ -334,6 +334,10 @@ async fn the_service_account_rbac_is_enough_to_run_and_no_more() {
         ("create", "events.events.k8s.io", "yes"),
         // Releasing a waiting pod the webhook pinned to a node no longer usable.
         ("delete", "pods", "yes"),
+        // Releasing a waiting pod's claim on a node-local volume of a node that is gone.
+        ("delete", "persistentvolumeclaims", "yes"),
+        ("get", "persistentvolumes", "yes"),
+        ("delete", "persistentvolumes", "no"),
         ("delete", "nodes", "no"),
         ("update", "statefulsets.apps", "no"),
         ("get", "secrets", "no"),

@@ -46,6 +46,10 @@ pub const INJECTED_ANNOTATION: &str = "kruise.io/injected-persistent-pod-state";
 /// to release.
 pub const INJECTED_REQUIRED_ANNOTATION: &str = "persistent-pod-state.io/injected-required";
 
+/// PersistentPodState (or workload, copied by the generator) annotation: `"true"` lets the
+/// controller delete a waiting pod's claims bound to node-local volumes of a node that is gone.
+pub const RELEASE_LOCAL_VOLUMES_ANNOTATION: &str = "persistent-pod-state.io/release-local-volumes";
+
 /// The value of [`INJECTED_REQUIRED_ANNOTATION`] for `values`.
 pub fn encode_required(values: &BTreeMap<String, String>) -> String {
     values

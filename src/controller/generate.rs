@@ -7,6 +7,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::ResourceExt;
 use serde_json::{Value, json};
 
+use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
 use crate::api::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::api::{
     AUTO_GENERATE_ANNOTATION, PERSISTENT_ANNOTATIONS_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
@@ -191,8 +192,17 @@ pub fn plan(
             },
             _ => (None, None),
         };
+    // Copied as given (the controller acts on `"true"` only).
+    let release_local = desired
+        .as_ref()
+        .and_then(|_| workload.annotations.get(RELEASE_LOCAL_VOLUMES_ANNOTATION))
+        .map(String::as_str);
+    let copied = [
+        (IP_REQUEST_ANNOTATION, ip_request),
+        (RELEASE_LOCAL_VOLUMES_ANNOTATION, release_local),
+    ];
     Planned {
-        plan: plan_spec(workload, existing, targeting, desired, ip_request),
+        plan: plan_spec(workload, existing, targeting, desired, &copied),
         invalid_ip_request,
     }
 }
@@ -203,7 +213,7 @@ fn plan_spec(
     existing: Option<&PersistentPodState>,
     targeting: &[String],
     desired: Option<PersistentPodStateSpec>,
-    ip_request: Option<&str>,
+    copied: &[(&str, Option<&str>)],
 ) -> Plan {
     let generated = existing.is_some_and(|p| generated_for(p.owner_references(), workload.uid));
     let Some(mut spec) = desired else {
@@ -234,8 +244,13 @@ fn plan_spec(
                     controller: Some(true),
                     block_owner_deletion: None,
                 }]),
-                annotations: ip_request
-                    .map(|v| BTreeMap::from([(IP_REQUEST_ANNOTATION.to_owned(), v.to_owned())])),
+                annotations: Some(
+                    copied
+                        .iter()
+                        .filter_map(|(k, v)| Some(((*k).to_owned(), (*v)?.to_owned())))
+                        .collect::<BTreeMap<_, _>>(),
+                )
+                .filter(|a| !a.is_empty()),
                 ..ObjectMeta::default()
             },
             spec,
@@ -253,25 +268,22 @@ fn plan_spec(
     // steady state sends nothing.
     let mut expressed = current.spec.clone();
     expressed.persistent_pod_state_retention_policy = None;
-    let written_ip = current
-        .annotations()
-        .get(IP_REQUEST_ANNOTATION)
-        .map(String::as_str);
-    if expressed == spec && written_ip == ip_request {
+    let written = current.annotations();
+    let copied_as_written = copied
+        .iter()
+        .all(|(k, v)| written.get(*k).map(String::as_str) == *v);
+    if expressed == spec && copied_as_written {
         return Plan::Leave(Leave::UpToDate);
     }
-    Plan::Update(expressed_patch(
-        &spec,
-        ip_request,
-        current.resource_version(),
-    ))
+    Plan::Update(expressed_patch(&spec, copied, current.resource_version()))
 }
 
 /// The JSON merge patch that sets every field the annotations express to `spec` and
-/// `ip_request` (a field they do not give is removed), conditional on `resource_version`.
+/// the `copied` annotations (a field or annotation they do not give is removed), conditional on
+/// `resource_version`.
 fn expressed_patch(
     spec: &PersistentPodStateSpec,
-    ip_request: Option<&str>,
+    copied: &[(&str, Option<&str>)],
     resource_version: Option<String>,
 ) -> Value {
     // An empty list is no list: removed, as the annotations give none.
@@ -283,7 +295,7 @@ fn expressed_patch(
     json!({
         "metadata": {
             "resourceVersion": resource_version,
-            "annotations": {IP_REQUEST_ANNOTATION: ip_request},
+            "annotations": copied.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect::<serde_json::Map<_, _>>(),
         },
         "spec": {
             "targetRef": value(serde_json::to_value(&spec.target_ref)),
@@ -527,9 +539,15 @@ mod tests {
         full.insert(PREFERRED_TOPOLOGY_ANNOTATION.into(), "host".into());
         full.insert(PERSISTENT_ANNOTATIONS_ANNOTATION.into(), "a".into());
         full.insert(IP_REQUEST_ANNOTATION.into(), "calico".into());
+        full.insert(RELEASE_LOCAL_VOLUMES_ANNOTATION.into(), "true".into());
         let Plan::Create(written) = plan(&workload(&full), None, &[]).plan else {
             panic!("created")
         };
+        assert_eq!(
+            written.annotations().get(RELEASE_LOCAL_VOLUMES_ANNOTATION).map(String::as_str),
+            Some("true"),
+            "copied from the workload"
+        );
         let mut written = *written;
         written.metadata.uid = Some("pps-uid".into());
         written.metadata.resource_version = Some("7".into());
@@ -557,11 +575,17 @@ mod tests {
             removed(IP_REQUEST_ANNOTATION)["metadata"]["annotations"][IP_REQUEST_ANNOTATION],
             Value::Null
         );
+        assert_eq!(
+            removed(RELEASE_LOCAL_VOLUMES_ANNOTATION)["metadata"]["annotations"]
+                [RELEASE_LOCAL_VOLUMES_ANNOTATION],
+            Value::Null
+        );
         // Applied, the patch gives exactly what the workload asks for: the next plan sends
         // nothing.
         let mut less = full.clone();
         less.remove(PREFERRED_TOPOLOGY_ANNOTATION);
         less.remove(IP_REQUEST_ANNOTATION);
+        less.remove(RELEASE_LOCAL_VOLUMES_ANNOTATION);
         let Plan::Update(patch) = plan(&workload(&less), Some(&written), &["web".into()]).plan
         else {
             panic!("an update")
@@ -570,6 +594,12 @@ mod tests {
         json_patch::merge(&mut after, &patch);
         let after: PersistentPodState = serde_json::from_value(after).expect("pps");
         assert!(after.annotations().get(IP_REQUEST_ANNOTATION).is_none());
+        assert!(
+            after
+                .annotations()
+                .get(RELEASE_LOCAL_VOLUMES_ANNOTATION)
+                .is_none()
+        );
         assert!(after.spec.preferred_persistent_topology.is_empty());
         assert!(
             matches!(

@@ -62,6 +62,9 @@ pub struct Context {
     reported_limits: Reported<Vec<String>>,
     /// Replaced nodes already reported, by PersistentPodState: (pod, the node's new uid).
     reported_replaced: Reported<BTreeSet<(String, String)>>,
+    /// Waiting pods whose node-local volumes were reported (kept or blocking), by
+    /// PersistentPodState: their uids.
+    reported_local: Reported<BTreeSet<String>>,
     /// Consecutive failures by object, for the retry backoff.
     failures: Backoff,
     /// When each PersistentPodState's status was last written.
@@ -90,6 +93,7 @@ impl Context {
             reported_unplaceable: Mutex::default(),
             reported_limits: Mutex::default(),
             reported_replaced: Mutex::default(),
+            reported_local: Mutex::default(),
             failures: Backoff::default(),
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),

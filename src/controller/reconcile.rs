@@ -1,11 +1,11 @@
 //! The controllers' shells: read the caches, call the pure [`super::record`] and
 //! [`super::generate`], write the result, and hand what happened to [`super::report`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
 };
@@ -18,7 +18,8 @@ use super::generate::{self, Leave, Plan};
 use super::record::{self, Observed, Target};
 use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
-use crate::api::{PersistentPodState, PersistentPodStateStatus};
+use crate::api::{PersistentPodState, PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION};
+use crate::release::{self, Kept, LocalClaim};
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, Health, PodDemands};
 use crate::state::trim::CachedPod;
@@ -115,10 +116,154 @@ pub async fn reconcile_pps(
     report::limits(&ctx, &pps, &workload_target);
     let next = next_look(&ctx.caches, &change.status, &health);
     let mut wait = paced.map_or(next, |wait| wait.min(next));
-    if let Some(later) = release_stranded(&ctx, &pps, &namespace, &pods, &health).await? {
+    let local = release_local_volumes(
+        &ctx,
+        &pps,
+        &namespace,
+        &pods,
+        &change.status,
+        &workload_target,
+        &health,
+    )
+    .await?;
+    if let Some(later) = local.later {
+        wait = wait.min(later);
+    }
+    if let Some(later) =
+        release_stranded(&ctx, &pps, &namespace, &pods, &health, &local.released).await?
+    {
         wait = wait.min(later);
     }
     Ok(Action::requeue(wait))
+}
+
+/// What [`release_local_volumes`] did: the pods it released, and when to look again if the
+/// rate or a failed read held some back.
+#[derive(Default)]
+struct LocalReleases {
+    released: BTreeSet<String>,
+    later: Option<Duration>,
+}
+
+/// How soon pods whose claims could not be read are looked at again.
+const UNREAD_CLAIMS_RETRY: Duration = Duration::from_secs(30);
+
+/// Pods that wait while the node their state records is gone, held by claims of their own on
+/// volumes only that node can mount: with the PersistentPodState's
+/// `persistent-pod-state.io/release-local-volumes: "true"`, each such claim (by uid) and the pod
+/// (by uid and resourceVersion) are deleted, within the release rate, so that the workload
+/// re-creates both and the new claim binds elsewhere; without it, a Warning Event says what
+/// blocks the pod and how to release it. Never while the node is only within the grace period.
+async fn release_local_volumes(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    namespace: &str,
+    pods: &[&CachedPod],
+    status: &PersistentPodStateStatus,
+    target: &Target,
+    health: &Health,
+) -> Result<LocalReleases, Error> {
+    let mut out = LocalReleases::default();
+    let Target::Live(info) = target else {
+        return Ok(out);
+    };
+    if info.claim_templates.is_empty() {
+        return Ok(out);
+    }
+    let node = |name: &str| ctx.caches.node(name);
+    let waiting = release::waiting_on_gone_nodes(pods, status, &node, health);
+    let uids: BTreeSet<String> = waiting.iter().map(|w| w.uid.clone()).collect();
+    let allowed = pps
+        .annotations()
+        .get(RELEASE_LOCAL_VOLUMES_ANNOTATION)
+        .map(String::as_str)
+        == Some("true");
+    let key = ObjectRef::from_obj(pps);
+    let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    let claim_api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), namespace);
+    for w in &waiting {
+        if !allowed && !report::first_local_report(ctx, pps, &w.uid, &uids) {
+            continue;
+        }
+        let judged = match release::local_claims(
+            &ctx.client,
+            namespace,
+            (&w.pod, &w.uid),
+            &info.claim_templates,
+            &info.uid,
+            ctx.caches.as_ref(),
+        )
+        .await
+        {
+            Ok(judged) => judged,
+            Err(e) => {
+                tracing::warn!(pod = %w.pod, error = %e, "the waiting pod's claims could not be read");
+                out.later = Some(UNREAD_CLAIMS_RETRY);
+                continue;
+            }
+        };
+        let (local, kept): (Vec<_>, Vec<_>) = judged.into_iter().partition(Result::is_ok);
+        let local: Vec<LocalClaim> = local
+            .into_iter()
+            .flatten()
+            .filter(|c| release::on_node(c, w))
+            .collect();
+        let kept: Vec<Kept> = kept.into_iter().filter_map(Result::err).collect();
+        if local.is_empty() {
+            if allowed && !kept.is_empty() && report::first_local_report(ctx, pps, &w.uid, &uids)
+            {
+                report::local_volume_kept(ctx, pps, w, &kept);
+            }
+            continue;
+        }
+        if !allowed {
+            report::local_volume_blocking(ctx, pps, w, &local);
+            continue;
+        }
+        if let Err(later) = ctx.releases.take(&key) {
+            tracing::info!(pod = %w.pod, ?later, "release rate reached; the pod waits for the next");
+            out.later = Some(later);
+            return Ok(out);
+        }
+        ctx.fence.check()?;
+        let mut claims_gone = true;
+        for claim in local.iter().filter(|c| !c.deleting) {
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(claim.uid.clone()),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match claim_api.delete(&claim.claim, &params).await {
+                Ok(_) => report::local_volume_released(ctx, pps, w, claim),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                // Another claim of that name now: judged again from the next look.
+                Err(kube::Error::Api(e)) if e.code == 409 => claims_gone = false,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !claims_gone {
+            continue;
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(w.uid.clone()),
+                resource_version: w.resource_version.clone(),
+            }),
+            ..DeleteParams::default()
+        };
+        match pod_api.delete(&w.pod, &params).await {
+            Ok(_) => {
+                report::released_with_volumes(ctx, pps, w, &local);
+                out.released.insert(w.pod.clone());
+            }
+            // Gone, or changed since (scheduled, re-created): looked at again from the cache.
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(out)
 }
 
 /// Deletes the pods the webhook pinned to required values no usable node has any more (only
@@ -131,6 +276,7 @@ async fn release_stranded(
     namespace: &str,
     pods: &[&CachedPod],
     health: &Health,
+    handled: &BTreeSet<String>,
 ) -> Result<Option<Duration>, Error> {
     let demands = PodDemands::none();
     let place = |values: &BTreeMap<String, String>| {
@@ -139,7 +285,7 @@ async fn release_stranded(
     let stranded = record::stranded(&pps.name_any(), pods, &place);
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    for pod in &stranded {
+    for pod in stranded.iter().filter(|p| !handled.contains(&p.pod)) {
         if let Err(later) = ctx.releases.take(&key) {
             tracing::info!(pod = %pod.pod, ?later, "release rate reached; the pod waits for the next");
             return Ok(Some(later));

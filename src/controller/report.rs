@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::events::EventType;
+use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
@@ -14,6 +15,8 @@ use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
 use crate::metrics::{DropLabels, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
+use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
+use crate::release::{self, Kept, LocalClaim, Waiting};
 use crate::sync::lock;
 use crate::webhook::admit::LeftOut;
 use crate::workload::{MAX_RESERVED_ENTRIES, WorkloadRef};
@@ -294,4 +297,149 @@ pub(super) fn invalid_ip_request(
             "{IP_REQUEST_ANNOTATION}: {error}; not copied to the generated PersistentPodState, so its pods request no IP"
         ),
     );
+}
+
+/// Whether a note about waiting pod `uid` of `pps` is new (then it is remembered; uids of pods
+/// no longer `waiting` are forgotten).
+pub(super) fn first_local_report(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    uid: &str,
+    waiting: &BTreeSet<String>,
+) -> bool {
+    let key = ObjectRef::from_obj(pps);
+    let mut reported = lock(&ctx.reported_local);
+    reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
+    let seen = reported.entry(key).or_default();
+    seen.retain(|u| waiting.contains(u));
+    seen.insert(uid.to_owned())
+}
+
+/// A waiting pod held by claims on node-local volumes of a node that is gone, while the
+/// PersistentPodState does not allow releasing them: a Warning saying what blocks it and how
+/// to release it.
+pub(super) fn local_volume_blocking(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    waiting: &Waiting,
+    claims: &[LocalClaim],
+) {
+    tracing::warn!(pod = %waiting.pod, node = %waiting.node, "a waiting pod is held by node-local volumes of a node that is gone");
+    let note = format!(
+        "pod {} waits for claim {}, which only node {} can mount, and {}: annotate the PersistentPodState (or its workload, if generated) {RELEASE_LOCAL_VOLUMES_ANNOTATION}=true to let the controller delete the claim and the pod (the workload re-creates both, the claim binds elsewhere, the data on {} is not used), or run `persistent-pod-state release {} -n {}`",
+        waiting.pod,
+        release::describe(claims),
+        waiting.node,
+        gone_reason(waiting),
+        waiting.node,
+        waiting.pod,
+        pps.namespace().unwrap_or_default(),
+    );
+    ctx.events.publish_about(
+        pps,
+        &waiting.pod,
+        EventType::Warning,
+        "LocalVolumeBlocking",
+        "Release",
+        note,
+    );
+}
+
+/// Claims of a waiting pod kept although the PersistentPodState allows releasing its
+/// node-local volumes: a Warning saying why each is kept.
+pub(super) fn local_volume_kept(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    waiting: &Waiting,
+    kept: &[Kept],
+) {
+    let why: Vec<&str> = kept.iter().map(|k| k.why.as_str()).collect();
+    tracing::warn!(pod = %waiting.pod, node = %waiting.node, ?why, "claims of a waiting pod are not released");
+    let note = format!(
+        "pod {} waits and node {} is gone ({}), but nothing is released: {}",
+        waiting.pod,
+        waiting.node,
+        gone_reason(waiting),
+        why.join("; ")
+    );
+    ctx.events.publish_about(
+        pps,
+        &waiting.pod,
+        EventType::Warning,
+        "LocalVolumeKept",
+        "Release",
+        note,
+    );
+}
+
+/// A claim on a node-local volume released: counted, and an Event naming claim, volume and node.
+pub(super) fn local_volume_released(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    waiting: &Waiting,
+    claim: &LocalClaim,
+) {
+    ctx.metrics
+        .local_volumes_released
+        .get_or_create(&DropLabels {
+            reason: waiting.reason,
+        })
+        .inc();
+    tracing::warn!(pod = %waiting.pod, claim = %claim.claim, volume = %claim.volume, node = %claim.node, "released a claim on a node-local volume of a node that is gone");
+    let note = format!(
+        "claim {} of pod {} deleted: PersistentVolume {} can be mounted only on node {}, and {}; the workload re-creates the claim, which binds elsewhere (the volume is left as its reclaim policy says)",
+        claim.claim,
+        waiting.pod,
+        claim.volume,
+        claim.node,
+        gone_reason(waiting)
+    );
+    ctx.events.publish_about(
+        pps,
+        &waiting.pod,
+        EventType::Warning,
+        "LocalVolumeReleased",
+        "Release",
+        note,
+    );
+}
+
+/// A waiting pod released with its node-local claims: counted, and a `PodReleased` Event.
+pub(super) fn released_with_volumes(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    waiting: &Waiting,
+    claims: &[LocalClaim],
+) {
+    ctx.metrics
+        .pods_released
+        .get_or_create(&DropLabels {
+            reason: waiting.reason,
+        })
+        .inc();
+    let note = format!(
+        "pod {} released: it waited for node {}, but {}; its claims {} were released with it",
+        waiting.pod,
+        waiting.node,
+        gone_reason(waiting),
+        release::describe(claims)
+    );
+    ctx.events.publish_about(
+        pps,
+        &waiting.pod,
+        EventType::Warning,
+        "PodReleased",
+        "Release",
+        note,
+    );
+}
+
+/// How a waiting pod's node is gone, for a note.
+fn gone_reason(waiting: &Waiting) -> &'static str {
+    match waiting.reason {
+        placement::DropReason::NodeLost => {
+            "it is lost (not ready or unreachable past --node-lost-after, or out of service)"
+        }
+        _ => "it was deleted or replaced under its name (its local data is gone)",
+    }
 }

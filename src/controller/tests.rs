@@ -34,8 +34,14 @@ fn mock_client() -> (Client, Handle) {
 /// A controller context over `caches`, talking to a mock API server. Events go to a mock nobody
 /// answers (publishing them fails in the background, as with a broken Event API).
 fn context(caches: Arc<Caches>) -> (Arc<Context>, Handle) {
+    let (ctx, handle, _) = context_with_events(caches);
+    (ctx, handle)
+}
+
+/// [`context`], and the mock the Events are sent to.
+fn context_with_events(caches: Arc<Caches>) -> (Arc<Context>, Handle, Handle) {
     let (client, handle) = mock_client();
-    let (events_client, _) = mock_client();
+    let (events_client, events_handle) = mock_client();
     let events = Arc::new(Events::new(events_client, None, Duration::from_secs(30)));
     let ctx = Context::new(
         client,
@@ -45,7 +51,36 @@ fn context(caches: Arc<Caches>) -> (Arc<Context>, Handle) {
         Duration::from_secs(300),
         crate::leader::Fence::open(),
     );
-    (Arc::new(ctx), handle)
+    (Arc::new(ctx), handle, events_handle)
+}
+
+/// The note of the next Event with `reason` published (others are skipped), within 10 s each.
+async fn event_note(events: &mut Handle, reason: &str) -> String {
+    loop {
+        let (got, note) = next_event(events).await;
+        if got == reason {
+            return note;
+        }
+    }
+}
+
+/// The reason and note of the next Event published, within 10 s.
+async fn next_event(events: &mut Handle) -> (String, String) {
+    let (request, respond) = tokio::time::timeout(Duration::from_secs(10), events.next_request())
+        .await
+        .expect("an Event within 10 s")
+        .expect("the events client is alive");
+    let bytes = request.into_body().collect().await.expect("body").to_bytes();
+    let event: Value = serde_json::from_slice(&bytes).expect("JSON");
+    respond.send_response(
+        Response::builder()
+            .status(201)
+            .header("content-type", "application/json")
+            .body(Body::from(bytes))
+            .expect("response"),
+    );
+    let text = |k: &str| event[k].as_str().unwrap_or_default().to_owned();
+    (text("reason"), text("note"))
 }
 
 /// A request the reconcile sent.
@@ -96,7 +131,9 @@ async fn drive_to_action(
                         .to_owned(),
                     body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
                 });
-                let answer = answers.next().expect("no more requests than answers");
+                let Some(answer) = answers.next() else {
+                    panic!("no more requests than answers; sent {sent:?}");
+                };
                 respond.send_response(
                     Response::builder()
                         .status(200)
@@ -616,4 +653,182 @@ fn releases_are_limited_per_pps_and_refill() {
         super::retry::Releases::new(0).take(&a).is_err(),
         "0: none released"
     );
+}
+
+/// Caches for node-local volumes: the StatefulSet `web` with the claim template `data`, its
+/// pod `web-0` waiting unscheduled (uid `pod-uid`), recorded on node `n1`, which was deleted
+/// (only `n2` is left).
+fn waiting_world() -> Arc<Caches> {
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    let mut workload = statefulset(json!({}));
+    workload.data["spec"]["volumeClaimTemplates"] = json!([{"metadata": {"name": "data"}}]);
+    caches.apply_workload(&sts, watcher::Event::InitApply(workload));
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    caches.apply_node(watcher::Event::Apply(
+        serde_json::from_value(json!({"metadata": {"name": "n2", "uid": "n2-uid",
+            "labels": {"kubernetes.io/hostname": "n2"}}}))
+        .expect("node"),
+    ));
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"containers": []},
+            "status": {"phase": "Pending"}
+        }))
+        .expect("pod"),
+    ));
+    caches
+}
+
+/// The PersistentPodState of `waiting_world`, with `annotations`.
+fn waiting_pps(annotations: Value) -> Arc<PersistentPodState> {
+    let mut p = pps(json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
+        "nodeName": "n1", "nodeUID": "n1-uid",
+        "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}}}));
+    p.metadata.annotations = serde_json::from_value(annotations).ok();
+    Arc::new(p)
+}
+
+/// `data-web-0`, bound to `pv-1`, and `pv-1` with `affinity`.
+fn claim_and_volume(affinity: Value) -> Vec<Value> {
+    vec![
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "data-web-0", "namespace": "ns", "uid": "claim-uid"},
+            "spec": {"volumeName": "pv-1"}}),
+        json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-1"},
+            "spec": {"claimRef": {"name": "data-web-0", "namespace": "ns", "uid": "claim-uid"},
+                     "nodeAffinity": affinity}}),
+    ]
+}
+
+fn on_host(node: &str) -> Value {
+    json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}})
+}
+
+#[tokio::test]
+async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allowed() {
+    let (ctx, mut handle, mut events) = context_with_events(waiting_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    let calls: Vec<(String, &str)> = sent
+        .iter()
+        .map(|s| (s.method.to_string(), s.path_and_query.as_str()))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("GET".into(), "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0"),
+            ("GET".into(), "/api/v1/persistentvolumes/pv-1"),
+            ("DELETE".into(), "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?"),
+            ("DELETE".into(), "/api/v1/namespaces/ns/pods/web-0?"),
+        ]
+    );
+    assert_eq!(sent[2].body["preconditions"], json!({"uid": "claim-uid"}));
+    assert_eq!(
+        sent[3].body["preconditions"],
+        json!({"uid": "pod-uid", "resourceVersion": "7"})
+    );
+    let metrics = ctx.metrics.encode();
+    for series in [
+        "pps_local_volumes_released_total{reason=\"node_gone\"} 1",
+        "pps_pods_released_total{reason=\"node_gone\"} 1",
+    ] {
+        assert!(metrics.contains(series), "{series}: {metrics}");
+    }
+    let note = event_note(&mut events, "LocalVolumeReleased").await;
+    for named in ["data-web-0", "pv-1", "node n1"] {
+        assert!(note.contains(named), "{named}: {note}");
+    }
+    let note = event_note(&mut events, "PodReleased").await;
+    assert!(note.contains("web-0") && note.contains("data-web-0"), "{note}");
+}
+
+#[tokio::test]
+async fn without_the_annotation_a_blocking_local_volume_is_reported_once_and_nothing_deleted() {
+    let (ctx, mut handle, mut events) = context_with_events(waiting_world());
+    let pps = waiting_pps(json!({}));
+    ctx.caches
+        .apply_pps(watcher::Event::Apply(pps.as_ref().clone()));
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        claim_and_volume(on_host("n1")),
+    )
+    .await;
+    assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
+    assert_eq!(sent.len(), 2);
+    let note = event_note(&mut events, "LocalVolumeBlocking").await;
+    for said in [
+        "data-web-0 (PersistentVolume pv-1)",
+        "node n1",
+        "persistent-pod-state.io/release-local-volumes=true",
+        "persistent-pod-state release web-0 -n ns",
+    ] {
+        assert!(note.contains(said), "{said}: {note}");
+    }
+    // Reported: the next look reads nothing again and deletes nothing.
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 0")
+    );
+}
+
+#[tokio::test]
+async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
+    let zone = json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1", "z2"]}]}]}});
+    let mut foreign = claim_and_volume(on_host("n1"));
+    foreign[0]["metadata"]["ownerReferences"] =
+        json!([{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "b-uid"}]);
+    // Each kept with a Warning saying why; a volume of another (usable) node blocks nothing.
+    let cases = [
+        ("no node affinity", claim_and_volume(Value::Null), Some("has no required node affinity")),
+        ("another node's volume", claim_and_volume(on_host("n2")), None),
+        (
+            "garbage affinity",
+            claim_and_volume(json!({"required": {"nodeSelectorTerms": [{}]}})),
+            Some("names no single node"),
+        ),
+        ("a zone's volume", claim_and_volume(zone), Some("names no single node")),
+        ("a claim of another owner", foreign, Some("owned by Backup b")),
+    ];
+    for (case, answers, why) in cases {
+        let (ctx, mut handle, mut events) = context_with_events(waiting_world());
+        let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+        let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
+        assert!(
+            sent.iter().all(|s| s.method == Method::GET),
+            "{case}: {sent:?}"
+        );
+        if let Some(why) = why {
+            let note = event_note(&mut events, "LocalVolumeKept").await;
+            assert!(note.contains(why) && note.contains("web-0"), "{case}: {note}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_node_within_its_grace_period_releases_nothing_and_reads_nothing() {
+    let caches = waiting_world();
+    let since = k8s_openapi::jiff::Timestamp::now().to_string();
+    caches.apply_node(watcher::Event::Apply(
+        serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid",
+            "labels": {"kubernetes.io/hostname": "n1"}},
+            "status": {"conditions": [{"type": "Ready", "status": "Unknown", "lastTransitionTime": since}]}}))
+        .expect("node"),
+    ));
+    let (ctx, mut handle) = context(caches);
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let sent = drive(reconcile_pps(pps, ctx), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
 }

@@ -258,7 +258,8 @@ pub fn node(node: &mut Node) {
     });
 }
 
-/// Keeps of a workload its metadata and the spec fields that decide its live ordinals.
+/// Keeps of a workload its metadata, the spec fields that decide its live ordinals, and the
+/// names of its claim templates.
 pub fn workload(obj: &mut DynamicObject) {
     meta(obj);
     let spec = obj.data.get("spec").map(|spec| {
@@ -267,6 +268,14 @@ pub fn workload(obj: &mut DynamicObject) {
             if let Some(v) = spec.get(field) {
                 kept.insert(field.to_owned(), v.clone());
             }
+        }
+        // Of the claim templates, their names only.
+        if let Some(templates) = spec.get("volumeClaimTemplates").and_then(|t| t.as_array()) {
+            let names: Vec<serde_json::Value> = templates
+                .iter()
+                .map(|t| serde_json::json!({"metadata": {"name": t.pointer("/metadata/name")}}))
+                .collect();
+            kept.insert("volumeClaimTemplates".to_owned(), names.into());
         }
         serde_json::Value::Object(kept)
     });

@@ -1,0 +1,511 @@
+//! Node-local volumes of a pod that waits for a node that is gone: which pods wait so
+//! ([`waiting_on_gone_nodes`]), which of their claims are their own and bound to a volume only
+//! that node can mount ([`own_claim`], [`volume_node`]), read for one pod
+//! ([`local_claims`]). The controller deletes such claims (and the pod) when a
+//! PersistentPodState carries [`RELEASE_LOCAL_VOLUMES_ANNOTATION`]; the `release` command does
+//! on an operator's word.
+//!
+//! Rules for odd input (nothing is deleted, the reason is said):
+//! - a volume without a required node affinity, with no term, or whose terms admit more than one
+//!   known node, is not node-local;
+//! - when no known node matches (the node was deleted), the volume belongs to a node only if
+//!   every term names it alone (`kubernetes.io/hostname In [name]` or `metadata.name In [name]`);
+//! - a claim is the pod's own only if its name is `<template>-<pod>` for one of the workload's
+//!   `volumeClaimTemplates`, and every owner it names is the workload or the pod;
+//! - a claim not bound, or bound to a volume that names another claim, is not released.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
+use kube::api::Api;
+use kube::{Client, ResourceExt};
+use serde::Serialize;
+
+use crate::api::PersistentPodStateStatus;
+#[cfg(doc)]
+use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
+use crate::placement::{DropReason, HOSTNAME_LABEL, Health, Nodes, selector_matches};
+use crate::state::trim::CachedPod;
+
+/// A pod that waits unscheduled while the node its state records is gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// Its name.
+    pub pod: String,
+    /// Its uid (a delete precondition).
+    pub uid: String,
+    /// Its resourceVersion (a delete precondition).
+    pub resource_version: Option<String>,
+    /// The recorded node.
+    pub node: String,
+    /// The recorded node's `kubernetes.io/hostname`, when recorded.
+    pub hostname: Option<String>,
+    /// How the node is gone: deleted or replaced (`NodeGone`), lost (`NodeLost`).
+    pub reason: DropReason,
+}
+
+/// How the node a state records is gone, if it is: deleted, or replaced under its name
+/// (another uid than recorded): its local data is gone; lost, as `health` judges.
+pub fn node_gone(
+    node: Option<&Node>,
+    recorded_uid: Option<&str>,
+    health: &Health,
+) -> Option<DropReason> {
+    match node {
+        None => Some(DropReason::NodeGone),
+        Some(n) if recorded_uid.is_some_and(|uid| n.uid().as_deref() != Some(uid)) => {
+            Some(DropReason::NodeGone)
+        }
+        Some(n) if health.is_lost(n) => Some(DropReason::NodeLost),
+        Some(_) => None,
+    }
+}
+
+/// The pods of `pods` that wait unscheduled (not being deleted, not finished) while the node
+/// `status` records for them is gone (as [`node_gone`] judges, `node` looking nodes up).
+pub fn waiting_on_gone_nodes(
+    pods: &[&CachedPod],
+    status: &PersistentPodStateStatus,
+    node: &dyn Fn(&str) -> Option<Arc<Node>>,
+    health: &Health,
+) -> Vec<Waiting> {
+    pods.iter()
+        .filter(|p| p.node_name.as_deref().is_none_or(str::is_empty))
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && !p.finished())
+        .filter_map(|p| {
+            let name = p.name_any();
+            let state = status.pod_states.get(&name)?;
+            let recorded = state.node_name.as_deref().filter(|n| !n.is_empty())?;
+            let reason = node_gone(
+                node(recorded).as_deref(),
+                state.node_uid.as_deref(),
+                health,
+            )?;
+            Some(Waiting {
+                pod: name,
+                uid: p.uid()?,
+                resource_version: p.resource_version(),
+                node: recorded.to_owned(),
+                hostname: state.node_topology_labels.get(HOSTNAME_LABEL).cloned(),
+                reason,
+            })
+        })
+        .collect()
+}
+
+/// The one node the volume `pv` can be mounted on, or why it is not node-local.
+pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, String> {
+    let selector = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_affinity.as_ref())
+        .and_then(|a| a.required.as_ref())
+        .filter(|s| !s.node_selector_terms.is_empty())
+        .ok_or_else(|| format!("PersistentVolume {} has no required node affinity", pv.name_any()))?;
+    let matched: BTreeSet<String> = nodes
+        .all()
+        .iter()
+        .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
+        .map(|n| n.name_any())
+        .collect();
+    match matched.len() {
+        1 => return Ok(matched.into_iter().next().unwrap_or_default()),
+        0 => {}
+        n => {
+            return Err(format!(
+                "PersistentVolume {} can be mounted on {n} nodes",
+                pv.name_any()
+            ));
+        }
+    }
+    // No known node matches (the node was deleted): the one node every term names alone.
+    let named: Option<BTreeSet<&str>> = selector
+        .node_selector_terms
+        .iter()
+        .map(|term| {
+            let by_label = term.match_expressions.iter().flatten().filter(|r| {
+                r.key == HOSTNAME_LABEL && r.operator == "In"
+            });
+            let by_name = term
+                .match_fields
+                .iter()
+                .flatten()
+                .filter(|r| r.key == "metadata.name" && r.operator == "In");
+            let mut names = by_label
+                .chain(by_name)
+                .filter_map(|r| match r.values.as_deref() {
+                    Some([one]) => Some(one.as_str()),
+                    _ => None,
+                });
+            names.next()
+        })
+        .collect();
+    match named {
+        Some(names) if names.len() == 1 => Ok(names.into_iter().next().unwrap_or_default().to_owned()),
+        _ => Err(format!(
+            "PersistentVolume {}'s node affinity matches no known node and names no single node",
+            pv.name_any()
+        )),
+    }
+}
+
+/// Whether `claim` is the pod's own: named `<template>-<pod>` for one of `templates` (the
+/// workload's `volumeClaimTemplates`), and owned by nothing but the workload or the pod.
+pub fn own_claim(
+    claim: &PersistentVolumeClaim,
+    pod: &str,
+    pod_uid: &str,
+    templates: &[String],
+    workload_uid: &str,
+) -> Result<(), String> {
+    let name = claim.name_any();
+    if !templates.iter().any(|t| name == format!("{t}-{pod}")) {
+        return Err(format!(
+            "claim {name} is not one of pod {pod}'s from its workload's volumeClaimTemplates"
+        ));
+    }
+    if let Some(other) = claim
+        .owner_references()
+        .iter()
+        .find(|o| o.uid != workload_uid && o.uid != pod_uid)
+    {
+        return Err(format!(
+            "claim {name} is owned by {} {}, not by the workload or the pod",
+            other.kind, other.name
+        ));
+    }
+    Ok(())
+}
+
+/// A claim of the pod's own, bound to a volume only one node can mount.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LocalClaim {
+    /// The claim's name.
+    pub claim: String,
+    /// The claim's uid (a delete precondition).
+    pub uid: String,
+    /// Whether it is being deleted already.
+    pub deleting: bool,
+    /// The PersistentVolume it is bound to.
+    pub volume: String,
+    /// The one node that volume can be mounted on.
+    pub node: String,
+}
+
+/// A claim of the pod that is not released, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Kept {
+    /// The claim's name.
+    pub claim: String,
+    /// Why it is kept.
+    pub why: String,
+}
+
+/// Judges one claim of a pod, given the volume it is bound to (if any).
+pub fn judge_claim(
+    claim: &PersistentVolumeClaim,
+    volume: Option<&PersistentVolume>,
+    pod: (&str, &str),
+    templates: &[String],
+    workload_uid: &str,
+    nodes: &dyn Nodes,
+) -> Result<LocalClaim, Kept> {
+    let kept = |why: String| Kept {
+        claim: claim.name_any(),
+        why,
+    };
+    own_claim(claim, pod.0, pod.1, templates, workload_uid).map_err(kept)?;
+    let uid = claim
+        .uid()
+        .ok_or_else(|| kept(format!("claim {} has no uid", claim.name_any())))?;
+    let bound = claim
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_name.as_deref())
+        .filter(|v| !v.is_empty());
+    let (Some(name), Some(pv)) = (bound, volume) else {
+        return Err(kept(format!("claim {} is not bound", claim.name_any())));
+    };
+    let claimed_by = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.claim_ref.as_ref())
+        .and_then(|r| r.uid.as_deref());
+    if pv.name_any() != name || claimed_by != Some(uid.as_str()) {
+        return Err(kept(format!(
+            "PersistentVolume {name} is not bound to claim {}",
+            claim.name_any()
+        )));
+    }
+    let node = volume_node(pv, nodes).map_err(kept)?;
+    Ok(LocalClaim {
+        claim: claim.name_any(),
+        uid,
+        deleting: claim.metadata.deletion_timestamp.is_some(),
+        volume: name.to_owned(),
+        node,
+    })
+}
+
+/// Reads and judges the claims of pod `pod` (name, uid) in `namespace` named after
+/// `templates` (missing ones are skipped): each is a [`LocalClaim`] or [`Kept`].
+pub async fn local_claims(
+    client: &Client,
+    namespace: &str,
+    pod: (&str, &str),
+    templates: &[String],
+    workload_uid: &str,
+    nodes: &(dyn Nodes + Sync),
+) -> Result<Vec<Result<LocalClaim, Kept>>, kube::Error> {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let mut out = Vec::new();
+    for template in templates {
+        let Some(claim) = claims.get_opt(&format!("{template}-{}", pod.0)).await? else {
+            continue;
+        };
+        let volume = match claim.spec.as_ref().and_then(|s| s.volume_name.as_deref()) {
+            Some(name) if !name.is_empty() => volumes.get_opt(name).await?,
+            _ => None,
+        };
+        out.push(judge_claim(
+            &claim,
+            volume.as_ref(),
+            pod,
+            templates,
+            workload_uid,
+            nodes,
+        ));
+    }
+    Ok(out)
+}
+
+/// Whether `local` is on the node `waiting` waits for (by name, or by its recorded hostname
+/// when the volume names its node by that label).
+pub fn on_node(local: &LocalClaim, waiting: &Waiting) -> bool {
+    local.node == waiting.node || waiting.hostname.as_deref() == Some(local.node.as_str())
+}
+
+/// What a released pod's local claims were, for a message: `claim (PersistentVolume pv)`, ...
+pub fn describe(claims: &[LocalClaim]) -> String {
+    let by_claim: BTreeMap<&str, &str> = claims
+        .iter()
+        .map(|c| (c.claim.as_str(), c.volume.as_str()))
+        .collect();
+    by_claim
+        .iter()
+        .map(|(c, v)| format!("{c} (PersistentVolume {v})"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::Nodes;
+    use serde_json::{Value, json};
+    use std::time::Duration;
+
+    struct Fleet(Vec<Arc<Node>>);
+
+    impl Nodes for Fleet {
+        fn visit_with_labels(
+            &self,
+            _labels: &BTreeMap<String, String>,
+            _visit: &mut dyn FnMut(&Node) -> bool,
+        ) -> bool {
+            false
+        }
+        fn all(&self) -> Vec<Arc<Node>> {
+            self.0.clone()
+        }
+    }
+
+    fn node(name: &str, zone: &str) -> Arc<Node> {
+        Arc::new(
+            serde_json::from_value(json!({"metadata": {"name": name, "uid": format!("uid-{name}"),
+                "labels": {HOSTNAME_LABEL: name, "topology.kubernetes.io/zone": zone}}}))
+            .expect("node"),
+        )
+    }
+
+    fn fleet() -> Fleet {
+        Fleet(vec![node("n1", "z1"), node("n2", "z1"), node("n3", "z2")])
+    }
+
+    fn pv(affinity: Value) -> PersistentVolume {
+        serde_json::from_value(json!({"metadata": {"name": "pv-1"},
+            "spec": {"nodeAffinity": affinity, "claimRef": {"name": "data-web-0", "uid": "claim-uid"}}}))
+        .expect("pv")
+    }
+
+    fn terms(terms: Value) -> Value {
+        json!({"required": {"nodeSelectorTerms": terms}})
+    }
+
+    #[test]
+    fn a_volume_is_node_local_only_when_its_affinity_admits_one_node() {
+        let host = |n: &str| json!({"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": [n]}]});
+        let cases: [(Value, Result<&str, &str>); 9] = [
+            (terms(json!([host("n1")])), Ok("n1")),
+            (
+                terms(json!([{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n3"]}]}])),
+                Ok("n3"),
+            ),
+            // the node was deleted: named alone by every term
+            (terms(json!([host("gone"), host("gone")])), Ok("gone")),
+            (
+                terms(json!([{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}])),
+                Err("can be mounted on 2 nodes"),
+            ),
+            (Value::Null, Err("has no required node affinity")),
+            (terms(json!([])), Err("has no required node affinity")),
+            // garbage: an unknown operator matches nothing and names nothing
+            (
+                terms(json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "Near", "values": ["n1"]}]}])),
+                Err("names no single node"),
+            ),
+            // two deleted nodes named: not one node's
+            (terms(json!([host("gone"), host("other")])), Err("names no single node")),
+            // a term with no requirement matches nothing
+            (terms(json!([{}])), Err("names no single node")),
+        ];
+        for (affinity, want) in cases {
+            let got = volume_node(&pv(affinity.clone()), &fleet());
+            match want {
+                Ok(n) => assert_eq!(got.as_deref(), Ok(n), "{affinity}"),
+                Err(why) => assert!(
+                    got.as_ref().is_err_and(|e| e.contains(why)),
+                    "{affinity}: {got:?}"
+                ),
+            }
+        }
+    }
+
+    fn claim(name: &str, owners: Value, volume: Option<&str>) -> PersistentVolumeClaim {
+        serde_json::from_value(json!({"metadata": {"name": name, "uid": "claim-uid",
+            "ownerReferences": owners}, "spec": {"volumeName": volume}}))
+        .expect("claim")
+    }
+
+    #[test]
+    fn only_the_pods_own_bound_claims_on_a_local_volume_are_released() {
+        let templates = ["data".to_owned(), "logs".to_owned()];
+        let local = pv(terms(
+            json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": ["n1"]}]}]),
+        ));
+        let judge = |c: &PersistentVolumeClaim, v: Option<&PersistentVolume>| {
+            judge_claim(c, v, ("web-0", "pod-uid"), &templates, "sts-uid", &fleet())
+        };
+        let sts_owned = json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "sts-uid"}]);
+        let got = judge(&claim("data-web-0", sts_owned.clone(), Some("pv-1")), Some(&local));
+        assert_eq!(
+            got,
+            Ok(LocalClaim {
+                claim: "data-web-0".into(),
+                uid: "claim-uid".into(),
+                deleting: false,
+                volume: "pv-1".into(),
+                node: "n1".into()
+            })
+        );
+        let why = |r: Result<LocalClaim, Kept>| r.expect_err("kept").why;
+        assert!(why(judge(&claim("cache-web-0", Value::Null, Some("pv-1")), Some(&local)))
+            .contains("not one of pod web-0's"));
+        assert!(why(judge(&claim("data-web-1", Value::Null, Some("pv-1")), Some(&local)))
+            .contains("not one of pod web-0's"));
+        let foreign = json!([{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "other"}]);
+        assert!(why(judge(&claim("data-web-0", foreign, Some("pv-1")), Some(&local)))
+            .contains("owned by Backup b"));
+        assert!(why(judge(&claim("data-web-0", Value::Null, None), None)).contains("not bound"));
+        let mut other_claims = local.clone();
+        if let Some(spec) = other_claims.spec.as_mut() {
+            spec.claim_ref = serde_json::from_value(json!({"name": "x", "uid": "x-uid"})).ok();
+        }
+        assert!(why(judge(&claim("data-web-0", Value::Null, Some("pv-1")), Some(&other_claims)))
+            .contains("not bound to claim"));
+        let network = pv(Value::Null);
+        assert!(why(judge(&claim("logs-web-0", Value::Null, Some("pv-1")), Some(&network)))
+            .contains("no required node affinity"));
+    }
+
+    fn pending(name: &str, node: Option<&str>) -> CachedPod {
+        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns",
+            "uid": format!("uid-{name}"), "resourceVersion": "5"},
+            "spec": {"nodeName": node, "containers": []}, "status": {"phase": "Pending"}}))
+        .expect("pod")
+    }
+
+    #[test]
+    fn pods_wait_on_gone_nodes_when_deleted_replaced_or_lost_past_the_grace_period() {
+        let not_ready = |name: &str, since: &str| -> Arc<Node> {
+            Arc::new(
+                serde_json::from_value(json!({"metadata": {"name": name, "uid": format!("uid-{name}")},
+                "status": {"conditions": [{"type": "Ready", "status": "Unknown", "lastTransitionTime": since}]}}))
+                .expect("node"),
+            )
+        };
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let ago = |s: i64| {
+            now.checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(s))
+                .expect("time")
+                .to_string()
+        };
+        let nodes: BTreeMap<&str, Arc<Node>> = BTreeMap::from([
+            ("lost", not_ready("lost", &ago(600))),
+            ("brief", not_ready("brief", &ago(10))),
+            ("fine", node("fine", "z1")),
+            ("replaced", node("replaced", "z1")),
+            // garbage: a Ready status that is no status, without a time, and a taint without
+            // timeAdded: lost at once
+            (
+                "garbage",
+                Arc::new(
+                    serde_json::from_value(json!({"metadata": {"name": "garbage", "uid": "uid-garbage"},
+                    "status": {"conditions": [{"type": "Ready", "status": "maybe"}]},
+                    "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}]}}))
+                    .expect("node"),
+                ),
+            ),
+        ]);
+        let state = |node: &str, uid: &str| json!({"nodeName": node, "nodeUID": uid, "nodeTopologyLabels": {HOSTNAME_LABEL: node}});
+        let status: PersistentPodStateStatus = serde_json::from_value(json!({"podStates": {
+            "web-0": state("lost", "uid-lost"),
+            "web-1": state("brief", "uid-brief"),
+            "web-2": state("fine", "uid-fine"),
+            "web-3": state("replaced", "uid-before"),
+            "web-4": state("deleted", "uid-deleted"),
+            "web-5": state("deleted", "uid-deleted"),
+            "web-6": state("garbage", "uid-garbage"),
+        }}))
+        .expect("status");
+        let pods = [
+            pending("web-0", None),
+            pending("web-1", None),
+            pending("web-2", None),
+            pending("web-3", None),
+            pending("web-4", None),
+            pending("web-5", Some("fine")),
+            pending("web-6", None),
+            pending("unrecorded", None),
+        ];
+        let refs: Vec<&CachedPod> = pods.iter().collect();
+        let lookup = |name: &str| nodes.get(name).cloned();
+        let health = Health::now(Duration::from_secs(300));
+        let found: BTreeMap<String, DropReason> = waiting_on_gone_nodes(&refs, &status, &lookup, &health)
+            .into_iter()
+            .map(|w| (w.pod, w.reason))
+            .collect();
+        assert_eq!(
+            found,
+            BTreeMap::from([
+                ("web-0".to_owned(), DropReason::NodeLost),
+                ("web-3".to_owned(), DropReason::NodeGone),
+                ("web-4".to_owned(), DropReason::NodeGone),
+                ("web-6".to_owned(), DropReason::NodeLost),
+            ]),
+            "within the grace period (web-1), usable (web-2), scheduled (web-5) or unrecorded: not waiting"
+        );
+    }
+}
