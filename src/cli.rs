@@ -52,6 +52,27 @@ pub enum Command {
     /// Show what a re-created pod would get now (uses $KUBECONFIG): the PersistentPodState in
     /// force, the recorded state, the exact patch, and every part left out and why.
     Explain(ExplainArgs),
+    /// Release a pod that waits unscheduled for a node that is gone, on an operator's word:
+    /// delete its own claims bound to node-local volumes of a node that is not ready (by uid)
+    /// and the pod (by uid and resourceVersion), so its workload re-creates both elsewhere
+    /// (uses $KUBECONFIG). Prints what it deletes.
+    Release(ReleaseArgs),
+}
+
+/// Flags of `release`.
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    /// The waiting pod.
+    pub pod: String,
+    /// Its namespace.
+    #[arg(short = 'n', long, default_value = "default")]
+    pub namespace: String,
+    /// Delete nothing; print what would be deleted.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Output: human-readable text or JSON.
+    #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
+    pub output: OutputFormat,
 }
 
 /// Flags of `explain`.
@@ -70,7 +91,7 @@ pub struct ExplainArgs {
     pub output: OutputFormat,
 }
 
-/// Output formats of `explain`.
+/// Output formats of `explain` and `release`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
     /// Human-readable.

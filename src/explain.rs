@@ -7,16 +7,23 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams};
+use kube::api::{DynamicObject, ListParams};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::api::{PersistentPodState, PodState, json_error_summary};
+use crate::api::{
+    INJECTED_REQUIRED_ANNOTATION, PersistentPodState, PodState, RELEASE_LOCAL_VOLUMES_ANNOTATION,
+    decode_required, encode_required, json_error_summary,
+};
+use crate::placement::{self, HOSTNAME_LABEL, Health, Nodes, PodDemands};
+use crate::release::{self, LocalClaim};
 use crate::state::Caches;
+use crate::state::trim::CachedPod;
 use crate::webhook::admit::{CacheLookup, Kinds, LeftOut, Verdict, decide};
-use crate::workload::controller_owner;
+use crate::workload::{WorkloadInfo, controller_owner, read_workload};
 
 /// What a re-created pod would get, and what is left out and why.
 #[derive(Debug, Serialize)]
@@ -40,6 +47,9 @@ pub struct Explanation {
     pub patch: Value,
     /// What is left out, and why.
     pub left_out: Vec<LeftOut>,
+    /// When the controller releases the current pod, if it waits unscheduled: what holds it
+    /// (a pin the webhook added, claims on a node's local volumes) and when it lets go.
+    pub release: Vec<String>,
 }
 
 /// The pod its workload would create now: the template's metadata and spec, the name, and a
@@ -85,6 +95,7 @@ pub fn explain_with(
         outcome: String::new(),
         patch: json!([]),
         left_out: Vec::new(),
+        release: Vec::new(),
     };
     let pod: Pod = match serde_json::from_value(object) {
         Ok(pod) => pod,
@@ -166,6 +177,12 @@ impl Explanation {
                 t.push_str(&format!("  - {}: {}\n", l.what, l.why));
             }
         }
+        if !self.release.is_empty() {
+            t.push_str("release (the pod waits unscheduled):\n");
+            for r in &self.release {
+                t.push_str(&format!("  - {r}\n"));
+            }
+        }
         t
     }
 }
@@ -210,11 +227,11 @@ pub async fn explain(
         workload
             .as_ref()
             .and_then(|w| pod_from_template(pod, namespace, w)),
-        current,
+        &current,
     ) {
         (Some(o), _) => (o, "the workload's template"),
         (None, Some(p)) => (
-            serde_json::to_value(&p)?,
+            serde_json::to_value(p)?,
             "the current pod (the workload's template could not be read)",
         ),
         (None, None) => anyhow::bail!(
@@ -247,28 +264,146 @@ pub async fn explain(
         caches.apply_pod(watcher::Event::InitApply(p));
     }
     caches.apply_pod(watcher::Event::InitDone);
-    Ok(explain_with(&caches, lost_after, namespace, object, source))
+    let mut out = explain_with(&caches, lost_after, namespace, object, source);
+    if let Some(current) = current.filter(waits_unscheduled) {
+        let health = Health::now(lost_after);
+        out.release = pinned_release(&current, caches.as_ref(), &health)
+            .into_iter()
+            .collect();
+        let pps = out
+            .persistent_pod_state
+            .as_deref()
+            .and_then(|p| caches.pps.get(&ObjectRef::new(p).within(namespace)));
+        if let (Some(pps), Some(workload)) = (pps, &workload) {
+            out.release
+                .extend(volume_release(client, &caches, &pps, &current, workload, &health).await?);
+        }
+    }
+    Ok(out)
 }
 
-async fn read_workload(
-    client: &Client,
-    namespace: &str,
-    api_version: &str,
-    kind: &str,
-    name: &str,
-) -> Option<DynamicObject> {
-    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
-    let gvk = GroupVersionKind::gvk(group, version, kind);
-    let (resource, _): (ApiResource, _) = kube::discovery::pinned_kind(client, &gvk).await.ok()?;
-    let mut obj = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource)
-        .get(name)
-        .await
-        .ok()?;
-    obj.types.get_or_insert_with(|| kube::api::TypeMeta {
-        api_version: resource.api_version.clone(),
-        kind: resource.kind.clone(),
+/// Whether `pod` waits unscheduled (not being deleted, not finished).
+fn waits_unscheduled(pod: &Pod) -> bool {
+    let cached = CachedPod::from(pod.clone());
+    cached.node_name.as_deref().is_none_or(str::is_empty)
+        && cached.metadata.deletion_timestamp.is_none()
+        && !cached.finished()
+}
+
+/// When the controller releases a waiting pod the webhook pinned: now when no usable node has
+/// the values it added, else when the last node that has them comes to count as lost.
+fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<String> {
+    let values = decode_required(pod.annotations().get(INJECTED_REQUIRED_ANNOTATION)?)?;
+    if values.is_empty() {
+        return None;
+    }
+    let pinned = encode_required(&values);
+    if let Some(dropped) = placement::required(&values, &PodDemands::none(), nodes, health).dropped
+    {
+        return Some(format!(
+            "pinned by the webhook to {pinned}: released now ({})",
+            LeftOut::list(&LeftOut::required(&dropped).collect::<Vec<_>>())
+        ));
+    }
+    let mut last: Option<k8s_openapi::jiff::Timestamp> = None;
+    let mut usable: Option<String> = None;
+    nodes.visit_with_labels(&values, &mut |n| {
+        match health.lost_at(n) {
+            Some(at) => last = Some(last.map_or(at, |l| l.max(at))),
+            None => usable = Some(n.name_any()),
+        }
+        usable.is_some()
     });
-    Some(obj)
+    Some(match (usable, last) {
+        (Some(node), _) => format!(
+            "pinned by the webhook to {pinned}: not released while node {node} is usable (the pod waits for something else)"
+        ),
+        (None, Some(at)) => format!(
+            "pinned by the webhook to {pinned}: released at {at} if no node that has them is ready by then (--node-lost-after {})",
+            humantime(health.lost_after)
+        ),
+        (None, None) => format!("pinned by the webhook to {pinned}: released now"),
+    })
+}
+
+/// Whether and when the waiting pod's claims on node-local volumes of its recorded node are
+/// released with it.
+async fn volume_release(
+    client: &Client,
+    caches: &Caches,
+    pps: &PersistentPodState,
+    pod: &Pod,
+    workload: &DynamicObject,
+    health: &Health,
+) -> anyhow::Result<Vec<String>> {
+    let info = WorkloadInfo::from_object(workload);
+    let name = pod.name_any();
+    let (Some(uid), Some(state)) = (
+        pod.uid(),
+        pps.status.as_ref().and_then(|s| s.pod_states.get(&name)),
+    ) else {
+        return Ok(Vec::new());
+    };
+    let Some(recorded) = state.node_name.as_deref() else {
+        return Ok(Vec::new());
+    };
+    let namespace = pps.namespace().unwrap_or_default();
+    let judged = release::local_claims(
+        client,
+        &namespace,
+        (&name, &uid),
+        &info.claim_templates,
+        &info.uid,
+        caches,
+    )
+    .await
+    .context("reading the pod's claims")?;
+    let local: Vec<LocalClaim> = judged
+        .into_iter()
+        .flatten()
+        .filter(|c| {
+            c.node == recorded || state.node_topology_labels.get(HOSTNAME_LABEL) == Some(&c.node)
+        })
+        .collect();
+    if local.is_empty() {
+        return Ok(Vec::new());
+    }
+    let node = caches.node(recorded);
+    let gone = release::node_gone(node.as_deref(), state.node_uid.as_deref(), health);
+    let allowed = pps
+        .annotations()
+        .get(RELEASE_LOCAL_VOLUMES_ANNOTATION)
+        .map(String::as_str)
+        == Some("true");
+    let claims = release::describe(&local);
+    let when = match (gone, node.as_deref().and_then(|n| health.lost_at(n))) {
+        (Some(_), _) => format!("node {recorded} is gone"),
+        (None, Some(at)) => format!("node {recorded} counts as lost at {at}"),
+        (None, None) => {
+            return Ok(vec![format!(
+                "held by claims {claims} on node {recorded}, which is usable: not released"
+            )]);
+        }
+    };
+    Ok(vec![if allowed {
+        format!(
+            "held by claims {claims} on node {recorded}: {when}; then the controller releases them with the pod ({RELEASE_LOCAL_VOLUMES_ANNOTATION} is true)"
+        )
+    } else {
+        format!(
+            "held by claims {claims} on node {recorded}: {when}; the controller releases them only with {RELEASE_LOCAL_VOLUMES_ANNOTATION}=true on the PersistentPodState, or run `persistent-pod-state release {name} -n {namespace}`"
+        )
+    }])
+}
+
+/// A duration as the flags take it (`90s`, `5m`).
+fn humantime(d: Duration) -> String {
+    let secs = d.as_secs();
+    if secs % 60 == 0 && secs > 0 {
+        format!("{}m", secs / 60)
+    } else {
+        format!("{secs}s")
+    }
 }
 
 #[cfg(test)]
@@ -328,5 +463,50 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("left out:"), "{text}");
+    }
+
+    #[test]
+    fn a_pinned_waiting_pod_is_released_when_the_last_node_with_its_values_is_lost() {
+        let pod: Pod =
+            serde_json::from_value(json!({"metadata": {"name": "web-0", "namespace": "ns",
+            "annotations": {INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"}}}))
+            .expect("pod");
+        let with_ready = |status: &str, since: &str| {
+            let caches = Caches::new();
+            caches.apply_node(watcher::Event::Apply(
+                serde_json::from_value(json!({"metadata": {"name": "n1",
+                    "labels": {HOSTNAME_LABEL: "n1"}},
+                    "status": {"conditions": [{"type": "Ready", "status": status, "lastTransitionTime": since}]}}))
+                .expect("node"),
+            ));
+            caches
+        };
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let ago = |s: i64| {
+            now.checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(s))
+                .expect("time")
+                .to_string()
+        };
+        let health = Health::now(Duration::from_secs(300));
+        let said = |caches: &Caches| pinned_release(&pod, caches, &health).expect("pinned");
+        let brief = said(&with_ready("Unknown", &ago(10)));
+        assert!(
+            brief.contains("released at") && brief.contains("--node-lost-after 5m"),
+            "{brief}"
+        );
+        assert!(said(&with_ready("Unknown", &ago(600))).contains("released now"));
+        assert!(
+            said(&with_ready("True", &ago(600))).contains("not released while node n1 is usable")
+        );
+        assert!(
+            said(Caches::new().as_ref()).contains("released now"),
+            "node gone"
+        );
+        let unpinned: Pod =
+            serde_json::from_value(json!({"metadata": {"name": "x"}})).expect("pod");
+        assert_eq!(
+            pinned_release(&unpinned, Caches::new().as_ref(), &health),
+            None
+        );
     }
 }

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use persistent_pod_state::cli::{Cli, Command, LogFormat, OutputFormat};
-use persistent_pod_state::{api, certs, explain, serve};
+use persistent_pod_state::{api, certs, explain, release, serve};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -57,6 +57,17 @@ async fn main() -> anyhow::Result<()> {
             match args.output {
                 OutputFormat::Text => print!("{}", e.text()),
                 OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&e)?),
+            }
+            Ok(())
+        }
+        Command::Release(args) => {
+            let client = kube::Client::try_default()
+                .await
+                .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+            let r = release::release_pod(&client, &args.namespace, &args.pod, args.dry_run).await?;
+            match args.output {
+                OutputFormat::Text => print!("{}", r.text()),
+                OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&r)?),
             }
             Ok(())
         }

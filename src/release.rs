@@ -77,11 +77,7 @@ pub fn waiting_on_gone_nodes(
             let name = p.name_any();
             let state = status.pod_states.get(&name)?;
             let recorded = state.node_name.as_deref().filter(|n| !n.is_empty())?;
-            let reason = node_gone(
-                node(recorded).as_deref(),
-                state.node_uid.as_deref(),
-                health,
-            )?;
+            let reason = node_gone(node(recorded).as_deref(), state.node_uid.as_deref(), health)?;
             Some(Waiting {
                 pod: name,
                 uid: p.uid()?,
@@ -102,7 +98,12 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
         .and_then(|s| s.node_affinity.as_ref())
         .and_then(|a| a.required.as_ref())
         .filter(|s| !s.node_selector_terms.is_empty())
-        .ok_or_else(|| format!("PersistentVolume {} has no required node affinity", pv.name_any()))?;
+        .ok_or_else(|| {
+            format!(
+                "PersistentVolume {} has no required node affinity",
+                pv.name_any()
+            )
+        })?;
     let matched: BTreeSet<String> = nodes
         .all()
         .iter()
@@ -124,9 +125,11 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
         .node_selector_terms
         .iter()
         .map(|term| {
-            let by_label = term.match_expressions.iter().flatten().filter(|r| {
-                r.key == HOSTNAME_LABEL && r.operator == "In"
-            });
+            let by_label = term
+                .match_expressions
+                .iter()
+                .flatten()
+                .filter(|r| r.key == HOSTNAME_LABEL && r.operator == "In");
             let by_name = term
                 .match_fields
                 .iter()
@@ -142,7 +145,9 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
         })
         .collect();
     match named {
-        Some(names) if names.len() == 1 => Ok(names.into_iter().next().unwrap_or_default().to_owned()),
+        Some(names) if names.len() == 1 => {
+            Ok(names.into_iter().next().unwrap_or_default().to_owned())
+        }
         _ => Err(format!(
             "PersistentVolume {}'s node affinity matches no known node and names no single node",
             pv.name_any()
@@ -300,6 +305,212 @@ pub fn describe(claims: &[LocalClaim]) -> String {
         .join(", ")
 }
 
+/// What `release` did (or, in a dry run, would do) for one pod.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseReport {
+    /// `namespace/name` of the pod.
+    pub pod: String,
+    /// Whether nothing was deleted (a dry run).
+    pub dry_run: bool,
+    /// The claims deleted (or to be), each with its volume and node.
+    pub claims: Vec<LocalClaim>,
+    /// Whether the pod was deleted (or is to be).
+    pub pod_deleted: bool,
+    /// Why the pod was released: what held it.
+    pub because: Vec<String>,
+    /// The pod's claims that are kept, and why.
+    pub kept: Vec<Kept>,
+}
+
+impl ReleaseReport {
+    /// The human-readable form.
+    pub fn text(&self) -> String {
+        let verb = if self.dry_run {
+            "would delete"
+        } else {
+            "deleted"
+        };
+        let namespace = self.pod.split_once('/').map_or("", |(ns, _)| ns);
+        let mut t = String::new();
+        for c in &self.claims {
+            t.push_str(&format!(
+                "{verb} persistentvolumeclaim {namespace}/{} (bound to PersistentVolume {}, which only node {} can mount)\n",
+                c.claim, c.volume, c.node
+            ));
+        }
+        if self.pod_deleted {
+            t.push_str(&format!(
+                "{verb} pod {} ({}); its workload creates it again\n",
+                self.pod,
+                self.because.join("; ")
+            ));
+        }
+        for k in &self.kept {
+            t.push_str(&format!("kept claim {}: {}\n", k.claim, k.why));
+        }
+        t
+    }
+}
+
+/// `release POD -n NS`: on an operator's word, deletes what the controller would release for a
+/// pod that waits unscheduled: its own claims bound to volumes only a node that is not ready
+/// (or deleted) can mount (each by uid), and the pod (by uid and resourceVersion) when such a
+/// claim or a required pin the webhook added holds it. A scheduled pod, a claim on a ready
+/// node's volume, one of another owner, or a volume without single-node affinity is never
+/// touched. `dry_run`: deletes nothing, reports what it would.
+pub async fn release_pod(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    dry_run: bool,
+) -> anyhow::Result<ReleaseReport> {
+    use anyhow::Context as _;
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{DeleteParams, ListParams, Preconditions};
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods
+        .get_opt(name)
+        .await
+        .context("reading the pod")?
+        .with_context(|| format!("pod {namespace}/{name} does not exist"))?;
+    if let Some(node) = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
+    {
+        anyhow::bail!(
+            "pod {namespace}/{name} is scheduled on node {node}: release deletes only a pod that waits unscheduled"
+        );
+    }
+    if pod.metadata.deletion_timestamp.is_some() {
+        anyhow::bail!("pod {namespace}/{name} is being deleted already");
+    }
+    let uid = pod.uid().context("the pod has no uid")?;
+    let caches = crate::state::Caches::new();
+    for n in Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .context("listing nodes")?
+        .items
+    {
+        caches.apply_node(kube::runtime::watcher::Event::InitApply(n));
+    }
+    caches.apply_node(kube::runtime::watcher::Event::InitDone);
+    let workload = match crate::workload::controller_owner(pod.owner_references()) {
+        Some(o) => {
+            crate::workload::read_workload(client, namespace, &o.api_version, &o.kind, &o.name)
+                .await
+        }
+        None => None,
+    };
+    let (templates, workload_uid) = workload
+        .as_ref()
+        .map(|w| {
+            let info = crate::workload::WorkloadInfo::from_object(w);
+            (info.claim_templates, info.uid)
+        })
+        .unwrap_or_default();
+    let judged = local_claims(
+        client,
+        namespace,
+        (name, &uid),
+        &templates,
+        &workload_uid,
+        caches.as_ref(),
+    )
+    .await
+    .context("reading the pod's claims")?;
+    let ready = Health::now(std::time::Duration::ZERO);
+    let mut report = ReleaseReport {
+        pod: format!("{namespace}/{name}"),
+        dry_run,
+        claims: Vec::new(),
+        pod_deleted: false,
+        because: Vec::new(),
+        kept: Vec::new(),
+    };
+    for judged in judged {
+        match judged {
+            Ok(local) => match caches.node(&local.node) {
+                Some(node) if !ready.is_lost(&node) => report.kept.push(Kept {
+                    why: format!(
+                        "node {} is ready: its volume is kept (only a node that is not ready, deleted or out of service is released)",
+                        local.node
+                    ),
+                    claim: local.claim,
+                }),
+                _ => report.claims.push(local),
+            },
+            Err(kept) => report.kept.push(kept),
+        }
+    }
+    if !report.claims.is_empty() {
+        report.because.push(format!(
+            "its claims {} hold it to their node",
+            describe(&report.claims)
+        ));
+    }
+    if let Some(values) = pod
+        .annotations()
+        .get(crate::api::INJECTED_REQUIRED_ANNOTATION)
+        .and_then(|v| crate::api::decode_required(v))
+        .filter(|v| !v.is_empty())
+    {
+        report.because.push(format!(
+            "the webhook pinned it to {}",
+            crate::api::encode_required(&values)
+        ));
+    }
+    if report.because.is_empty() {
+        let kept: Vec<String> = report
+            .kept
+            .iter()
+            .map(|k| format!("{}: {}", k.claim, k.why))
+            .collect();
+        anyhow::bail!(
+            "nothing of ours holds pod {namespace}/{name}: the webhook pinned it to nothing and no claim of its own is bound to a node-local volume of a node that is not ready{}",
+            if kept.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", kept.join("; "))
+            }
+        );
+    }
+    report.pod_deleted = true;
+    if dry_run {
+        return Ok(report);
+    }
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    for c in report.claims.iter().filter(|c| !c.deleting) {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(c.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match claims.delete(&c.claim, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e).with_context(|| format!("deleting claim {}", c.claim)),
+        }
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some(uid),
+            resource_version: pod.resource_version(),
+        }),
+        ..DeleteParams::default()
+    };
+    pods.delete(name, &params).await.with_context(|| {
+        format!("deleting pod {namespace}/{name} (changed since it was read? run release again)")
+    })?;
+    Ok(report)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,8 +535,10 @@ mod tests {
 
     fn node(name: &str, zone: &str) -> Arc<Node> {
         Arc::new(
-            serde_json::from_value(json!({"metadata": {"name": name, "uid": format!("uid-{name}"),
-                "labels": {HOSTNAME_LABEL: name, "topology.kubernetes.io/zone": zone}}}))
+            serde_json::from_value(
+                json!({"metadata": {"name": name, "uid": format!("uid-{name}"),
+                "labels": {HOSTNAME_LABEL: name, "topology.kubernetes.io/zone": zone}}}),
+            )
             .expect("node"),
         )
     }
@@ -350,24 +563,33 @@ mod tests {
         let cases: [(Value, Result<&str, &str>); 9] = [
             (terms(json!([host("n1")])), Ok("n1")),
             (
-                terms(json!([{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n3"]}]}])),
+                terms(
+                    json!([{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n3"]}]}]),
+                ),
                 Ok("n3"),
             ),
             // the node was deleted: named alone by every term
             (terms(json!([host("gone"), host("gone")])), Ok("gone")),
             (
-                terms(json!([{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}])),
+                terms(
+                    json!([{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]),
+                ),
                 Err("can be mounted on 2 nodes"),
             ),
             (Value::Null, Err("has no required node affinity")),
             (terms(json!([])), Err("has no required node affinity")),
             // garbage: an unknown operator matches nothing and names nothing
             (
-                terms(json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "Near", "values": ["n1"]}]}])),
+                terms(
+                    json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "Near", "values": ["n1"]}]}]),
+                ),
                 Err("names no single node"),
             ),
             // two deleted nodes named: not one node's
-            (terms(json!([host("gone"), host("other")])), Err("names no single node")),
+            (
+                terms(json!([host("gone"), host("other")])),
+                Err("names no single node"),
+            ),
             // a term with no requirement matches nothing
             (terms(json!([{}])), Err("names no single node")),
         ];
@@ -399,7 +621,10 @@ mod tests {
             judge_claim(c, v, ("web-0", "pod-uid"), &templates, "sts-uid", &fleet())
         };
         let sts_owned = json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "sts-uid"}]);
-        let got = judge(&claim("data-web-0", sts_owned.clone(), Some("pv-1")), Some(&local));
+        let got = judge(
+            &claim("data-web-0", sts_owned.clone(), Some("pv-1")),
+            Some(&local),
+        );
         assert_eq!(
             got,
             Ok(LocalClaim {
@@ -411,23 +636,48 @@ mod tests {
             })
         );
         let why = |r: Result<LocalClaim, Kept>| r.expect_err("kept").why;
-        assert!(why(judge(&claim("cache-web-0", Value::Null, Some("pv-1")), Some(&local)))
-            .contains("not one of pod web-0's"));
-        assert!(why(judge(&claim("data-web-1", Value::Null, Some("pv-1")), Some(&local)))
-            .contains("not one of pod web-0's"));
+        assert!(
+            why(judge(
+                &claim("cache-web-0", Value::Null, Some("pv-1")),
+                Some(&local)
+            ))
+            .contains("not one of pod web-0's")
+        );
+        assert!(
+            why(judge(
+                &claim("data-web-1", Value::Null, Some("pv-1")),
+                Some(&local)
+            ))
+            .contains("not one of pod web-0's")
+        );
         let foreign = json!([{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "other"}]);
-        assert!(why(judge(&claim("data-web-0", foreign, Some("pv-1")), Some(&local)))
-            .contains("owned by Backup b"));
+        assert!(
+            why(judge(
+                &claim("data-web-0", foreign, Some("pv-1")),
+                Some(&local)
+            ))
+            .contains("owned by Backup b")
+        );
         assert!(why(judge(&claim("data-web-0", Value::Null, None), None)).contains("not bound"));
         let mut other_claims = local.clone();
         if let Some(spec) = other_claims.spec.as_mut() {
             spec.claim_ref = serde_json::from_value(json!({"name": "x", "uid": "x-uid"})).ok();
         }
-        assert!(why(judge(&claim("data-web-0", Value::Null, Some("pv-1")), Some(&other_claims)))
-            .contains("not bound to claim"));
+        assert!(
+            why(judge(
+                &claim("data-web-0", Value::Null, Some("pv-1")),
+                Some(&other_claims)
+            ))
+            .contains("not bound to claim")
+        );
         let network = pv(Value::Null);
-        assert!(why(judge(&claim("logs-web-0", Value::Null, Some("pv-1")), Some(&network)))
-            .contains("no required node affinity"));
+        assert!(
+            why(judge(
+                &claim("logs-web-0", Value::Null, Some("pv-1")),
+                Some(&network)
+            ))
+            .contains("no required node affinity")
+        );
     }
 
     fn pending(name: &str, node: Option<&str>) -> CachedPod {
@@ -493,10 +743,11 @@ mod tests {
         let refs: Vec<&CachedPod> = pods.iter().collect();
         let lookup = |name: &str| nodes.get(name).cloned();
         let health = Health::now(Duration::from_secs(300));
-        let found: BTreeMap<String, DropReason> = waiting_on_gone_nodes(&refs, &status, &lookup, &health)
-            .into_iter()
-            .map(|w| (w.pod, w.reason))
-            .collect();
+        let found: BTreeMap<String, DropReason> =
+            waiting_on_gone_nodes(&refs, &status, &lookup, &health)
+                .into_iter()
+                .map(|w| (w.pod, w.reason))
+                .collect();
         assert_eq!(
             found,
             BTreeMap::from([

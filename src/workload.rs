@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
-use kube::api::{ApiResource, DynamicObject};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use serde_json::Value;
 
 use crate::api::{KRUISE_GROUP, api_group};
@@ -247,6 +247,29 @@ fn reserved_ordinals(value: &Value) -> (Vec<(i64, i64)>, bool) {
         }
     }
     (merged, items.len() > MAX_RESERVED_ENTRIES)
+}
+
+/// Reads the workload `kind` `name` of `api_version` in `namespace` (its resource found by
+/// discovery), with its apiVersion and kind set; `None` when it cannot be read.
+pub async fn read_workload(
+    client: &kube::Client,
+    namespace: &str,
+    api_version: &str,
+    kind: &str,
+    name: &str,
+) -> Option<DynamicObject> {
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    let (resource, _): (ApiResource, _) = kube::discovery::pinned_kind(client, &gvk).await.ok()?;
+    let mut obj = kube::Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource)
+        .get(name)
+        .await
+        .ok()?;
+    obj.types.get_or_insert_with(|| kube::api::TypeMeta {
+        api_version: resource.api_version.clone(),
+        kind: resource.kind.clone(),
+    });
+    Some(obj)
 }
 
 /// The API resource of the native `apps/v1` StatefulSet, for a dynamic watcher.

@@ -544,7 +544,10 @@ mod tests {
             panic!("created")
         };
         assert_eq!(
-            written.annotations().get(RELEASE_LOCAL_VOLUMES_ANNOTATION).map(String::as_str),
+            written
+                .annotations()
+                .get(RELEASE_LOCAL_VOLUMES_ANNOTATION)
+                .map(String::as_str),
             Some("true"),
             "copied from the workload"
         );

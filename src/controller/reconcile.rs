@@ -19,9 +19,9 @@ use super::record::{self, Observed, Target};
 use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
 use crate::api::{PersistentPodState, PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION};
-use crate::release::{self, Kept, LocalClaim};
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, Health, PodDemands};
+use crate::release::{self, Kept, LocalClaim};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
@@ -210,8 +210,7 @@ async fn release_local_volumes(
             .collect();
         let kept: Vec<Kept> = kept.into_iter().filter_map(Result::err).collect();
         if local.is_empty() {
-            if allowed && !kept.is_empty() && report::first_local_report(ctx, pps, &w.uid, &uids)
-            {
+            if allowed && !kept.is_empty() && report::first_local_report(ctx, pps, &w.uid, &uids) {
                 report::local_volume_kept(ctx, pps, w, &kept);
             }
             continue;

@@ -4,18 +4,18 @@
 use std::collections::BTreeMap;
 use std::collections::BTreeSet;
 
+use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::events::EventType;
-use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
 use super::record::{self, Replaced, Restoration, StatusChange, Stranded, Target};
+use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
 use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
 use crate::metrics::{DropLabels, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
-use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
 use crate::release::{self, Kept, LocalClaim, Waiting};
 use crate::sync::lock;
 use crate::webhook::admit::LeftOut;

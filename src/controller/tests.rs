@@ -70,7 +70,12 @@ async fn next_event(events: &mut Handle) -> (String, String) {
         .await
         .expect("an Event within 10 s")
         .expect("the events client is alive");
-    let bytes = request.into_body().collect().await.expect("body").to_bytes();
+    let bytes = request
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
     let event: Value = serde_json::from_slice(&bytes).expect("JSON");
     respond.send_response(
         Response::builder()
@@ -685,9 +690,11 @@ fn waiting_world() -> Arc<Caches> {
 
 /// The PersistentPodState of `waiting_world`, with `annotations`.
 fn waiting_pps(annotations: Value) -> Arc<PersistentPodState> {
-    let mut p = pps(json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
+    let mut p = pps(
+        json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
         "nodeName": "n1", "nodeUID": "n1-uid",
-        "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}}}));
+        "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}}}),
+    );
     p.metadata.annotations = serde_json::from_value(annotations).ok();
     Arc::new(p)
 }
@@ -724,9 +731,15 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
     assert_eq!(
         calls,
         [
-            ("GET".into(), "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0"),
+            (
+                "GET".into(),
+                "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0"
+            ),
             ("GET".into(), "/api/v1/persistentvolumes/pv-1"),
-            ("DELETE".into(), "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?"),
+            (
+                "DELETE".into(),
+                "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?"
+            ),
             ("DELETE".into(), "/api/v1/namespaces/ns/pods/web-0?"),
         ]
     );
@@ -747,7 +760,10 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
         assert!(note.contains(named), "{named}: {note}");
     }
     let note = event_note(&mut events, "PodReleased").await;
-    assert!(note.contains("web-0") && note.contains("data-web-0"), "{note}");
+    assert!(
+        note.contains("web-0") && note.contains("data-web-0"),
+        "{note}"
+    );
 }
 
 #[tokio::test]
@@ -792,15 +808,31 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
         json!([{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "b-uid"}]);
     // Each kept with a Warning saying why; a volume of another (usable) node blocks nothing.
     let cases = [
-        ("no node affinity", claim_and_volume(Value::Null), Some("has no required node affinity")),
-        ("another node's volume", claim_and_volume(on_host("n2")), None),
+        (
+            "no node affinity",
+            claim_and_volume(Value::Null),
+            Some("has no required node affinity"),
+        ),
+        (
+            "another node's volume",
+            claim_and_volume(on_host("n2")),
+            None,
+        ),
         (
             "garbage affinity",
             claim_and_volume(json!({"required": {"nodeSelectorTerms": [{}]}})),
             Some("names no single node"),
         ),
-        ("a zone's volume", claim_and_volume(zone), Some("names no single node")),
-        ("a claim of another owner", foreign, Some("owned by Backup b")),
+        (
+            "a zone's volume",
+            claim_and_volume(zone),
+            Some("names no single node"),
+        ),
+        (
+            "a claim of another owner",
+            foreign,
+            Some("owned by Backup b"),
+        ),
     ];
     for (case, answers, why) in cases {
         let (ctx, mut handle, mut events) = context_with_events(waiting_world());
@@ -812,7 +844,10 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
         );
         if let Some(why) = why {
             let note = event_note(&mut events, "LocalVolumeKept").await;
-            assert!(note.contains(why) && note.contains("web-0"), "{case}: {note}");
+            assert!(
+                note.contains(why) && note.contains("web-0"),
+                "{case}: {note}"
+            );
         }
     }
 }
