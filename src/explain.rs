@@ -399,7 +399,7 @@ async fn volume_release(
 /// A duration as the flags take it (`90s`, `5m`).
 fn humantime(d: Duration) -> String {
     let secs = d.as_secs();
-    if secs % 60 == 0 && secs > 0 {
+    if secs.is_multiple_of(60) && secs > 0 {
         format!("{}m", secs / 60)
     } else {
         format!("{secs}s")

@@ -16,6 +16,7 @@ mod faults;
 mod ha;
 mod ip;
 mod lifecycle;
+mod local_volumes;
 mod manifests;
 mod migration;
 mod node_loss;

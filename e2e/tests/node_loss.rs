@@ -5,78 +5,11 @@
 //! its taints; a NoSchedule taint without `timeAdded` is dated by its NoExecute twin, shown in
 //! process in `placement.rs`.)
 
-use k8s_openapi::api::core::v1::{Node, Pod, Taint};
-use kube::api::{DeleteParams, Patch, PatchParams};
-use kube::{Api, Client, ResourceExt};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::DeleteParams;
+use kube::{Api, ResourceExt};
 
 use crate::support::*;
-use serde_json::json;
-
-const UNREACHABLE: &str = "node.kubernetes.io/unreachable";
-
-fn taints(node: &Node) -> Vec<Taint> {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default()
-}
-
-/// Stops `node`'s kubelet and waits until the node lifecycle controller has marked the node
-/// unreachable: `Ready` `Unknown`, tainted unreachable NoSchedule and NoExecute.
-async fn kubelet_dies(c: &Client, node: &str) -> StoppedKubelet {
-    let kubelet = stop_kubelet(node);
-    let nodes: Api<Node> = Api::all(c.clone());
-    wait_for(
-        &format!("the node lifecycle controller to mark {node} unreachable"),
-        TIMEOUT,
-        || async {
-            let n = nodes.get(node).await.ok()?;
-            let unknown = n
-                .status
-                .as_ref()?
-                .conditions
-                .as_ref()?
-                .iter()
-                .any(|c| c.type_ == "Ready" && c.status == "Unknown");
-            let t = taints(&n);
-            let no_schedule = t
-                .iter()
-                .any(|t| t.key == UNREACHABLE && t.effect == "NoSchedule");
-            let no_execute = t
-                .iter()
-                .any(|t| t.key == UNREACHABLE && t.effect == "NoExecute");
-            (unknown && no_schedule && no_execute).then_some(())
-        },
-    )
-    .await;
-    kubelet
-}
-
-/// Starts `node`'s kubelet again and waits until the node is Ready and untainted.
-async fn kubelet_returns(c: &Client, node: &str, kubelet: StoppedKubelet) {
-    drop(kubelet);
-    let nodes: Api<Node> = Api::all(c.clone());
-    wait_for(&format!("{node} Ready and untainted"), TIMEOUT, || async {
-        let n = nodes.get(node).await.ok()?;
-        let ready = persistent_pod_state::placement::Health::now(std::time::Duration::ZERO)
-            .lost_at(&n)
-            .is_none();
-        (ready && taints(&n).iter().all(|t| t.key != UNREACHABLE)).then_some(())
-    })
-    .await;
-}
-
-/// The replacement of `name` (another uid than `old_uid`), once created (scheduled or not).
-async fn created_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> Pod {
-    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
-    wait_for(&format!("{name} to be created again"), TIMEOUT, || async {
-        pods.get_opt(name)
-            .await
-            .ok()?
-            .filter(|p| p.uid().as_deref() != Some(old_uid))
-    })
-    .await
-}
 
 fn pinned_to(pod: &Pod) -> Option<String> {
     pod.spec
@@ -150,21 +83,7 @@ async fn an_out_of_service_node_is_lost_at_once() {
         .expect("pod")
         .uid()
         .unwrap_or_default();
-    let nodes: Api<Node> = Api::all(c.clone());
-    let mut with = taints(&nodes.get(&node).await.expect("node"));
-    with.push(
-        serde_json::from_value(json!({"key": "node.kubernetes.io/out-of-service",
-            "value": "nodeshutdown", "effect": "NoExecute"}))
-        .expect("taint"),
-    );
-    nodes
-        .patch(
-            &node,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"taints": with}})),
-        )
-        .await
-        .expect("out-of-service taint");
+    out_of_service(c, &node, true).await;
     // The taint evicts the pod and the pod GC controller force-deletes it (the node is not
     // ready and out of service); an operator may do it first (only that pod: uid precondition).
     let params = DeleteParams {
@@ -183,18 +102,7 @@ async fn an_out_of_service_node_is_lost_at_once() {
     );
     assert_ne!(placement(&pod).map(|p| p.node), Some(node.clone()));
     wait_event(c, &ns, "oos", "RequiredTopologySkipped").await;
-    let without: Vec<Taint> = taints(&nodes.get(&node).await.expect("node"))
-        .into_iter()
-        .filter(|t| t.key != "node.kubernetes.io/out-of-service")
-        .collect();
-    nodes
-        .patch(
-            &node,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"taints": without}})),
-        )
-        .await
-        .expect("taint removed");
+    out_of_service(c, &node, false).await;
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }
@@ -329,6 +237,63 @@ async fn a_pod_stranded_after_admission_is_released_and_runs_elsewhere() {
         env.node_lost_after,
         placement(&running).map(|p| p.node).unwrap_or_default()
     );
+    kubelet_returns(c, &node, kubelet).await;
+    delete_namespace(c, &ns).await;
+}
+
+/// `explain -o json` of `pod`: its release outlook.
+async fn explained_release(env: &Env, ns: &str, pod: &str) -> Vec<String> {
+    let out = tokio::process::Command::new(&env.pps_bin)
+        .args(["explain", pod, "-n", ns, "-o", "json"])
+        .env("PPS_NODE_LOST_AFTER", &env.node_lost_after)
+        .output()
+        .await
+        .expect("explain runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let explained: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    serde_json::from_value(explained["release"].clone()).expect("release lines")
+}
+
+/// A pod admitted pinned while its node was unreachable (within the grace period) is released
+/// at once when the Node object is deleted (a deleted node is lost at once, long before
+/// `--node-lost-after`), and runs elsewhere; `explain` said beforehand when it would go.
+#[tokio::test]
+async fn a_pod_pinned_to_a_node_deleted_after_admission_is_released_at_once() {
+    let env = env().await;
+    let c = &env.client;
+    let lost_after = lost_after(&env);
+    let ns = namespace(c, "e2e-release-deleted").await;
+    let (placed, _) = start_recorded(c, &ns, &required_host("del")).await;
+    let node = placed["del-0"].node.clone();
+    let kubelet = kubelet_dies(c, &node).await;
+    let first_uid = force_delete_pod(c, &ns, "del-0").await;
+    let waiting = created_again(c, &ns, "del-0", &first_uid).await;
+    assert_eq!(pinned_to(&waiting).as_deref(), Some(node.as_str()));
+    let pinned_uid = waiting.uid().unwrap_or_default();
+    let outlook = explained_release(&env, &ns, "del-0").await;
+    assert!(
+        outlook.iter().any(|l| l.contains("released at")),
+        "within the grace period explain says when: {outlook:?}"
+    );
+    let nodes: Api<Node> = Api::all(c.clone());
+    nodes
+        .delete(&node, &DeleteParams::default())
+        .await
+        .expect("delete the node");
+    let deleted_at = std::time::Instant::now();
+    let running = wait_replaced(c, &ns, "del-0", &pinned_uid).await;
+    let took = deleted_at.elapsed();
+    assert!(
+        took < lost_after,
+        "released {took:?} after the deletion: a deleted node is lost at once"
+    );
+    assert_ne!(placement(&running).map(|p| p.node), Some(node.clone()));
+    wait_event_noting(c, &ns, "del", "PodReleased", &["del-0", &node]).await;
+    println!("del-0: its node {node} deleted, released and running elsewhere {took:?} later");
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }

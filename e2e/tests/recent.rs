@@ -5,11 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{DaemonSet, ReplicaSet, StatefulSet};
+use k8s_openapi::api::apps::v1::{DaemonSet, ReplicaSet};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use persistent_pod_state::api::{
     AUTO_GENERATE_ANNOTATION, INJECTED_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
@@ -18,21 +17,6 @@ use persistent_pod_state::api::{
 use serde_json::{Value, json};
 
 use crate::support::*;
-
-/// The nodes without a taint (the Calico-like ones are tainted).
-const NODES: [&str; 4] = ["node-a1", "node-a2", "node-b1", "node-b2"];
-
-/// `statefulset(name, replicas, annotations)` with `extra` merged into its JSON.
-fn statefulset_with(
-    name: &str,
-    replicas: i32,
-    annotations: &[(&str, &str)],
-    extra: Value,
-) -> StatefulSet {
-    let mut sts = serde_json::to_value(statefulset(name, replicas, annotations)).expect("json");
-    json_patch::merge(&mut sts, &extra);
-    serde_json::from_value(sts).expect("statefulset")
-}
 
 async fn create<K>(c: &Client, ns: &str, object: Value) -> K
 where
@@ -149,45 +133,18 @@ async fn the_api_server_sends_only_statefulset_and_custom_kind_pods() {
     delete_namespace(c, &ns).await;
 }
 
-/// A StorageClass of node-local volumes (no provisioner, bound when a pod is scheduled) and
-/// one local PersistentVolume on each untainted node, named `PREFIX-NODE`.
+/// The StorageClass `e2e-local` and one local PersistentVolume on each untainted node, named
+/// `PREFIX-NODE`.
 async fn local_volumes(c: &Client, prefix: &str) {
-    let classes: Api<StorageClass> = Api::all(c.clone());
-    let class: StorageClass = serde_json::from_value(json!({
-        "metadata": {"name": "e2e-local"}, "provisioner": "kubernetes.io/no-provisioner",
-        "volumeBindingMode": "WaitForFirstConsumer"}))
-    .expect("class");
-    match classes.create(&PostParams::default(), &class).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("storage class: {e}"),
-    }
-    let pvs: Api<PersistentVolume> = Api::all(c.clone());
+    local_storage_class(c, "e2e-local").await;
     for node in NODES {
-        let name = format!("{prefix}-{node}");
-        let _ = pvs.delete(&name, &DeleteParams::default()).await;
-        wait_for(&format!("an old {name} to go"), TIMEOUT, || async {
-            pvs.get_opt(&name).await.ok()?.is_none().then_some(())
-        })
-        .await;
-        let pv: PersistentVolume = serde_json::from_value(json!({
-            "metadata": {"name": name},
-            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
-                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "e2e-local",
-                     "local": {"path": "/mnt/e2e"},
-                     "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                         {"key": HOST, "operator": "In", "values": [node]}]}]}}}}))
-        .expect("pv");
-        pvs.create(&PostParams::default(), &pv).await.expect("pv");
+        local_volume(c, "e2e-local", &format!("{prefix}-{node}"), node).await;
     }
 }
 
 async fn delete_local_volumes(c: &Client, prefix: &str) {
-    let pvs: Api<PersistentVolume> = Api::all(c.clone());
     for node in NODES {
-        let _ = pvs
-            .delete(&format!("{prefix}-{node}"), &DeleteParams::default())
-            .await;
+        delete_volume(c, &format!("{prefix}-{node}")).await;
     }
 }
 

@@ -7,12 +7,16 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, Pod, Taint};
+use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use persistent_pod_state::api::PodState;
 use persistent_pod_state::api::v1alpha1::PersistentPodState;
 use serde_json::{Value, json};
+
+/// The nodes without a taint (the Calico-like ones are tainted).
+pub const NODES: [&str; 4] = ["node-a1", "node-a2", "node-b1", "node-b2"];
 
 /// How the suite reaches the system under test; set by e2e/run.sh. Missing settings fail the
 /// test (never skip it).
@@ -764,4 +768,149 @@ pub async fn pod_reviews(env: &Env) -> f64 {
         .filter(|l| l.starts_with(r#"pps_admission_requests_total{endpoint="/mutate-pod","#))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// `statefulset(name, replicas, annotations)` with `extra` merged into its JSON.
+pub fn statefulset_with(
+    name: &str,
+    replicas: i32,
+    annotations: &[(&str, &str)],
+    extra: Value,
+) -> StatefulSet {
+    let mut sts = serde_json::to_value(statefulset(name, replicas, annotations)).expect("json");
+    json_patch::merge(&mut sts, &extra);
+    serde_json::from_value(sts).expect("statefulset")
+}
+
+/// A StorageClass `class` of node-local volumes: no provisioner, bound when a pod is scheduled.
+pub async fn local_storage_class(c: &Client, class: &str) {
+    let classes: Api<StorageClass> = Api::all(c.clone());
+    let object: StorageClass = serde_json::from_value(json!({
+        "metadata": {"name": class}, "provisioner": "kubernetes.io/no-provisioner",
+        "volumeBindingMode": "WaitForFirstConsumer"}))
+    .expect("class");
+    match classes.create(&PostParams::default(), &object).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("storage class: {e}"),
+    }
+}
+
+/// A local PersistentVolume `name` of `class` that only `node` can mount (an old one of that
+/// name is deleted first); reclaim policy Retain, as a static provisioner's.
+pub async fn local_volume(c: &Client, class: &str, name: &str, node: &str) {
+    delete_volume(c, name).await;
+    let pv: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                 "persistentVolumeReclaimPolicy": "Retain", "storageClassName": class,
+                 "local": {"path": "/mnt/e2e"},
+                 "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                     {"key": HOST, "operator": "In", "values": [node]}]}]}}}}))
+    .expect("pv");
+    Api::<PersistentVolume>::all(c.clone())
+        .create(&PostParams::default(), &pv)
+        .await
+        .expect("pv");
+}
+
+/// Deletes the PersistentVolume `name`, if any, and waits until it is gone.
+pub async fn delete_volume(c: &Client, name: &str) {
+    let pvs: Api<PersistentVolume> = Api::all(c.clone());
+    let _ = pvs.delete(name, &DeleteParams::default()).await;
+    wait_for(&format!("{name} to go"), TIMEOUT, || async {
+        pvs.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await;
+}
+
+pub const UNREACHABLE: &str = "node.kubernetes.io/unreachable";
+
+pub fn taints(node: &Node) -> Vec<Taint> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+}
+
+/// Stops `node`'s kubelet and waits until the node lifecycle controller has marked the node
+/// unreachable: `Ready` `Unknown`, tainted unreachable NoSchedule and NoExecute.
+pub async fn kubelet_dies(c: &Client, node: &str) -> StoppedKubelet {
+    let kubelet = stop_kubelet(node);
+    let nodes: Api<Node> = Api::all(c.clone());
+    wait_for(
+        &format!("the node lifecycle controller to mark {node} unreachable"),
+        TIMEOUT,
+        || async {
+            let n = nodes.get(node).await.ok()?;
+            let unknown = n
+                .status
+                .as_ref()?
+                .conditions
+                .as_ref()?
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "Unknown");
+            let t = taints(&n);
+            let no_schedule = t
+                .iter()
+                .any(|t| t.key == UNREACHABLE && t.effect == "NoSchedule");
+            let no_execute = t
+                .iter()
+                .any(|t| t.key == UNREACHABLE && t.effect == "NoExecute");
+            (unknown && no_schedule && no_execute).then_some(())
+        },
+    )
+    .await;
+    kubelet
+}
+
+/// Starts `node`'s kubelet again and waits until the node is Ready and untainted.
+pub async fn kubelet_returns(c: &Client, node: &str, kubelet: StoppedKubelet) {
+    drop(kubelet);
+    let nodes: Api<Node> = Api::all(c.clone());
+    wait_for(&format!("{node} Ready and untainted"), TIMEOUT, || async {
+        let n = nodes.get(node).await.ok()?;
+        let ready = persistent_pod_state::placement::Health::now(std::time::Duration::ZERO)
+            .lost_at(&n)
+            .is_none();
+        (ready && taints(&n).iter().all(|t| t.key != UNREACHABLE)).then_some(())
+    })
+    .await;
+}
+
+/// Taints `node` `node.kubernetes.io/out-of-service` (an operator's word that it is shut down
+/// for good), or takes the taint away.
+pub async fn out_of_service(c: &Client, node: &str, on: bool) {
+    let nodes: Api<Node> = Api::all(c.clone());
+    let mut kept: Vec<Taint> = taints(&nodes.get(node).await.expect("node"))
+        .into_iter()
+        .filter(|t| t.key != "node.kubernetes.io/out-of-service")
+        .collect();
+    if on {
+        kept.push(
+            serde_json::from_value(json!({"key": "node.kubernetes.io/out-of-service",
+                "value": "nodeshutdown", "effect": "NoExecute"}))
+            .expect("taint"),
+        );
+    }
+    nodes
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"taints": kept}})),
+        )
+        .await
+        .expect("out-of-service taint");
+}
+
+/// The replacement of `name` (another uid than `old_uid`), once created (scheduled or not).
+pub async fn created_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    wait_for(&format!("{name} to be created again"), TIMEOUT, || async {
+        pods.get_opt(name)
+            .await
+            .ok()?
+            .filter(|p| p.uid().as_deref() != Some(old_uid))
+    })
+    .await
 }

@@ -1,0 +1,208 @@
+//! Node-local volumes of a lost node (issue 19.3, 19.4): two StatefulSets whose claims are
+//! bound to static local PersistentVolumes of one node, which is then lost (its kubelet dies and
+//! it is tainted out-of-service). With `persistent-pod-state.io/release-local-volumes: "true"`
+//! the controller deletes the claim and the waiting pod and the pod runs elsewhere on a new
+//! claim; without it nothing is deleted and a Warning says how to release, which `release`
+//! then does on the operator's word.
+
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::{Api, Client, ResourceExt};
+use persistent_pod_state::api::{
+    AUTO_GENERATE_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION, RELEASE_LOCAL_VOLUMES_ANNOTATION,
+};
+use serde_json::json;
+
+use crate::support::*;
+
+const CLASS: &str = "e2e-lost-local";
+
+/// A one-replica StatefulSet with the claim template `data` of the local class, generating a
+/// PersistentPodState (preferred hostname) with `extra` annotations.
+fn on_local_disk(name: &str, extra: &[(&str, &str)]) -> k8s_openapi::api::apps::v1::StatefulSet {
+    let mut annotations = vec![
+        (AUTO_GENERATE_ANNOTATION, "true"),
+        (PREFERRED_TOPOLOGY_ANNOTATION, HOST),
+    ];
+    annotations.extend_from_slice(extra);
+    statefulset_with(
+        name,
+        1,
+        &annotations,
+        json!({"spec": {"volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": CLASS,
+            "resources": {"requests": {"storage": "1Gi"}}}}]}}),
+    )
+}
+
+/// The claim `name`: its uid and the volume it is bound to, once bound.
+async fn bound(c: &Client, ns: &str, name: &str) -> (String, String) {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), ns);
+    wait_for(&format!("{name} bound"), TIMEOUT, || async {
+        let claim = claims.get_opt(name).await.ok()??;
+        let volume = claim.spec.as_ref()?.volume_name.clone()?;
+        Some((claim.uid()?, volume))
+    })
+    .await
+}
+
+/// Runs the binary's `release` command; its standard output.
+async fn release(env: &Env, ns: &str, pod: &str, dry_run: bool) -> String {
+    let mut args = vec!["release", pod, "-n", ns];
+    if dry_run {
+        args.push("--dry-run");
+    }
+    let out = tokio::process::Command::new(&env.pps_bin)
+        .args(&args)
+        .output()
+        .await
+        .expect("release runs");
+    assert!(
+        out.status.success(),
+        "release: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_without() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-local-release").await;
+    // Every volume of the class is on one node at first, so both pods land there.
+    let lost = NODES[3];
+    local_storage_class(c, CLASS).await;
+    let volumes: Vec<String> = ["one", "two"]
+        .iter()
+        .map(|v| format!("{CLASS}-{v}-{lost}"))
+        .collect();
+    for v in &volumes {
+        local_volume(c, CLASS, v, lost).await;
+    }
+    let freed = on_local_disk("freed", &[(RELEASE_LOCAL_VOLUMES_ANNOTATION, "true")]);
+    let kept = on_local_disk("kept", &[]);
+    let (placed_freed, _) = start_recorded(c, &ns, &freed).await;
+    let (placed_kept, _) = start_recorded(c, &ns, &kept).await;
+    assert_eq!(placed_freed["freed-0"].node, lost);
+    assert_eq!(placed_kept["kept-0"].node, lost);
+    let (freed_claim, freed_volume) = bound(c, &ns, "data-freed-0").await;
+    let (kept_claim, kept_volume) = bound(c, &ns, "data-kept-0").await;
+    // Room elsewhere for the claims made again.
+    let spares: Vec<(String, &str)> = NODES[..2]
+        .iter()
+        .map(|n| (format!("{CLASS}-spare-{n}"), *n))
+        .collect();
+    for (v, n) in &spares {
+        local_volume(c, CLASS, v, n).await;
+    }
+
+    let before = scrape(&env).await;
+    let kubelet = kubelet_dies(c, lost).await;
+    out_of_service(c, lost, true).await;
+    // The pod GC force-deletes pods of an out-of-service node that is not ready; an operator
+    // may do it first.
+    let freed_first = force_delete_pod(c, &ns, "freed-0").await;
+    let kept_first = force_delete_pod(c, &ns, "kept-0").await;
+
+    // With the annotation: claim and pod released, the pod runs elsewhere on a new claim.
+    let running = wait_replaced(c, &ns, "freed-0", &freed_first).await;
+    let elsewhere = placement(&running).map(|p| p.node).unwrap_or_default();
+    assert_ne!(elsewhere, lost);
+    let (new_claim, new_volume) = bound(c, &ns, "data-freed-0").await;
+    assert_ne!(new_claim, freed_claim, "a new claim");
+    assert_eq!(new_volume, format!("{CLASS}-spare-{elsewhere}"));
+    wait_event_noting(
+        c,
+        &ns,
+        "freed",
+        "LocalVolumeReleased",
+        &["data-freed-0", &freed_volume, lost],
+    )
+    .await;
+    wait_event_noting(c, &ns, "freed", "PodReleased", &["freed-0", "data-freed-0"]).await;
+    let series = "pps_local_volumes_released_total{reason=\"node_lost\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+
+    // Without it: a Warning naming the claim and how to release; nothing deleted.
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let waiting = created_again(c, &ns, "kept-0", &kept_first).await;
+    wait_event_noting(
+        c,
+        &ns,
+        "kept",
+        "LocalVolumeBlocking",
+        &[
+            "kept-0",
+            "data-kept-0",
+            lost,
+            "persistent-pod-state release kept-0",
+        ],
+    )
+    .await;
+    let still = pods.get("kept-0").await.expect("kept-0");
+    assert_eq!(still.uid(), waiting.uid(), "the waiting pod is not deleted");
+    assert!(placement(&still).is_none(), "it waits unscheduled");
+    assert_eq!(
+        bound(c, &ns, "data-kept-0").await,
+        (kept_claim.clone(), kept_volume.clone()),
+        "the claim is not deleted"
+    );
+    let outlook = explained(&env, &ns, "kept-0").await;
+    assert!(
+        outlook.contains("held by claims data-kept-0") && outlook.contains("release kept-0"),
+        "{outlook}"
+    );
+
+    // The operator's word: a dry run deletes nothing, then `release` does it.
+    let said = release(&env, &ns, "kept-0", true).await;
+    assert!(
+        said.contains(&format!(
+            "would delete persistentvolumeclaim {ns}/data-kept-0"
+        )) && said.contains(&format!("would delete pod {ns}/kept-0")),
+        "{said}"
+    );
+    assert_eq!(bound(c, &ns, "data-kept-0").await.0, kept_claim);
+    let said = release(&env, &ns, "kept-0", false).await;
+    assert!(
+        said.contains(&format!("deleted persistentvolumeclaim {ns}/data-kept-0"))
+            && said.contains(&kept_volume)
+            && said.contains(&format!("deleted pod {ns}/kept-0")),
+        "{said}"
+    );
+    let running = wait_replaced(c, &ns, "kept-0", &waiting.uid().unwrap_or_default()).await;
+    assert_ne!(placement(&running).map(|p| p.node).as_deref(), Some(lost));
+    assert_ne!(
+        bound(c, &ns, "data-kept-0").await.0,
+        kept_claim,
+        "a new claim"
+    );
+    println!(
+        "freed-0: released by the controller, runs on {elsewhere}; kept-0: released by `release`"
+    );
+
+    out_of_service(c, lost, false).await;
+    kubelet_returns(c, lost, kubelet).await;
+    delete_namespace(c, &ns).await;
+    for v in volumes.iter().chain(spares.iter().map(|(v, _)| v)) {
+        delete_volume(c, v).await;
+    }
+}
+
+/// `explain` of `pod`, as text.
+async fn explained(env: &Env, ns: &str, pod: &str) -> String {
+    let out = tokio::process::Command::new(&env.pps_bin)
+        .args(["explain", pod, "-n", ns])
+        .env("PPS_NODE_LOST_AFTER", &env.node_lost_after)
+        .output()
+        .await
+        .expect("explain runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
