@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use crate::metrics::Metrics;
-use crate::serving::{RequestLimit, limit_requests};
+use crate::serving::{Budget, RequestLimit, limit_requests};
 use crate::state::Caches;
 
 /// What the probes report on.
@@ -36,7 +36,12 @@ impl Health {
 
 /// The probe routes (a few requests at once, each within 5 s).
 pub fn router(health: Arc<Health>) -> Router {
-    let limit = RequestLimit::new(8, Duration::from_secs(5), crate::webhook::MAX_BODY, None);
+    // GETs: no body is expected; a few requests at once, a small share of bytes.
+    let budget = Budget {
+        in_flight: 8,
+        bytes: 64 << 10,
+    };
+    let limit = RequestLimit::new(budget, Duration::from_secs(5), 64 << 10, None);
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))

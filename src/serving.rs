@@ -2,14 +2,17 @@
 //! probe port both run it. Every connection and request is bounded, and shutdown drains
 //! gracefully.
 //!
-//! Bounds ([`Limits`]): a cap on concurrent connections (over it, a new connection is closed at
-//! once); a deadline for the TLS handshake; a deadline for request headers (HTTP/1); an idle
+//! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
+//! is closed to make room; a new one is refused only if none frees in time); a deadline for the TLS handshake; a deadline for request headers (HTTP/1); an idle
 //! timeout (no byte read or written for that long closes the connection: a stalled HTTP/2
 //! preface, a body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound
-//! on HTTP/2 streams per connection. Requests in flight and their duration are bounded by
-//! [`limit_requests`] (a refused request's body is read and dropped, so its client gets the
-//! answer), bodies by the router's limit.
+//! on HTTP/2 streams per connection. Requests are bounded by [`limit_requests`], per endpoint:
+//! a body is read within a deadline and a size limit before the request counts as in flight,
+//! its bytes and what decoding it may build ([`json_values`]) are taken from the endpoint's
+//! byte share, then one of its slots (a refused request's body is read and dropped, so its
+//! client gets the answer).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -29,7 +32,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -69,12 +72,13 @@ impl Limits {
         max_age: Duration::from_secs(600),
     };
 
-    /// The probe port's limits (a kubelet and a Prometheus need a few connections).
+    /// The probe port's limits: a kubelet and a Prometheus need a few short connections, so
+    /// idle ones go soon (and the most idle makes room at the cap).
     pub const PROBES: Limits = Limits {
         max_connections: 64,
-        handshake_timeout: Duration::from_secs(10),
-        header_timeout: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(30),
+        handshake_timeout: Duration::from_secs(5),
+        header_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(5),
         max_streams: 8,
         max_age: Duration::from_secs(600),
     };
@@ -85,33 +89,105 @@ pub fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()
 }
 
-/// Requests in flight, and how long one may take.
+/// What the requests of one endpoint may hold at once.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    /// Requests handled at once (a request counts only once its body is read).
+    pub in_flight: usize,
+    /// Bytes: of the bodies being read or handled, plus what decoding them may build
+    /// ([`VALUE_COST`] per JSON value).
+    pub bytes: usize,
+}
+
+/// What decoding one JSON value may cost at most, in bytes (a one-entry map as a
+/// `serde_json::Value` is a B-tree node of several hundred bytes; a typed element a few
+/// hundred with its vector's growth).
+pub const VALUE_COST: usize = 512;
+
+/// A request whose body would cost more to decode than its endpoint's whole budget: its
+/// handler answers it without decoding it (with the uid, when the envelope gives one).
+#[derive(Clone, Copy, Debug)]
+pub struct TooComplex {
+    /// The JSON values the body holds.
+    pub values: usize,
+}
+
+impl TooComplex {
+    /// Why nothing is decoded, for an answer.
+    pub fn message(self) -> String {
+        format!(
+            "the request holds {} JSON values, more than this server decodes at once",
+            self.values
+        )
+    }
+}
+
+/// One endpoint's share: its slots and its bytes.
+struct Share {
+    slots: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
+    budget: Budget,
+}
+
+impl Share {
+    fn new(budget: Budget) -> Arc<Self> {
+        Arc::new(Self {
+            slots: Arc::new(Semaphore::new(budget.in_flight)),
+            bytes: Arc::new(Semaphore::new(budget.bytes.min(Semaphore::MAX_PERMITS))),
+            budget,
+        })
+    }
+
+    /// `n` bytes of this share, if free now.
+    fn bytes(&self, n: usize) -> Option<OwnedSemaphorePermit> {
+        let n = u32::try_from(n).ok()?;
+        self.bytes.clone().try_acquire_many_owned(n).ok()
+    }
+}
+
+/// Requests in flight per endpoint, the bytes they hold, and how long reading and handling one
+/// may take. Slow or heavy requests to one endpoint never take another's share.
 #[derive(Clone)]
 pub struct RequestLimit {
-    permits: Arc<Semaphore>,
+    shares: Arc<HashMap<String, Arc<Share>>>,
+    other: Arc<Share>,
     timeout: Duration,
-    /// The largest body a refused request has read and dropped.
+    body_timeout: Duration,
     max_body: usize,
     /// Counts refused requests by path (the webhook port).
     metrics: Option<Arc<Metrics>>,
 }
 
 impl RequestLimit {
-    /// At most `in_flight` requests at once, each answered within `timeout`; a refused
-    /// request's body (up to `max_body` bytes) is read and dropped; refusals counted in
+    /// Paths without a share of their own get `other`; each request is answered within
+    /// `timeout` once its body (at most `max_body` bytes) is read; refusals counted in
     /// `metrics` if given.
     pub fn new(
-        in_flight: usize,
+        other: Budget,
         timeout: Duration,
         max_body: usize,
         metrics: Option<Arc<Metrics>>,
     ) -> Self {
         Self {
-            permits: Arc::new(Semaphore::new(in_flight)),
+            shares: Arc::default(),
+            other: Share::new(other),
             timeout,
+            body_timeout: timeout,
             max_body,
             metrics,
         }
+    }
+
+    /// `path` gets a share of its own.
+    pub fn endpoint(mut self, path: &str, budget: Budget) -> Self {
+        let mut shares = (*self.shares).clone();
+        shares.insert(path.to_owned(), Share::new(budget));
+        self.shares = Arc::new(shares);
+        self
+    }
+
+    fn share(&self, path: &str) -> &Arc<Share> {
+        self.shares.get(path).unwrap_or(&self.other)
     }
 
     fn refused(&self, path: &str, result: AdmissionResult) {
@@ -121,24 +197,143 @@ impl RequestLimit {
     }
 }
 
-/// Middleware: beyond the requests in flight allowed, a request is answered with 503 and a JSON
-/// message as soon as its body has been read and dropped (never queued, never handled); a
-/// request that takes longer than the timeout gets 503.
+/// Counts the JSON values in `body` (each scalar, array and object, and each key), without
+/// decoding it: what
+/// decoding it may build is bounded by this count. Text that is not JSON counts what it looks
+/// like; a parser rejects it later.
+pub fn json_values(body: &[u8]) -> usize {
+    let (mut values, mut in_string, mut escaped, mut in_scalar) = (0usize, false, false, false);
+    for &b in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => {
+                in_string = true;
+                in_scalar = false;
+                values += 1;
+            }
+            b'{' | b'[' => {
+                in_scalar = false;
+                values += 1;
+            }
+            b'}' | b']' | b',' | b':' | b' ' | b'\n' | b'\r' | b'\t' => in_scalar = false,
+            _ => {
+                if !in_scalar {
+                    values += 1;
+                    in_scalar = true;
+                }
+            }
+        }
+    }
+    values
+}
+
+/// Middleware: reads the body first (within the timeout, at most the body limit, its bytes
+/// taken from the endpoint's share as they arrive), then takes the bytes its decoding may build
+/// and one of the endpoint's slots; without them it is answered 503 with a JSON message at
+/// once (never queued), so slow or heavy uploads to one endpoint never shed another's
+/// requests. A body whose decoding could never fit its share is handled as [`TooComplex`]. A
+/// request handled longer than the timeout gets 503.
 pub async fn limit_requests(
     State(limit): State<RequestLimit>,
     request: Request,
     next: Next,
 ) -> Response {
-    let Ok(_permit) = limit.permits.clone().try_acquire_owned() else {
-        limit.refused(request.uri().path(), AdmissionResult::Overloaded);
-        discard_body(request.into_body(), limit.max_body, limit.timeout).await;
+    let path = request.uri().path().to_owned();
+    let share = limit.share(&path).clone();
+    let (parts, body) = request.into_parts();
+    let mut chunks = body.into_data_stream();
+    let mut bytes = Vec::new();
+    let mut held: Option<OwnedSemaphorePermit> = None;
+    let read = tokio::time::timeout(limit.body_timeout, async {
+        while let Some(chunk) = chunks.next().await {
+            let Ok(chunk) = chunk else {
+                return Err((
+                    StatusCode::BAD_REQUEST,
+                    "the request body could not be read".to_owned(),
+                ));
+            };
+            if bytes.len() + chunk.len() > limit.max_body {
+                return Err((
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("the request body is larger than {} bytes", limit.max_body),
+                ));
+            }
+            let Some(permit) = share.bytes(chunk.len()) else {
+                return Err((
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too many bytes in flight; retry".to_owned(),
+                ));
+            };
+            match held.as_mut() {
+                Some(h) => h.merge(permit),
+                None => held = Some(permit),
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(())
+    })
+    .await;
+    let refusal = match read {
+        Ok(Ok(())) => None,
+        Ok(Err(refusal)) => Some(refusal),
+        Err(_) => Some((
+            StatusCode::REQUEST_TIMEOUT,
+            "the request body did not arrive in time".to_owned(),
+        )),
+    };
+    if let Some((status, message)) = refusal {
+        drop(held);
+        let result = if status == StatusCode::SERVICE_UNAVAILABLE {
+            AdmissionResult::Overloaded
+        } else {
+            AdmissionResult::BadRequest
+        };
+        limit.refused(&path, result);
+        // What is still coming is read and dropped, so the client gets the answer.
+        discard_body(chunks, limit.max_body, limit.body_timeout).await;
+        return error_response(status, &message);
+    }
+    let values = json_values(&bytes);
+    let cost = values.saturating_mul(VALUE_COST);
+    let mut too_complex = None;
+    if cost.saturating_add(bytes.len()) > share.budget.bytes {
+        too_complex = Some(TooComplex { values });
+    } else if cost > 0 {
+        let Some(permit) = share.bytes(cost) else {
+            limit.refused(&path, AdmissionResult::Overloaded);
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many bytes in flight; retry",
+            );
+        };
+        match held.as_mut() {
+            Some(h) => h.merge(permit),
+            None => held = Some(permit),
+        }
+    }
+    let Ok(_slot) = share.slots.clone().try_acquire_owned() else {
+        limit.refused(&path, AdmissionResult::Overloaded);
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "too many requests in flight; retry",
         );
     };
-    let path = request.uri().path().to_owned();
-    match tokio::time::timeout(limit.timeout, next.run(request)).await {
+    let mut request = Request::from_parts(parts, Body::from(bytes));
+    if let Some(t) = too_complex {
+        request.extensions_mut().insert(t);
+    }
+    let answered = tokio::time::timeout(limit.timeout, next.run(request)).await;
+    drop(held);
+    match answered {
         Ok(response) => response,
         Err(_) => {
             limit.refused(&path, AdmissionResult::TimedOut);
@@ -147,12 +342,11 @@ pub async fn limit_requests(
     }
 }
 
-/// Reads a refused request's body to its end and drops it, chunk by chunk (at most `max`
+/// Reads the rest of a refused request's body and drops it, chunk by chunk (at most `max`
 /// bytes, within `within`), so that a client still sending gets the answer and an HTTP/1
 /// connection stays usable: a connection closed with unread data is reset, and the answer can
 /// be lost with it (as nginx discards the body of a request it answers early).
-async fn discard_body(body: Body, max: usize, within: Duration) {
-    let mut chunks = body.into_data_stream();
+async fn discard_body(mut chunks: axum::body::BodyDataStream, max: usize, within: Duration) {
     let mut read = 0usize;
     let _ = tokio::time::timeout(within, async {
         while let Some(Ok(chunk)) = chunks.next().await {
@@ -176,26 +370,31 @@ pub struct ClientCertificate {
 #[derive(Clone)]
 struct Activity {
     base: Instant,
-    last_millis: Arc<AtomicU64>,
+    last_micros: Arc<AtomicU64>,
 }
 
 impl Activity {
     fn new() -> Self {
         Self {
             base: Instant::now(),
-            last_millis: Arc::default(),
+            last_micros: Arc::default(),
         }
     }
 
+    /// When a byte last moved (the connection's start if none has).
+    fn last(&self) -> Instant {
+        self.base + Duration::from_micros(self.last_micros.load(Ordering::Relaxed))
+    }
+
     fn touch(&self) {
-        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_millis.store(now, Ordering::Relaxed);
+        let now = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.last_micros.store(now, Ordering::Relaxed);
     }
 
     /// Resolves once no byte has moved for `idle`.
     async fn idle_for(&self, idle: Duration) {
         loop {
-            let last = Duration::from_millis(self.last_millis.load(Ordering::Relaxed));
+            let last = Duration::from_micros(self.last_micros.load(Ordering::Relaxed));
             let quiet = self.base.elapsed().saturating_sub(last);
             if quiet >= idle {
                 return;
@@ -282,6 +481,7 @@ pub async fn serve(
 ) {
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let live = Live::default();
     loop {
         let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -300,15 +500,27 @@ pub async fn serve(
         if let Err(error) = tcp.set_nodelay(true) {
             tracing::debug!(%error, %peer, "could not set TCP_NODELAY");
         }
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "connection limit reached; closing the new connection");
-            drop(tcp);
-            continue;
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            // At the cap: the connection idle the longest makes room (whoever holds
+            // connections open cannot lock others out), if one frees in time.
+            Err(_) => {
+                live.evict_most_idle();
+                match tokio::time::timeout(EVICTION_WAIT, slots.clone().acquire_owned()).await {
+                    Ok(Ok(slot)) => slot,
+                    _ => {
+                        tracing::debug!(%peer, "connection limit reached; closing the new connection");
+                        drop(tcp);
+                        continue;
+                    }
+                }
+            }
         };
-        let (tls, app, shutdown) = (tls.clone(), app.clone(), shutdown.clone());
+        let (tls, app) = (tls.clone(), app.clone());
+        let entry = live.enter(&shutdown);
         connections.spawn(async move {
             let _slot = slot;
-            serve_connection(tls, tcp, peer, app, limits, shutdown).await;
+            serve_connection(tls, tcp, peer, app, limits, entry).await;
         });
     }
     drop(listener);
@@ -321,15 +533,66 @@ pub async fn serve(
     }
 }
 
+/// How long a new connection at the cap waits for the evicted one's slot.
+const EVICTION_WAIT: Duration = Duration::from_millis(500);
+
+/// The open connections: each one's activity and the token that closes it.
+#[derive(Clone, Default)]
+struct Live(
+    Arc<std::sync::Mutex<HashMap<u64, (Activity, CancellationToken)>>>,
+    Arc<AtomicU64>,
+);
+
+/// A connection's place among the live ones, left when dropped.
+struct Entry {
+    live: Live,
+    id: u64,
+    activity: Activity,
+    close: CancellationToken,
+}
+
+impl Live {
+    /// Registers a new connection, closed by `shutdown` or by eviction.
+    fn enter(&self, shutdown: &CancellationToken) -> Entry {
+        let id = self.1.fetch_add(1, Ordering::Relaxed);
+        let (activity, close) = (Activity::new(), shutdown.child_token());
+        crate::sync::lock(&self.0).insert(id, (activity.clone(), close.clone()));
+        Entry {
+            live: self.clone(),
+            id,
+            activity,
+            close,
+        }
+    }
+
+    /// Closes the connection that has moved no byte for the longest.
+    fn evict_most_idle(&self) {
+        let live = crate::sync::lock(&self.0);
+        if let Some((_, (_, close))) = live
+            .iter()
+            .filter(|(_, (_, close))| !close.is_cancelled())
+            .min_by_key(|(id, (activity, _))| (activity.last(), **id))
+        {
+            close.cancel();
+        }
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        crate::sync::lock(&self.live.0).remove(&self.id);
+    }
+}
+
 async fn serve_connection(
     tls: Option<TlsAcceptor>,
     tcp: TcpStream,
     peer: SocketAddr,
     app: Router,
     limits: Limits,
-    shutdown: CancellationToken,
+    entry: Entry,
 ) {
-    let activity = Activity::new();
+    let (activity, shutdown) = (entry.activity.clone(), entry.close.clone());
     let tcp = Watched {
         inner: tcp,
         activity: activity.clone(),
@@ -409,12 +672,12 @@ mod tests {
             .await
             .expect("connect");
         let (mut peer, _) = listener.accept().await.expect("accept");
-        // Started a second ago and never touched: a touch now stores about 1000 ms.
+        // Started a second ago and never touched: a touch now stores about 1000 ms (in µs).
         let activity = Activity {
             base: Instant::now()
                 .checked_sub(Duration::from_secs(1))
                 .expect("a second of uptime"),
-            last_millis: Arc::default(),
+            last_micros: Arc::default(),
         };
         let mut watched = Watched {
             inner: tcp,
@@ -428,7 +691,7 @@ mod tests {
         let written = watched.write_vectored(&slices).await.expect("write");
         assert_eq!(written, 11, "both slices in one call");
         assert!(
-            activity.last_millis.load(Ordering::Relaxed) >= 1000,
+            activity.last_micros.load(Ordering::Relaxed) >= 1_000_000,
             "counted as activity"
         );
         let mut got = [0u8; 11];

@@ -265,6 +265,9 @@ fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
     let mut deep_object = br#"{"request":{"uid":"u-bad","kind":{"group":"","version":"v1","kind":"Pod"},"operation":"CREATE","object":"#.to_vec();
     deep_object.extend(deep(5000));
     deep_object.extend(b"}}");
+    // Trees of tiny maps of nearly 3 MiB: hundreds of MB if built as `Value`s.
+    let tree = |n: usize| Value::Array(vec![json!({"": 0}); n]);
+    let tiny_maps = 2_800_000 / 7;
     let mut bad_utf8 = br#"{"request":{"uid":"u-bad","name":""#.to_vec();
     bad_utf8.extend([0xff, 0xfe]);
     bad_utf8.extend(br#""}}"#);
@@ -299,6 +302,14 @@ fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
         ("dryRun not a boolean", review(pod_request(json!({"dryRun": "yes"}))), Want::Uid),
         ("a huge name", review(pod_request(json!({"name": "n".repeat(100_000)}))), Want::Uid),
         ("many unknown fields", review(pod_request(json!({"x1": [1], "x2": {"a": null}, "x3": "y"}))), Want::Uid),
+        ("a tree in the uid", review(pod_request(json!({"uid": tree(tiny_maps)}))), Want::Error(400)),
+        ("a tree in the kind", review(pod_request(json!({"kind": tree(tiny_maps)}))), Want::Uid),
+        ("a tree in the operation", review(pod_request(json!({"operation": tree(tiny_maps)}))), Want::Uid),
+        ("a tree in the object", review(pod_request(json!({"object": {"metadata": {"name": "web-0"}, "spec": tree(tiny_maps)}}))), Want::Uid),
+        ("huge tolerations", review(pod_request(json!({"object": {"metadata": {"name": "web-0"},
+            "spec": {"tolerations": vec![json!({}); 900_000]}}}))), Want::Uid),
+        ("hundreds of thousands of objects to convert", serde_json::to_vec(&json!({"request": {"uid": "u-bad",
+            "desiredAPIVersion": "apps.kruise.io/v1beta1", "objects": vec![json!({}); 900_000]}})).expect("json"), Want::Uid),
     ]
 }
 
@@ -503,7 +514,8 @@ async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
     ));
     let get = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n";
 
-    // Two connections, each answered once and then left open (keep-alive).
+    // Two connections, each answered once and then left open (keep-alive), the first idle
+    // the longest.
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut tcp = TcpStream::connect(addr).await.expect("connect");
@@ -516,14 +528,23 @@ async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
         );
         held.push((tcp, Instant::now()));
     }
-    // A third, over the cap, is closed without an answer.
+    // A third, at the cap, makes room: the connection idle the longest is closed, and the
+    // third is answered.
     let mut third = TcpStream::connect(addr).await.expect("connect");
-    let _ = third.write_all(get).await;
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("write");
     assert!(
-        matches!(read_answer(&mut third).await, Got::Closed),
-        "over the cap"
+        matches!(read_answer(&mut third).await, Got::Answer(200, _)),
+        "answered at the cap"
     );
-    // The idle keep-alive connections are closed within the idle bound...
+    let (mut first, _) = held.remove(0);
+    assert!(
+        matches!(read_answer(&mut first).await, Got::Closed),
+        "the most idle made room"
+    );
+    // The other idle keep-alive connection is closed within the idle bound.
     let bound = TEST_LIMITS.idle_timeout + Duration::from_secs(2);
     for (mut tcp, since) in held {
         assert!(matches!(read_answer(&mut tcp).await, Got::Closed), "idle");
@@ -533,16 +554,6 @@ async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
             since.elapsed()
         );
     }
-    // ...which frees their slots.
-    let mut again = TcpStream::connect(addr).await.expect("connect");
-    again
-        .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .await
-        .expect("write");
-    assert!(
-        matches!(read_answer(&mut again).await, Got::Answer(200, _)),
-        "a slot is free again"
-    );
     stop.cancel();
 }
 
@@ -566,7 +577,15 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
             }),
         )
         .layer(axum::middleware::from_fn_with_state(
-            RequestLimit::new(1, Duration::from_millis(500), super::MAX_BODY, None),
+            RequestLimit::new(
+                crate::serving::Budget {
+                    in_flight: 1,
+                    bytes: 8 << 20,
+                },
+                Duration::from_millis(500),
+                super::MAX_BODY,
+                None,
+            ),
             limit_requests,
         ));
     let request = || {
@@ -684,4 +703,78 @@ async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
     );
     assert!(answered >= 10, "it was busy all along: {answered} answers");
     server.stop.cancel();
+}
+
+#[tokio::test]
+async fn uploads_stalled_on_other_endpoints_never_shed_pod_reviews() {
+    use tower::ServiceExt;
+    let state = super::testing::state(true);
+    let app = super::router(state);
+    // 24 conversions and 24 validations whose bodies stop arriving after their first bytes;
+    // each says when the server has started reading it.
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let mut held = Vec::new();
+    for path in [endpoints::CONVERT, endpoints::VALIDATE_PPS] {
+        for _ in 0..24 {
+            let tx = started_tx.clone();
+            let first = futures::stream::once(async move {
+                let _ = tx.send(());
+                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"{\"request\":"))
+            });
+            let body = axum::body::Body::from_stream(futures::StreamExt::chain(
+                first,
+                futures::stream::pending(),
+            ));
+            let request = axum::http::Request::post(path)
+                .header("content-type", "application/json")
+                .body(body)
+                .expect("request");
+            held.push(tokio::spawn(app.clone().oneshot(request)));
+        }
+    }
+    for _ in 0..48 {
+        started
+            .recv()
+            .await
+            .expect("a stalled upload is being read");
+    }
+    // Pod reviews are each answered, with their uid.
+    for i in 0..10 {
+        let uid = format!("u-{i}");
+        let body = review(pod_request(json!({"uid": uid})));
+        let request = axum::http::Request::post(endpoints::MUTATE_POD)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body))
+            .expect("request");
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        assert_eq!(response.status(), axum::http::StatusCode::OK, "review {i}");
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let answer: Value = serde_json::from_slice(&bytes).expect("JSON");
+        assert_eq!(answer["response"]["uid"], uid.as_str());
+    }
+    for h in &held {
+        assert!(!h.is_finished(), "the stalled uploads are still being read");
+    }
+    for h in held {
+        h.abort();
+    }
+}
+
+#[test]
+fn json_values_counts_every_value_without_decoding() {
+    let cases: [(&str, usize); 8] = [
+        ("", 0),
+        ("0", 1),
+        (r#"{"a":1,"b":[true,null,"x"]}"#, 8),
+        (r#"[{"":0},{"":0}]"#, 7),
+        (r#""a \" [ { , still a string""#, 1),
+        (" [ 1 , -2.5e3 ,\n\"\\\\\" ] ", 4),
+        ("[[[]]]", 3),
+        (r#"{"k":{}}"#, 3),
+    ];
+    for (text, want) in cases {
+        assert_eq!(crate::serving::json_values(text.as_bytes()), want, "{text}");
+    }
 }

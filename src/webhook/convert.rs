@@ -23,14 +23,16 @@ pub async fn convert_objects(
     } = conversion;
     let span = tracing::info_span!("conversion", uid = %request.uid, desired = %request.desired_api_version);
     let _entered = span.enter();
-    let desired = request.desired_api_version;
-    let converted: Result<Vec<_>, String> = if desired.is_empty() {
+    let desired = &request.desired_api_version;
+    let converted: Result<Vec<_>, String> = if let Some(t) = request.too_complex {
+        Err(t.message())
+    } else if desired.is_empty() {
         Err("the request has no desiredAPIVersion".into())
     } else {
         request
-            .objects
+            .objects()
             .into_iter()
-            .map(|o| convert(o, &desired))
+            .map(|o| convert(o, desired))
             .collect()
     };
     let result = match &converted {

@@ -22,16 +22,34 @@ use axum::routing::post;
 
 use crate::events::Events;
 use crate::metrics::{AdmissionResult, Metrics};
-use crate::serving::{ClientCertificate, RequestLimit, error_response, limit_requests};
+use crate::serving::{Budget, ClientCertificate, RequestLimit, error_response, limit_requests};
 use crate::state::Caches;
 use crate::workload::CustomKinds;
 use admit::IpReservations;
 
 /// Largest accepted request body: the API server's own request limit (3 MiB). Over it: 413.
 pub const MAX_BODY: usize = 3 * 1024 * 1024;
-/// Admission requests handled at once; beyond, a fast 503 (the API server retries or applies
-/// its failurePolicy): memory stays bounded whatever the load.
-pub const MAX_IN_FLIGHT: usize = 16;
+/// What pod reviews may hold at once: 16 handled (beyond, a fast 503: the API server retries
+/// or applies its failurePolicy) and 64 MiB of bodies and what decoding them may build.
+pub const POD_BUDGET: Budget = Budget {
+    in_flight: 16,
+    bytes: 64 << 20,
+};
+/// What PersistentPodState validations may hold at once (a share of their own).
+pub const VALIDATE_BUDGET: Budget = Budget {
+    in_flight: 4,
+    bytes: 32 << 20,
+};
+/// What conversions may hold at once (a share of their own).
+pub const CONVERT_BUDGET: Budget = Budget {
+    in_flight: 4,
+    bytes: 32 << 20,
+};
+/// What requests to any other path may hold (answered 404 or 405).
+const OTHER_BUDGET: Budget = Budget {
+    in_flight: 4,
+    bytes: 4 << 20,
+};
 /// How long one admission may take (the API server gives up after the configured
 /// `timeoutSeconds`, at most 30 s, anyway).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -131,11 +149,14 @@ pub fn router(state: Arc<WebhookState>) -> Router {
             require_client_cert,
         ));
     let limit = RequestLimit::new(
-        MAX_IN_FLIGHT,
+        OTHER_BUDGET,
         REQUEST_TIMEOUT,
         MAX_BODY,
         Some(state.metrics.clone()),
-    );
+    )
+    .endpoint(endpoints::MUTATE_POD, POD_BUDGET)
+    .endpoint(endpoints::VALIDATE_PPS, VALIDATE_BUDGET)
+    .endpoint(endpoints::CONVERT, CONVERT_BUDGET);
     Router::new()
         .merge(from_caches)
         .route(endpoints::CONVERT, post(convert::convert_objects))

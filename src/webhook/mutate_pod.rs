@@ -124,6 +124,9 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     {
         return Outcome::NotPodCreate;
     }
+    if let Some(t) = request.too_complex {
+        return Outcome::Invalid(t.message());
+    }
     let mut pod = match request.object().map(decode_pod) {
         Some(Ok(pod)) => pod,
         Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::serving::error_response;
+use crate::serving::{TooComplex, error_response};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{StatusCode, header};
@@ -31,10 +31,12 @@ use crate::metrics::AdmissionResult;
 /// The AdmissionReview versions answered (the request's is echoed).
 const ADMISSION_VERSIONS: [&str; 2] = ["admission.k8s.io/v1", "admission.k8s.io/v1beta1"];
 
-/// Reads a field leniently: what does not fit `T` reads as absent.
+/// Reads a field leniently: what does not fit `T` reads as absent. The field is taken as raw
+/// text (borrowed from the body, never built into a tree) and `T` is read from it: a tree of
+/// any size where a string belongs fails at its first byte.
 fn lenient<'de, D: Deserializer<'de>, T: DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
-    let value = Option::<Value>::deserialize(d)?;
-    Ok(value.and_then(|v| serde_json::from_value(v).ok()))
+    let raw = Option::<&'de RawValue>::deserialize(d)?;
+    Ok(raw.and_then(|r| serde_json::from_str(r.get()).ok()))
 }
 
 /// A group, version and kind, as a review names them (each part lenient).
@@ -110,6 +112,9 @@ pub struct AdmissionRequest {
     pub operation: String,
     /// Whether this is a dry run (no side effects).
     pub dry_run: bool,
+    /// Set when the body holds more than its endpoint decodes ([`TooComplex`]): the object is
+    /// not decoded, and the answer says why.
+    pub too_complex: Option<TooComplex>,
     body: Bytes,
     object: Option<std::ops::Range<usize>>,
     old_object: Option<std::ops::Range<usize>>,
@@ -202,6 +207,7 @@ pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
         namespace: request.namespace.filter(|s| !s.is_empty()),
         operation: request.operation.unwrap_or_default(),
         dry_run: request.dry_run.unwrap_or(false),
+        too_complex: None,
         object,
         old_object,
         body,
@@ -308,38 +314,56 @@ fn json_response(status: StatusCode, body: &impl Serialize) -> Response {
     }
 }
 
-/// A conversion request: what the conversion handler reads of it.
+/// A conversion request: what the conversion handler reads of it. The objects stay raw text
+/// until [`ConversionRequest::objects`] decodes them.
 #[derive(Debug)]
 pub struct ConversionRequest {
     /// The request uid, echoed in every answer.
     pub uid: String,
     /// The version to convert to (empty when missing: the answer is a failure).
     pub desired_api_version: String,
-    /// The objects to convert.
-    pub objects: Vec<Value>,
+    /// Set when the body holds more than conversions decode ([`TooComplex`]).
+    pub too_complex: Option<TooComplex>,
+    body: Bytes,
+    objects: Option<std::ops::Range<usize>>,
+}
+
+impl ConversionRequest {
+    /// The objects to convert, decoded (none when `objects` is missing or not an array).
+    pub fn objects(&self) -> Vec<Value> {
+        let Some(text) = self
+            .objects
+            .clone()
+            .and_then(|r| self.body.get(r))
+            .and_then(|b| std::str::from_utf8(b).ok())
+        else {
+            return Vec::new();
+        };
+        serde_json::from_str(text).unwrap_or_default()
+    }
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct RawConversionRequest {
+struct RawConversionRequest<'a> {
     #[serde(default, deserialize_with = "lenient")]
     uid: Option<String>,
     #[serde(default, rename = "desiredAPIVersion", deserialize_with = "lenient")]
     desired_api_version: Option<String>,
-    #[serde(default, deserialize_with = "lenient")]
-    objects: Option<Vec<Value>>,
+    #[serde(default, borrow)]
+    objects: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
-struct RawConversionReview {
-    #[serde(default)]
-    request: Option<RawConversionRequest>,
+struct RawConversionReview<'a> {
+    #[serde(default, borrow)]
+    request: Option<RawConversionRequest<'a>>,
 }
 
-/// Parses a request body as a ConversionReview.
-pub fn parse_conversion(body: &[u8]) -> Result<ConversionRequest, ReviewError> {
-    let review: RawConversionReview =
-        serde_json::from_slice(body).map_err(|error| ReviewError::NotAReview {
+/// Parses a request body as a ConversionReview (its objects kept raw).
+pub fn parse_conversion(body: Bytes) -> Result<ConversionRequest, ReviewError> {
+    let review: RawConversionReview<'_> =
+        serde_json::from_slice(&body).map_err(|error| ReviewError::NotAReview {
             kind: "a ConversionReview",
             error,
         })?;
@@ -350,10 +374,13 @@ pub fn parse_conversion(body: &[u8]) -> Result<ConversionRequest, ReviewError> {
         .uid
         .filter(|u| !u.is_empty())
         .ok_or(ReviewError::NoUid("ConversionReview"))?;
+    let objects = range_in(&body, request.objects);
     Ok(ConversionRequest {
         uid,
         desired_api_version: request.desired_api_version.unwrap_or_default(),
-        objects: request.objects.unwrap_or_default(),
+        too_complex: None,
+        objects,
+        body,
     })
 }
 
@@ -428,9 +455,13 @@ impl FromRequest<Arc<WebhookState>> for Review {
 
     async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
         let received = Instant::now();
+        let too_complex = req.extensions().get::<TooComplex>().copied();
         let (body, path) = body(req, state).await?;
         match parse(body) {
-            Ok(request) => Ok(Self { request, received }),
+            Ok(mut request) => {
+                request.too_complex = too_complex;
+                Ok(Self { request, received })
+            }
             Err(e) => Err(bad_request(state, path, received, &e)),
         }
     }
@@ -449,9 +480,13 @@ impl FromRequest<Arc<WebhookState>> for Conversion {
 
     async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
         let received = Instant::now();
+        let too_complex = req.extensions().get::<TooComplex>().copied();
         let (bytes, path) = body(req, state).await?;
-        match parse_conversion(&bytes) {
-            Ok(request) => Ok(Self { request, received }),
+        match parse_conversion(bytes) {
+            Ok(mut request) => {
+                request.too_complex = too_complex;
+                Ok(Self { request, received })
+            }
             Err(e) => Err(bad_request(state, path, received, &e)),
         }
     }
@@ -521,16 +556,18 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
-        assert!(parse_conversion(b"{").is_err());
+        assert!(parse_conversion(Bytes::from_static(b"{")).is_err());
         assert!(
-            parse_conversion(
+            parse_conversion(Bytes::from_static(
                 br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview"}"#
-            )
+            ))
             .is_err()
         );
-        let lenient =
-            parse_conversion(br#"{"request":{"uid":"c","objects":7}}"#).expect("uid read");
-        assert_eq!((lenient.uid.as_str(), lenient.objects.len()), ("c", 0));
+        let lenient = parse_conversion(Bytes::from_static(
+            br#"{"request":{"uid":"c","objects":7}}"#,
+        ))
+        .expect("uid read");
+        assert_eq!((lenient.uid.as_str(), lenient.objects().len()), ("c", 0));
     }
 
     #[test]

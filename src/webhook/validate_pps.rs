@@ -89,6 +89,14 @@ async fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, Adm
     let (Some(text), Some(keys_field), true) = (req.object(), keys_field, concerned) else {
         return (Admission::allow(), AdmissionResult::Allowed);
     };
+    // Not decoded: refused with the reason (an object this large is not a PersistentPodState
+    // anyone wrote by hand, and an unchecked one could break the rules).
+    if let Some(t) = req.too_complex {
+        return (
+            Admission::deny(413, "RequestEntityTooLarge", t.message()),
+            AdmissionResult::InvalidObject,
+        );
+    }
     let decode = |text: &str| serde_json::from_str::<Value>(text);
     let object = match decode(text) {
         Ok(object) => object,
