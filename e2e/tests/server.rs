@@ -299,3 +299,212 @@ async fn memory_stays_bounded_under_big_reviews_and_idle_connections_are_closed(
     );
     drop(instance);
 }
+
+/// One request on a new TLS connection: the status and the body of the answer.
+async fn exchange(
+    connector: &tokio_rustls::TlsConnector,
+    port: u16,
+    path: &str,
+    body: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = connect(connector, port).await;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return (0, String::new());
+    }
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer).await;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// Nearly 3 MiB of one-entry maps.
+fn tree() -> Value {
+    Value::Array(vec![json!({"": 0}); 2_900_000 / 7])
+}
+
+fn admission(uid: &str, kind: Value, object: Value) -> String {
+    json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": uid, "kind": kind, "operation": "CREATE", "namespace": "default", "name": "x-0",
+        "object": object}})
+    .to_string()
+}
+
+/// Issue 20.1-20.3: bodies of every shape keep a replica's peak memory under 256 MB (16 at
+/// once, each nearly 3 MiB: a tree of tiny maps in a small field, hundreds of thousands of
+/// objects to convert, a PersistentPodState with a tree in its spec, a pod with a huge
+/// tolerations array), each answered (with its uid, or 503); while 24 clients trickle
+/// `/convert` bodies a byte every half second, 10 pod reviews are answered with their uid in
+/// their usual time; with 200 idle sockets held on the probe port, the probes answer.
+#[tokio::test]
+async fn every_body_shape_stays_bounded_slow_uploads_shed_nothing_and_probes_answer() {
+    use tokio::io::AsyncWriteExt;
+    let env = env().await;
+    let kubeconfig = env.cluster_dir.join("kubeconfig");
+    let (port, probe_port) = (19449, 18086);
+    let instance = start_instance(&env, port, probe_port, &kubeconfig).await;
+    let ready = format!("{}/readyz", instance.probe);
+    wait_for("the instance to be ready", TIMEOUT, || async {
+        (http_get(&ready).await.0 == 200).then_some(())
+    })
+    .await;
+    let pid = instance.child.id().expect("running");
+    let connector = tls_connector(&env);
+    let pod_kind = json!({"group": "", "version": "v1", "kind": "Pod"});
+    let pps_kind =
+        json!({"group": "apps.kruise.io", "version": "v1beta1", "kind": "PersistentPodState"});
+    let shapes: Vec<(&str, &str, String)> = vec![
+        (
+            "a tree in the kind",
+            "/mutate-pod",
+            admission("shape-1", tree(), json!({})),
+        ),
+        (
+            "objects to convert",
+            "/convert",
+            json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+                "request": {"uid": "shape-2", "desiredAPIVersion": "apps.kruise.io/v1beta1",
+                "objects": vec![json!({}); 2_900_000 / 3]}})
+            .to_string(),
+        ),
+        (
+            "a tree in a PersistentPodState's spec",
+            "/validate-persistentpodstate",
+            admission(
+                "shape-3",
+                pps_kind,
+                json!({"metadata": {"name": "p"}, "spec": {"targetRef": tree()}}),
+            ),
+        ),
+        (
+            "huge tolerations",
+            "/mutate-pod",
+            admission(
+                "shape-4",
+                pod_kind.clone(),
+                json!({"metadata": {"name": "x-0"},
+                "spec": {"tolerations": vec![json!({}); 2_900_000 / 3]}}),
+            ),
+        ),
+    ];
+    println!("| shape | body | 16 at once: answered with the uid | shed 503 |");
+    println!("|---|---|---|---|");
+    for (what, path, body) in &shapes {
+        assert!(body.len() < 3 << 20, "{what}: {} bytes", body.len());
+        let uid = serde_json::from_str::<Value>(body).expect("json")["request"]["uid"]
+            .as_str()
+            .expect("uid")
+            .to_owned();
+        let sends = (0..16).map(|_| {
+            let (connector, body, path) = (connector.clone(), body.clone(), path.to_string());
+            tokio::spawn(async move { exchange(&connector, port, &path, &body).await })
+        });
+        let (mut answered, mut shed) = (0, 0);
+        for sent in futures::future::join_all(sends).await {
+            let (status, answer) = sent.expect("client");
+            match status {
+                200 if answer.contains(&format!("\"uid\":\"{uid}\"")) => answered += 1,
+                503 => shed += 1,
+                other => panic!("{what}: {other} {answer}"),
+            }
+        }
+        println!(
+            "| {what} | {:.1} MB | {answered} | {shed} |",
+            body.len() as f64 / 1e6
+        );
+        assert!(answered > 0, "{what}: some answered");
+    }
+    let hwm_mb = vm_hwm_kib(pid) as f64 / 1024.0;
+    println!("peak RSS (VmHWM) after every shape: {hwm_mb:.0} MB");
+    assert!(hwm_mb <= 256.0, "peak RSS {hwm_mb:.0} MB");
+
+    // Fairness: the usual time of a pod review, then 24 trickling uploads and 10 more reviews.
+    let small = |i: usize| {
+        admission(
+            &format!("fair-{i}"),
+            pod_kind.clone(),
+            json!({"metadata": {"name": "x-0"}, "spec": {"containers": [{"name": "c"}]}}),
+        )
+    };
+    let mut usual = Duration::ZERO;
+    for i in 0..5 {
+        let started = std::time::Instant::now();
+        let (status, _) = exchange(&connector, port, "/mutate-pod", &small(100 + i)).await;
+        assert_eq!(status, 200);
+        usual = usual.max(started.elapsed());
+    }
+    let trickle = json!({"request": {"uid": "slow", "desiredAPIVersion": "apps.kruise.io/v1beta1",
+        "objects": []}})
+    .to_string();
+    let mut trickling = Vec::new();
+    for _ in 0..24 {
+        let mut stream = connect(&connector, port).await;
+        let head = format!(
+            "POST /convert HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            trickle.len()
+        );
+        stream.write_all(head.as_bytes()).await.expect("head");
+        let body = trickle.clone().into_bytes();
+        trickling.push(tokio::spawn(async move {
+            for b in body {
+                if stream.write_all(&[b]).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }));
+    }
+    let mut slowest = Duration::ZERO;
+    for i in 0..10 {
+        let started = std::time::Instant::now();
+        let (status, answer) = exchange(&connector, port, "/mutate-pod", &small(i)).await;
+        let took = started.elapsed();
+        assert_eq!(status, 200, "review {i} while uploads trickle: {answer}");
+        assert!(
+            answer.contains(&format!("\"uid\":\"fair-{i}\"")),
+            "{answer}"
+        );
+        slowest = slowest.max(took);
+    }
+    println!(
+        "pod reviews: usual {:.1} ms (slowest of 5), with 24 trickling uploads {:.1} ms (slowest of 10)",
+        usual.as_secs_f64() * 1e3,
+        slowest.as_secs_f64() * 1e3
+    );
+    assert!(
+        slowest <= (usual * 5).max(Duration::from_millis(250)),
+        "reviews slowed by trickling uploads: {slowest:?} against {usual:?}"
+    );
+    for t in trickling {
+        t.abort();
+    }
+
+    // The probe port with 200 idle sockets held on it.
+    let mut idle = Vec::new();
+    for _ in 0..200 {
+        if let Ok(tcp) = tokio::net::TcpStream::connect(("127.0.0.1", probe_port)).await {
+            idle.push(tcp);
+        }
+    }
+    for path in ["healthz", "readyz"] {
+        for attempt in 0..5 {
+            let (status, _) = http_get(&format!("{}/{path}", instance.probe)).await;
+            assert_eq!(
+                status, 200,
+                "/{path} attempt {attempt} with 200 idle sockets held"
+            );
+        }
+    }
+    println!("probes: /healthz and /readyz answered 5 of 5 each with 200 idle sockets held");
+    drop(idle);
+    drop(instance);
+}
