@@ -319,6 +319,10 @@ where
         let run = lead(stop.clone());
         tokio::pin!(run);
         let mut finished = false;
+        // The renewal in progress, polled beside the controllers: a slow renewal never pauses
+        // them (the fence alone decides whether they may write).
+        let mut renewal = None;
+        let mut next_renewal = tokio::time::Instant::now() + config.retry_period;
         let why = loop {
             let deadline = tokio::time::Instant::from_std(renewed_at + config.renew_deadline);
             tokio::select! {
@@ -328,9 +332,22 @@ where
                 }
                 () = shutdown.cancelled() => break StepDown::Shutdown,
                 () = tokio::time::sleep_until(deadline) => break StepDown::DeadlinePassed,
-                () = tokio::time::sleep(config.retry_period) => {
+                () = tokio::time::sleep_until(next_renewal), if renewal.is_none() => {
                     let attempt = Instant::now();
-                    match tokio::time::timeout(call_timeout, acquire_or_renew(&api, &config, &mut elector)).await {
+                    // The elector goes with the call and comes back with its answer (a renewal
+                    // dropped half-way leaves a fresh one: it judges others' Leases afresh).
+                    let mut with = std::mem::take(&mut elector);
+                    let (api, config) = (&api, &config);
+                    renewal = Some(Box::pin(async move {
+                        let renewed = tokio::time::timeout(call_timeout, acquire_or_renew(api, config, &mut with)).await;
+                        (attempt, renewed, with)
+                    }));
+                }
+                Some((attempt, renewed, with)) = futures::future::OptionFuture::from(renewal.as_mut()), if renewal.is_some() => {
+                    renewal = None;
+                    elector = with;
+                    next_renewal = tokio::time::Instant::now() + config.retry_period;
+                    match renewed {
                         Ok(Ok(true)) => {
                             renewed_at = attempt;
                             fence.set(Some(renewed_at + config.renew_deadline));
@@ -342,6 +359,7 @@ where
                 }
             }
         };
+        drop(renewal);
         fence.set(None);
         stop.cancel();
         if !finished {
@@ -570,6 +588,58 @@ mod supervision_tests {
         assert!(
             fence.check().is_err(),
             "fenced again once the controllers stopped"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_renewal_never_pauses_the_controllers() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(service, "default");
+        let metrics = Metrics::new();
+        let ticks = Arc::new(AtomicU64::new(0));
+        let counted = ticks.clone();
+        let run = run_when_leading(
+            client,
+            config(),
+            &metrics,
+            Fence::closed(),
+            CancellationToken::new(),
+            move |stop| {
+                let ticks = counted.clone();
+                async move {
+                    // A controller at work: a step every 100 ms.
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => return,
+                            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                                ticks.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+            },
+        );
+        tokio::pin!(run);
+        tokio::select! {
+            _ = &mut run => panic!("the election ended"),
+            () = grant(&mut handle) => {}
+        }
+        // The first renewal is sent and left unanswered for 5 s.
+        let (renewal, _respond) = tokio::select! {
+            _ = &mut run => panic!("the election ended"),
+            r = handle.next_request() => r.expect("a renewal"),
+        };
+        assert_eq!(renewal.method(), http::Method::GET);
+        let before = ticks.load(Ordering::Relaxed);
+        tokio::select! {
+            _ = &mut run => panic!("the election ended"),
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+        let during = ticks.load(Ordering::Relaxed) - before;
+        assert!(
+            during >= 40,
+            "the controllers made {during} steps while the renewal hung for 5 s"
         );
     }
 }
