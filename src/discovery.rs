@@ -174,7 +174,7 @@ pub async fn watch_config(
     file: Option<PathBuf>,
     flags: BTreeSet<GroupKind>,
     custom: Arc<CustomKinds>,
-    changed: watch::Sender<u64>,
+    changed: Arc<watch::Sender<u64>>,
     shutdown: CancellationToken,
 ) {
     let Some(path) = file else {
@@ -253,7 +253,7 @@ mod tests {
             Some(path.clone()),
             [flag.clone()].into(),
             custom.clone(),
-            tx,
+            Arc::new(tx),
             shutdown.clone(),
         ));
         let deadline = Duration::from_secs(10);

@@ -33,6 +33,7 @@ pub mod release;
 pub mod serve;
 pub mod serving;
 pub mod state;
+pub mod supervise;
 pub mod sync;
 #[cfg(feature = "bench")]
 pub mod synthetic;

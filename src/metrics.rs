@@ -375,6 +375,8 @@ pub struct Metrics {
     pub cached_pods: Gauge,
     /// Nodes in the cache.
     pub cached_nodes: Gauge,
+    /// Watches that are stale now (failed, ended or restarted, and not relisted yet).
+    pub stale_watches: Gauge,
     /// Workloads in the cache, all kinds.
     pub cached_workloads: Gauge,
     /// Workload kinds watched (native StatefulSet, Advanced StatefulSet, custom kinds).
@@ -421,6 +423,7 @@ impl Metrics {
             process: ProcessMetrics::default(),
             cached_pods: Gauge::default(),
             cached_nodes: Gauge::default(),
+            stale_watches: Gauge::default(),
             cached_workloads: Gauge::default(),
             watched_workload_kinds: Gauge::default(),
         };
@@ -537,6 +540,11 @@ impl Metrics {
         );
         registry.register("cached_pods", "Pods in the cache", m.cached_pods.clone());
         registry.register("cached_nodes", "Nodes in the cache", m.cached_nodes.clone());
+        registry.register(
+            "stale_watches",
+            "Watches that failed, ended or were restarted and are not relisted yet (readiness is false meanwhile)",
+            m.stale_watches.clone(),
+        );
         registry.register(
             "cached_workloads",
             "Workloads (all watched kinds) in the cache",

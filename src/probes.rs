@@ -28,9 +28,12 @@ pub struct Health {
 }
 
 impl Health {
-    /// Whether the process should receive traffic.
+    /// Whether the process should receive traffic: its caches synced and every watch current
+    /// (none failed, ended or restarted without being relisted since), and not shutting down.
     pub fn is_ready(&self) -> bool {
-        self.caches.is_synced() && !self.shutting_down.load(Ordering::Acquire)
+        self.caches.is_synced()
+            && self.caches.watches.stale_now().is_empty()
+            && !self.shutting_down.load(Ordering::Acquire)
     }
 }
 
@@ -55,8 +58,15 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
         (StatusCode::OK, "ok").into_response()
     } else if health.shutting_down.load(Ordering::Acquire) {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
-    } else {
+    } else if !health.caches.is_synced() {
         (StatusCode::SERVICE_UNAVAILABLE, "caches not synced").into_response()
+    } else {
+        let stale = health.caches.watches.stale_now().join("; ");
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("caches not current: {stale}"),
+        )
+            .into_response()
     }
 }
 
@@ -65,6 +75,7 @@ async fn metrics(State(health): State<Arc<Health>>) -> Response {
     m.cached_persistent_pod_states.set(c.pps.len() as i64);
     m.cached_pods.set(c.pods.len() as i64);
     m.cached_nodes.set(c.nodes.len() as i64);
+    m.stale_watches.set(c.watches.stale_now().len() as i64);
     m.shadowed_persistent_pod_states
         .set(c.shadowed_pps() as i64);
     let kinds = c.workload_kinds();

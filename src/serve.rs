@@ -21,6 +21,7 @@ use crate::metrics::Metrics;
 use crate::probes::{self, Health};
 use crate::serving::{self, Limits};
 use crate::state::Caches;
+use crate::supervise;
 use crate::webhook::{self, WebhookState};
 use crate::workload::CustomKinds;
 
@@ -50,21 +51,54 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(webhook = %args.listen, probes = %args.probe_listen, "listening");
 
     let custom_kinds = Arc::new(CustomKinds::new(args.custom_workloads.iter().cloned()));
-    let (kinds_changed, kinds_changed_rx) = tokio::sync::watch::channel(0);
-    tokio::spawn(discovery::watch_config(
-        args.custom_workload_config.clone(),
-        args.custom_workloads.iter().cloned().collect(),
-        custom_kinds.clone(),
-        kinds_changed,
-        shutdown.clone(),
-    ));
-    tokio::spawn(discovery::run(
-        client.clone(),
-        caches.clone(),
-        custom_kinds.clone(),
-        kinds_changed_rx,
-        shutdown.clone(),
-    ));
+    let kinds_changed = Arc::new(tokio::sync::watch::channel(0).0);
+    // Supervised: started again with backoff whenever they end or panic before shutdown.
+    if let Some(file) = args.custom_workload_config.clone() {
+        let (flags, custom, changed, stop) = (
+            args.custom_workloads
+                .iter()
+                .cloned()
+                .collect::<std::collections::BTreeSet<_>>(),
+            custom_kinds.clone(),
+            kinds_changed.clone(),
+            shutdown.clone(),
+        );
+        tokio::spawn(supervise::restarting(
+            "custom workload configuration",
+            shutdown.clone(),
+            move || {
+                discovery::watch_config(
+                    Some(file.clone()),
+                    flags.clone(),
+                    custom.clone(),
+                    changed.clone(),
+                    stop.clone(),
+                )
+            },
+        ));
+    }
+    {
+        let (client, caches, custom, changed, stop) = (
+            client.clone(),
+            caches.clone(),
+            custom_kinds.clone(),
+            kinds_changed.clone(),
+            shutdown.clone(),
+        );
+        tokio::spawn(supervise::restarting(
+            "workload kind discovery",
+            shutdown.clone(),
+            move || {
+                discovery::run(
+                    client.clone(),
+                    caches.clone(),
+                    custom.clone(),
+                    changed.subscribe(),
+                    stop.clone(),
+                )
+            },
+        ));
+    }
     let events = Arc::new(Events::new(
         client.clone(),
         std::env::var("POD_NAME")
@@ -82,7 +116,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ip_reservations: Default::default(),
         client: Some(client.clone()),
     }));
-    let webhook_server = tokio::spawn(serving::serve(
+    let mut webhook_server = tokio::spawn(serving::serve(
         webhook_listener,
         Some(tokio_rustls::TlsAcceptor::from(tls)),
         webhook_app,
@@ -92,7 +126,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     ));
     // The probe server outlives the webhook drain, so /readyz answers 503 throughout it.
     let probes_stop = CancellationToken::new();
-    let probe_server = tokio::spawn(serving::serve(
+    let mut probe_server = tokio::spawn(serving::serve(
         probe_listener,
         None,
         probes::router(health.clone()),
@@ -147,8 +181,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     });
 
-    // Supervised: controllers that stop by themselves (an error, a panic) end the process with
-    // a failure, so the kubelet restarts it; it never serves long with dead controllers.
+    // Supervised: controllers that stop by themselves (an error, a panic) and a server that
+    // ends (its listener cannot be had again) end the process with a failure, so the kubelet
+    // restarts it; it never serves long with dead controllers or without a port.
     let failed = tokio::select! {
         () = wait_for_signal() => None,
         ended = &mut controllers => Some(match ended {
@@ -156,12 +191,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             Ok(Ended::Unexpectedly) => "the controllers stopped by themselves".to_owned(),
             Err(e) => format!("the controllers failed: {e}"),
         }),
+        ended = &mut webhook_server => Some(format!("the webhook server stopped: {ended:?}")),
+        ended = &mut probe_server => Some(format!("the probe server stopped: {ended:?}")),
     };
     if let Some(why) = failed {
         tracing::error!(%why, "exiting so that the process is restarted");
         health.shutting_down.store(true, Ordering::Release);
         shutdown.cancel();
-        let _ = tokio::time::timeout(drain, webhook_server).await;
+        if !webhook_server.is_finished() {
+            let _ = tokio::time::timeout(drain, webhook_server).await;
+        }
         anyhow::bail!("{why}");
     }
     health.shutting_down.store(true, Ordering::Release);

@@ -15,12 +15,13 @@ pub mod trim;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
@@ -114,6 +115,8 @@ pub struct Caches {
     pub triggers: Triggers,
     listed: Listed,
     synced: watch::Sender<bool>,
+    /// Whether each watch is current.
+    pub watches: Arc<Watches>,
 }
 
 impl Caches {
@@ -138,6 +141,7 @@ impl Caches {
             triggers: Triggers::default(),
             listed: Listed::default(),
             synced: watch::channel(false).0,
+            watches: Arc::default(),
         });
         caches.add_workload_kind(native_statefulset_resource());
         caches
@@ -157,6 +161,7 @@ impl Caches {
         // Read as plain objects and decoded one by one, so one unreadable object (stored by an
         // older schema, say) is skipped instead of failing every list of the kind.
         let ar = ApiResource::erase::<PersistentPodState>(&());
+        let watches = caches.watches.clone();
         spawn_watch(
             "PersistentPodState",
             Api::<DynamicObject>::all_with(client.clone(), &ar),
@@ -165,15 +170,22 @@ impl Caches {
                     c.apply_pps(ev);
                 }
             },
+            watches.clone(),
         );
         let c = caches.clone();
-        spawn_watch("Pod", Api::<CachedPod>::all(client.clone()), move |ev| {
-            c.apply_cached_pod(ev);
-        });
+        spawn_watch(
+            "Pod",
+            Api::<CachedPod>::all(client.clone()),
+            move |ev| c.apply_cached_pod(ev),
+            watches.clone(),
+        );
         let c = caches.clone();
-        spawn_watch("Node", Api::<Read<Node>>::all(client.clone()), move |ev| {
-            c.apply_node(trim::map_event(ev, |node| node.0));
-        });
+        spawn_watch(
+            "Node",
+            Api::<Read<Node>>::all(client.clone()),
+            move |ev| c.apply_node(trim::map_event(ev, |node| node.0)),
+            watches,
+        );
         caches
     }
 
@@ -296,9 +308,10 @@ impl Caches {
         if let Some(client) = &self.client {
             let (c, k, target) = (self.clone(), kind.clone(), ws.clone());
             let task = spawn_watch(
-                &ar.kind,
+                &watch_key(&kind),
                 Api::<DynamicObject>::all_with(client.clone(), &ar),
                 move |ev| c.apply_workload_to(&target, &k, ev),
+                self.watches.clone(),
             );
             *lock(&ws.feed.task) = Some(task.abort_handle());
             tracing::info!(group = %ar.group, version = %ar.version, kind = %ar.kind, "watching workload kind");
@@ -316,6 +329,7 @@ impl Caches {
         let removed = crate::sync::write(&self.workloads).remove(kind);
         if let Some(old) = removed {
             old.stop();
+            self.watches.forget(&watch_key(kind));
             tracing::info!(group = %kind.group, kind = %kind.kind, "no longer watching workload kind");
             self.kinds_changed.send_modify(|n| *n += 1);
         }
@@ -489,39 +503,286 @@ fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<Per
 /// Objects per page of an initial list or relist.
 const PAGE_SIZE: u32 = 500;
 
-/// Runs one watch for the life of the process, handing each event to `apply`. Watch errors are
-/// retried with backoff and logged.
+/// Whether each watch is current: listed since it last failed. A watch that fails, ends or
+/// is restarted is stale until its relist is done; readiness is false while any is stale.
+#[derive(Default)]
+pub struct Watches(Mutex<BTreeMap<String, WatchState>>);
+
+/// The state of one watch.
+#[derive(Clone, Debug, Default)]
+struct WatchState {
+    current: bool,
+    restarts: u64,
+    why: Option<String>,
+}
+
+impl Watches {
+    fn current(&self, kind: &str) {
+        let mut all = lock(&self.0);
+        let state = all.entry(kind.to_owned()).or_default();
+        state.current = true;
+        state.why = None;
+    }
+
+    fn stale(&self, kind: &str, why: String) {
+        let mut all = lock(&self.0);
+        let state = all.entry(kind.to_owned()).or_default();
+        state.current = false;
+        state.restarts += 1;
+        state.why = Some(why);
+    }
+
+    fn forget(&self, kind: &str) {
+        lock(&self.0).remove(kind);
+    }
+
+    /// The watches that are stale now, and why (empty: every cache is current).
+    pub fn stale_now(&self) -> Vec<String> {
+        lock(&self.0)
+            .iter()
+            .filter(|(_, s)| !s.current)
+            .map(|(k, s)| match &s.why {
+                Some(why) => format!("{k}: {why}"),
+                None => format!("{k}: not listed yet"),
+            })
+            .collect()
+    }
+
+    /// How often each watch was restarted.
+    pub fn restarts(&self) -> Vec<(String, u64)> {
+        lock(&self.0)
+            .iter()
+            .map(|(k, s)| (k.clone(), s.restarts))
+            .collect()
+    }
+}
+
+/// How a workload kind's watch is named in [`Watches`].
+fn watch_key(kind: &GroupKind) -> String {
+    format!("{}/{}", kind.group, kind.kind)
+}
+
+/// First delay before a failed or ended watch is started again; doubled each time up to
+/// [`WATCH_BACKOFF_MAX`], back to the first after a watch ran well for a minute.
+const WATCH_BACKOFF: Duration = Duration::from_secs(1);
+/// Longest delay before a watch is started again.
+const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// Runs one watch for the life of the process (until the returned task is aborted), handing
+/// each event to `apply`, supervised: when the watch fails, ends, or its task panics, it is
+/// marked stale in `watches` and started again (a full relist) after a backoff with jitter; it
+/// is current again once relisted. A connection that stays silent past the server's watch
+/// timeout (290 s) and a margin is ended by the watcher itself, and so restarted.
 fn spawn_watch<K>(
     kind: &str,
     api: Api<K>,
-    apply: impl Fn(watcher::Event<K>) + Send + 'static,
+    apply: impl Fn(watcher::Event<K>) + Send + Sync + 'static,
+    watches: Arc<Watches>,
 ) -> tokio::task::JoinHandle<()>
 where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
     let kind = kind.to_owned();
+    let apply = Arc::new(apply);
     tokio::spawn(async move {
-        // Lists are paginated (500 objects a page, from etcd): no single response holds every
-        // object of the cluster. (`any_semantic` would be served from the API server's watch
-        // cache, which answers in one response whatever the limit.)
-        let config = watcher::Config::default().page_size(PAGE_SIZE);
-        let events = watcher(api, config).default_backoff();
-        futures::pin_mut!(events);
+        let mut backoff = WATCH_BACKOFF;
         loop {
-            match events.try_next().await {
-                Ok(Some(ev)) => apply(ev),
-                Ok(None) => return,
-                Err(error) => tracing::warn!(%error, %kind, "watch failed; retrying"),
+            let started = tokio::time::Instant::now();
+            // Its own task, so that a panic while applying an event is a restart too; aborted
+            // with this one.
+            let run = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(run_watch(
+                kind.clone(),
+                api.clone(),
+                apply.clone(),
+                watches.clone(),
+            )));
+            let why = match run.await {
+                Ok(why) => why,
+                Err(e) if e.is_panic() => "panicked".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            watches.stale(&kind, why.clone());
+            if started.elapsed() > Duration::from_secs(60) {
+                backoff = WATCH_BACKOFF;
             }
+            let jittered = backoff.mul_f64(0.5 + jitter() / 2.0);
+            tracing::warn!(%kind, %why, delay = ?jittered, "watch stopped; starting it again (the cache is stale until relisted)");
+            tokio::time::sleep(jittered).await;
+            backoff = (backoff * 2).min(WATCH_BACKOFF_MAX);
         }
     })
+}
+
+/// A number in [0, 1), different each call.
+fn jitter() -> f64 {
+    let random = std::hash::BuildHasher::hash_one(
+        &std::hash::RandomState::new(),
+        std::time::SystemTime::now(),
+    );
+    (random % 1000) as f64 / 1000.0
+}
+
+/// One watch, from its first list until it fails or ends; why it stopped.
+async fn run_watch<K>(
+    kind: String,
+    api: Api<K>,
+    apply: Arc<impl Fn(watcher::Event<K>) + Send + Sync + 'static>,
+    watches: Arc<Watches>,
+) -> String
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    // Lists are paginated (500 objects a page, from etcd): no single response holds every
+    // object of the cluster. (`any_semantic` would be served from the API server's watch
+    // cache, which answers in one response whatever the limit.)
+    let config = watcher::Config::default().page_size(PAGE_SIZE);
+    let events = watcher(api, config);
+    futures::pin_mut!(events);
+    loop {
+        match events.try_next().await {
+            Ok(Some(ev)) => {
+                let listed = matches!(ev, watcher::Event::InitDone);
+                apply(ev);
+                if listed {
+                    watches.current(&kind);
+                }
+            }
+            Ok(None) => return "the watch ended".to_owned(),
+            Err(error) => return format!("the watch failed: {error}"),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Waits (a bounded number of scheduler turns) until `done` holds.
+    async fn until(what: &str, done: impl Fn() -> bool) {
+        for _ in 0..10_000 {
+            if done() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("{what} never happened");
+    }
+
+    fn respond(
+        respond: tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
+        status: u16,
+        body: serde_json::Value,
+    ) {
+        respond.send_response(
+            http::Response::builder()
+                .status(status)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(
+                    serde_json::to_vec(&body).expect("json"),
+                ))
+                .expect("response"),
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_watch_goes_stale_and_is_current_again_once_relisted() {
+        let (service, mut handle) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let client = Client::new(service, "default");
+        let watches = Arc::new(Watches::default());
+        let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let (request, answer) = handle.next_request().await.expect("the first list");
+        assert!(
+            !request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        respond(answer, 200, list.clone());
+        // The watch after the list fails.
+        let (request, answer) = handle.next_request().await.expect("the watch");
+        assert!(
+            request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        assert!(watches.stale_now().is_empty(), "current once listed");
+        respond(
+            answer,
+            500,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "etcd is gone", "code": 500}),
+        );
+        until("the watch to go stale", || !watches.stale_now().is_empty()).await;
+        assert!(
+            watches.stale_now()[0].starts_with("Node: the watch failed"),
+            "{:?}",
+            watches.stale_now()
+        );
+        // Started again after the backoff: a full list, then current again.
+        let (request, answer) = handle.next_request().await.expect("a new list");
+        assert!(
+            !request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        respond(answer, 200, list);
+        until("the watch to be current again", || {
+            watches.stale_now().is_empty()
+        })
+        .await;
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_whose_task_panics_is_started_again() {
+        let (service, mut handle) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let client = Client::new(service, "default");
+        let watches = Arc::new(Watches::default());
+        let applied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = applied.clone();
+        // Applying the first event panics; later ones do not.
+        let task = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            move |_| {
+                if count.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("a bug while applying an event");
+                }
+            },
+            watches.clone(),
+        );
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, list.clone());
+        until("the panic to make the watch stale", || {
+            !watches.stale_now().is_empty()
+        })
+        .await;
+        assert!(
+            watches.stale_now()[0].contains("panicked"),
+            "{:?}",
+            watches.stale_now()
+        );
+        let (_, answer) = handle.next_request().await.expect("a new list");
+        respond(answer, 200, list);
+        until("the watch to be current again", || {
+            watches.stale_now().is_empty()
+        })
+        .await;
+        task.abort();
+    }
 
     fn pps() -> PersistentPodState {
         serde_json::from_value(json!({
