@@ -248,3 +248,62 @@ async fn faults_during_rolling_updates_lose_nothing_and_strand_no_pod() {
     }
     delete_namespace(c, &ns).await;
 }
+
+/// Issue 20.4: the API server's watches cut (it is stopped for 5 s): each replica's readiness
+/// goes false while its caches are stale, and true again once they are relisted, with caches
+/// that hold what the API server holds.
+#[tokio::test]
+async fn cut_watches_make_readiness_false_until_the_caches_are_current_again() {
+    let env = env().await;
+    let c = &env.client;
+    let replica = env.replicas[0].clone();
+    let ready = format!("{}/readyz", replica.probe_url());
+    wait_for("the replica to be ready", TIMEOUT, || async {
+        (http_get(&ready).await.0 == 200).then_some(())
+    })
+    .await;
+    // Stopped for 5 s; meanwhile readiness is polled.
+    let ((), (_, said)) = tokio::join!(
+        restart(&env, "kube-apiserver", false, Duration::from_secs(5)),
+        wait_for("readiness to go false", TIMEOUT, || async {
+            let (status, body) = http_get(&ready).await;
+            (status == 503).then_some((status, body))
+        })
+    );
+    assert!(said.contains("caches not current"), "{said}");
+    wait_for("readiness to come back", RECOVERY, || async {
+        (http_get(&ready).await.0 == 200).then_some(())
+    })
+    .await;
+    // Current: what the replica caches is what the API server holds.
+    let pods = wait_for("the API server to answer", TIMEOUT, || async {
+        Api::<Pod>::all(c.clone())
+            .list(&Default::default())
+            .await
+            .ok()
+    })
+    .await;
+    let scraped = http_get(&format!("{}/metrics", replica.probe_url())).await.1;
+    assert_eq!(metric(&scraped, "pps_stale_watches"), 0.0);
+    assert_eq!(
+        metric(&scraped, "pps_cached_pods"),
+        pods.items.len() as f64,
+        "the replica caches every pod"
+    );
+    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(c.clone())
+        .list(&Default::default())
+        .await
+        .expect("nodes");
+    assert!(!nodes.items.is_empty());
+    assert_eq!(
+        metric(&scraped, "pps_cached_nodes"),
+        nodes.items.len() as f64,
+        "the replica caches every node"
+    );
+    println!(
+        "readiness: 503 ({}) while the API server was down, 200 again with {} pods and {} nodes cached",
+        said.lines().next().unwrap_or_default(),
+        pods.items.len(),
+        nodes.items.len()
+    );
+}
