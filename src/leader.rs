@@ -96,6 +96,37 @@ impl Fence {
         *crate::sync::lock(&self.0) = until;
     }
 
+    /// Right before a write to an object in `namespace`: `Ok` while writes are allowed.
+    /// Built with the `e2e` feature (the suite's binaries, never the image), two test hooks
+    /// act here first: `PPS_E2E_HOLD_WRITES_IN=NS` with `PPS_E2E_HOLD_FILE=PATH` holds each
+    /// write to NS while PATH exists (writing `PATH.held` when one is held), so that a test
+    /// can stop the process in the middle of a write; `PPS_E2E_NO_FENCE` lets every write
+    /// through, the negative control that shows the fencing test fails without the fence.
+    pub async fn before_write(&self, namespace: &str) -> Result<(), Fenced> {
+        #[cfg(feature = "e2e")]
+        {
+            let held_ns = std::env::var("PPS_E2E_HOLD_WRITES_IN").ok();
+            if let (Some(ns), Some(path)) = (held_ns, std::env::var_os("PPS_E2E_HOLD_FILE"))
+                && ns == namespace
+            {
+                let path = std::path::PathBuf::from(path);
+                if path.exists() {
+                    tracing::warn!(%namespace, "e2e hook: holding a write");
+                    let _ = std::fs::write(path.with_extension("held"), "");
+                    while path.exists() {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+            if std::env::var_os("PPS_E2E_NO_FENCE").is_some() {
+                return Ok(());
+            }
+        }
+        #[cfg(not(feature = "e2e"))]
+        let _ = namespace;
+        self.check()
+    }
+
     /// `Ok` while writes are allowed.
     pub fn check(&self) -> Result<(), Fenced> {
         let until = *crate::sync::lock(&self.0);

@@ -283,7 +283,9 @@ async fn cut_watches_make_readiness_false_until_the_caches_are_current_again() {
             .ok()
     })
     .await;
-    let scraped = http_get(&format!("{}/metrics", replica.probe_url())).await.1;
+    let scraped = http_get(&format!("{}/metrics", replica.probe_url()))
+        .await
+        .1;
     assert_eq!(metric(&scraped, "pps_stale_watches"), 0.0);
     assert_eq!(
         metric(&scraped, "pps_cached_pods"),

@@ -13,6 +13,7 @@
 mod api;
 mod docs;
 mod faults;
+mod fencing;
 mod ha;
 mod ip;
 mod lifecycle;

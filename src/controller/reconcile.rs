@@ -98,7 +98,7 @@ pub async fn reconcile_pps(
         if let Some(version) = pps.resource_version() {
             body["metadata"] = json!({ "resourceVersion": version });
         }
-        ctx.fence.check()?;
+        ctx.fence.before_write(&namespace).await?;
         let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
         api.patch_status(
             &pps.name_any(),
@@ -224,7 +224,7 @@ async fn release_local_volumes(
             out.later = Some(later);
             return Ok(out);
         }
-        ctx.fence.check()?;
+        ctx.fence.before_write(namespace).await?;
         let mut claims_gone = true;
         for claim in local.iter().filter(|c| !c.deleting) {
             let params = DeleteParams {
@@ -289,7 +289,7 @@ async fn release_stranded(
             tracing::info!(pod = %pod.pod, ?later, "release rate reached; the pod waits for the next");
             return Ok(Some(later));
         }
-        ctx.fence.check()?;
+        ctx.fence.before_write(namespace).await?;
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: Some(pod.uid.clone()),
@@ -377,7 +377,7 @@ pub async fn reconcile_workload(
     }
     let plan = planned.plan;
     if !matches!(plan, Plan::Leave(_)) {
-        ctx.fence.check()?;
+        ctx.fence.before_write(&namespace).await?;
     }
     let (post, patch) = (
         PostParams {
