@@ -114,3 +114,268 @@ proptest! {
         let _ = conversion::convert(spec, "apps.kruise.io/v1beta1");
     }
 }
+
+/// A cluster, a PersistentPodState and a pod for [`injection_holds_its_promises`].
+#[derive(Clone, Debug)]
+struct World {
+    /// Per node: (zone, ready, tainted `e2e/dedicated:NoSchedule`).
+    nodes: Vec<(u8, bool, bool)>,
+    /// Required and preferred keys: 0 none, 1 hostname, 2 zone, 3 both.
+    required: u8,
+    preferred: u8,
+    /// Whether the PersistentPodState asks for the recorded IP (calico).
+    ip_request: bool,
+    /// The pod's ordinal, and per recorded ordinal the node index (beyond the nodes: gone).
+    ordinal: u8,
+    recorded: Vec<u8>,
+    /// Other live pods holding `10.0.0.N`.
+    holders: Vec<u8>,
+    /// The pod's own nodeSelector zone, required-affinity zones (NotIn when `not_in`),
+    /// toleration of the dedicated taint, and an annotation of its own.
+    own_zone: Option<u8>,
+    affinity_zones: Vec<u8>,
+    not_in: bool,
+    tolerates: bool,
+    own_ip: bool,
+}
+
+fn world() -> impl Strategy<Value = World> {
+    (
+        prop::collection::vec((0u8..2, any::<bool>(), prop::bool::weighted(0.3)), 1..5),
+        (0u8..4, 0u8..4, any::<bool>()),
+        (0u8..3, prop::collection::vec(0u8..6, 3)),
+        prop::collection::vec(0u8..4, 0..3),
+        (
+            prop::option::of(0u8..2),
+            prop::collection::vec(0u8..3, 0..3),
+            any::<bool>(),
+            any::<bool>(),
+            prop::bool::weighted(0.2),
+        ),
+    )
+        .prop_map(
+            |(nodes, (required, preferred, ip_request), (ordinal, recorded), holders, own)| World {
+                nodes,
+                required,
+                preferred,
+                ip_request,
+                ordinal,
+                recorded,
+                holders,
+                own_zone: own.0,
+                affinity_zones: own.1,
+                not_in: own.2,
+                tolerates: own.3,
+                own_ip: own.4,
+            },
+        )
+}
+
+const HOST: &str = "kubernetes.io/hostname";
+const ZONE: &str = "topology.kubernetes.io/zone";
+
+fn keys(which: u8) -> Vec<&'static str> {
+    match which {
+        1 => vec![HOST],
+        2 => vec![ZONE],
+        3 => vec![HOST, ZONE],
+        _ => vec![],
+    }
+}
+
+impl World {
+    fn node_json(&self, i: usize) -> Value {
+        let (zone, ready, tainted) = self.nodes[i];
+        let since = if ready {
+            "2020-01-01T00:00:00Z"
+        } else {
+            "2000-01-01T00:00:00Z"
+        };
+        json!({"metadata": {"name": format!("n{i}"), "uid": format!("uid-n{i}"),
+            "labels": {HOST: format!("n{i}"), ZONE: format!("z{zone}")}},
+            "spec": {"taints": if tainted { json!([{"key": "e2e/dedicated", "effect": "NoSchedule"}]) } else { json!([]) }},
+            "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" },
+                "lastTransitionTime": since}]}})
+    }
+
+    fn pps_json(&self) -> Value {
+        let states: serde_json::Map<String, Value> = self
+            .recorded
+            .iter()
+            .enumerate()
+            .map(|(ordinal, &n)| {
+                let n = usize::from(n);
+                let (host, zone) = match self.nodes.get(n) {
+                    Some((zone, _, _)) => (format!("n{n}"), format!("z{zone}")),
+                    None => (format!("gone{n}"), "z9".to_owned()),
+                };
+                (
+                    format!("web-{ordinal}"),
+                    json!({"nodeName": host, "nodeTopologyLabels": {HOST: host, ZONE: zone},
+                        "podIPs": [format!("10.0.0.{ordinal}")]}),
+                )
+            })
+            .collect();
+        let mut spec =
+            json!({"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}});
+        if self.required > 0 {
+            spec["requiredPersistentTopology"] = json!({"keys": keys(self.required)});
+        }
+        if self.preferred > 0 {
+            spec["preferredPersistentTopology"] =
+                json!([{"weight": 50, "preference": {"keys": keys(self.preferred)}}]);
+        }
+        let mut annotations = json!({});
+        if self.ip_request {
+            annotations["persistent-pod-state.io/ip-request"] = json!("calico");
+        }
+        json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns", "uid": "pps-uid", "annotations": annotations},
+            "spec": spec, "status": {"podStates": states}})
+    }
+
+    fn pod_json(&self) -> Value {
+        let mut spec = json!({"containers": [{"name": "c", "image": "i"}]});
+        if let Some(z) = self.own_zone {
+            spec["nodeSelector"] = json!({ZONE: format!("z{z}")});
+        }
+        if !self.affinity_zones.is_empty() {
+            let zones: Vec<String> = self
+                .affinity_zones
+                .iter()
+                .map(|z| format!("z{z}"))
+                .collect();
+            let op = if self.not_in { "NotIn" } else { "In" };
+            spec["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                {"nodeSelectorTerms": [{"matchExpressions": [{"key": ZONE, "operator": op, "values": zones}]}]}}});
+        }
+        if self.tolerates {
+            spec["tolerations"] =
+                json!([{"key": "e2e/dedicated", "operator": "Exists", "effect": "NoSchedule"}]);
+        }
+        let mut annotations = json!({"own": "kept"});
+        if self.own_ip {
+            annotations["cni.projectcalico.org/ipAddrs"] = json!("[\"10.9.9.9\"]");
+        }
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("web-{}", self.ordinal), "namespace": "ns",
+                "annotations": annotations,
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": spec})
+    }
+
+    /// Whether node `i` can take `pod`: ready, its taints tolerated, its nodeSelector and
+    /// required node affinity met (evaluated here, independently of the code under test).
+    fn takes(&self, i: usize, pod: &Value) -> bool {
+        let (zone, ready, tainted) = self.nodes[i];
+        let labels = [(HOST, format!("n{i}")), (ZONE, format!("z{zone}"))];
+        let label = |k: &str| {
+            labels
+                .iter()
+                .find(|(key, _)| *key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        let selector_ok = pod["spec"]["nodeSelector"]
+            .as_object()
+            .is_none_or(|m| m.iter().all(|(k, v)| label(k) == v.as_str()));
+        let terms = &pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        let affinity_ok = terms.as_array().is_none_or(|terms| {
+            terms.iter().any(|t| {
+                t["matchExpressions"].as_array().is_some_and(|es| {
+                    es.iter().all(|e| {
+                        let values: Vec<&str> = e["values"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(Value::as_str)
+                            .collect();
+                        let has = label(e["key"].as_str().unwrap_or_default());
+                        match e["operator"].as_str() {
+                            Some("In") => has.is_some_and(|h| values.contains(&h)),
+                            Some("NotIn") => has.is_none_or(|h| !values.contains(&h)),
+                            _ => false,
+                        }
+                    })
+                })
+            })
+        });
+        let tolerated = !tainted
+            || pod["spec"]["tolerations"]
+                .as_array()
+                .is_some_and(|t| !t.is_empty());
+        ready && tolerated && selector_ok && affinity_ok
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A StatefulSet pod against generated nodes, states and live pods: answered with its uid;
+    /// the patch applies to the pod; the pod's own constraints (nodeSelector values, required
+    /// affinity, annotations) are kept; what is injected as required leaves a node that can
+    /// take the pod when one could before (never strands it); no IP a live pod holds is asked.
+    #[test]
+    fn injection_holds_its_promises(w in world()) {
+        let synced = state(true);
+        let caches = &synced.caches;
+        for i in 0..w.nodes.len() {
+            caches.apply_node(kube::runtime::watcher::Event::Apply(serde_json::from_value(w.node_json(i)).expect("node")));
+        }
+        caches.apply_pps(kube::runtime::watcher::Event::Apply(serde_json::from_value(w.pps_json()).expect("pps")));
+        caches.apply_workload(
+            &crate::workload::GroupKind::native_statefulset(),
+            kube::runtime::watcher::Event::Apply(serde_json::from_value(json!({
+                "apiVersion": "apps/v1", "kind": "StatefulSet",
+                "metadata": {"name": "web", "namespace": "ns", "uid": "sts-uid"}, "spec": {"replicas": 3}})).expect("sts")),
+        );
+        for (i, &ip) in w.holders.iter().enumerate() {
+            caches.apply_pod(kube::runtime::watcher::Event::Apply(serde_json::from_value(json!({
+                "metadata": {"name": format!("other-{i}"), "namespace": "x", "uid": format!("o{i}")},
+                "spec": {"nodeName": "n0", "containers": []},
+                "status": {"phase": "Running", "podIP": format!("10.0.0.{ip}")}})).expect("pod")));
+        }
+        let pod = w.pod_json();
+        let body = serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "prop-uid", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "operation": "CREATE", "namespace": "ns", "name": pod["metadata"]["name"], "object": pod}
+        })).expect("json");
+        let (status, answer) = runtime().block_on(post(&synced, endpoints::MUTATE_POD, body));
+        prop_assert_eq!(status.as_u16(), 200);
+        prop_assert_eq!(&answer["response"]["uid"], "prop-uid");
+        prop_assert_eq!(&answer["response"]["allowed"], true);
+        let Some(encoded) = answer["response"]["patch"].as_str() else {
+            return Ok(());
+        };
+        use base64::Engine as _;
+        let bytes = base64::engine::general_purpose::STANDARD.decode(encoded).expect("base64");
+        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
+        let mut patched = pod.clone();
+        prop_assert!(json_patch::patch(&mut patched, &patch).is_ok(), "the patch applies: {}", String::from_utf8_lossy(&bytes));
+        // The pod's own constraints are kept.
+        if let Some(own) = pod["spec"]["nodeSelector"].as_object() {
+            for (k, v) in own {
+                prop_assert_eq!(&patched["spec"]["nodeSelector"][k], v, "own nodeSelector {} kept", k);
+            }
+        }
+        let required = "requiredDuringSchedulingIgnoredDuringExecution";
+        prop_assert_eq!(&patched["spec"]["affinity"]["nodeAffinity"][required], &pod["spec"]["affinity"]["nodeAffinity"][required]);
+        prop_assert_eq!(&patched["spec"]["tolerations"], &pod["spec"]["tolerations"]);
+        prop_assert_eq!(&patched["metadata"]["annotations"]["own"], "kept");
+        // Never strands: if a node could take the pod before, one can take it patched.
+        let before = (0..w.nodes.len()).any(|i| w.takes(i, &pod));
+        let after = (0..w.nodes.len()).any(|i| w.takes(i, &patched));
+        prop_assert!(!before || after, "stranded by {}", String::from_utf8_lossy(&bytes));
+        // Never an IP a live pod holds; the pod's own request is kept.
+        let asked = patched["metadata"]["annotations"]["cni.projectcalico.org/ipAddrs"].as_str().unwrap_or_default();
+        if w.own_ip {
+            prop_assert_eq!(asked, "[\"10.9.9.9\"]");
+        }
+        for ip in serde_json::from_str::<Vec<String>>(asked).unwrap_or_default() {
+            let held = w.holders.iter().any(|h| format!("10.0.0.{h}") == ip);
+            prop_assert!(!held, "asked for {} which a live pod holds", ip);
+        }
+    }
+}
