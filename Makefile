@@ -1,5 +1,5 @@
 # The two commands: `make run` (the main job) and `make test` (every test, e2e included).
-.PHONY: run test lint deny unit bench image e2e e2e-v1.20 control-plane control-plane-v1.20 manifests bench-full
+.PHONY: run test lint deny unit bench image e2e e2e-v1.20 soak control-plane control-plane-v1.20 manifests bench-full
 
 # Pinned: the dependency policy check (installed by `make deny` when missing).
 CARGO_DENY_VERSION := 0.20.2
@@ -44,6 +44,11 @@ image:
 # The e2e suite on the current control plane (the exact Kubernetes pinned in e2e/control-plane/).
 e2e:
 	bash e2e/run.sh
+
+# The chaos soak for 30 minutes (the e2e suite runs it for 120 s); SOAK_SEED=N replays a
+# schedule, SOAK_SECONDS=N sets the length.
+soak:
+	SOAK_SECONDS=$${SOAK_SECONDS:-1800} bash e2e/run.sh soak::
 
 # The oldest supported version, v1.20 (Debian's source package): the pre-1.28 registration and
 # a smoke subset (the seeds' story, restore after rolling updates, HA takeover, the pre-1.28

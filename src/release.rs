@@ -254,7 +254,7 @@ pub fn judge_claim(
 }
 
 /// Reads and judges the claims of pod `pod` (name, uid) in `namespace` named after
-/// `templates` (missing ones are skipped): each is a [`LocalClaim`] or [`Kept`].
+/// `templates` (missing and unbound ones are skipped): each is a [`LocalClaim`] or [`Kept`].
 pub async fn local_claims(
     client: &Client,
     namespace: &str,
@@ -270,9 +270,11 @@ pub async fn local_claims(
         let Some(claim) = claims.get_opt(&format!("{template}-{}", pod.0)).await? else {
             continue;
         };
+        // A claim not bound yet holds the pod to no node (a new one waits for its pod to be
+        // scheduled): nothing to judge.
         let volume = match claim.spec.as_ref().and_then(|s| s.volume_name.as_deref()) {
             Some(name) if !name.is_empty() => volumes.get_opt(name).await?,
-            _ => None,
+            _ => continue,
         };
         out.push(judge_claim(
             &claim,

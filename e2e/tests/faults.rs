@@ -4,7 +4,6 @@
 //! its IP, no recorded state is lost, no pod is stranded; a table says how long recovery took.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -18,31 +17,6 @@ use crate::support::*;
 const REPLICAS: i32 = 3;
 /// A rollout under a fault may take the controllers' retry backoff to recover.
 const RECOVERY: Duration = Duration::from_secs(300);
-
-/// Runs e2e/restart.sh: stops NAME (killed if `kill`), keeps it down `down`, starts it again.
-async fn restart(env: &Env, name: &str, kill: bool, down: Duration) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/restart.sh");
-    let mut args = vec![script.to_string_lossy().into_owned()];
-    if kill {
-        args.push("--kill".into());
-    }
-    args.push(name.into());
-    args.push(down.as_secs().to_string());
-    let status = tokio::process::Command::new("bash")
-        .args(&args)
-        .env("CLUSTER_DIR", &env.cluster_dir)
-        .status()
-        .await
-        .expect("restart.sh runs");
-    assert!(status.success(), "restart.sh {args:?}");
-}
-
-fn pid_of(env: &Env, name: &str) -> String {
-    std::fs::read_to_string(env.cluster_dir.join(format!("{name}.pid")))
-        .expect("pid")
-        .trim()
-        .to_owned()
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Fault {
@@ -66,11 +40,13 @@ impl Fault {
 
     async fn inject(self, env: &Env) {
         match self {
-            Self::ApiServerRestart => restart(env, "kube-apiserver", false, Duration::ZERO).await,
-            Self::EtcdRestart => restart(env, "etcd", false, Duration::ZERO).await,
+            Self::ApiServerRestart => {
+                restart_component(env, "kube-apiserver", false, Duration::ZERO).await
+            }
+            Self::EtcdRestart => restart_component(env, "etcd", false, Duration::ZERO).await,
             Self::ServeKilled => {
                 let (leader, _) = leader_and_follower(env).await;
-                restart(
+                restart_component(
                     env,
                     &format!("persistent-pod-state-{}", leader.name),
                     true,
@@ -79,7 +55,7 @@ impl Fault {
                 .await;
             }
             Self::WebhookUnreachable => {
-                restart(env, "loopback-lb", false, Duration::from_secs(30)).await
+                restart_component(env, "loopback-lb", false, Duration::from_secs(30)).await
             }
             Self::LeaderPaused => {
                 let (leader, _) = leader_and_follower(env).await;
@@ -264,7 +240,7 @@ async fn cut_watches_make_readiness_false_until_the_caches_are_current_again() {
     .await;
     // Stopped for 5 s; meanwhile readiness is polled.
     let ((), (_, said)) = tokio::join!(
-        restart(&env, "kube-apiserver", false, Duration::from_secs(5)),
+        restart_component(&env, "kube-apiserver", false, Duration::from_secs(5)),
         wait_for("readiness to go false", TIMEOUT, || async {
             let (status, body) = http_get(&ready).await;
             (status == 503).then_some((status, body))

@@ -98,7 +98,7 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
 
     let before = scrape(&env).await;
     let kubelet = kubelet_dies(c, lost).await;
-    out_of_service(c, lost, true).await;
+    let tainted = taint_out_of_service(c, lost).await;
     // The pod GC force-deletes pods of an out-of-service node that is not ready; an operator
     // may do it first.
     let freed_first = force_delete_pod(c, &ns, "freed-0").await;
@@ -183,7 +183,7 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
         "freed-0: released by the controller, runs on {elsewhere}; kept-0: released by `release`"
     );
 
-    out_of_service(c, lost, false).await;
+    tainted.restore().await;
     kubelet_returns(c, lost, kubelet).await;
     delete_namespace(c, &ns).await;
     for v in volumes.iter().chain(spares.iter().map(|(v, _)| v)) {

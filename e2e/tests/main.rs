@@ -27,5 +27,6 @@ mod recent;
 mod rotation;
 mod safety;
 mod server;
+mod soak;
 mod support;
 mod workloads;

@@ -83,7 +83,7 @@ async fn an_out_of_service_node_is_lost_at_once() {
         .expect("pod")
         .uid()
         .unwrap_or_default();
-    out_of_service(c, &node, true).await;
+    let tainted = taint_out_of_service(c, &node).await;
     // The taint evicts the pod and the pod GC controller force-deletes it (the node is not
     // ready and out of service); an operator may do it first (only that pod: uid precondition).
     let params = DeleteParams {
@@ -102,7 +102,7 @@ async fn an_out_of_service_node_is_lost_at_once() {
     );
     assert_ne!(placement(&pod).map(|p| p.node), Some(node.clone()));
     wait_event(c, &ns, "oos", "RequiredTopologySkipped").await;
-    out_of_service(c, &node, false).await;
+    tainted.restore().await;
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -677,12 +677,18 @@ impl Drop for LostNode {
         if self.revived {
             return;
         }
-        let (client, node) = (self.client.clone(), self.node.clone());
+        let node = self.node.clone();
         drop(self.kubelet.take());
-        // A failing test unwinds here: revive on a runtime of its own, so the next test has it.
+        // A failing test unwinds here: revive on a runtime of its own, with a client of its own
+        // (the test's client needs the test's runtime, which is blocked here), so the next test
+        // has the node.
         let _ = std::thread::spawn(move || {
             if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(set_node_health(&client, &node, None));
+                rt.block_on(async {
+                    if let Ok(client) = Client::try_default().await {
+                        set_node_health(&client, &node, None).await;
+                    }
+                });
             }
         })
         .join();
@@ -903,6 +909,54 @@ pub async fn out_of_service(c: &Client, node: &str, on: bool) {
         .expect("out-of-service taint");
 }
 
+/// A node tainted out-of-service by [`taint_out_of_service`]; the taint is taken away by
+/// [`OutOfService::restore`], or when dropped (also when a test fails half-way), so later
+/// tests find every node usable.
+pub struct OutOfService {
+    client: Client,
+    node: String,
+    restored: bool,
+}
+
+/// Taints `node` out-of-service until the returned guard restores it.
+pub async fn taint_out_of_service(c: &Client, node: &str) -> OutOfService {
+    out_of_service(c, node, true).await;
+    OutOfService {
+        client: c.clone(),
+        node: node.to_owned(),
+        restored: false,
+    }
+}
+
+impl OutOfService {
+    /// Takes the taint away.
+    pub async fn restore(mut self) {
+        out_of_service(&self.client, &self.node, false).await;
+        self.restored = true;
+    }
+}
+
+impl Drop for OutOfService {
+    fn drop(&mut self) {
+        if self.restored {
+            return;
+        }
+        let node = self.node.clone();
+        // A failing test unwinds here: restore on a runtime of its own, with a client of its
+        // own (the test's client needs the test's runtime, which is blocked here).
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Runtime::new() {
+                rt.block_on(async {
+                    if let Ok(client) = Client::try_default().await {
+                        out_of_service(&client, &node, false).await;
+                    }
+                });
+            }
+        })
+        .join();
+    }
+}
+
 /// The replacement of `name` (another uid than `old_uid`), once created (scheduled or not).
 pub async fn created_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> Pod {
     let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
@@ -913,4 +967,29 @@ pub async fn created_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> P
             .filter(|p| p.uid().as_deref() != Some(old_uid))
     })
     .await
+}
+
+/// Runs e2e/restart.sh: stops NAME (killed if `kill`), keeps it down `down`, starts it again.
+pub async fn restart_component(env: &Env, name: &str, kill: bool, down: Duration) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/restart.sh");
+    let mut args = vec![script.to_string_lossy().into_owned()];
+    if kill {
+        args.push("--kill".into());
+    }
+    args.push(name.into());
+    args.push(down.as_secs().to_string());
+    let status = tokio::process::Command::new("bash")
+        .args(&args)
+        .env("CLUSTER_DIR", &env.cluster_dir)
+        .status()
+        .await
+        .expect("restart.sh runs");
+    assert!(status.success(), "restart.sh {args:?}");
+}
+
+pub fn pid_of(env: &Env, name: &str) -> String {
+    std::fs::read_to_string(env.cluster_dir.join(format!("{name}.pid")))
+        .expect("pid")
+        .trim()
+        .to_owned()
 }

@@ -245,21 +245,13 @@ async fn release_local_volumes(
         if !claims_gone {
             continue;
         }
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(w.uid.clone()),
-                resource_version: w.resource_version.clone(),
-            }),
-            ..DeleteParams::default()
-        };
-        match pod_api.delete(&w.pod, &params).await {
-            Ok(_) => {
-                report::released_with_volumes(ctx, pps, w, &local);
-                out.released.insert(w.pod.clone());
-            }
-            // Gone, or changed since (scheduled, re-created): looked at again from the cache.
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
-            Err(e) => return Err(e.into()),
+        // Gone already counts: with its claims deleted, the workload's controller may delete
+        // the waiting pod itself (the StatefulSet controller does, to create both again).
+        if delete_waiting_pod(&pod_api, &w.pod, &w.uid, w.resource_version.clone()).await?
+            != Deleted::Kept
+        {
+            report::released_with_volumes(ctx, pps, w, &local);
+            out.released.insert(w.pod.clone());
         }
     }
     Ok(out)
@@ -290,21 +282,80 @@ async fn release_stranded(
             return Ok(Some(later));
         }
         ctx.fence.before_write(namespace).await?;
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(pod.uid.clone()),
-                resource_version: pod.resource_version.clone(),
-            }),
-            ..DeleteParams::default()
-        };
-        match api.delete(&pod.pod, &params).await {
-            Ok(_) => report::released(ctx, pps, pod),
-            // Gone, or changed since (scheduled, re-created): looked at again from the cache.
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
-            Err(e) => return Err(e.into()),
+        if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
+            == Deleted::Now
+        {
+            report::released(ctx, pps, pod);
         }
     }
     Ok(None)
+}
+
+/// Deletes the waiting pod `name` (`uid`), conditionally on `resource_version` (the pod as the
+/// decision saw it). When that version is stale (the scheduler writes an unschedulable pod's
+/// conditions, say), reads the pod once more and deletes it at its current version if it is
+/// still that pod, unscheduled and not being deleted.
+async fn delete_waiting_pod(
+    api: &Api<Pod>,
+    name: &str,
+    uid: &str,
+    resource_version: Option<String>,
+) -> Result<Deleted, kube::Error> {
+    let delete = |resource_version: Option<String>| {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version,
+            }),
+            ..DeleteParams::default()
+        };
+        async move { api.delete(name, &params).await }
+    };
+    match delete(resource_version).await {
+        Ok(_) => return Ok(Deleted::Now),
+        Err(kube::Error::Api(e)) if e.code == 404 => {
+            tracing::info!(pod = name, "the waiting pod is gone already");
+            return Ok(Deleted::Already);
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            tracing::info!(pod = name, message = %e.message, "the waiting pod changed since it was seen; reading it again");
+        }
+        Err(e) => return Err(e),
+    }
+    let Some(pod) = api.get_opt(name).await? else {
+        return Ok(Deleted::Already);
+    };
+    let still_waiting = pod.uid().as_deref() == Some(uid)
+        && pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .spec
+            .as_ref()
+            .is_none_or(|s| s.node_name.as_deref().is_none_or(str::is_empty));
+    if !still_waiting {
+        tracing::info!(
+            pod = name,
+            "the pod no longer waits (scheduled, re-created or being deleted); not released"
+        );
+        return Ok(Deleted::Kept);
+    }
+    match delete(pod.resource_version()).await {
+        Ok(_) => Ok(Deleted::Now),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(Deleted::Already),
+        // Changed again: looked at again from the cache.
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(Deleted::Kept),
+        Err(e) => Err(e),
+    }
+}
+
+/// What became of a waiting pod to be released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Deleted {
+    /// Deleted by this call.
+    Now,
+    /// Gone before it (deleted by another).
+    Already,
+    /// Not deleted: it no longer waits, or changed again.
+    Kept,
 }
 
 /// When to look at a PersistentPodState again without a change: at the resync period, or just

@@ -139,9 +139,16 @@ async fn drive_to_action(
                 let Some(answer) = answers.next() else {
                     panic!("no more requests than answers; sent {sent:?}");
                 };
+                // A failure Status is answered with its code, anything else with 200.
+                let status = match (answer["kind"].as_str(), answer["status"].as_str()) {
+                    (Some("Status"), Some("Failure")) => {
+                        answer["code"].as_u64().and_then(|c| u16::try_from(c).ok()).unwrap_or(500)
+                    }
+                    _ => 200,
+                };
                 respond.send_response(
                     Response::builder()
-                        .status(200)
+                        .status(status)
                         .header("content-type", "application/json")
                         .body(Body::from(serde_json::to_vec(&answer).expect("json")))
                         .expect("response"),
@@ -866,4 +873,36 @@ async fn a_node_within_its_grace_period_releases_nothing_and_reads_nothing() {
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, vec![]).await;
     assert!(sent.is_empty(), "{sent:?}");
+}
+
+#[tokio::test]
+async fn a_stale_version_of_a_waiting_pod_is_read_again_before_it_is_released() {
+    let (ctx, mut handle) = context(waiting_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    let conflict = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "Conflict", "code": 409, "message": "the object has been modified"});
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    // The scheduler wrote the pod's conditions since the cache saw it: version 8.
+    answers.push(conflict);
+    answers.push(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "8"},
+        "spec": {"containers": []}, "status": {"phase": "Pending"}}));
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
+    assert_eq!(calls.len(), 6, "{calls:?}");
+    assert_eq!(calls[4], "GET /api/v1/namespaces/ns/pods/web-0");
+    assert_eq!(
+        sent[5].body["preconditions"],
+        json!({"uid": "pod-uid", "resourceVersion": "8"})
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pods_released_total{reason=\"node_gone\"} 1")
+    );
 }
