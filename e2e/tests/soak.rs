@@ -176,7 +176,7 @@ impl Watch {
         };
         let leader = lease.spec.and_then(|s| s.holder_identity);
         for r in &env.replicas {
-            let scraped = curl(&["-s", "-m", "2", &format!("{}/metrics", r.probe_url())]).await;
+            let scraped = probe(&format!("{}/metrics", r.probe_url())).await;
             if scraped.0 != 200 {
                 // Paused or restarting: its counters are read at its next answer.
                 continue;
@@ -203,6 +203,11 @@ impl Watch {
             self.writes.insert(r.name.clone(), (writes, holds));
         }
     }
+}
+
+/// A GET that gives up after 2 s (a paused replica does not answer): status and body.
+async fn probe(url: &str) -> (u16, String) {
+    curl(&["-s", "-m", "2", "-w", "\n%{http_code}", url]).await
 }
 
 fn seconds(var: &str, default: u64) -> u64 {
@@ -322,7 +327,7 @@ async fn a_random_schedule_of_faults_keeps_every_invariant() {
             let mut all = true;
             for r in &env.replicas {
                 let url = format!("{}/readyz", r.probe_url());
-                all &= curl(&["-s", "-m", "2", &url]).await.0 == 200;
+                all &= probe(&url).await.0 == 200;
             }
             if all {
                 break;

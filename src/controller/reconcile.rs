@@ -245,11 +245,11 @@ async fn release_local_volumes(
         if !claims_gone {
             continue;
         }
-        // Gone already counts: with its claims deleted, the workload's controller may delete
-        // the waiting pod itself (the StatefulSet controller does, to create both again).
-        if delete_waiting_pod(&pod_api, &w.pod, &w.uid, w.resource_version.clone()).await?
-            != Deleted::Kept
-        {
+        // By uid alone: with its claims deleted the pod cannot start anywhere, whatever
+        // changed since (the StatefulSet controller and the scheduler write it often now).
+        // Gone already counts: the StatefulSet controller may delete it itself, to create
+        // both again.
+        if delete_waiting_pod(&pod_api, &w.pod, &w.uid, None).await? != Deleted::Kept {
             report::released_with_volumes(ctx, pps, w, &local);
             out.released.insert(w.pod.clone());
         }
