@@ -500,16 +500,31 @@ pub async fn release_pod(
             Err(e) => return Err(e).with_context(|| format!("deleting claim {}", c.claim)),
         }
     }
+    // With its claims deleted the pod cannot start anywhere: by uid alone (the StatefulSet
+    // controller may even have deleted it already). Held by our pin only: as it was read.
+    let resource_version = if report.claims.is_empty() {
+        pod.resource_version()
+    } else {
+        None
+    };
     let params = DeleteParams {
         preconditions: Some(Preconditions {
             uid: Some(uid),
-            resource_version: pod.resource_version(),
+            resource_version,
         }),
         ..DeleteParams::default()
     };
-    pods.delete(name, &params).await.with_context(|| {
-        format!("deleting pod {namespace}/{name} (changed since it was read? run release again)")
-    })?;
+    match pods.delete(name, &params).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 && !report.claims.is_empty() => {}
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!(
+                    "deleting pod {namespace}/{name} (changed since it was read? run release again)"
+                )
+            });
+        }
+    }
     Ok(report)
 }
 
