@@ -35,14 +35,15 @@ pub const POD_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 64 << 20,
 };
-/// What PersistentPodState validations may hold at once (a share of their own).
+/// What PersistentPodState validations may hold at once (a share of their own; creates come in
+/// bursts: an apply of many objects, the generator).
 pub const VALIDATE_BUDGET: Budget = Budget {
-    in_flight: 4,
+    in_flight: 16,
     bytes: 32 << 20,
 };
 /// What conversions may hold at once (a share of their own).
 pub const CONVERT_BUDGET: Budget = Budget {
-    in_flight: 4,
+    in_flight: 16,
     bytes: 32 << 20,
 };
 /// What requests to any other path may hold (answered 404 or 405).
