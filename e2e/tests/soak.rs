@@ -1,7 +1,8 @@
 //! Chaos soak (issue 20.7): a random schedule of faults on the local control plane for a set
 //! time (`SOAK_SECONDS`, 120 s in the suite; `make soak` runs 30 minutes; `SOAK_SEED` replays a
 //! schedule), with the invariants checked all along:
-//! - no pod waits unscheduled because of a pin of ours longer than `--node-lost-after` + 30 s;
+//! - no pod waits unscheduled because of a pin of ours (pinned to a node that is not Ready or
+//!   gone) longer than `--node-lost-after` + 30 s;
 //! - no recorded state is lost (a live ordinal's state, once recorded, stays);
 //! - no write by a replica that did not hold the Lease (its write counters move only while it
 //!   holds it, sampled every second);
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use persistent_pod_state::api::INJECTED_REQUIRED_ANNOTATION;
@@ -149,6 +150,26 @@ impl Watch {
                 let (Some(uid), true, true) = (pod.uid(), pinned, unscheduled) else {
                     continue;
                 };
+                // Because of us only while the node it is pinned to is not usable: a pod pinned
+                // to a Ready node waits for the scheduler, not for a pin of ours.
+                let pinned_to = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_selector.as_ref())
+                    .and_then(|s| s.get(HOST))
+                    .cloned()
+                    .unwrap_or_default();
+                let usable = match Api::<Node>::all(c.clone()).get_opt(&pinned_to).await {
+                    Ok(Some(node)) => persistent_pod_state::placement::Health::now(Duration::ZERO)
+                        .lost_at(&node)
+                        .is_none(),
+                    Ok(None) => false,
+                    // Unknown (the API server is away): not judged now.
+                    Err(_) => true,
+                };
+                if usable {
+                    continue;
+                }
                 waiting.insert(uid.clone());
                 let since = self
                     .pending_since
