@@ -265,17 +265,8 @@ async fn scale_down_and_up_gives_the_returning_ordinal_its_old_ip_and_explain_sh
     wait_event_noting(c, &ns, "db", "PodNotRestored", &["pod db-2 ", &moved]).await;
 
     // explain, then the pod it describes.
-    let out = tokio::process::Command::new(&env.pps_bin)
-        .args(["explain", "db-1", "-n", &ns, "-o", "json"])
-        .output()
-        .await
-        .expect("explain runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let explained: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let out = pps_command(&env, &["explain", "db-1", "-n", &ns, "-o", "json"]).await;
+    let explained: Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(explained["persistentPodState"], "db");
     assert_eq!(explained["outcome"], "inject");
     let promised = annotations_in(&explained["patch"]);
@@ -285,12 +276,10 @@ async fn scale_down_and_up_gives_the_returning_ordinal_its_old_ip_and_explain_sh
             .any(|(k, v)| k == CALICO_IP && v.contains(&before["db-1"].ip)),
         "{explained}"
     );
-    let text = tokio::process::Command::new(&env.pps_bin)
-        .args(["explain", "db-1", "-n", &ns])
-        .output()
-        .await
-        .expect("explain runs");
-    println!("{}", String::from_utf8_lossy(&text.stdout));
+    println!(
+        "{}",
+        pps_command(&env, &["explain", "db-1", "-n", &ns]).await
+    );
     let pod = recreate_pod(c, &ns, "db-1").await;
     for (k, v) in &promised {
         assert_eq!(pod.annotations().get(k), Some(v), "{k} as explain said");

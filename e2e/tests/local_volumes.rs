@@ -51,17 +51,7 @@ async fn release(env: &Env, ns: &str, pod: &str, dry_run: bool) -> String {
     if dry_run {
         args.push("--dry-run");
     }
-    let out = tokio::process::Command::new(&env.pps_bin)
-        .args(&args)
-        .output()
-        .await
-        .expect("release runs");
-    assert!(
-        out.status.success(),
-        "release: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    pps_command(env, &args).await
 }
 
 #[tokio::test]
@@ -193,16 +183,5 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
 
 /// `explain` of `pod`, as text.
 async fn explained(env: &Env, ns: &str, pod: &str) -> String {
-    let out = tokio::process::Command::new(&env.pps_bin)
-        .args(["explain", pod, "-n", ns])
-        .env("PPS_NODE_LOST_AFTER", &env.node_lost_after)
-        .output()
-        .await
-        .expect("explain runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    pps_command(env, &["explain", pod, "-n", ns]).await
 }

@@ -243,18 +243,8 @@ async fn a_pod_stranded_after_admission_is_released_and_runs_elsewhere() {
 
 /// `explain -o json` of `pod`: its release outlook.
 async fn explained_release(env: &Env, ns: &str, pod: &str) -> Vec<String> {
-    let out = tokio::process::Command::new(&env.pps_bin)
-        .args(["explain", pod, "-n", ns, "-o", "json"])
-        .env("PPS_NODE_LOST_AFTER", &env.node_lost_after)
-        .output()
-        .await
-        .expect("explain runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let explained: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let out = pps_command(env, &["explain", pod, "-n", ns, "-o", "json"]).await;
+    let explained: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     serde_json::from_value(explained["release"].clone()).expect("release lines")
 }
 

@@ -993,3 +993,21 @@ pub fn pid_of(env: &Env, name: &str) -> String {
         .trim()
         .to_owned()
 }
+
+/// Runs the binary's `args` (a command such as `explain` or `release`) against the suite's
+/// cluster, with the replicas' `--node-lost-after`; fails the test unless it succeeds. Its
+/// standard output.
+pub async fn pps_command(env: &Env, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(&env.pps_bin)
+        .args(args)
+        .env("PPS_NODE_LOST_AFTER", &env.node_lost_after)
+        .output()
+        .await
+        .expect("the binary runs");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
