@@ -687,14 +687,20 @@ mod tests {
         );
     }
 
+    type MockHandle = tower_test::mock::Handle<
+        http::Request<kube::client::Body>,
+        http::Response<kube::client::Body>,
+    >;
+
+    /// A client talking to a mock API server, and fresh watch states.
+    fn mock_watch() -> (Client, MockHandle, Arc<Watches>) {
+        let (service, handle) = tower_test::mock::pair();
+        (Client::new(service, "default"), handle, Arc::default())
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_failed_watch_goes_stale_and_is_current_again_once_relisted() {
-        let (service, mut handle) = tower_test::mock::pair::<
-            http::Request<kube::client::Body>,
-            http::Response<kube::client::Body>,
-        >();
-        let client = Client::new(service, "default");
-        let watches = Arc::new(Watches::default());
+        let (client, mut handle, watches) = mock_watch();
         let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
@@ -743,12 +749,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_watch_whose_task_panics_is_started_again() {
-        let (service, mut handle) = tower_test::mock::pair::<
-            http::Request<kube::client::Body>,
-            http::Response<kube::client::Body>,
-        >();
-        let client = Client::new(service, "default");
-        let watches = Arc::new(Watches::default());
+        let (client, mut handle, watches) = mock_watch();
         let applied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = applied.clone();
         // Applying the first event panics; later ones do not.
