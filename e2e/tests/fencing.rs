@@ -12,7 +12,6 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
 };
@@ -26,28 +25,7 @@ const GROUP: &str = "fence.e2e.example.com";
 const NS: &str = "kube-system";
 
 async fn fence_set_crd(c: &Client) -> ApiResource {
-    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
-    let crd: CustomResourceDefinition = serde_json::from_value(json!({
-        "metadata": {"name": format!("fencesets.{GROUP}")},
-        "spec": {"group": GROUP, "scope": "Namespaced",
-            "names": {"plural": "fencesets", "singular": "fenceset", "kind": "FenceSet"},
-            "versions": [{"name": "v1", "served": true, "storage": true,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}}))
-    .expect("crd");
-    match crds.create(&PostParams::default(), &crd).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("crd: {e}"),
-    }
-    wait_for("the FenceSet CRD to be established", TIMEOUT, || async {
-        let crd = crds.get(&format!("fencesets.{GROUP}")).await.ok()?;
-        crd.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
+    install_crd(c, GROUP, "FenceSet", "fencesets", &[("v1", true)]).await;
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", "FenceSet"), "fencesets")
 }
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, Pod, Taint};
 use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use persistent_pod_state::api::PodState;
@@ -1010,4 +1011,42 @@ pub async fn pps_command(env: &Env, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Installs a CRD whose objects keep any fields (no controller exists for them here).
+pub async fn install_crd(
+    c: &Client,
+    group: &str,
+    kind: &str,
+    plural: &str,
+    versions: &[(&str, bool)],
+) {
+    let versions: Vec<Value> = versions
+        .iter()
+        .map(|(name, storage)| json!({"name": name, "served": true, "storage": storage,
+            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+            "subresources": {"status": {}}}))
+        .collect();
+    let crd: CustomResourceDefinition = serde_json::from_value(json!({
+        "metadata": {"name": format!("{plural}.{group}")},
+        "spec": {"group": group, "scope": "Namespaced", "versions": versions,
+                 "names": {"kind": kind, "plural": plural, "singular": kind.to_lowercase()}}
+    }))
+    .expect("crd");
+    let api: Api<CustomResourceDefinition> = Api::all(c.clone());
+    match api.create(&PostParams::default(), &crd).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create CRD: {e}"),
+    }
+    let name = format!("{plural}.{group}");
+    wait_for(&format!("CRD {name} established"), TIMEOUT, || async {
+        let crd = api.get(&name).await.ok()?;
+        crd.status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True")
+            .then_some(())
+    })
+    .await;
 }

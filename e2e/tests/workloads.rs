@@ -5,48 +5,15 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::discovery::ApiResource;
 use kube::{Api, Client, ResourceExt};
 use persistent_pod_state::api::INJECTED_ANNOTATION;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::support::*;
 
 const SLOT: &str = "e2e.example.com/slot";
-
-/// Installs a CRD whose objects keep any fields (no controller exists for them here).
-async fn install_crd(c: &Client, group: &str, kind: &str, plural: &str, versions: &[(&str, bool)]) {
-    let versions: Vec<Value> = versions
-        .iter()
-        .map(|(name, storage)| json!({"name": name, "served": true, "storage": storage,
-            "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
-            "subresources": {"status": {}}}))
-        .collect();
-    let crd: CustomResourceDefinition = serde_json::from_value(json!({
-        "metadata": {"name": format!("{plural}.{group}")},
-        "spec": {"group": group, "scope": "Namespaced", "versions": versions,
-                 "names": {"kind": kind, "plural": plural, "singular": kind.to_lowercase()}}
-    }))
-    .expect("crd");
-    let api: Api<CustomResourceDefinition> = Api::all(c.clone());
-    match api.create(&PostParams::default(), &crd).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("create CRD: {e}"),
-    }
-    let name = format!("{plural}.{group}");
-    wait_for(&format!("CRD {name} established"), TIMEOUT, || async {
-        let crd = api.get(&name).await.ok()?;
-        crd.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
-}
 
 fn dynamic(
     c: &Client,
