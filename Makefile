@@ -1,5 +1,5 @@
 # The two commands: `make run` (the main job) and `make test` (every test, e2e included).
-.PHONY: run test lint deny unit bench image e2e e2e-v1.20 soak control-plane control-plane-v1.20 manifests bench-full
+.PHONY: run test lint deny unit chart bench image e2e e2e-v1.20 soak control-plane control-plane-v1.20 manifests bench-full
 
 # Pinned: the dependency policy check (installed by `make deny` when missing).
 CARGO_DENY_VERSION := 0.20.2
@@ -8,7 +8,7 @@ run:
 	bash e2e/local.sh
 
 # Every stage in order, then how long each took (printed also when one fails).
-STAGES := lint deny unit control-plane bench image e2e control-plane-v1.20 e2e-v1.20
+STAGES := lint deny unit chart control-plane bench image e2e control-plane-v1.20 e2e-v1.20
 test:
 	@times=$$(mktemp); \
 	trap 'echo; echo "make test: seconds per stage"; cat "$$times"; rm -f "$$times"' EXIT; \
@@ -29,6 +29,11 @@ deny:
 
 unit:
 	cargo test --locked
+
+# The Helm chart: lint and template with every example values file, the schema's refusals, and
+# manifests/base equal to the chart's rendering (helm built at its pinned version).
+chart:
+	bash charts/check.sh
 
 # The benchmarks in their short mode: every figure is produced (nothing is asserted about time).
 bench:
@@ -63,5 +68,7 @@ control-plane:
 control-plane-v1.20:
 	bash e2e/build-control-plane.sh v1.20
 
+# The CRD from the Rust types into the chart, then manifests/base rendered from the chart.
 manifests:
-	cargo run --locked -q -- crd > manifests/base/crd.yaml
+	cargo run --locked -q -- crd > charts/persistent-pod-state/files/crd.yaml
+	bash charts/check.sh --write

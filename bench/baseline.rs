@@ -59,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
         &dir.join("tls.crt"),
         &dir.join("tls.key"),
         None,
+        prometheus_client::metrics::gauge::Gauge::default(),
     )?;
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let app = Router::new().route("/mutate-pod", post(answer));

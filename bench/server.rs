@@ -37,7 +37,12 @@ async fn main() -> anyhow::Result<()> {
 
     let bundle = persistent_pod_state::certs::generate(&["127.0.0.1".into()], None)?;
     persistent_pod_state::certs::write(&bundle, &dir)?;
-    let tls = tls::server_config(&dir.join("tls.crt"), &dir.join("tls.key"), None)?;
+    let tls = tls::server_config(
+        &dir.join("tls.crt"),
+        &dir.join("tls.key"),
+        None,
+        prometheus_client::metrics::gauge::Gauge::default(),
+    )?;
 
     let caches = Caches::new();
     let per_pps = (states / pps.max(1)).max(1);

@@ -12,6 +12,29 @@ $build_cmd
 ./target/release/persistent-pod-state --version
 ./target/release/persistent-pod-state crd | grep -q 'kind: CustomResourceDefinition' || fail "binary does not print the CRD"
 
+# The SBOM: made as the Dockerfile makes it (the pinned cargo-cyclonedx, installed when missing),
+# naming the exact versions Cargo.lock resolves for the binary's crates and no dev dependency,
+# and copied into the final image.
+cdx_version=$(sed -n 's/.*cargo install --locked cargo-cyclonedx --version \([0-9.]*\).*/\1/p' Dockerfile)
+[[ -n $cdx_version ]] || fail "the Dockerfile does not install a pinned cargo-cyclonedx"
+cargo cyclonedx --version 2>/dev/null | grep -q " $cdx_version$" ||
+  cargo install --locked cargo-cyclonedx --version "$cdx_version"
+sbom_cmd=$(sed -n 's/^ *\(cargo cyclonedx .*\)$/\1/p' Dockerfile)
+[[ -n $sbom_cmd ]] || fail "the Dockerfile makes no SBOM"
+$sbom_cmd
+sbom=persistent-pod-state_bin.cdx.json
+[[ -s $sbom ]] || fail "no $sbom made"
+locked() { awk -v n="$1" '$0 == "name = \"" n "\"" {getline; gsub(/version = |"/, ""); print; exit}' Cargo.lock; }
+for crate in kube rustls ring axum tokio json-patch k8s-openapi; do
+  grep -q "\"pkg:cargo/$crate@$(locked "$crate")" "$sbom" || fail "the SBOM does not name $crate $(locked "$crate")"
+done
+for dev in proptest tower-test cel promql-parser; do
+  ! grep -q "\"pkg:cargo/$dev@" "$sbom" || fail "the SBOM names the dev dependency $dev"
+done
+grep -q "^COPY --from=build /src/$sbom " Dockerfile || fail "the final image does not carry the SBOM"
+echo "check-image: SBOM $sbom: $(grep -c '"purl"' "$sbom") components"
+rm -f ./*.cdx.json
+
 stages=$(grep -c '^FROM ' Dockerfile)
 (( stages >= 2 )) || fail "not multi-stage ($stages FROM lines)"
 final_from=$(grep '^FROM ' Dockerfile | tail -n1)

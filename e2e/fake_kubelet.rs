@@ -21,6 +21,12 @@
 //!   `observedGeneration`, `hostIPs`, `PodReadyToStartContainers`, and init
 //!   containers as run (a native sidecar, `restartPolicy: Always`, running and ready; any other
 //!   init container terminated with exit code 0);
+//! - runs the containers of run-to-completion pods (`restartPolicy` Never or OnFailure, a Job's)
+//!   whose image is one given by `--run-image REPOSITORY=BINARY`: the binary with the
+//!   container's `args` and literal `env`, as the pod's ServiceAccount (a token from the
+//!   TokenRequest API in a kubeconfig, where a kubelet would mount a projected token), then
+//!   reports the pod Succeeded or Failed with the exit code, as a kubelet does; other pods'
+//!   containers are only reported running;
 //! - deletes pods that have a deletionTimestamp (there are no containers to stop);
 //! - registers a node again (a new Node object, another uid) when its Node object is deleted
 //!   while the kubelet runs, as a kubelet does;
@@ -38,8 +44,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::TryStreamExt;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, ServiceAccount};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -170,6 +177,19 @@ struct Kubelet {
     lease: Duration,
     /// How each node is registered: its zone, and the labels, taints and version of all.
     registration: Registration,
+    /// Images whose containers run for real: repository -> the binary standing for it.
+    run_images: HashMap<String, PathBuf>,
+    /// Run-to-completion pods started (by uid): each runs once.
+    started: Mutex<BTreeSet<String>>,
+}
+
+/// The repository of an image reference (`repo:tag`, `repo@digest`, `host:port/repo:tag`).
+fn repository(image: &str) -> &str {
+    let image = image.split('@').next().unwrap_or(image);
+    match image.rfind(':') {
+        Some(i) if !image[i..].contains('/') => &image[..i],
+        _ => image,
+    }
 }
 
 /// What a node is registered with.
@@ -295,6 +315,12 @@ impl Kubelet {
                 }
             };
         }
+        if let Some(binary) = self.runs_for_real(pod) {
+            if lock(&self.started).insert(uid.clone()) {
+                self.run_to_completion(pod.clone(), node, binary).await;
+            }
+            return Ok(());
+        }
         // Running and Ready as reported: nothing to do. A pod the node lifecycle controller
         // marked not ready (its node was unknown for a while) is reported Ready again, as the
         // kubelet's status manager does.
@@ -374,6 +400,66 @@ impl Kubelet {
                 Err(e.into())
             }
         }
+    }
+
+    /// The binary standing for `pod`'s single container when the pod runs to completion and
+    /// its image is one of `--run-image`, unless it has finished already.
+    fn runs_for_real(&self, pod: &Pod) -> Option<PathBuf> {
+        let spec = pod.spec.as_ref()?;
+        let finished = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|p| p == "Succeeded" || p == "Failed");
+        let to_completion = matches!(spec.restart_policy.as_deref(), Some("Never" | "OnFailure"));
+        let [container] = spec.containers.as_slice() else {
+            return None;
+        };
+        let image = repository(container.image.as_deref()?);
+        let binary = self.run_images.get(image)?;
+        (to_completion && !finished).then(|| binary.clone())
+    }
+
+    /// Runs `pod`'s container (its `args`, its literal `env`) with `binary` as the pod's
+    /// ServiceAccount, then reports the pod Succeeded or Failed with the exit code. In the
+    /// background: the kubelet's other pods do not wait for it.
+    async fn run_to_completion(&self, pod: Pod, node: String, binary: PathBuf) {
+        let client = self.client.clone();
+        tokio::spawn(async move {
+            let name = pod.name_any();
+            let (code, message) = match run_container(&client, &pod, &binary).await {
+                Ok((code, output)) => (code, output),
+                Err(error) => (128, format!("{error:#}")),
+            };
+            tracing::info!(pod = %name, %node, code, %message, "container ran");
+            let now = now();
+            let spec = pod.spec.as_ref();
+            let container = spec.and_then(|s| s.containers.first());
+            let phase = if code == 0 { "Succeeded" } else { "Failed" };
+            let status = json!({"metadata": {"uid": pod.uid()}, "status": {
+                "phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+                "startTime": now,
+                "conditions": [
+                    {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+                    {"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
+                    {"type": "ContainersReady", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now},
+                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": now}],
+                "containerStatuses": [{
+                    "name": container.map(|c| c.name.clone()).unwrap_or_default(),
+                    "image": container.and_then(|c| c.image.clone()).unwrap_or_default(),
+                    "imageID": "", "ready": false, "started": false, "restartCount": 0,
+                    "state": {"terminated": {"exitCode": code,
+                        "reason": if code == 0 { "Completed" } else { "Error" },
+                        "message": message, "startedAt": now, "finishedAt": now}}}],
+            }});
+            let api: Api<Pod> = Api::namespaced(client, &pod.namespace().unwrap_or_default());
+            if let Err(error) = api
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+            {
+                tracing::warn!(pod = %name, %error, "completion not reported");
+            }
+        });
     }
 
     /// The kubelet's Event for a sandbox that could not be created.
@@ -532,6 +618,72 @@ impl Kubelet {
     }
 }
 
+/// Runs `pod`'s container with `binary` as its ServiceAccount: the exit code and the last
+/// lines of its output.
+async fn run_container(
+    client: &Client,
+    pod: &Pod,
+    binary: &PathBuf,
+) -> anyhow::Result<(i32, String)> {
+    let ns = pod.namespace().unwrap_or_default();
+    let spec = pod.spec.as_ref().context("no spec")?;
+    let container = spec.containers.first().context("no container")?;
+    anyhow::ensure!(
+        container.command.is_none(),
+        "only the image's entrypoint runs here (no `command`)"
+    );
+    let account = spec.service_account_name.as_deref().unwrap_or("default");
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            expiration_seconds: Some(600),
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    let token = Api::<ServiceAccount>::namespaced(client.clone(), &ns)
+        .create_token_request(account, &PostParams::default(), &request)
+        .await
+        .context("token for the pod's ServiceAccount")?
+        .status
+        .context("no token issued")?
+        .token;
+    // The kubelet's own kubeconfig with the pod's token as its only credentials.
+    let mut config = kube::config::Kubeconfig::read().context("reading the kubeconfig")?;
+    for user in &mut config.auth_infos {
+        user.auth_info = Some(kube::config::AuthInfo {
+            token: Some(token.clone().into()),
+            ..kube::config::AuthInfo::default()
+        });
+    }
+    let dir = std::env::temp_dir().join(format!("fake-kubelet-{}", pod.uid().unwrap_or_default()));
+    std::fs::create_dir_all(&dir)?;
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(&kubeconfig, serde_yaml_ng::to_string(&config)?)?;
+    let mut command = tokio::process::Command::new(binary);
+    command
+        .args(container.args.clone().unwrap_or_default())
+        .env_clear()
+        .env("KUBECONFIG", &kubeconfig)
+        .kill_on_drop(true);
+    for var in container.env.iter().flatten() {
+        if let Some(value) = &var.value {
+            command.env(&var.name, value);
+        }
+    }
+    let out = tokio::time::timeout(Duration::from_secs(120), command.output())
+        .await
+        .context("ran past 120 s")??;
+    std::fs::remove_dir_all(&dir).ok();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tail: Vec<&str> = text.lines().rev().take(20).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    Ok((out.status.code().unwrap_or(128), tail.join("\n")))
+}
+
 fn parse_taint(spec: &str) -> anyhow::Result<Value> {
     let (kv, effect) = spec
         .rsplit_once(':')
@@ -546,7 +698,8 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
-    let usage = "usage: fake-kubelet [--ipam host-local|calico] [--node-label K=V]... [--node-taint K=V:EFFECT]... [--control-dir DIR] [--lease-seconds N] --node NAME=ZONE...";
+    let usage = "usage: fake-kubelet [--ipam host-local|calico] [--node-label K=V]... [--node-taint K=V:EFFECT]... [--control-dir DIR] [--lease-seconds N] [--run-image REPOSITORY=BINARY]... --node NAME=ZONE...";
+    let mut run_images = HashMap::new();
     let (mut control_dir, mut lease) = (None, Duration::from_secs(40));
     let (mut node_args, mut labels, mut taints) = (Vec::new(), Vec::new(), Vec::new());
     let mut ipam = Ipam::HostLocal {
@@ -572,6 +725,13 @@ async fn main() -> anyhow::Result<()> {
             }
             "--node-taint" => taints.push(parse_taint(&value()?)?),
             "--control-dir" => control_dir = Some(PathBuf::from(value()?)),
+            "--run-image" => {
+                let spec = value()?;
+                let (repo, binary) = spec
+                    .split_once('=')
+                    .context("--run-image needs REPOSITORY=BINARY")?;
+                run_images.insert(repo.to_owned(), PathBuf::from(binary));
+            }
             "--lease-seconds" => {
                 let secs: u64 = value()?.parse().context("--lease-seconds needs a number")?;
                 anyhow::ensure!(secs >= 4, "--lease-seconds must be at least 4");
@@ -611,6 +771,8 @@ async fn main() -> anyhow::Result<()> {
         control_dir,
         stopped: Mutex::default(),
         lease,
+        run_images,
+        started: Mutex::default(),
         registration: Registration {
             zones: node_args.iter().cloned().collect(),
             labels,

@@ -185,7 +185,8 @@ cluster_down() {
 # lifecycle controller's 20 s grace period fits (10 s, renewed every 2.5 s).
 kubelet_args() {
   mkdir -p "$CLUSTER_DIR/kubelet"
-  printf '%s\n' --control-dir "$CLUSTER_DIR/kubelet" --lease-seconds 10
+  # Containers of the project's image in Jobs (the chart's uninstall hook) run the binary.
+  printf '%s\n' --control-dir "$CLUSTER_DIR/kubelet" --lease-seconds 10 --run-image "persistent-pod-state=$PPS_BIN"
 }
 
 nodes_up() {

@@ -57,6 +57,24 @@ pub enum Command {
     /// and the pod (by uid and resourceVersion), so its workload re-creates both elsewhere
     /// (uses $KUBECONFIG). Prints what it deletes.
     Release(ReleaseArgs),
+    /// Remove an installation's webhook registrations before its server goes away (the Helm
+    /// chart's pre-delete hook): the Mutating and Validating configurations NAME, only when
+    /// Helm's annotations say they belong to the release, by uid (uses $KUBECONFIG or the
+    /// in-cluster service account).
+    Unregister(UnregisterArgs),
+}
+
+/// Flags of `unregister`.
+#[derive(Debug, Args)]
+pub struct UnregisterArgs {
+    /// Name of the two webhook configurations.
+    pub name: String,
+    /// The Helm release they must belong to.
+    #[arg(long)]
+    pub release: String,
+    /// The release's namespace.
+    #[arg(long)]
+    pub release_namespace: String,
 }
 
 /// Flags of `release`.
@@ -89,6 +107,15 @@ pub struct ExplainArgs {
     /// Output: human-readable text or JSON.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
+}
+
+/// `serve --mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Inject what is recorded (and release what was pinned).
+    Active,
+    /// Inject nothing; report what would be injected.
+    Observe,
 }
 
 /// Output formats of `explain` and `release`.
@@ -129,6 +156,12 @@ pub struct ServeArgs {
     /// pin to it is left out of re-created pods (e.g. `5m`, `90s`, `1h`).
     #[arg(long, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
     pub node_lost_after: Duration,
+    /// `active` injects; `observe` records and computes everything and injects nothing (and
+    /// deletes nothing), reporting what it would have injected: a `WouldInject` Event per pod,
+    /// `pps_observed_total`, `explain`. One PersistentPodState can be observed on its own with
+    /// the annotation `persistent-pod-state.io/mode: observe`.
+    #[arg(long, env = "PPS_MODE", value_enum, default_value_t = Mode::Active)]
+    pub mode: Mode,
     /// Waiting pods released per PersistentPodState per minute at most (a burst of that many,
     /// then one every 60/N s): a pod pinned by the webhook to values no usable node has any
     /// more is deleted so that its workload re-creates it. 0: none is released.

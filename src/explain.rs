@@ -41,7 +41,10 @@ pub struct Explanation {
     pub shadowed: Vec<String>,
     /// The state recorded for the pod's name.
     pub recorded: Option<PodState>,
-    /// What the webhook decides: `inject`, or why the pod is left alone.
+    /// What the webhook decides: `inject`, `would inject (observed only)` (the PersistentPodState
+    /// carries `persistent-pod-state.io/mode: observe`: the patch is reported in a `WouldInject`
+    /// Event, not applied; `serve --mode observe` does the same for every one), or why the pod
+    /// is left alone.
     pub outcome: String,
     /// The JSON patch the webhook would answer with (empty when none).
     pub patch: Value,
@@ -130,7 +133,15 @@ pub fn explain_with(
     match &decision.verdict {
         Verdict::Skip(reason) => out.outcome = format!("left alone: {}", reason.as_str()),
         Verdict::Inject { injection, .. } => {
-            out.outcome = "inject".into();
+            let observed = decision
+                .pps
+                .as_ref()
+                .is_some_and(|p| crate::api::observed_only(p, false));
+            out.outcome = if observed {
+                "would inject (observed only)".into()
+            } else {
+                "inject".into()
+            };
             out.patch = serde_json::to_value(&injection.patch).unwrap_or_default();
         }
     }

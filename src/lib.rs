@@ -28,6 +28,7 @@ pub mod ip_request;
 pub mod leader;
 pub mod metrics;
 pub mod placement;
+pub mod plugin;
 pub mod probes;
 pub mod release;
 pub mod serve;
@@ -37,6 +38,7 @@ pub mod supervise;
 pub mod sync;
 #[cfg(feature = "bench")]
 pub mod synthetic;
+pub mod unregister;
 pub mod webhook;
 pub mod workload;
 

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use persistent_pod_state::cli::{Cli, Command, LogFormat, OutputFormat};
-use persistent_pod_state::{api, certs, explain, release, serve};
+use persistent_pod_state::{api, certs, explain, plugin, release, serve, unregister};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -27,6 +27,16 @@ async fn main() -> anyhow::Result<()> {
     persistent_pod_state::alloc::purge_at_once();
     // One crypto provider for the whole process (ring), before any TLS is set up.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    // Installed as `kubectl-pps`, it is a kubectl plugin (`kubectl pps ...`).
+    let invoked_as = std::env::args_os()
+        .next()
+        .map(std::path::PathBuf::from)
+        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()));
+    if invoked_as.as_deref() == Some(plugin::PLUGIN_NAME) {
+        let cli = plugin::PluginCli::parse();
+        init_logging(LogFormat::Plain);
+        return plugin::run(cli).await;
+    }
     let cli = Cli::parse();
     init_logging(cli.log_format);
     match cli.command {
@@ -68,6 +78,18 @@ async fn main() -> anyhow::Result<()> {
             match args.output {
                 OutputFormat::Text => print!("{}", r.text()),
                 OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+            }
+            Ok(())
+        }
+        Command::Unregister(args) => {
+            let client = kube::Client::try_default()
+                .await
+                .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+            let lines =
+                unregister::unregister(&client, &args.name, &args.release, &args.release_namespace)
+                    .await?;
+            for line in lines {
+                println!("{line}");
             }
             Ok(())
         }

@@ -36,6 +36,8 @@ pub enum AdmissionResult {
     TimedOut,
     /// No verified client certificate while `--client-ca` is set: HTTP 403.
     Forbidden,
+    /// Allowed without the patch computed for it: its PersistentPodState is observed only.
+    Observed,
 }
 
 /// Labels of the admission request counter.
@@ -188,7 +190,7 @@ macro_rules! snake_case_label {
 snake_case_label!(AdmissionResult {
     Patched => "patched", Allowed => "allowed", Denied => "denied", InvalidObject => "invalid_object",
     BadRequest => "bad_request", Unavailable => "unavailable", Overloaded => "overloaded",
-    TimedOut => "timed_out", Forbidden => "forbidden",
+    TimedOut => "timed_out", Forbidden => "forbidden", Observed => "observed",
 });
 snake_case_label!(DropReason {
     NodeGone => "node_gone", NodeLost => "node_lost", PodConstraints => "pod_constraints",
@@ -329,6 +331,8 @@ pub struct Metrics {
     pub admission_duration: Family<EndpointLabels, Histogram, fn() -> Histogram>,
     /// Injected items by kind (required keys, preferred terms, annotations).
     pub injections: Family<InjectionLabels, Counter>,
+    /// Items that would have been injected into pods of observed-only PersistentPodStates.
+    pub observed: Family<InjectionLabels, Counter>,
     /// Recorded nodeSelector values not injected because the pod sets another value.
     pub injection_conflicts: Counter,
     /// Recorded required values left out of an injection so the pod is not stranded, by reason.
@@ -383,6 +387,8 @@ pub struct Metrics {
     pub watched_workload_kinds: Gauge,
     /// Objects in the PersistentPodState cache.
     pub cached_persistent_pod_states: Gauge,
+    /// When the serving certificate in use expires (Unix seconds).
+    pub serving_certificate_expiry: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -399,6 +405,7 @@ impl Metrics {
             admission_requests: Family::default(),
             admission_duration: Family::new_with_constructor(latency_histogram),
             injections: Family::default(),
+            observed: Family::default(),
             injection_conflicts: Counter::default(),
             required_dropped: Family::default(),
             states_unplaceable: Gauge::default(),
@@ -426,6 +433,7 @@ impl Metrics {
             stale_watches: Gauge::default(),
             cached_workloads: Gauge::default(),
             watched_workload_kinds: Gauge::default(),
+            serving_certificate_expiry: Gauge::default(),
         };
         registry.register(
             "admission_requests",
@@ -438,6 +446,11 @@ impl Metrics {
             m.admission_duration.clone(),
         );
         registry.register("injections", "Injected items by kind", m.injections.clone());
+        registry.register(
+            "observed",
+            "Items that would have been injected, by kind, for observed-only PersistentPodStates",
+            m.observed.clone(),
+        );
         registry.register(
             "injection_conflicts",
             "Recorded nodeSelector values not injected because the pod sets its own value",
@@ -555,6 +568,11 @@ impl Metrics {
             "Workload kinds watched",
             m.watched_workload_kinds.clone(),
         );
+        registry.register(
+            "serving_certificate_expiry_timestamp_seconds",
+            "When the serving certificate in use expires (Unix seconds)",
+            m.serving_certificate_expiry.clone(),
+        );
         m.process.register(&mut root);
         m.expose_every_label_set();
         Self {
@@ -585,6 +603,7 @@ impl Metrics {
         }
         for &kind in InjectionKind::ALL {
             let _ = self.injections.get_or_create(&InjectionLabels { kind });
+            let _ = self.observed.get_or_create(&InjectionLabels { kind });
         }
         for &reason in SkipReason::ALL {
             let _ = self.skipped.get_or_create(&SkipLabels { reason });

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::ServeArgs;
+use crate::cli::{Mode, ServeArgs};
 use crate::controller;
 use crate::discovery;
 use crate::events::Events;
@@ -27,12 +27,16 @@ use crate::workload::CustomKinds;
 
 /// Runs until SIGTERM/SIGINT.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let tls =
-        webhook::tls::server_config(&args.tls_cert, &args.tls_key, args.client_ca.as_deref())?;
+    let metrics = Arc::new(Metrics::new());
+    let tls = webhook::tls::server_config(
+        &args.tls_cert,
+        &args.tls_key,
+        args.client_ca.as_deref(),
+        metrics.serving_certificate_expiry.clone(),
+    )?;
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
-    let metrics = Arc::new(Metrics::new());
     let caches = Caches::start(&client);
     let health = Arc::new(Health {
         caches: caches.clone(),
@@ -114,6 +118,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         node_lost_after: args.node_lost_after,
         client_auth: args.client_ca.is_some(),
         ip_reservations: Default::default(),
+        observe_all: args.mode == Mode::Observe,
         client: Some(client.clone()),
     }));
     let mut webhook_server = tokio::spawn(serving::serve(
@@ -151,7 +156,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 args.node_lost_after,
                 fence.clone(),
             )
-            .releasing(args.max_releases_per_minute),
+            .releasing(args.max_releases_per_minute)
+            .observing(args.mode == Mode::Observe),
         );
         let shutdown = shutdown.clone();
         let client = client.clone();

@@ -11,6 +11,7 @@
 //! cordon test changes what the scheduler may pick): each uses its own namespace.
 
 mod api;
+mod chart;
 mod docs;
 mod faults;
 mod fencing;
@@ -21,8 +22,10 @@ mod local_volumes;
 mod manifests;
 mod migration;
 mod node_loss;
+mod observe;
 mod passthrough;
 mod placement;
+mod plugin;
 mod recent;
 mod rotation;
 mod safety;

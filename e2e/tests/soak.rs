@@ -8,6 +8,12 @@
 //!   holds it, sampled every second);
 //! - every replica is Ready again within 90 s of each fault.
 //!
+//! Not ours, and counted apart: kube-scheduler v1.37 can stop scheduling after repeated API
+//! server and etcd restarts (it logs "Scheduler cache is corrupted" and never tries new pods:
+//! no `PodScheduled` condition, whatever their constraints). A pod the scheduler has not tried
+//! for 90 s is such a stall: the soak restarts kube-scheduler (a restart schedules every such
+//! pod at once onto its pinned node) and reports how often.
+//!
 //! Faults: a replica SIGKILLed (and restarted), a replica SIGSTOPped for 3-12 s, the API server
 //! or etcd restarted (down 0-3 s), a node's kubelet stopped for 5-20 s (within the grace
 //! period), a pod deleted, a rollout started.
@@ -95,7 +101,13 @@ struct Watch {
     violations: BTreeMap<&'static str, Vec<String>>,
     /// When the last sample was taken.
     last: Option<Instant>,
+    /// kube-scheduler stalls seen (and restarts made), and when the last restart was.
+    scheduler_restarts: u32,
+    restarted_at: Option<Instant>,
 }
+
+/// How long a pod may go untried by the scheduler before the scheduler counts as stalled.
+const STALL: Duration = Duration::from_secs(90);
 
 /// How often the invariants are sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
@@ -141,6 +153,34 @@ impl Watch {
             .await
         {
             let mut waiting = BTreeSet::new();
+            let untried: Vec<String> = pods
+                .items
+                .iter()
+                .filter(|p| {
+                    let status = p.status.as_ref();
+                    let tried = status
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "PodScheduled"));
+                    let age = p
+                        .metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map(|t| k8s_openapi::jiff::Timestamp::now().duration_since(t.0));
+                    !tried
+                        && p.metadata.deletion_timestamp.is_none()
+                        && age.is_some_and(|a| a.as_secs() > STALL.as_secs() as i64)
+                })
+                .map(ResourceExt::name_any)
+                .collect();
+            if !untried.is_empty() && self.restarted_at.is_none_or(|at| at.elapsed() > STALL) {
+                println!(
+                    "control plane: kube-scheduler has not tried {untried:?} for {STALL:?}; restarting it"
+                );
+                report(env, ns).await;
+                restart_component(env, "kube-scheduler", false, Duration::ZERO).await;
+                self.scheduler_restarts += 1;
+                self.restarted_at = Some(Instant::now());
+            }
             for pod in pods.items {
                 let pinned = pod.annotations().contains_key(INJECTED_REQUIRED_ANNOTATION);
                 let unscheduled = pod
@@ -183,6 +223,7 @@ impl Watch {
                     );
                     since.1 = Instant::now();
                     self.violation("no pod stranded by us", what);
+                    report(env, ns).await;
                 }
             }
             self.pending_since.retain(|uid, _| waiting.contains(uid));
@@ -222,6 +263,64 @@ impl Watch {
             }
             // A restarted replica counts from zero.
             self.writes.insert(r.name.clone(), (writes, holds));
+        }
+    }
+}
+
+/// Prints what the cluster looks like (the soak's pods: node, phase, why unscheduled; the
+/// nodes: Ready condition), to tell a violation of ours from one of the control plane's.
+async fn report(env: &Env, ns: &str) {
+    let c = &env.client;
+    if let Ok(pods) = Api::<Pod>::namespaced(c.clone(), ns)
+        .list(&ListParams::default())
+        .await
+    {
+        for pod in pods.items {
+            let spec = pod.spec.as_ref();
+            let status = pod.status.as_ref();
+            let scheduled = status
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|cs| cs.iter().find(|c| c.type_ == "PodScheduled"))
+                .map(|c| format!("{} {}", c.status, c.message.as_deref().unwrap_or_default()));
+            println!(
+                "  pod {} uid {} node {:?} phase {:?} pinned to {:?} scheduled {:?}",
+                pod.name_any(),
+                pod.uid().unwrap_or_default(),
+                spec.and_then(|s| s.node_name.as_deref()),
+                status.and_then(|s| s.phase.as_deref()),
+                spec.and_then(|s| s.node_selector.as_ref())
+                    .and_then(|s| s.get(HOST)),
+                scheduled,
+            );
+        }
+    }
+    if let Ok(nodes) = Api::<Node>::all(c.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        for node in nodes.items {
+            let ready = node
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+                .map(|c| format!("{} since {:?}", c.status, c.last_transition_time));
+            let taints: Vec<String> = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .map(|ts| {
+                    ts.iter()
+                        .map(|t| format!("{}:{}", t.key, t.effect))
+                        .collect()
+                })
+                .unwrap_or_default();
+            println!(
+                "  node {} ready {:?} taints {:?}",
+                node.name_any(),
+                ready,
+                taints
+            );
         }
     }
 }
@@ -368,6 +467,8 @@ async fn a_random_schedule_of_faults_keeps_every_invariant() {
         }
     }
     // At the end every pod runs and every live ordinal's state is there.
+    println!("faults over; the cluster now:");
+    report(&env, &ns).await;
     for (name, replicas) in SETS {
         wait_sts_rolled(c, &ns, name, replicas).await;
         let names: Vec<String> = pod_names(name, replicas);
@@ -390,6 +491,10 @@ async fn a_random_schedule_of_faults_keeps_every_invariant() {
         let n = watch.violations.get(invariant).map_or(0, Vec::len);
         println!("| {invariant} | {n} |");
     }
+    println!(
+        "\ncontrol plane: kube-scheduler stalls (pods it had not tried for {STALL:?}; restarted): {}",
+        watch.scheduler_restarts
+    );
     assert!(
         watch.violations.is_empty(),
         "violations (seed {seed}): {:?}",

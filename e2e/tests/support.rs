@@ -35,6 +35,8 @@ pub struct Env {
     pub sa_kubeconfig: PathBuf,
     /// The replicas' `--node-lost-after`, as they are given it.
     pub node_lost_after: String,
+    /// helm, built at its pinned version.
+    pub helm: PathBuf,
 }
 
 /// One `serve` replica started by e2e/run.sh.
@@ -91,6 +93,7 @@ pub async fn env() -> Env {
         ),
         sa_kubeconfig: setting("E2E_SA_KUBECONFIG").into(),
         node_lost_after: setting("E2E_NODE_LOST_AFTER"),
+        helm: setting("E2E_HELM").into(),
     }
 }
 
@@ -512,18 +515,18 @@ pub async fn stub_cert_manager_crds(env: &Env) {
 
 /// Waits for an Event with `reason` about the PersistentPodState `pps` in `ns`.
 pub async fn wait_event(client: &Client, ns: &str, pps: &str, reason: &str) {
-    wait_event_noting(client, ns, pps, reason, &[]).await;
+    let _ = wait_event_noting(client, ns, pps, reason, &[]).await;
 }
 
 /// Waits for an Event with `reason` on PersistentPodState `ns/pps` whose note contains every
-/// one of `needles`.
+/// one of `needles`; returns it.
 pub async fn wait_event_noting(
     client: &Client,
     ns: &str,
     pps: &str,
     reason: &str,
     needles: &[&str],
-) {
+) -> k8s_openapi::api::events::v1::Event {
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
     wait_for(
         &format!("a {reason} Event on PersistentPodState {ns}/{pps} noting {needles:?}"),
@@ -539,7 +542,7 @@ pub async fn wait_event_noting(
             })
         },
     )
-    .await;
+    .await
 }
 
 /// A `serve` command for one more replica on loopback ports, with the suite's serving
@@ -1049,4 +1052,60 @@ pub async fn install_crd(
             .then_some(())
     })
     .await;
+}
+
+/// Runs kubectl (the control plane's, as admin) in the repository with `args`, `stdin` as its
+/// input: whether it succeeded, and its output (stdout then stderr).
+pub async fn kubectl(env: &Env, args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    let mut child = tokio::process::Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl runs");
+    let mut input = child.stdin.take().expect("stdin");
+    tokio::io::AsyncWriteExt::write_all(&mut input, stdin.unwrap_or_default().as_bytes())
+        .await
+        .expect("write stdin");
+    drop(input);
+    let out = child.wait_with_output().await.expect("kubectl ends");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Runs helm with `args` against the control plane (as admin): whether it succeeded, and its
+/// output (stdout then stderr).
+pub async fn helm(env: &Env, args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new(&env.helm)
+        .args(args)
+        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
+        .env("HELM_CACHE_HOME", env.cluster_dir.join("helm/cache"))
+        .env("HELM_CONFIG_HOME", env.cluster_dir.join("helm/config"))
+        .env("HELM_DATA_HOME", env.cluster_dir.join("helm/data"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .await
+        .expect("helm runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The YAML documents of `text` (a multi-document stream), empty ones left out.
+pub fn yaml_documents(text: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|doc| Value::deserialize(doc).expect("yaml document"))
+        .filter(|v| !v.is_null())
+        .collect()
 }

@@ -50,6 +50,24 @@ pub const INJECTED_REQUIRED_ANNOTATION: &str = "persistent-pod-state.io/injected
 /// controller delete a waiting pod's claims bound to node-local volumes of a node that is gone.
 pub const RELEASE_LOCAL_VOLUMES_ANNOTATION: &str = "persistent-pod-state.io/release-local-volumes";
 
+/// PersistentPodState (or workload, copied by the generator) annotation: `observe` records and
+/// computes everything and injects nothing, reporting what it would have injected (a
+/// `WouldInject` Event, `pps_observed_total`, `explain`); `active` (the default) injects. For
+/// running beside OpenKruise before switching (`serve --mode observe` observes every one).
+pub const MODE_ANNOTATION: &str = "persistent-pod-state.io/mode";
+
+/// Whether `pps` is observed only: every one under `serve --mode observe`, else by its own
+/// [`MODE_ANNOTATION`].
+pub fn observed_only(pps: &PersistentPodState, observe_all: bool) -> bool {
+    observe_all
+        || pps
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(MODE_ANNOTATION))
+            .is_some_and(|m| m == "observe")
+}
+
 /// The value of [`INJECTED_REQUIRED_ANNOTATION`] for `values`.
 pub fn encode_required(values: &BTreeMap<String, String>) -> String {
     values
@@ -299,7 +317,7 @@ pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomRes
 }
 
 /// The CustomResourceDefinition as YAML; with the default endpoint and no CA bundle it is what
-/// `manifests/base/crd.yaml` holds.
+/// the chart's `files/crd.yaml` holds (the chart sets the endpoint and CA bundle per release).
 pub fn crd_yaml(
     endpoint: &ConversionEndpoint,
     ca_bundle: Option<&[u8]>,
@@ -324,12 +342,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn manifests_hold_the_generated_crd() {
-        let committed = include_str!("../../manifests/base/crd.yaml");
+    fn the_chart_holds_the_generated_crd() {
+        let committed = include_str!("../../charts/persistent-pod-state/files/crd.yaml");
         let generated = crd_yaml(&ConversionEndpoint::default(), None).expect("serializes");
         assert!(
             committed == generated,
-            "manifests/base/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
+            "charts/persistent-pod-state/files/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
         );
     }
 

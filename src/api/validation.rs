@@ -164,9 +164,14 @@ pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<F
 /// error for "no topology at all" (path `spec`) belongs to the three topology fields together.
 fn changed(path: &str, new: &Value, old: &Value) -> bool {
     if path.starts_with("metadata.annotations") {
+        let key = if path.contains(super::MODE_ANNOTATION) {
+            super::MODE_ANNOTATION
+        } else {
+            IP_REQUEST_ANNOTATION
+        };
         let pointer = |o: &'_ Value| {
             o.pointer("/metadata/annotations")
-                .and_then(|a| a.get(IP_REQUEST_ANNOTATION))
+                .and_then(|a| a.get(key))
                 .cloned()
         };
         return pointer(new) != pointer(old);
@@ -317,6 +322,24 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
         match value.as_str().map(IpRequest::parse) {
             Some(Ok(_)) => {}
             Some(Err(e)) => errors.push(path, format!("Unsupported value: {e}")),
+            None => errors.push(path, "Invalid value: must be a string"),
+        }
+    }
+
+    if let Some(value) = object
+        .pointer("/metadata/annotations")
+        .and_then(|a| a.get(super::MODE_ANNOTATION))
+    {
+        let path = format!("metadata.annotations[{}]", super::MODE_ANNOTATION);
+        match value.as_str() {
+            Some("observe" | "active") => {}
+            Some(other) => errors.push(
+                path,
+                format!(
+                    "Unsupported value: {}: supported values: \"observe\", \"active\"",
+                    shown(other)
+                ),
+            ),
             None => errors.push(path, "Invalid value: must be a string"),
         }
     }
@@ -600,6 +623,34 @@ mod tests {
             check(&labelled, Some(&object), &[]).is_empty(),
             "ratcheted when unchanged"
         );
+    }
+
+    #[test]
+    fn only_observe_or_active_is_a_mode() {
+        let mut object = valid();
+        for ok in ["observe", "active"] {
+            object["metadata"]["annotations"] = json!({"persistent-pod-state.io/mode": ok});
+            assert!(check(&object, None, &[]).is_empty(), "{ok}");
+        }
+        object["metadata"]["annotations"] = json!({"persistent-pod-state.io/mode": "watch"});
+        let errors = check(&object, None, &[]);
+        assert_eq!(
+            errors,
+            [
+                "metadata.annotations[persistent-pod-state.io/mode]: Unsupported value: \"watch\": supported values: \"observe\", \"active\""
+            ]
+        );
+        let mut labelled = object.clone();
+        labelled["metadata"]["labels"] = json!({"a": "b"});
+        assert!(
+            check(&labelled, Some(&object), &[]).is_empty(),
+            "ratcheted when unchanged"
+        );
+        // An invalid ip-request beside it is still judged on its own.
+        let mut both = valid();
+        both["metadata"]["annotations"] = json!({"persistent-pod-state.io/mode": "observe",
+            "persistent-pod-state.io/ip-request": "weave"});
+        assert_eq!(check(&both, None, &[]).len(), 1);
     }
 
     #[test]

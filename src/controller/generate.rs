@@ -7,12 +7,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::ResourceExt;
 use serde_json::{Value, json};
 
-use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
 use crate::api::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::api::{
     AUTO_GENERATE_ANNOTATION, PERSISTENT_ANNOTATIONS_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION,
     PersistentPodAnnotation, REQUIRED_TOPOLOGY_ANNOTATION, TargetReference,
 };
+use crate::api::{MODE_ANNOTATION, RELEASE_LOCAL_VOLUMES_ANNOTATION};
 use crate::api::{
     NodeTopologyTerm, PersistentPodState, PersistentPodStateSpec, PreferredTopologyTerm,
 };
@@ -197,9 +197,17 @@ pub fn plan(
         .as_ref()
         .and_then(|_| workload.annotations.get(RELEASE_LOCAL_VOLUMES_ANNOTATION))
         .map(String::as_str);
+    // Copied when it is a value the validation accepts (an invalid one would make every write
+    // of the generated object refused).
+    let mode = desired
+        .as_ref()
+        .and_then(|_| workload.annotations.get(MODE_ANNOTATION))
+        .map(String::as_str)
+        .filter(|m| matches!(*m, "observe" | "active"));
     let copied = [
         (IP_REQUEST_ANNOTATION, ip_request),
         (RELEASE_LOCAL_VOLUMES_ANNOTATION, release_local),
+        (MODE_ANNOTATION, mode),
     ];
     Planned {
         plan: plan_spec(workload, existing, targeting, desired, &copied),

@@ -69,6 +69,8 @@ pub struct Context {
     failures: Backoff,
     /// When each PersistentPodState's status was last written.
     pacing: Pacing,
+    /// `serve --mode observe`.
+    observe_all: bool,
     /// Releases of waiting pods allowed, by PersistentPodState.
     releases: Releases,
 }
@@ -97,7 +99,15 @@ impl Context {
             failures: Backoff::default(),
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
+            observe_all: false,
         }
+    }
+
+    /// `serve --mode observe`: every PersistentPodState observed only, so nothing is released
+    /// (a waiting pod pinned by this service is still released: the pin was its own).
+    pub fn observing(mut self, observe_all: bool) -> Self {
+        self.observe_all = observe_all;
+        self
     }
 
     /// At most `per_minute` waiting pods released per PersistentPodState per minute (0: none).

@@ -167,6 +167,11 @@ async fn release_local_volumes(
     let Target::Live(info) = target else {
         return Ok(out);
     };
+    // Observed only: this service acts on nothing it did not pin (beside another injector,
+    // the claims are that one's business).
+    if crate::api::observed_only(pps, ctx.observe_all) {
+        return Ok(out);
+    }
     if info.claim_templates.is_empty() {
         return Ok(out);
     }

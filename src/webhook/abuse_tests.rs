@@ -77,6 +77,7 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>) -> Server {
         &dir.join("tls.crt"),
         &dir.join("tls.key"),
         client_ca.as_deref(),
+        prometheus_client::metrics::gauge::Gauge::default(),
     )
     .expect("tls config");
     let mut state = state(true);

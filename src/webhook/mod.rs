@@ -71,6 +71,8 @@ pub struct WebhookState {
     pub client_auth: bool,
     /// IPs just asked for on behalf of pods the cache does not show yet.
     pub ip_reservations: IpReservations,
+    /// `serve --mode observe`: every PersistentPodState observed only (nothing injected).
+    pub observe_all: bool,
     /// The API server, for the one live read admission makes: on a PersistentPodState CREATE,
     /// the others in its namespace (the cache may not hold one created or deleted a moment
     /// ago). Without it, the cache answers.
@@ -90,6 +92,7 @@ impl WebhookState {
             node_lost_after: Duration::from_secs(300),
             client_auth: false,
             ip_reservations: IpReservations::default(),
+            observe_all: false,
             client: None,
         }
     }

@@ -155,7 +155,7 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     // for one to another (a reservation made since it decided) decides again, and is not sent
     // it.
     if !request.dry_run
-        && let Some((ips, who)) = requested(&outcome)
+        && let Some((ips, who)) = requested(&outcome, state.observe_all)
         && state.ip_reservations.reserve(&ips, &who).is_err()
     {
         outcome = admit(&request, &lookup);
@@ -167,11 +167,19 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     answer.into_response(&request)
 }
 
-/// The recorded IPs a decision asks for, and for whom (`namespace/name`).
-fn requested(outcome: &Outcome) -> Option<(Vec<String>, String)> {
+/// The recorded IPs a decision asks for, and for whom (`namespace/name`); none when its
+/// PersistentPodState is observed only (nothing is asked for).
+fn requested(outcome: &Outcome, observe_all: bool) -> Option<(Vec<String>, String)> {
     let Outcome::Decided(decision) = outcome else {
         return None;
     };
+    if decision
+        .pps
+        .as_ref()
+        .is_some_and(|p| crate::api::observed_only(p, observe_all))
+    {
+        return None;
+    }
     let Verdict::Inject {
         ip: IpDecision::Request { .. },
         ..
@@ -217,6 +225,10 @@ fn respond(state: &WebhookState, dry_run: bool, outcome: Outcome) -> (Admission,
             Verdict::Inject { .. } => (Admission::allow(), AdmissionResult::Allowed),
         };
     };
+    if crate::api::observed_only(pps, state.observe_all) {
+        observed(state, dry_run, &decision.pod, pps, injection);
+        return (Admission::allow(), AdmissionResult::Observed);
+    }
     report(state, dry_run, &decision, pps, injection, ip);
     if injection.patch.0.is_empty() {
         return (Admission::allow(), AdmissionResult::Allowed);
@@ -236,6 +248,64 @@ fn respond(state: &WebhookState, dry_run: bool, outcome: Outcome) -> (Admission,
             tracing::error!(%error, "could not serialize the patch; allowing without it");
             (Admission::allow(), AdmissionResult::Allowed)
         }
+    }
+}
+
+/// The longest `WouldInject` Event note (the API server takes 1 kB).
+const NOTE_MAX: usize = 1000;
+
+/// The note of a `WouldInject` Event: the exact patch, or (too long for an Event) its size
+/// and where to see it.
+fn would_inject_note(pod: &str, patch: &json_patch::Patch) -> String {
+    let text = serde_json::to_string(patch).unwrap_or_default();
+    let note = format!("pod {pod}: would inject {text}");
+    if note.len() <= NOTE_MAX {
+        return note;
+    }
+    format!(
+        "pod {pod}: would inject a patch of {} operations ({} bytes; `explain {pod}` shows it)",
+        patch.0.len(),
+        text.len()
+    )
+}
+
+/// What an observed-only PersistentPodState would have injected: counted, and (unless this is
+/// a dry run) a `WouldInject` Event carrying the patch.
+fn observed(
+    state: &WebhookState,
+    dry_run: bool,
+    pod: &str,
+    pps: &PersistentPodState,
+    injection: &Injection,
+) {
+    for (kind, n) in [
+        (InjectionKind::Required, injection.required),
+        (InjectionKind::Preferred, injection.preferred),
+        (InjectionKind::Annotations, injection.annotations),
+    ] {
+        if n > 0 {
+            state
+                .metrics
+                .observed
+                .get_or_create(&InjectionLabels { kind })
+                .inc_by(n as u64);
+        }
+    }
+    tracing::debug!(
+        pps = pps.metadata.name.as_deref().unwrap_or_default(),
+        "observed only: patch computed, not applied"
+    );
+    if let Some(events) = state.events.as_ref().filter(|_| !dry_run)
+        && !injection.patch.0.is_empty()
+    {
+        events.publish_about(
+            pps,
+            pod,
+            EventType::Normal,
+            "WouldInject",
+            "Observe",
+            would_inject_note(pod, &injection.patch),
+        );
     }
 }
 
@@ -430,6 +500,60 @@ mod tests {
             ("ns", "web-0")
         );
         assert!(matches!(decision.verdict, Verdict::Inject { .. }));
+    }
+
+    #[test]
+    fn an_observed_only_pps_is_answered_without_its_patch_and_counted() {
+        let state = json!({"web-0": {"nodeName": "n1", "nodeTopologyLabels": {"zone": "z1"}}});
+        let create = request("Pod", "CREATE", None, Some(pod("StatefulSet")));
+        let server = WebhookState::over(crate::state::Caches::new());
+        let mut observed = (*pps(state.clone())).clone();
+        observed.metadata.annotations =
+            Some([(crate::api::MODE_ANNOTATION.to_owned(), "observe".to_owned())].into());
+        for (p, observe_all, want) in [
+            (pps(state.clone()), false, AdmissionResult::Patched),
+            (
+                std::sync::Arc::new(observed),
+                false,
+                AdmissionResult::Observed,
+            ),
+            (pps(state.clone()), true, AdmissionResult::Observed),
+        ] {
+            let lookup = Fake {
+                pps: Some(p),
+                nodes: true,
+            };
+            let server = WebhookState {
+                observe_all,
+                metrics: std::sync::Arc::new(crate::metrics::Metrics::new()),
+                ..WebhookState::over(server.caches.clone())
+            };
+            let outcome = admit(&create, &lookup);
+            let (answer, result) = respond(&server, false, outcome);
+            assert_eq!(result, want);
+            assert!(answer.allowed);
+            let observed = server
+                .metrics
+                .observed
+                .get_or_create(&InjectionLabels {
+                    kind: InjectionKind::Required,
+                })
+                .get();
+            let injected = server
+                .metrics
+                .injections
+                .get_or_create(&InjectionLabels {
+                    kind: InjectionKind::Required,
+                })
+                .get();
+            if want == AdmissionResult::Observed {
+                assert!(answer.patch.is_none(), "nothing injected");
+                assert_eq!((observed, injected), (1, 0));
+            } else {
+                assert!(answer.patch.is_some());
+                assert_eq!((observed, injected), (0, 1));
+            }
+        }
     }
 
     #[test]

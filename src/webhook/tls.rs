@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use prometheus_client::metrics::gauge::Gauge;
 use rustls::ServerConfig;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -21,6 +22,8 @@ const RECHECK: Duration = Duration::from_secs(1);
 
 struct Loaded {
     stamps: (FileStamp, FileStamp),
+    /// When the served certificate expires (Unix seconds), if it could be read.
+    expires: Option<i64>,
     key: Arc<CertifiedKey>,
     checked: Instant,
 }
@@ -32,6 +35,8 @@ pub struct ReloadingCert {
     key: PathBuf,
     provider: Arc<CryptoProvider>,
     loaded: Mutex<Loaded>,
+    /// Set to the served certificate's expiry (Unix seconds) whenever one is loaded.
+    expiry: Gauge,
 }
 
 impl fmt::Debug for ReloadingCert {
@@ -41,6 +46,13 @@ impl fmt::Debug for ReloadingCert {
             .field("key", &self.key)
             .finish()
     }
+}
+
+/// When the leaf certificate `der` expires, in Unix seconds.
+fn not_after(der: &CertificateDer<'_>) -> Option<i64> {
+    x509_parser::parse_x509_certificate(der)
+        .ok()
+        .map(|(_, c)| c.validity().not_after.timestamp())
 }
 
 fn load(
@@ -65,19 +77,34 @@ fn load(
 }
 
 impl ReloadingCert {
-    /// Loads the pair once; fails if it cannot be used.
-    pub fn new(cert: PathBuf, key: PathBuf, provider: Arc<CryptoProvider>) -> anyhow::Result<Self> {
+    /// Loads the pair once; fails if it cannot be used. `expiry` is kept at the served
+    /// certificate's expiry (Unix seconds).
+    pub fn new(
+        cert: PathBuf,
+        key: PathBuf,
+        provider: Arc<CryptoProvider>,
+        expiry: Gauge,
+    ) -> anyhow::Result<Self> {
         let (stamps, certified) = load(&cert, &key, &provider)?;
+        let expires = certified.cert.first().and_then(not_after);
+        expiry.set(expires.unwrap_or_default());
         Ok(Self {
             cert,
             key,
             provider,
             loaded: Mutex::new(Loaded {
                 stamps,
+                expires,
                 key: certified,
                 checked: Instant::now(),
             }),
+            expiry,
         })
+    }
+
+    /// When the certificate served now expires (Unix seconds), if it could be read.
+    pub fn expires(&self) -> Option<i64> {
+        crate::sync::lock(&self.loaded).expires
     }
 
     /// The pair to serve now, reloaded first if the files changed.
@@ -95,6 +122,8 @@ impl ReloadingCert {
                     Ok((stamps, key)) => {
                         tracing::info!(cert = %self.cert.display(), "serving certificate reloaded");
                         loaded.stamps = stamps;
+                        loaded.expires = key.cert.first().and_then(not_after);
+                        self.expiry.set(loaded.expires.unwrap_or_default());
                         loaded.key = key;
                     }
                     Err(error) => {
@@ -114,7 +143,7 @@ impl ResolvesServerCert for ReloadingCert {
 }
 
 /// A rustls server configuration (ring provider, TLS 1.2 and 1.3, h2 and http/1.1) serving the
-/// reloading certificate at `cert`/`key`. With `client_ca`, a client certificate is verified
+/// reloading certificate at `cert`/`key` (its expiry kept in `expiry`). With `client_ca`, a client certificate is verified
 /// against its CAs: a connection presenting an invalid one is refused; one presenting none is
 /// accepted, and the admission routes then answer 403 (see `webhook::require_client_cert`),
 /// while `/convert` stays open (the API server presents admission client certificates from its
@@ -123,9 +152,10 @@ pub fn server_config(
     cert: &Path,
     key: &Path,
     client_ca: Option<&Path>,
+    expiry: Gauge,
 ) -> anyhow::Result<Arc<ServerConfig>> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let resolver = ReloadingCert::new(cert.to_owned(), key.to_owned(), provider.clone())?;
+    let resolver = ReloadingCert::new(cert.to_owned(), key.to_owned(), provider.clone(), expiry)?;
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()?;
     let builder = match client_ca {
@@ -169,9 +199,19 @@ mod tests {
         )
         .expect("write");
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let r =
-            ReloadingCert::new(dir.join("tls.crt"), dir.join("tls.key"), provider).expect("loads");
+        let expiry = Gauge::default();
+        let r = ReloadingCert::new(
+            dir.join("tls.crt"),
+            dir.join("tls.key"),
+            provider,
+            expiry.clone(),
+        )
+        .expect("loads");
         let first = r.current().cert[0].clone();
+        // certs::generate issues for 365 days.
+        let year = time::OffsetDateTime::now_utc().unix_timestamp() + 365 * 86_400;
+        assert!((expiry.get() - year).abs() < 86_400, "{}", expiry.get());
+        assert_eq!(r.expires(), Some(expiry.get()));
 
         certs::write(
             &certs::generate(&["b.example".into()], None).expect("gen"),
@@ -182,9 +222,22 @@ mod tests {
         let second = r.current().cert[0].clone();
         assert_ne!(first, second, "new pair served");
 
+        // A pair expiring on 2031-01-02: the gauge follows the certificate served.
+        let mut params = rcgen::CertificateParams::new(vec!["c.example".into()]).expect("params");
+        params.not_after = rcgen::date_time_ymd(2031, 1, 2);
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.self_signed(&key).expect("cert");
+        std::fs::write(dir.join("tls.crt"), cert.pem()).expect("write");
+        std::fs::write(dir.join("tls.key"), key.serialize_pem()).expect("write");
+        r.loaded.lock().expect("lock").checked -= RECHECK;
+        let third = r.current().cert[0].clone();
+        assert_ne!(third, second, "new pair served");
+        assert_eq!(expiry.get(), 1_925_078_400);
+
         std::fs::write(dir.join("tls.crt"), "garbage").expect("write");
         r.loaded.lock().expect("lock").checked -= RECHECK;
-        assert_eq!(r.current().cert[0], second, "previous pair kept");
+        assert_eq!(r.current().cert[0], third, "previous pair kept");
+        assert_eq!(expiry.get(), 1_925_078_400, "and its expiry");
         std::fs::remove_dir_all(&dir).ok();
     }
 
@@ -194,6 +247,7 @@ mod tests {
             Path::new("/nonexistent/tls.crt"),
             Path::new("/nonexistent/tls.key"),
             None,
+            Gauge::default(),
         )
         .expect_err("fails");
         assert!(

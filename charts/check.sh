@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The chart's checks (`make chart`) and the kustomize base generated from it (`make manifests`).
+#
+#   charts/check.sh          helm lint --strict and helm template of the chart with every example
+#                            values file (charts/persistent-pod-state/ci/), on the newest and the
+#                            oldest supported Kubernetes; invalid values files refused by the
+#                            schema with the field's path; manifests/base equal to its rendering.
+#   charts/check.sh --write  renders manifests/base from the chart (after files/crd.yaml).
+#
+# helm is built at its pinned version by e2e/build-helm.sh.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CHART="$ROOT/charts/persistent-pod-state"
+HELM="${HELM:-$(bash "$ROOT/e2e/build-helm.sh" | tail -n 1)}"
+say() { printf '[%s] chart: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+fail() { say "$*"; exit 1; }
+
+# The files of manifests/base rendered from the chart (namespace.yaml and kustomization.yaml are
+# kustomize's own).
+BASE=(crd rbac deployment pdb service networkpolicy webhooks)
+
+# render_base DIR: manifests/base's generated files into DIR.
+render_base() {
+  local t
+  for t in "${BASE[@]}"; do
+    {
+      echo "# Generated from charts/persistent-pod-state (values: ci/kustomize-base-values.yaml) by"
+      echo "# \`make manifests\`: edit the chart, not this file."
+      "$HELM" template persistent-pod-state "$CHART" --namespace persistent-pod-state \
+        --kube-version 1.37.0 -f "$CHART/ci/kustomize-base-values.yaml" \
+        --show-only "templates/$t.yaml" | grep -v '^# Source: '
+    } >"$1/$t.yaml"
+  done
+}
+
+if [[ ${1:-} == --write ]]; then
+  render_base "$ROOT/manifests/base"
+  say "manifests/base rendered from the chart"
+  exit 0
+fi
+
+say "helm $("$HELM" version --template '{{.Version}}'): lint and template with every example values file"
+for values in "$CHART"/ci/*-values.yaml; do
+  name=${values#"$CHART"/}
+  "$HELM" lint --strict "$CHART" -f "$values" >/dev/null || {
+    "$HELM" lint --strict "$CHART" -f "$values"
+    fail "helm lint $name"
+  }
+  for kube in 1.37.0 1.20.0; do
+    # The pre-1.28 registration is what an older cluster gets with matchConditions "auto".
+    out=$("$HELM" template t "$CHART" -n ops --kube-version "$kube" -f "$values") || fail "helm template $name (Kubernetes $kube)"
+    if [[ $kube == 1.20.0 && $name != *kustomize-base* ]] && grep -q 'matchConditions:' <<<"$out" &&
+      ! grep -q 'matchConditions: true' "$values"; then
+      fail "$name on Kubernetes $kube renders matchConditions"
+    fi
+  done
+  say "ok: $name"
+done
+
+# Invalid values are refused by the schema, naming the field.
+refused() {
+  local want=$1
+  shift
+  local out
+  if out=$("$HELM" template t "$CHART" "$@" 2>&1); then
+    fail "accepted: $*"
+  fi
+  grep -qF "at '$want'" <<<"$out" || fail "refused without naming $want: $out"
+}
+refused /webhook/failurePolicy --set webhook.failurePolicy=Sometimes
+refused /webhook/timeoutSeconds --set webhook.timeoutSeconds=60
+refused /customWorkloads/0/group --set 'customWorkloads[0].group=Not_A_Group' --set 'customWorkloads[0].kind=Ring'
+refused /customWorkloads/0 --set 'customWorkloads[0].kind=Ring'
+refused /certificates/mode --set certificates.mode=letsencrypt
+refused /nodeLostAfter --set nodeLostAfter=soon
+refused '' --set replicas=3
+say "ok: invalid values refused with the field's path"
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+render_base "$tmp"
+for t in "${BASE[@]}"; do
+  diff -u "$ROOT/manifests/base/$t.yaml" "$tmp/$t.yaml" >&2 ||
+    fail "manifests/base/$t.yaml is not the chart's rendering: run \`make manifests\`"
+done
+say "ok: manifests/base is the chart's rendering"

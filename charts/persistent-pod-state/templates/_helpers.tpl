@@ -1,0 +1,98 @@
+{{/* The name of every object of the release: the release name when it holds the chart's name. */}}
+{{- define "pps.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Selector labels (stable across upgrades). */}}
+{{- define "pps.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+{{- if .Values.helmLabels }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels of every object; the Helm ones are left out when rendering the kustomize base. */}}
+{{- define "pps.labels" -}}
+{{ include "pps.selectorLabels" . }}
+{{- if .Values.helmLabels }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret holding the serving certificate (tls.crt, tls.key, ca.crt). */}}
+{{- define "pps.tlsSecret" -}}
+{{- if and (eq .Values.certificates.mode "external") .Values.certificates.external.secretName -}}
+{{- .Values.certificates.external.secretName -}}
+{{- else -}}
+{{- include "pps.fullname" . }}-tls
+{{- end -}}
+{{- end -}}
+
+{{/* The Service's DNS name, which the serving certificate names. */}}
+{{- define "pps.serviceHost" -}}
+{{- printf "%s.%s.svc" (include "pps.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* The workload kinds whose pods the webhook handles: GROUP/KIND, built-in first. */}}
+{{- define "pps.kinds" -}}
+{{- $kinds := list (list "apps" "StatefulSet") (list "apps.kruise.io" "StatefulSet") -}}
+{{- range .Values.customWorkloads -}}
+{{- $kinds = append $kinds (list .group .kind) -}}
+{{- end -}}
+{{- toJson $kinds -}}
+{{- end -}}
+
+{{/* Whether the pod webhook is registered with matchConditions (Kubernetes >= 1.28). */}}
+{{- define "pps.matchConditions" -}}
+{{- $m := .Values.webhook.matchConditions | toString -}}
+{{- if eq $m "auto" -}}
+{{- semverCompare ">=1.28.0-0" .Capabilities.KubeVersion.Version -}}
+{{- else -}}
+{{- eq $m "true" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The CA bundle the API server trusts for the webhooks and the conversion webhook: the
+self-signed CA (made once, kept across upgrades) or the one given. cert-manager's CA injector
+fills it in otherwise. Computed once per render and shared through the root context.
+*/}}
+{{- define "pps.caBundle" -}}
+{{- if eq .Values.certificates.mode "self-signed" -}}
+{{- (include "pps.selfSigned" . | fromJson).ca | b64enc -}}
+{{- else if eq .Values.certificates.mode "external" -}}
+{{- .Values.certificates.external.caBundle -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The self-signed CA and serving certificate as JSON {ca, caKey, crt, key}. The CA is read back
+from the release's CA Secret when it exists (so the caBundle and the running replicas agree
+across upgrades); the serving certificate is issued anew on every install and upgrade (rotated),
+under that CA. Memoized in .Values so that every template of one render sees the same pair.
+*/}}
+{{- define "pps.selfSigned" -}}
+{{- if not (hasKey .Values "__selfSigned") -}}
+{{- $caName := printf "%s-ca" (include "pps.fullname" .) -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace $caName -}}
+{{- $ca := dict -}}
+{{- if and $existing (hasKey $existing.data "ca.crt") (hasKey $existing.data "ca.key") -}}
+{{- $ca = buildCustomCert (index $existing.data "ca.crt") (index $existing.data "ca.key") -}}
+{{- else -}}
+{{- $ca = genCA (printf "%s CA" (include "pps.fullname" .)) 3650 -}}
+{{- end -}}
+{{- $host := include "pps.serviceHost" . -}}
+{{- $dns := list $host (printf "%s.cluster.local" $host) -}}
+{{- $cert := genSignedCert $host nil $dns (int .Values.certificates.selfSigned.validityDays) $ca -}}
+{{- $_ := set .Values "__selfSigned" (dict "ca" $ca.Cert "caKey" $ca.Key "crt" $cert.Cert "key" $cert.Key) -}}
+{{- end -}}
+{{- toJson (get .Values "__selfSigned") -}}
+{{- end -}}

@@ -1,0 +1,675 @@
+//! The Helm chart (issue 21) on the control plane: what it renders (a read-only, non-root image
+//! without capabilities; alerts and a dashboard that name only metrics the binary exposes and
+//! link runbooks that exist), and its life cycle: taking over from the kustomize installation,
+//! install, the seeds' story, an upgrade while pods are created, and an uninstall whose hook
+//! removes the webhook registrations first. Self-signed certificates: a CA made at install and
+//! kept, a serving certificate issued anew on upgrade.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use promql_parser::parser::{self, Expr};
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+fn chart() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/persistent-pod-state")
+}
+
+/// `helm template` of the chart with `values` (a file of ci/) and `set` flags, as objects.
+async fn template(env: &Env, values: &str, set: &[&str]) -> Vec<Value> {
+    let chart = chart();
+    let file = chart.join("ci").join(values);
+    let mut args = vec![
+        "template",
+        "t",
+        chart.to_str().expect("path"),
+        "-n",
+        "ops",
+        "--kube-version",
+        "1.37.0",
+        "-f",
+        file.to_str().expect("path"),
+    ];
+    for s in set {
+        args.extend(["--set", s]);
+    }
+    let (ok, out) = helm(env, &args).await;
+    assert!(ok, "helm template {values}: {out}");
+    yaml_documents(&out)
+}
+
+/// Issue 21.7: every container the chart runs (the server's and the uninstall hook's), with
+/// every example values file, runs read-only, as non-root, without privilege escalation, with
+/// every capability dropped and the runtime's default seccomp profile.
+#[tokio::test]
+async fn the_rendered_chart_runs_read_only_non_root_without_capabilities() {
+    let env = env().await;
+    let mut checked = 0;
+    for entry in std::fs::read_dir(chart().join("ci")).expect("ci/") {
+        let name = entry.expect("entry").file_name();
+        let name = name.to_str().expect("name");
+        for object in template(&env, name, &[]).await {
+            let pod = match object["kind"].as_str() {
+                Some("Deployment" | "Job") => &object["spec"]["template"]["spec"],
+                _ => continue,
+            };
+            let what = format!("{name}: {} {}", object["kind"], object["metadata"]["name"]);
+            assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{what}");
+            assert_eq!(
+                pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+                "{what}"
+            );
+            assert_ne!(pod["securityContext"]["runAsUser"], 0, "{what}");
+            for c in pod["containers"].as_array().expect("containers") {
+                let sc = &c["securityContext"];
+                assert_eq!(sc["readOnlyRootFilesystem"], true, "{what}");
+                assert_eq!(sc["runAsNonRoot"], true, "{what}");
+                assert_eq!(sc["allowPrivilegeEscalation"], false, "{what}");
+                assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{what}");
+                assert!(sc["capabilities"]["add"].is_null(), "{what}");
+                assert!(sc["privileged"].is_null(), "{what}");
+                checked += 1;
+            }
+        }
+    }
+    // Every values file has the server; the hook too except where it is off.
+    assert!(checked >= 10, "{checked} containers checked");
+}
+
+/// The metric names an expression selects.
+fn selected(expr: &Expr, out: &mut BTreeSet<String>) {
+    match expr {
+        Expr::Aggregate(a) => {
+            selected(&a.expr, out);
+            if let Some(p) = &a.param {
+                selected(p, out);
+            }
+        }
+        Expr::Unary(u) => selected(&u.expr, out),
+        Expr::Binary(b) => {
+            selected(&b.lhs, out);
+            selected(&b.rhs, out);
+        }
+        Expr::Paren(p) => selected(&p.expr, out),
+        Expr::Subquery(s) => selected(&s.expr, out),
+        Expr::VectorSelector(v) => out.extend(v.name.clone()),
+        Expr::MatrixSelector(m) => out.extend(m.vs.name.clone()),
+        Expr::Call(c) => c.args.args.iter().for_each(|a| selected(a, out)),
+        Expr::NumberLiteral(_) | Expr::StringLiteral(_) | Expr::Extension(_) => {}
+    }
+}
+
+/// GitHub's anchor of a Markdown heading.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// Issue 21.4: every alert of the PrometheusRule and every panel of the Grafana dashboard is a
+/// valid PromQL expression selecting only metrics a running replica exposes (scraped here), and
+/// every alert links a section of docs/troubleshooting.md that exists.
+#[tokio::test]
+async fn alerts_and_dashboard_name_only_exposed_metrics_and_link_existing_runbooks() {
+    let env = env().await;
+    let objects = template(&env, "full-values.yaml", &[]).await;
+    // What a replica really exposes: every sample's metric name.
+    let scraped = http_get(&format!("{}/metrics", env.replicas[0].probe_url())).await;
+    assert_eq!(scraped.0, 200);
+    let exposed: BTreeSet<String> = scraped
+        .1
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next().map(str::to_owned))
+        .collect();
+    assert!(exposed.contains("pps_leader"), "{exposed:?}");
+    let docs = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/troubleshooting.md"),
+    )
+    .expect("docs/troubleshooting.md");
+    let anchors: BTreeSet<String> = docs
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|l| anchor(l.trim_start_matches('#')))
+        .collect();
+
+    let check = |what: &str, expr: &str| {
+        let parsed = parser::parse(expr).unwrap_or_else(|e| panic!("{what}: {expr}: {e}"));
+        let mut names = BTreeSet::new();
+        selected(&parsed, &mut names);
+        assert!(!names.is_empty(), "{what} selects no metric");
+        for name in names {
+            assert!(exposed.contains(&name), "{what}: {name} is not exposed");
+        }
+    };
+    let rule = objects
+        .iter()
+        .find(|o| o["kind"] == "PrometheusRule")
+        .expect("PrometheusRule rendered");
+    let mut alerts = BTreeSet::new();
+    for group in rule["spec"]["groups"].as_array().expect("groups") {
+        for r in group["rules"].as_array().expect("rules") {
+            let alert = r["alert"].as_str().expect("alert name");
+            check(alert, r["expr"].as_str().expect("expr"));
+            let url = r["annotations"]["runbook_url"].as_str().expect("runbook");
+            let (page, section) = url.split_once('#').expect("a section");
+            assert!(page.ends_with("docs/troubleshooting.md"), "{alert}: {url}");
+            assert!(anchors.contains(section), "{alert}: no section #{section}");
+            alerts.insert(alert.to_owned());
+        }
+    }
+    // The issue's list: errors, latency, caches, leader, unplaceable, released, IPs, certificate.
+    for a in [
+        "PersistentPodStateWebhookErrors",
+        "PersistentPodStateWebhookSlow",
+        "PersistentPodStateCachesNotSynced",
+        "PersistentPodStateNoLeader",
+        "PersistentPodStateUnplaceable",
+        "PersistentPodStatePodsReleased",
+        "PersistentPodStateIPRequestsSkipped",
+        "PersistentPodStateCertificateExpiresSoon",
+    ] {
+        assert!(alerts.contains(a), "{a} missing from {alerts:?}");
+    }
+
+    let dashboard = objects
+        .iter()
+        .find(|o| {
+            o["kind"] == "ConfigMap" && o["metadata"]["name"] == "t-persistent-pod-state-dashboard"
+        })
+        .expect("dashboard ConfigMap rendered");
+    let json: Value = serde_json::from_str(
+        dashboard["data"]["persistent-pod-state.json"]
+            .as_str()
+            .expect("dashboard JSON"),
+    )
+    .expect("dashboard is JSON");
+    let mut targets = 0;
+    for panel in json["panels"].as_array().expect("panels") {
+        for t in panel["targets"].as_array().expect("targets") {
+            // Grafana's variables, as Grafana substitutes them.
+            let expr = t["expr"]
+                .as_str()
+                .expect("expr")
+                .replace("$__rate_interval", "5m")
+                .replace("$job", ".+");
+            check(panel["title"].as_str().unwrap_or("panel"), &expr);
+            targets += 1;
+        }
+    }
+    assert!(targets >= 10, "{targets} dashboard queries");
+}
+
+/// Each create's phase and result.
+type Results = Arc<Mutex<Vec<(&'static str, Result<(), String>)>>>;
+
+/// Pod creates that go through the webhooks (server-side dry runs of a StatefulSet's pod), made
+/// continuously in the background, each failure noted with the phase it happened in.
+struct Creator {
+    stop: Arc<AtomicBool>,
+    phase: Arc<Mutex<&'static str>>,
+    results: Results,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Creator {
+    fn start(env: &Env, ns: &str, sts_uid: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let phase = Arc::new(Mutex::new("before"));
+        let results: Results = Arc::default();
+        let pods: Api<Pod> = Api::namespaced(env.client.clone(), ns);
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"generateName": "web-probe-", "ownerReferences": [{"apiVersion": "apps/v1",
+                "kind": "StatefulSet", "name": "web", "uid": sts_uid, "controller": true}]},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+        }))
+        .expect("pod");
+        let task = tokio::spawn({
+            let (stop, phase, results) = (stop.clone(), phase.clone(), results.clone());
+            async move {
+                let dry = PostParams {
+                    dry_run: true,
+                    ..PostParams::default()
+                };
+                while !stop.load(Ordering::Relaxed) {
+                    let result = pods
+                        .create(&dry, &pod)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string());
+                    let now = *phase.lock().expect("phase");
+                    results.lock().expect("results").push((now, result));
+                    // The pace of the creates (not a synchronisation).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        });
+        Self {
+            stop,
+            phase,
+            results,
+            task,
+        }
+    }
+
+    fn phase(&self, phase: &'static str) {
+        *self.phase.lock().expect("phase") = phase;
+    }
+
+    /// Stops; per phase: creates answered, and the failures.
+    async fn finish(self) -> Vec<(&'static str, usize, Vec<String>)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.expect("creator");
+        let results = self.results.lock().expect("results");
+        let mut phases: Vec<(&'static str, usize, Vec<String>)> = Vec::new();
+        for (phase, result) in results.iter() {
+            if phases.last().is_none_or(|p| p.0 != *phase) {
+                phases.push((phase, 0, Vec::new()));
+            }
+            if let Some(last) = phases.last_mut() {
+                last.1 += 1;
+                if let Err(e) = result {
+                    last.2.push(e.clone());
+                }
+            }
+        }
+        phases
+    }
+}
+
+/// Helm's ownership marks, which let a release take over an object applied before (the
+/// documented move from the kustomize manifests).
+async fn adopt<K>(api: &Api<K>, name: &str, release: &str, ns: &str)
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+    K::DynamicType: Default,
+{
+    api.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {
+            "labels": {"app.kubernetes.io/managed-by": "Helm"},
+            "annotations": {"meta.helm.sh/release-name": release, "meta.helm.sh/release-namespace": ns},
+        }})),
+    )
+    .await
+    .expect("adopt");
+}
+
+/// The suite's own registration (e2e/lib.sh register_webhook), restored.
+async fn register_suite_webhooks() {
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/lib.sh");
+    let status = tokio::process::Command::new("bash")
+        .args([
+            "-c",
+            &format!("source '{}' && register_webhook", lib.display()),
+        ])
+        .env("E2E_CUSTOM_KIND", "1")
+        .status()
+        .await
+        .expect("bash");
+    assert!(status.success(), "register_webhook");
+}
+
+/// Issue 21.3: the chart takes over from the kustomize installation (the stored
+/// PersistentPodStates stay readable in both versions), `helm install` registers the webhooks
+/// and the seeds' story works through them, `helm upgrade` with changed values while pods are
+/// created fails no admission, and `helm uninstall` runs the hook that removes the webhook
+/// registrations (pods still create, untouched), keeping the CRD and the PersistentPodStates.
+#[tokio::test]
+async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
+    let env = env().await;
+    let c = &env.client;
+    let release = "chart-e2e";
+    let release_ns = namespace(c, "chart-e2e").await;
+    let ns = namespace(c, "e2e-chart").await;
+    let name = format!("{release}-persistent-pod-state");
+    // The seeds' StatefulSet, recorded under the kustomize installation.
+    let sts = statefulset(
+        "web",
+        2,
+        &[
+            ("kruise.io/auto-generate-persistent-pod-state", "true"),
+            ("kruise.io/required-persistent-topology", HOST),
+            ("kruise.io/preferred-persistent-topology", HOST),
+        ],
+    );
+    let (before, _) = start_recorded(c, &ns, &sts).await;
+    let sts_uid = Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(c.clone(), &ns)
+        .get("web")
+        .await
+        .expect("sts")
+        .uid()
+        .expect("uid");
+    let creator = Creator::start(&env, &ns, &sts_uid);
+
+    // The move: the CRD (holding the stored objects) is adopted; the kustomize registrations are
+    // replaced by the chart's.
+    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
+    adopt(
+        &crds,
+        "persistentpodstates.apps.kruise.io",
+        release,
+        &release_ns,
+    )
+    .await;
+    creator.phase("moving");
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(c.clone());
+    let validating: Api<ValidatingWebhookConfiguration> = Api::all(c.clone());
+    let ca = base64::engine::general_purpose::STANDARD.encode(
+        std::fs::read(env.cluster_dir.join("webhook-certs/ca.crt")).expect("the suite's CA"),
+    );
+    let url = format!("webhook.url={}", env.webhook_url);
+    let ca_set = format!("certificates.external.caBundle={ca}");
+    let common = [
+        url.as_str(),
+        "certificates.mode=external",
+        ca_set.as_str(),
+        "nodeLostAfter=45s",
+        "customWorkloads[0].group=example.com",
+        "customWorkloads[0].kind=Ring",
+        "customWorkloads[0].resource=rings",
+    ];
+    let chart = chart();
+    let mut install = vec![
+        "install",
+        release,
+        chart.to_str().expect("path"),
+        "-n",
+        &release_ns,
+        "--wait",
+        "--timeout",
+        "120s",
+    ];
+    for s in &common {
+        install.extend(["--set", s]);
+    }
+    let suite_mutating = mutating.get("persistent-pod-state").await.expect("suite's");
+    let (ok, out) = helm(&env, &install).await;
+    assert!(ok, "helm install: {out}");
+    // Both registrations now send to the same servers; the suite's goes.
+    let _ = mutating
+        .delete("persistent-pod-state", &Default::default())
+        .await;
+    let _ = validating
+        .delete("persistent-pod-state", &Default::default())
+        .await;
+    creator.phase("installed");
+    let hook = mutating.get(&name).await.expect("the chart's registration");
+    let webhook = &hook.webhooks.as_ref().expect("webhooks")[0];
+    assert_eq!(
+        webhook.client_config.url.as_deref(),
+        Some(format!("{}/mutate-pod", env.webhook_url).as_str())
+    );
+    // The custom kind is in the CEL of the chart's matchConditions, as in the suite's.
+    let expression = &webhook.match_conditions.as_ref().expect("matchConditions")[0].expression;
+    assert!(
+        expression.contains("['example.com', 'Ring']"),
+        "{expression}"
+    );
+    assert_eq!(
+        suite_mutating.webhooks.as_ref().map(|w| w.len()),
+        Some(1),
+        "the suite registered one pod webhook"
+    );
+    let crd = crds
+        .get("persistentpodstates.apps.kruise.io")
+        .await
+        .expect("crd");
+    assert_eq!(
+        crd.annotations()
+            .get("meta.helm.sh/release-name")
+            .map(String::as_str),
+        Some(release),
+        "the CRD is the release's"
+    );
+
+    // The seeds' story through the chart's registration: a re-created pod is steered back.
+    let reviews = pod_reviews(&env).await;
+    let pod = recreate_pod(c, &ns, "web-1").await;
+    assert_steered_back(&pod, "web", &before["web-1"]);
+    assert!(pod_reviews(&env).await > reviews, "reviewed by the webhook");
+    // Stored objects stay readable in both versions (the conversion webhook, the release's now).
+    for version in ["v1alpha1", "v1beta1"] {
+        let (ok, out) = kubectl(
+            &env,
+            &[
+                "get",
+                &format!("persistentpodstates.{version}.apps.kruise.io"),
+                "web",
+                "-n",
+                &ns,
+                "-o",
+                "jsonpath={.status.podStates}",
+            ],
+            None,
+        )
+        .await;
+        assert!(ok && out.contains("web-0"), "{version}: {out}");
+    }
+
+    // An upgrade with changed values while pods are created.
+    creator.phase("upgrading");
+    let mut upgrade = vec![
+        "upgrade",
+        release,
+        chart.to_str().expect("path"),
+        "-n",
+        &release_ns,
+        "--wait",
+        "--timeout",
+        "120s",
+        "--set",
+        "webhook.timeoutSeconds=7",
+        "--set",
+        "replicaCount=3",
+        "--set",
+        "nodeLostAfter=60s",
+    ];
+    for s in &common[..4] {
+        upgrade.extend(["--set", s]);
+    }
+    let (ok, out) = helm(&env, &upgrade).await;
+    assert!(ok, "helm upgrade: {out}");
+    creator.phase("upgraded");
+    let hook = mutating.get(&name).await.expect("the chart's registration");
+    assert_eq!(
+        hook.webhooks.as_ref().expect("webhooks")[0].timeout_seconds,
+        Some(7)
+    );
+    let reviews = pod_reviews(&env).await;
+    wait_for("a pod review after the upgrade", TIMEOUT, || async {
+        (pod_reviews(&env).await > reviews).then_some(())
+    })
+    .await;
+
+    // Uninstall: the hook (a Job of the project's image, run by the fake kubelet as its
+    // ServiceAccount) removes the registrations first.
+    creator.phase("uninstalling");
+    let (ok, out) = helm(
+        &env,
+        &[
+            "uninstall",
+            release,
+            "-n",
+            &release_ns,
+            "--wait",
+            "--timeout",
+            "120s",
+        ],
+    )
+    .await;
+    assert!(ok, "helm uninstall: {out}");
+    creator.phase("uninstalled");
+    assert!(mutating.get_opt(&name).await.expect("get").is_none());
+    assert!(validating.get_opt(&name).await.expect("get").is_none());
+    // The Job controller's Event: the hook's Job completed (its pod succeeded).
+    let job = format!("{name}-unregister");
+    let completed = Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.clone(), &release_ns)
+        .list(&Default::default())
+        .await
+        .expect("events")
+        .items
+        .iter()
+        .any(|e| {
+            e.involved_object.name.as_deref() == Some(job.as_str())
+                && e.reason.as_deref() == Some("Completed")
+        });
+    assert!(completed, "the uninstall hook's Job completed");
+    // Kept: the CRD and the PersistentPodStates (helm.sh/resource-policy: keep).
+    assert!(
+        crds.get_opt("persistentpodstates.apps.kruise.io")
+            .await
+            .expect("get")
+            .is_some()
+    );
+    let kept = pps_api(c, &ns).get("web").await.expect("kept");
+    assert!(
+        kept.status
+            .is_some_and(|s| s.pod_states.contains_key("web-0"))
+    );
+    // Pods still create, untouched: no webhook is registered.
+    let reviews = pod_reviews(&env).await;
+    let pod = recreate_pod(c, &ns, "web-0").await;
+    assert!(
+        pod.annotations()
+            .get(persistent_pod_state::api::INJECTED_ANNOTATION)
+            .is_none(),
+        "no webhook left to inject"
+    );
+    assert_eq!(
+        pod_reviews(&env).await,
+        reviews,
+        "no review after uninstall"
+    );
+
+    let phases = creator.finish().await;
+    println!("pod creates per phase (answered, failed): {phases:?}");
+    for (phase, answered, failed) in &phases {
+        assert!(*answered > 0, "{phase}: no create made");
+        assert!(failed.is_empty(), "{phase}: failed admissions {failed:?}");
+    }
+    register_suite_webhooks().await;
+    delete_namespace(c, &ns).await;
+    delete_namespace(c, &release_ns).await;
+}
+
+/// Issue 21.1, self-signed certificates: a CA made at install and read back on upgrade (the CA
+/// bundles do not change, so replicas still serving the previous certificate stay trusted), a
+/// serving certificate issued anew on every upgrade under it, for the Service's name.
+#[tokio::test]
+async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
+    let env = env().await;
+    let c = &env.client;
+    let release = "chart-certs";
+    let ns = namespace(c, "chart-certs").await;
+    let chart = chart();
+    // Registered but sent nothing: no namespace has the label (the CRD is the other release's).
+    let args = |verb: &'static str| {
+        vec![
+            verb.to_owned(),
+            release.to_owned(),
+            chart.to_str().expect("path").to_owned(),
+            "-n".into(),
+            ns.clone(),
+            "--set".into(),
+            "crd.install=false".into(),
+            "--set".into(),
+            "webhook.namespaceSelector[0].key=e2e-never".into(),
+            "--set".into(),
+            "webhook.namespaceSelector[0].operator=Exists".into(),
+        ]
+    };
+    let secrets: Api<Secret> = Api::namespaced(c.clone(), &ns);
+    let read = |name: &'static str, key: &'static str| {
+        let secrets = secrets.clone();
+        async move {
+            let s = secrets
+                .get(&format!("{release}-persistent-pod-state-{name}"))
+                .await
+                .expect("secret");
+            s.data.expect("data")[key].0.clone()
+        }
+    };
+    let env = &env;
+    let run = |a: Vec<String>| async move {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (ok, out) = helm(env, &a).await;
+        assert!(ok, "helm {a:?}: {out}");
+    };
+    run(args("install")).await;
+    let (ca, ca_key, crt) = (
+        read("ca", "ca.crt").await,
+        read("ca", "ca.key").await,
+        read("tls", "tls.crt").await,
+    );
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(c.clone());
+    let bundle = |hook: MutatingWebhookConfiguration| {
+        hook.webhooks.expect("webhooks")[0]
+            .client_config
+            .ca_bundle
+            .clone()
+            .expect("caBundle")
+            .0
+    };
+    let registration = format!("{release}-persistent-pod-state");
+    assert_eq!(bundle(mutating.get(&registration).await.expect("hook")), ca);
+    run(args("upgrade")).await;
+    assert_eq!(read("ca", "ca.crt").await, ca, "the CA is kept");
+    assert_eq!(read("ca", "ca.key").await, ca_key, "and its key");
+    let renewed = read("tls", "tls.crt").await;
+    assert_ne!(renewed, crt, "a new serving certificate");
+    assert_eq!(bundle(mutating.get(&registration).await.expect("hook")), ca);
+    // Issued by that CA, for the Service.
+    let pem = |der: &[u8]| String::from_utf8(der.to_vec()).expect("PEM");
+    let (_, ca_der) = x509_parser::pem::parse_x509_pem(pem(&ca).as_bytes()).expect("CA PEM");
+    let (_, crt_der) =
+        x509_parser::pem::parse_x509_pem(pem(&renewed).as_bytes()).expect("cert PEM");
+    let ca_cert = ca_der.parse_x509().expect("CA");
+    let cert = crt_der.parse_x509().expect("cert");
+    assert_eq!(cert.issuer(), ca_cert.subject());
+    let host = format!("{release}-persistent-pod-state.{ns}.svc");
+    let sans: Vec<String> = cert
+        .subject_alternative_name()
+        .expect("SAN")
+        .expect("SAN present")
+        .value
+        .general_names
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    assert!(sans.iter().any(|n| n.contains(&host)), "{sans:?}");
+    run(vec![
+        "uninstall".into(),
+        release.into(),
+        "-n".into(),
+        ns.clone(),
+        "--wait".into(),
+    ])
+    .await;
+    assert!(
+        mutating
+            .get_opt(&registration)
+            .await
+            .expect("get")
+            .is_none()
+    );
+    delete_namespace(c, &ns).await;
+}

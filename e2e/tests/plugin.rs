@@ -1,0 +1,265 @@
+//! `kubectl pps` (issue 21.5): installed from the krew manifest and archive that
+//! plugins/krew/package.sh makes (checked as krew checks them), found by kubectl on PATH, and
+//! each command with kubectl's flags against the control plane: `status` (`-n`, `-A`,
+//! `-o json|yaml|wide`, `--context`), `explain`, and `release` of a pod waiting for a dead node.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kube::ResourceExt;
+use kube::api::Api;
+use serde_json::Value;
+
+use crate::support::*;
+
+/// Installs the plugin as krew does from the packaged archive: the manifest's sha256 must be
+/// the archive's; the manifest's `bin` is put on PATH. Returns the directory to put on PATH.
+async fn install_from_krew_package(env: &Env) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = env.cluster_dir.join("krew");
+    let made = tokio::process::Command::new("bash")
+        .arg(root.join("plugins/krew/package.sh"))
+        .arg(&env.pps_bin)
+        .arg(&out)
+        .output()
+        .await
+        .expect("package.sh");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let archive = PathBuf::from(String::from_utf8_lossy(&made.stdout).trim());
+    let manifest = yaml_documents(
+        &std::fs::read_to_string(out.join("pps.yaml")).expect("the packaged manifest"),
+    )
+    .remove(0);
+    assert_eq!(manifest["kind"], "Plugin");
+    let platform = &manifest["spec"]["platforms"][0];
+    let sum = tokio::process::Command::new("sha256sum")
+        .arg(&archive)
+        .output()
+        .await
+        .expect("sha256sum");
+    let sum = String::from_utf8_lossy(&sum.stdout);
+    assert_eq!(
+        platform["sha256"].as_str(),
+        sum.split_whitespace().next(),
+        "the manifest's sha256 is the archive's"
+    );
+    assert!(
+        platform["uri"]
+            .as_str()
+            .is_some_and(|u| u.ends_with(&*archive.file_name().expect("name").to_string_lossy())),
+        "the manifest names the archive"
+    );
+    let bin_dir = out.join("bin");
+    std::fs::create_dir_all(&bin_dir).expect("bin dir");
+    let unpacked = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&bin_dir)
+        .status()
+        .expect("tar");
+    assert!(unpacked.success());
+    let bin = platform["bin"].as_str().expect("bin");
+    assert!(bin_dir.join(bin).exists(), "{bin} in the archive");
+    bin_dir
+}
+
+/// `kubectl ARGS` with the plugin's directory first on PATH: success, stdout, stderr.
+async fn kubectl_pps(env: &Env, path: &Path, args: &[&str]) -> (bool, String, String) {
+    let search = format!(
+        "{}:{}",
+        path.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = tokio::process::Command::new("kubectl")
+        .args(args)
+        .env("PATH", search)
+        .env("KUBECONFIG", env.cluster_dir.join("kubeconfig"))
+        .env_remove("PPS_NODE_LOST_AFTER")
+        .output()
+        .await
+        .expect("kubectl runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The row of PersistentPodState `name` in `kubectl pps status ... -o json`.
+fn row<'a>(rows: &'a Value, ns: &str, name: &str) -> Option<&'a Value> {
+    rows.as_array()?
+        .iter()
+        .find(|r| r["namespace"] == ns && r["name"] == name)
+}
+
+#[tokio::test]
+async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
+    let env = env().await;
+    let c = &env.client;
+    let path = install_from_krew_package(&env).await;
+    let (ok, out, err) = kubectl_pps(&env, &path, &["plugin", "list"]).await;
+    assert!(
+        ok && out.contains("kubectl-pps"),
+        "kubectl finds the plugin: {out}{err}"
+    );
+
+    let ns = namespace(c, "e2e-plugin").await;
+    let sts = statefulset(
+        "web",
+        2,
+        &[
+            ("kruise.io/auto-generate-persistent-pod-state", "true"),
+            ("kruise.io/required-persistent-topology", HOST),
+            ("kruise.io/preferred-persistent-topology", HOST),
+        ],
+    );
+    let (before, _) = start_recorded(c, &ns, &sts).await;
+
+    // status: -n, -o json|yaml|wide, -A, --context.
+    let status = |extra: &'static [&'static str]| {
+        let (env, path, ns) = (&env, &path, ns.clone());
+        async move {
+            let mut args = vec!["pps", "status", "-n", ns.as_str()];
+            args.extend(extra);
+            let (ok, out, err) = kubectl_pps(env, path, &args).await;
+            assert!(ok, "kubectl {args:?}: {err}");
+            out
+        }
+    };
+    let rows: Value = serde_json::from_str(&status(&["-o", "json"]).await).expect("json");
+    let web = row(&rows, &ns, "web").expect("web's row");
+    assert_eq!(web["target"], "StatefulSet/web");
+    assert_eq!(web["recorded"], 2);
+    assert_eq!(web["unplaceable"], serde_json::json!([]));
+    let yaml = yaml_documents(&status(&["-o", "yaml"]).await);
+    assert_eq!(yaml[0][0]["name"], "web", "{yaml:?}");
+    let table = status(&[]).await;
+    let header = table.lines().next().expect("header");
+    assert!(
+        header.starts_with("NAMESPACE") && header.contains("RECORDED"),
+        "{table}"
+    );
+    assert!(
+        table.lines().any(|l| l.split_whitespace().take(4).eq([
+            ns.as_str(),
+            "web",
+            "StatefulSet/web",
+            "2"
+        ])),
+        "{table}"
+    );
+    let wide = status(&["-o", "wide"]).await;
+    assert!(
+        wide.lines()
+            .next()
+            .is_some_and(|h| h.contains("RELEASED-PODS")),
+        "{wide}"
+    );
+    let (ok, all, err) = kubectl_pps(&env, &path, &["pps", "status", "-A", "-o", "json"]).await;
+    assert!(ok, "{err}");
+    let all: Value = serde_json::from_str(&all).expect("json");
+    assert!(row(&all, &ns, "web").is_some(), "-A lists every namespace");
+    let context = status(&["--context", "local", "-o", "json"]).await;
+    assert!(context.contains("StatefulSet/web"));
+    let (ok, _, err) = kubectl_pps(&env, &path, &["pps", "status", "--context", "nope"]).await;
+    assert!(
+        !ok && err.contains("nope"),
+        "an unknown context is named: {err}"
+    );
+
+    // explain: text and -o json.
+    let (ok, text, err) = kubectl_pps(&env, &path, &["pps", "explain", "web-0", "-n", &ns]).await;
+    assert!(ok, "{err}");
+    assert!(text.contains("web"), "{text}");
+    let (ok, json, err) = kubectl_pps(
+        &env,
+        &path,
+        &["pps", "explain", "web-0", "-n", &ns, "-o", "json"],
+    )
+    .await;
+    assert!(ok, "{err}");
+    let explained: Value = serde_json::from_str(&json).expect("json");
+    assert_eq!(explained["persistentPodState"], "web", "{explained}");
+
+    // A dead node: with the plugin's --node-lost-after below the time it has been down, web-0's
+    // state is unplaceable; with the default (5m) it is not yet.
+    let node = before["web-0"].node.clone();
+    let kubelet = kubelet_dies(c, &node).await;
+    let lost = status_json(&env, &path, &ns, &["--node-lost-after", "1s"]).await;
+    assert_eq!(
+        row(&lost, &ns, "web").expect("row")["unplaceable"],
+        serde_json::json!(["web-0"])
+    );
+    let not_yet = status_json(&env, &path, &ns, &[]).await;
+    assert_eq!(
+        row(&not_yet, &ns, "web").expect("row")["unplaceable"],
+        serde_json::json!([])
+    );
+
+    // release: a scheduled pod is refused; the re-created pod, pinned to the dead node and
+    // waiting, is released on the operator's word (a dry run first deletes nothing).
+    let (ok, _, err) = kubectl_pps(&env, &path, &["pps", "release", "web-1", "-n", &ns]).await;
+    assert!(!ok && err.contains("scheduled"), "{err}");
+    let old = force_delete_pod(c, &ns, "web-0").await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(c.clone(), &ns);
+    let waiting = wait_for("web-0 re-created and waiting", TIMEOUT, || async {
+        let p = pods.get_opt("web-0").await.ok()??;
+        let unscheduled = p.spec.as_ref()?.node_name.is_none();
+        (p.uid()? != old && unscheduled).then(|| p.uid())?
+    })
+    .await;
+    let (ok, said, err) = kubectl_pps(
+        &env,
+        &path,
+        &["pps", "release", "web-0", "-n", &ns, "--dry-run"],
+    )
+    .await;
+    assert!(ok, "{err}");
+    assert!(said.contains("web-0"), "{said}");
+    assert_eq!(
+        pods.get("web-0").await.expect("pod").uid(),
+        Some(waiting.clone())
+    );
+    let (ok, said, err) = kubectl_pps(
+        &env,
+        &path,
+        &["pps", "release", "web-0", "-n", &ns, "-o", "json"],
+    )
+    .await;
+    assert!(ok, "{err}");
+    let _: Value = serde_json::from_str(&said).expect("json");
+    wait_for("web-0 released (deleted)", TIMEOUT, || async {
+        let p = pods.get_opt("web-0").await.ok()?;
+        p.is_none_or(|p| p.uid() != Some(waiting.clone()))
+            .then_some(())
+    })
+    .await;
+    // Once the node counts as lost for the replicas (45 s), the controller releases the pod
+    // pinned again: status counts it from the PodReleased Event.
+    let released = wait_for(
+        "the controller's release in kubectl pps status",
+        TIMEOUT + Duration::from_secs(60),
+        || async {
+            let rows = status_json(&env, &path, &ns, &[]).await;
+            let r = row(&rows, &ns, "web")?;
+            (r["released"] == serde_json::json!(["web-0"])).then(|| r.clone())
+        },
+    )
+    .await;
+    println!("kubectl pps status after the release: {released}");
+    kubelet_returns(c, &node, kubelet).await;
+    delete_namespace(c, &ns).await;
+}
+
+async fn status_json(env: &Env, path: &Path, ns: &str, extra: &[&str]) -> Value {
+    let mut args = vec!["pps", "status", "-n", ns, "-o", "json"];
+    args.extend(extra);
+    let (ok, out, err) = kubectl_pps(env, path, &args).await;
+    assert!(ok, "kubectl {args:?}: {err}");
+    serde_json::from_str(&out).expect("json")
+}
