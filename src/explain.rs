@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DynamicObject, ListParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -250,21 +250,12 @@ pub async fn explain(
         ),
     };
 
-    let caches = Caches::new();
+    let caches = Caches::with_nodes(client).await.context("listing nodes")?;
     caches.apply_pps(watcher::Event::Init);
     for p in pps_list.items {
         caches.apply_pps(watcher::Event::InitApply(p));
     }
     caches.apply_pps(watcher::Event::InitDone);
-    for n in Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .context("listing nodes")?
-        .items
-    {
-        caches.apply_node(watcher::Event::InitApply(n));
-    }
-    caches.apply_node(watcher::Event::InitDone);
     // Every pod of the cluster: which one holds which IP.
     for p in Api::<Pod>::all(client.clone())
         .list(&ListParams::default())

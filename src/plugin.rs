@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use k8s_openapi::api::core::v1::{Event, Node};
+use k8s_openapi::api::core::v1::Event;
 use kube::api::ListParams;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, ResourceExt};
@@ -200,16 +200,7 @@ pub async fn status(
         .list(&ListParams::default())
         .await
         .context("listing PersistentPodStates")?;
-    let caches = Caches::new();
-    for n in Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .context("listing nodes")?
-        .items
-    {
-        caches.apply_node(kube::runtime::watcher::Event::InitApply(n));
-    }
-    caches.apply_node(kube::runtime::watcher::Event::InitDone);
+    let caches = Caches::with_nodes(client).await.context("listing nodes")?;
     let released = events
         .list(&ListParams::default().fields("reason=PodReleased"))
         .await

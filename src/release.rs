@@ -369,7 +369,7 @@ pub async fn release_pod(
 ) -> anyhow::Result<ReleaseReport> {
     use anyhow::Context as _;
     use k8s_openapi::api::core::v1::Pod;
-    use kube::api::{DeleteParams, ListParams, Preconditions};
+    use kube::api::{DeleteParams, Preconditions};
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let pod = pods
@@ -391,16 +391,9 @@ pub async fn release_pod(
         anyhow::bail!("pod {namespace}/{name} is being deleted already");
     }
     let uid = pod.uid().context("the pod has no uid")?;
-    let caches = crate::state::Caches::new();
-    for n in Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
+    let caches = crate::state::Caches::with_nodes(client)
         .await
-        .context("listing nodes")?
-        .items
-    {
-        caches.apply_node(kube::runtime::watcher::Event::InitApply(n));
-    }
-    caches.apply_node(kube::runtime::watcher::Event::InitDone);
+        .context("listing nodes")?;
     let workload = match crate::workload::controller_owner(pod.owner_references()) {
         Some(o) => {
             crate::workload::read_workload(client, namespace, &o.api_version, &o.kind, &o.name)

@@ -342,15 +342,7 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
     let ns = namespace(c, "e2e-chart").await;
     let name = format!("{release}-persistent-pod-state");
     // The seeds' StatefulSet, recorded under the kustomize installation.
-    let sts = statefulset(
-        "web",
-        2,
-        &[
-            ("kruise.io/auto-generate-persistent-pod-state", "true"),
-            ("kruise.io/required-persistent-topology", HOST),
-            ("kruise.io/preferred-persistent-topology", HOST),
-        ],
-    );
+    let sts = pinned_statefulset("web", 2);
     let (before, _) = start_recorded(c, &ns, &sts).await;
     let sts_uid = Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(c.clone(), &ns)
         .get("web")
@@ -388,16 +380,26 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
         "customWorkloads[0].resource=rings",
     ];
     let chart = chart();
-    let mut install = vec![
-        "install",
-        release,
-        chart.to_str().expect("path"),
-        "-n",
-        &release_ns,
-        "--wait",
-        "--timeout",
-        "120s",
-    ];
+    let chart = chart.to_str().expect("path");
+    // `helm VERB` of the release (the chart after the verb but for uninstall), waiting for its
+    // objects.
+    let verb = |verb| {
+        let mut args = vec![
+            verb,
+            release,
+            chart,
+            "-n",
+            &release_ns,
+            "--wait",
+            "--timeout",
+            "120s",
+        ];
+        if verb == "uninstall" {
+            args.remove(2);
+        }
+        args
+    };
+    let mut install = verb("install");
     for s in &common {
         install.extend(["--set", s]);
     }
@@ -467,22 +469,15 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
 
     // An upgrade with changed values while pods are created.
     creator.phase("upgrading");
-    let mut upgrade = vec![
-        "upgrade",
-        release,
-        chart.to_str().expect("path"),
-        "-n",
-        &release_ns,
-        "--wait",
-        "--timeout",
-        "120s",
+    let mut upgrade = verb("upgrade");
+    upgrade.extend([
         "--set",
         "webhook.timeoutSeconds=7",
         "--set",
         "replicaCount=3",
         "--set",
         "nodeLostAfter=60s",
-    ];
+    ]);
     for s in &common[..4] {
         upgrade.extend(["--set", s]);
     }
@@ -503,19 +498,7 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
     // Uninstall: the hook (a Job of the project's image, run by the fake kubelet as its
     // ServiceAccount) removes the registrations first.
     creator.phase("uninstalling");
-    let (ok, out) = helm(
-        &env,
-        &[
-            "uninstall",
-            release,
-            "-n",
-            &release_ns,
-            "--wait",
-            "--timeout",
-            "120s",
-        ],
-    )
-    .await;
+    let (ok, out) = helm(&env, &verb("uninstall")).await;
     assert!(ok, "helm uninstall: {out}");
     creator.phase("uninstalled");
     assert!(mutating.get_opt(&name).await.expect("get").is_none());

@@ -20,18 +20,6 @@ fn pinned_to(pod: &Pod) -> Option<String> {
         .cloned()
 }
 
-fn required_host(name: &str) -> k8s_openapi::api::apps::v1::StatefulSet {
-    statefulset(
-        name,
-        1,
-        &[
-            ("kruise.io/auto-generate-persistent-pod-state", "true"),
-            ("kruise.io/required-persistent-topology", HOST),
-            ("kruise.io/preferred-persistent-topology", HOST),
-        ],
-    )
-}
-
 /// A pod re-created a moment after its node went unreachable stays pinned to it (the grace
 /// period `--node-lost-after` holds with the controller's taints and conditions), waits, and
 /// comes back to its node when the kubelet returns.
@@ -40,7 +28,7 @@ async fn a_short_outage_keeps_the_pin_and_the_pod_returns_to_its_node() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-short-outage").await;
-    let (placed, _) = start_recorded(c, &ns, &required_host("brief")).await;
+    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("brief", 1)).await;
     let node = placed["brief-0"].node.clone();
     let kubelet = kubelet_dies(c, &node).await;
     // As an operator does for a pod on a node that does not answer.
@@ -73,7 +61,7 @@ async fn an_out_of_service_node_is_lost_at_once() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-out-of-service").await;
-    let (placed, _) = start_recorded(c, &ns, &required_host("oos")).await;
+    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("oos", 1)).await;
     let node = placed["oos-0"].node.clone();
     let kubelet = kubelet_dies(c, &node).await;
     let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
@@ -116,7 +104,7 @@ async fn a_node_replaced_under_its_name_is_reported() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-node-replaced").await;
-    let (placed, states) = start_recorded(c, &ns, &required_host("repl")).await;
+    let (placed, states) = start_recorded(c, &ns, &pinned_statefulset("repl", 1)).await;
     let node = placed["repl-0"].node.clone();
     let nodes: Api<Node> = Api::all(c.clone());
     let old_uid = nodes.get(&node).await.expect("node").uid();
@@ -178,7 +166,7 @@ async fn a_pod_stranded_after_admission_is_released_and_runs_elsewhere() {
     let c = &env.client;
     let lost_after = lost_after(&env);
     let ns = namespace(c, "e2e-release").await;
-    let (placed, _) = start_recorded(c, &ns, &required_host("stuck")).await;
+    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("stuck", 1)).await;
     let node = placed["stuck-0"].node.clone();
     let before = scrape(&env).await;
     let kubelet = kubelet_dies(c, &node).await;
@@ -257,7 +245,7 @@ async fn a_pod_pinned_to_a_node_deleted_after_admission_is_released_at_once() {
     let c = &env.client;
     let lost_after = lost_after(&env);
     let ns = namespace(c, "e2e-release-deleted").await;
-    let (placed, _) = start_recorded(c, &ns, &required_host("del")).await;
+    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("del", 1)).await;
     let node = placed["del-0"].node.clone();
     let kubelet = kubelet_dies(c, &node).await;
     let first_uid = force_delete_pod(c, &ns, "del-0").await;

@@ -31,15 +31,7 @@ async fn observe_mode_reports_exactly_what_the_active_mode_injects() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-observe").await;
-    let sts = statefulset(
-        "web",
-        2,
-        &[
-            ("kruise.io/auto-generate-persistent-pod-state", "true"),
-            ("kruise.io/required-persistent-topology", HOST),
-            ("kruise.io/preferred-persistent-topology", HOST),
-        ],
-    );
+    let sts = pinned_statefulset("web", 2);
     let (before, _) = start_recorded(c, &ns, &sts).await;
 
     // Active: web-0 re-created is steered back.

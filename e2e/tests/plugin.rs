@@ -109,63 +109,38 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     );
 
     let ns = namespace(c, "e2e-plugin").await;
-    let sts = statefulset(
-        "web",
-        2,
-        &[
-            ("kruise.io/auto-generate-persistent-pod-state", "true"),
-            ("kruise.io/required-persistent-topology", HOST),
-            ("kruise.io/preferred-persistent-topology", HOST),
-        ],
-    );
+    let sts = pinned_statefulset("web", 2);
     let (before, _) = start_recorded(c, &ns, &sts).await;
 
     // status: -n, -o json|yaml|wide, -A, --context.
-    let status = |extra: &'static [&'static str]| {
-        let (env, path, ns) = (&env, &path, ns.clone());
-        async move {
-            let mut args = vec!["pps", "status", "-n", ns.as_str()];
-            args.extend(extra);
-            let (ok, out, err) = kubectl_pps(env, path, &args).await;
-            assert!(ok, "kubectl {args:?}: {err}");
-            out
-        }
-    };
-    let rows: Value = serde_json::from_str(&status(&["-o", "json"]).await).expect("json");
+    let rows = status_json(&env, &path, &ns, &[]).await;
     let web = row(&rows, &ns, "web").expect("web's row");
     assert_eq!(web["target"], "StatefulSet/web");
     assert_eq!(web["recorded"], 2);
     assert_eq!(web["unplaceable"], serde_json::json!([]));
-    let yaml = yaml_documents(&status(&["-o", "yaml"]).await);
+    let yaml = yaml_documents(&pps(&env, &path, &["status", "-n", &ns, "-o", "yaml"]).await);
     assert_eq!(yaml[0][0]["name"], "web", "{yaml:?}");
-    let table = status(&[]).await;
+    let table = pps(&env, &path, &["status", "-n", &ns]).await;
     let header = table.lines().next().expect("header");
     assert!(
         header.starts_with("NAMESPACE") && header.contains("RECORDED"),
         "{table}"
     );
+    let cells = [ns.as_str(), "web", "StatefulSet/web", "2"];
     assert!(
-        table.lines().any(|l| l.split_whitespace().take(4).eq([
-            ns.as_str(),
-            "web",
-            "StatefulSet/web",
-            "2"
-        ])),
+        table
+            .lines()
+            .any(|l| l.split_whitespace().take(4).eq(cells)),
         "{table}"
     );
-    let wide = status(&["-o", "wide"]).await;
-    assert!(
-        wide.lines()
-            .next()
-            .is_some_and(|h| h.contains("RELEASED-PODS")),
-        "{wide}"
-    );
-    let (ok, all, err) = kubectl_pps(&env, &path, &["pps", "status", "-A", "-o", "json"]).await;
-    assert!(ok, "{err}");
-    let all: Value = serde_json::from_str(&all).expect("json");
+    let wide = pps(&env, &path, &["status", "-n", &ns, "-o", "wide"]).await;
+    let wide_header = wide.lines().next().unwrap_or_default();
+    assert!(wide_header.contains("RELEASED-PODS"), "{wide}");
+    let all: Value = serde_json::from_str(&pps(&env, &path, &["status", "-A", "-o", "json"]).await)
+        .expect("json");
     assert!(row(&all, &ns, "web").is_some(), "-A lists every namespace");
-    let context = status(&["--context", "local", "-o", "json"]).await;
-    assert!(context.contains("StatefulSet/web"));
+    let context = status_json(&env, &path, &ns, &["--context", "local"]).await;
+    assert!(row(&context, &ns, "web").is_some(), "--context");
     let (ok, _, err) = kubectl_pps(&env, &path, &["pps", "status", "--context", "nope"]).await;
     assert!(
         !ok && err.contains("nope"),
@@ -173,16 +148,9 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     );
 
     // explain: text and -o json.
-    let (ok, text, err) = kubectl_pps(&env, &path, &["pps", "explain", "web-0", "-n", &ns]).await;
-    assert!(ok, "{err}");
+    let text = pps(&env, &path, &["explain", "web-0", "-n", &ns]).await;
     assert!(text.contains("web"), "{text}");
-    let (ok, json, err) = kubectl_pps(
-        &env,
-        &path,
-        &["pps", "explain", "web-0", "-n", &ns, "-o", "json"],
-    )
-    .await;
-    assert!(ok, "{err}");
+    let json = pps(&env, &path, &["explain", "web-0", "-n", &ns, "-o", "json"]).await;
     let explained: Value = serde_json::from_str(&json).expect("json");
     assert_eq!(explained["persistentPodState"], "web", "{explained}");
 
@@ -213,25 +181,13 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
         (p.uid()? != old && unscheduled).then(|| p.uid())?
     })
     .await;
-    let (ok, said, err) = kubectl_pps(
-        &env,
-        &path,
-        &["pps", "release", "web-0", "-n", &ns, "--dry-run"],
-    )
-    .await;
-    assert!(ok, "{err}");
+    let said = pps(&env, &path, &["release", "web-0", "-n", &ns, "--dry-run"]).await;
     assert!(said.contains("web-0"), "{said}");
     assert_eq!(
         pods.get("web-0").await.expect("pod").uid(),
         Some(waiting.clone())
     );
-    let (ok, said, err) = kubectl_pps(
-        &env,
-        &path,
-        &["pps", "release", "web-0", "-n", &ns, "-o", "json"],
-    )
-    .await;
-    assert!(ok, "{err}");
+    let said = pps(&env, &path, &["release", "web-0", "-n", &ns, "-o", "json"]).await;
     let _: Value = serde_json::from_str(&said).expect("json");
     wait_for("web-0 released (deleted)", TIMEOUT, || async {
         let p = pods.get_opt("web-0").await.ok()?;
@@ -256,10 +212,17 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     delete_namespace(c, &ns).await;
 }
 
-async fn status_json(env: &Env, path: &Path, ns: &str, extra: &[&str]) -> Value {
-    let mut args = vec!["pps", "status", "-n", ns, "-o", "json"];
-    args.extend(extra);
+/// `kubectl pps ARGS`, which must succeed: its standard output.
+async fn pps(env: &Env, path: &Path, args: &[&str]) -> String {
+    let args: Vec<&str> = ["pps"].iter().chain(args).copied().collect();
     let (ok, out, err) = kubectl_pps(env, path, &args).await;
     assert!(ok, "kubectl {args:?}: {err}");
-    serde_json::from_str(&out).expect("json")
+    out
+}
+
+/// `kubectl pps status -n NS -o json EXTRA...`, parsed.
+async fn status_json(env: &Env, path: &Path, ns: &str, extra: &[&str]) -> Value {
+    let mut args = vec!["status", "-n", ns, "-o", "json"];
+    args.extend(extra);
+    serde_json::from_str(&pps(env, path, &args).await).expect("json")
 }

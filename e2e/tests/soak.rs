@@ -354,15 +354,7 @@ async fn a_random_schedule_of_faults_keeps_every_invariant() {
     let mut rng = Rng(seed);
     let ns = namespace(c, "e2e-soak").await;
     for (name, replicas) in SETS {
-        let sts = statefulset(
-            name,
-            replicas,
-            &[
-                ("kruise.io/auto-generate-persistent-pod-state", "true"),
-                ("kruise.io/required-persistent-topology", HOST),
-                ("kruise.io/preferred-persistent-topology", HOST),
-            ],
-        );
+        let sts = pinned_statefulset(name, replicas);
         start_recorded(c, &ns, &sts).await;
     }
     let lost_after = {
@@ -469,8 +461,23 @@ async fn a_random_schedule_of_faults_keeps_every_invariant() {
     // At the end every pod runs and every live ordinal's state is there.
     println!("faults over; the cluster now:");
     report(&env, &ns).await;
+    // Sampled meanwhile, so that a stalled scheduler is seen and restarted here too.
+    let settle_by = Instant::now() + TIMEOUT + STALL + Duration::from_secs(30);
+    loop {
+        watch.sample(&env, &ns, bound).await;
+        let mut all = true;
+        for (name, replicas) in SETS {
+            all &= sts_rolled(c, &ns, name, replicas).await;
+        }
+        if all {
+            break;
+        }
+        assert!(
+            Instant::now() < settle_by,
+            "the StatefulSets did not settle after the faults"
+        );
+    }
     for (name, replicas) in SETS {
-        wait_sts_rolled(c, &ns, name, replicas).await;
         let names: Vec<String> = pod_names(name, replicas);
         wait_recorded(c, &ns, name, &names, name).await;
     }

@@ -139,6 +139,20 @@ pub async fn namespace(client: &Client, name: &str) -> String {
     name.to_owned()
 }
 
+/// A StatefulSet whose generated PersistentPodState pins its pods to their node (required and
+/// preferred hostname).
+pub fn pinned_statefulset(name: &str, replicas: i32) -> StatefulSet {
+    statefulset(
+        name,
+        replicas,
+        &[
+            ("kruise.io/auto-generate-persistent-pod-state", "true"),
+            ("kruise.io/required-persistent-topology", HOST),
+            ("kruise.io/preferred-persistent-topology", HOST),
+        ],
+    )
+}
+
 /// A StatefulSet like the seeds' echoserver, with `annotations` on the workload.
 pub fn statefulset(name: &str, replicas: i32, annotations: &[(&str, &str)]) -> StatefulSet {
     let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
@@ -169,23 +183,32 @@ pub async fn create_sts(client: &Client, ns: &str, sts: &StatefulSet) {
         .expect("create statefulset");
 }
 
+/// Whether the StatefulSet `name` has `replicas` Ready pods, all of its current revision.
+pub async fn sts_rolled(client: &Client, ns: &str, name: &str, replicas: i32) -> bool {
+    let Ok(sts) = Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .get(name)
+        .await
+    else {
+        return false;
+    };
+    let Some(status) = sts.status else {
+        return false;
+    };
+    let generation_seen = status.observed_generation == sts.metadata.generation;
+    let rolled =
+        status.update_revision.is_some() && status.current_revision == status.update_revision;
+    let counts = status.ready_replicas.unwrap_or(0) == replicas
+        && status.replicas == replicas
+        && status.updated_replicas.unwrap_or(0) == replicas;
+    generation_seen && rolled && counts
+}
+
 /// Waits until the StatefulSet has `replicas` Ready pods, all of its current revision.
 pub async fn wait_sts_rolled(client: &Client, ns: &str, name: &str, replicas: i32) {
-    let api: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
     wait_for(
         &format!("statefulset {ns}/{name} to have {replicas} ready pods of its revision"),
         TIMEOUT,
-        || async {
-            let sts = api.get(name).await.ok()?;
-            let status = sts.status?;
-            let generation_seen = status.observed_generation == sts.metadata.generation;
-            let rolled = status.update_revision.is_some()
-                && status.current_revision == status.update_revision;
-            let counts = status.ready_replicas.unwrap_or(0) == replicas
-                && status.replicas == replicas
-                && status.updated_replicas.unwrap_or(0) == replicas;
-            (generation_seen && rolled && counts).then_some(())
-        },
+        || async { sts_rolled(client, ns, name, replicas).await.then_some(()) },
     )
     .await;
 }

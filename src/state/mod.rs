@@ -153,6 +153,20 @@ impl Caches {
         Self::build(None)
     }
 
+    /// Caches holding the cluster's nodes as listed once now (the commands that judge nodes
+    /// without watching: `explain`, `release`, `kubectl pps status`).
+    pub async fn with_nodes(client: &Client) -> Result<Arc<Self>, kube::Error> {
+        let caches = Self::new();
+        let nodes = Api::<Node>::all(client.clone())
+            .list(&kube::api::ListParams::default())
+            .await?;
+        for n in nodes.items {
+            caches.apply_node(watcher::Event::InitApply(n));
+        }
+        caches.apply_node(watcher::Event::InitDone);
+        Ok(caches)
+    }
+
     /// Starts the watches of PersistentPodStates, Pods, Nodes and native StatefulSets, and
     /// returns the caches; more workload kinds can be added with [`Caches::add_workload_kind`].
     pub fn start(client: &Client) -> Arc<Self> {
