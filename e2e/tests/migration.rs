@@ -115,20 +115,6 @@ impl Drop for Switch {
     }
 }
 
-async fn kubectl(args: &[&str]) -> (bool, String) {
-    let out = tokio::process::Command::new("kubectl")
-        .args(args)
-        .output()
-        .await
-        .expect("kubectl runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
 #[tokio::test]
 async fn objects_upstream_accepted_keep_working_after_switching() {
     let env = env().await;
@@ -197,7 +183,12 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
     // Under upstream's CRD, web-a (stored as v1beta1) holds a retention policy its v1beta1
     // enum does not allow. From 1.30 the API server ratchets its schema validation (an unchanged
     // invalid field does not block an update); before, the object could not be written again.
-    let (ok, out) = kubectl(&["-n", &ns, "label", "pps", "web-a", "era=openkruise"]).await;
+    let (ok, out) = kubectl(
+        &env,
+        &["-n", &ns, "label", "pps", "web-a", "era=openkruise"],
+        None,
+    )
+    .await;
     if server_minor(c).await >= 30 {
         assert!(ok, "the API server ratchets the unchanged enum: {out}");
     } else {
@@ -249,7 +240,12 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
 
     // Metadata updates pass (ratcheting); a change of a field to an invalid value does not.
     for name in ["web-a", "web-b"] {
-        let (ok, out) = kubectl(&["-n", &ns, "label", "pps", name, "team=storage"]).await;
+        let (ok, out) = kubectl(
+            &env,
+            &["-n", &ns, "label", "pps", name, "team=storage"],
+            None,
+        )
+        .await;
         assert!(ok, "kubectl label pps {name}: {out}");
     }
     // A spec change that leaves the out-of-range fields (weight 0, an empty key list, an empty

@@ -1094,7 +1094,11 @@ pub async fn kubectl(env: &Env, args: &[&str], stdin: Option<&str>) -> (bool, St
         .await
         .expect("write stdin");
     drop(input);
-    let out = child.wait_with_output().await.expect("kubectl ends");
+    combined(&child.wait_with_output().await.expect("kubectl ends"))
+}
+
+/// Whether a finished command succeeded, and its output (stdout then stderr).
+fn combined(out: &std::process::Output) -> (bool, String) {
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -1116,12 +1120,7 @@ pub async fn helm(env: &Env, args: &[&str]) -> (bool, String) {
         .output()
         .await
         .expect("helm runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    combined(&out)
 }
 
 /// The YAML documents of `text` (a multi-document stream), empty ones left out.
