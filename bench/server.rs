@@ -1,8 +1,9 @@
 //! bench-server: the webhook's HTTPS serving path (the same router, serving loop, TLS and
 //! decision as `serve`) over caches filled with a synthetic cluster, without a cluster.
 //!
-//! `bench-server --listen ADDR --cert-dir DIR [--pps N] [--states N] [--nodes N]` writes a
-//! certificate for 127.0.0.1 into DIR (ca.crt for clients) and serves until SIGTERM/SIGINT.
+//! `bench-server --listen ADDR --cert-dir DIR [--pps N] [--states N] [--nodes N] [--kruise]`
+//! writes a certificate for 127.0.0.1 into DIR (ca.crt for clients) and serves until
+//! SIGTERM/SIGINT; with `--kruise` the PersistentPodStates target Advanced StatefulSets.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +30,7 @@ async fn main() -> anyhow::Result<()> {
     let number = |name: &str, default: usize| -> anyhow::Result<usize> {
         flag(&args, name).map_or(Ok(default), |v| v.parse().context(name.to_owned()))
     };
+    let kruise = args.iter().any(|a| a == "--kruise");
     let (pps, states, nodes) = (
         number("--pps", 10_000)?,
         number("--states", 100_000)?,
@@ -48,9 +50,12 @@ async fn main() -> anyhow::Result<()> {
     let per_pps = (states / pps.max(1)).max(1);
     caches.apply_pps(watcher::Event::Init);
     for i in 0..pps {
-        caches.apply_pps(watcher::Event::InitApply(serde_json::from_value(
-            persistent_pod_state::synthetic::pps(i, per_pps, nodes),
-        )?));
+        let pps = if kruise {
+            persistent_pod_state::synthetic::kruise_pps(i, per_pps, nodes)
+        } else {
+            persistent_pod_state::synthetic::pps(i, per_pps, nodes)
+        };
+        caches.apply_pps(watcher::Event::InitApply(serde_json::from_value(pps)?));
     }
     caches.apply_pps(watcher::Event::InitDone);
     caches.apply_node(watcher::Event::Init);

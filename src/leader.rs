@@ -283,6 +283,57 @@ async fn release(api: &Api<Lease>, config: &LeaseConfig) {
     }
 }
 
+/// A watch of the Lease that wakes a candidate whenever it is released or deleted; stopped
+/// when dropped.
+struct Released {
+    notify: Arc<tokio::sync::Notify>,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+/// Whether `lease` is free to take: no holder.
+fn is_free(lease: &Lease) -> bool {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_deref())
+        .is_none_or(str::is_empty)
+}
+
+/// Starts watching the Lease for its release.
+fn watch_released(api: &Api<Lease>, config: &LeaseConfig) -> Released {
+    use futures::StreamExt as _;
+    use kube::runtime::{WatchStreamExt as _, watcher};
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let events = watcher(
+        api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={}", config.name)),
+    )
+    .default_backoff();
+    let wake = notify.clone();
+    let watch = tokio::spawn(async move {
+        tokio::pin!(events);
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease))
+                    if is_free(&lease) =>
+                {
+                    wake.notify_one();
+                }
+                Ok(watcher::Event::Delete(_)) => wake.notify_one(),
+                Ok(_) => {}
+                Err(error) => tracing::debug!(%error, "watching the Lease; retrying"),
+            }
+        }
+    });
+    Released { notify, watch }
+}
+
 /// How the controllers ended.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Ended {
@@ -311,6 +362,7 @@ where
 {
     let api: Api<Lease> = Api::namespaced(client, &config.namespace);
     let mut elector = Elector::default();
+    let mut released: Option<Released> = None;
     // An API call may take at most this long: a hung call cannot outlive the renew deadline.
     let call_timeout = config
         .renew_deadline
@@ -326,8 +378,12 @@ where
         match held {
             Ok(Ok(true)) => {}
             Ok(Ok(false)) => {
+                // Someone else holds it: besides looking every retry period, watch the Lease,
+                // so that a release (a holder shutting down) is taken at once.
+                let released = released.get_or_insert_with(|| watch_released(&api, &config));
                 tokio::select! {
                     () = tokio::time::sleep(config.retry_period) => continue,
+                    () = released.notify.notified() => continue,
                     () = shutdown.cancelled() => return Ended::Shutdown,
                 }
             }

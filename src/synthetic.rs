@@ -46,6 +46,20 @@ pub fn node(j: usize) -> Value {
                                       "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
 }
 
+/// The pod an Advanced StatefulSet (`apps.kruise.io/v1beta1`) `web-i` creates for ordinal 0.
+pub fn kruise_pod(i: usize) -> Value {
+    let mut pod = pod(i);
+    pod["metadata"]["ownerReferences"][0]["apiVersion"] = json!("apps.kruise.io/v1beta1");
+    pod
+}
+
+/// PersistentPodState `i` of [`pps`] for the Advanced StatefulSet `web-i`.
+pub fn kruise_pps(i: usize, states: usize, nodes: usize) -> Value {
+    let mut object = pps(i, states, nodes);
+    object["spec"]["targetRef"]["apiVersion"] = json!("apps.kruise.io/v1beta1");
+    object
+}
+
 /// The pod StatefulSet `web-i` creates for ordinal 0, as the API server sends it to a webhook.
 pub fn pod(i: usize) -> Value {
     let ns = format!("ns-{}", i % NAMESPACES);
@@ -96,7 +110,11 @@ pub fn pod(i: usize) -> Value {
 
 /// The AdmissionReview of pod `i`'s creation, as the API server sends it.
 pub fn review(i: usize) -> Vec<u8> {
-    let pod = pod(i);
+    review_of(pod(i), i)
+}
+
+/// The AdmissionReview of `pod`'s creation (the `i`th review: its uid).
+pub fn review_of(pod: Value, i: usize) -> Vec<u8> {
     let ns = pod["metadata"]["namespace"].clone();
     serde_json::to_vec(&json!({
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
@@ -106,7 +124,7 @@ pub fn review(i: usize) -> Vec<u8> {
             "resource": {"group": "", "version": "v1", "resource": "pods"},
             "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
             "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": format!("web-{i}-0"), "namespace": ns, "operation": "CREATE",
+            "name": pod["metadata"]["name"].clone(), "namespace": ns, "operation": "CREATE",
             "userInfo": {"username": "system:serviceaccount:kube-system:statefulset-controller",
                          "uid": "a5f2f0a1-0b8e-4c1f-9a61-2c5b0a7e1d20",
                          "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"]},

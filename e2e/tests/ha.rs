@@ -114,6 +114,19 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
             .success()
     );
     let killed = Instant::now();
+    // Issue 22.4: a change made right after the kill is written by the new leader within the
+    // lease duration (and its look, a retry period) plus 2 s.
+    spec_change_written(c, &ns, "ha", "e2e.example/handover").await;
+    let first_write = killed.elapsed();
+    println!(
+        "leader killed (SIGKILL): the new leader's first status write {:.2}s after the kill",
+        first_write.as_secs_f64()
+    );
+    assert!(
+        first_write <= env.lease_duration + Duration::from_secs(2),
+        "first status write {first_write:?} after the kill (lease duration {:?} + 2 s)",
+        env.lease_duration
+    );
     wait_for(
         "the follower to hold the Lease",
         env.lease_duration + Duration::from_secs(10),
@@ -164,6 +177,115 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         (after.node.as_str(), after.ip.as_str()),
         (before["ha-0"].node.as_str(), before["ha-0"].ip.as_str())
     );
+
+    restart(&env, &leader);
+    wait_for("the restarted replica to be ready", TIMEOUT, || async {
+        (http_get(&format!("{}/readyz", leader.probe_url())).await.0 == 200).then_some(())
+    })
+    .await;
+    delete_namespace(c, &ns).await;
+}
+
+/// Changes what StatefulSet `sts` asks its generated PersistentPodState to keep (the pod
+/// annotations to persist, to `keys`, which its pods do not carry: the recorded states stay as
+/// they are): the generator rewrites the PersistentPodState's spec, and the recorder then writes
+/// its status (`observedGeneration`). Returns once that status is written, polled every 20 ms.
+async fn spec_change_written(c: &kube::Client, ns: &str, sts: &str, keys: &str) {
+    let pps = pps_api(c, ns);
+    // Reads go through the conversion webhook (this suite reads v1alpha1): right after a
+    // replica was killed one may fail (the load balancer tried the dead one); read again.
+    let before = wait_for("the PersistentPodState", TIMEOUT, || async {
+        pps.get(sts).await.ok()?.metadata.generation
+    })
+    .await;
+    Api::<StatefulSet>::namespaced(c.clone(), ns)
+        .patch(
+            sts,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {
+                "kruise.io/persistent-pod-annotations": keys}}})),
+        )
+        .await
+        .expect("annotate");
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let now = pps.get(sts).await.ok();
+        let generation = now
+            .as_ref()
+            .and_then(|p| p.metadata.generation)
+            .unwrap_or_default();
+        let observed = now
+            .as_ref()
+            .and_then(|p| p.status.as_ref())
+            .map(|s| s.observed_generation)
+            .unwrap_or_default();
+        if generation > before && observed == generation {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the status of {ns}/{sts} did not follow its new spec (generation {generation}, observed {observed})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 22.4: the leader stopped with SIGTERM releases the Lease on its way out; the other
+/// replica, watching the Lease, takes it at once, and its first status write (of a change made
+/// after the old leader had gone) comes within 2 s of the SIGTERM. Nothing recorded is lost.
+#[tokio::test]
+async fn a_leader_stopped_with_sigterm_hands_over_within_two_seconds() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-handover").await;
+    let (_, states_before) = start_recorded(
+        c,
+        &ns,
+        &statefulset(
+            "handover",
+            2,
+            &[
+                ("kruise.io/auto-generate-persistent-pod-state", "true"),
+                ("kruise.io/preferred-persistent-topology", HOST),
+            ],
+        ),
+    )
+    .await;
+    let (leader, follower) = leader_and_follower(&env).await;
+    let (pid, _) = replica_process(&env, &leader);
+    signal(&pid, "-TERM");
+    let stopped = Instant::now();
+    // The old leader has gone (so the write below can only be the new leader's).
+    wait_for("the old leader to exit", TIMEOUT, || async {
+        (!std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")))
+        .then_some(())
+    })
+    .await;
+    let exited = stopped.elapsed();
+    spec_change_written(c, &ns, "handover", "e2e.example/handover").await;
+    let written = stopped.elapsed();
+    let new_holder = holder(c).await;
+    println!(
+        "leader {} stopped (SIGTERM): exited after {:.2}s; {} wrote its first status {:.2}s after the SIGTERM",
+        leader.identity(),
+        exited.as_secs_f64(),
+        follower.identity(),
+        written.as_secs_f64()
+    );
+    assert_eq!(
+        new_holder.as_deref(),
+        Some(follower.identity().as_str()),
+        "the other replica holds the Lease"
+    );
+    assert!(
+        written <= Duration::from_secs(2),
+        "first status write of the new leader {written:?} after the SIGTERM (at most 2 s)"
+    );
+    let (_, states) =
+        wait_recorded(c, &ns, "handover", &pod_names("handover", 2), "handover").await;
+    assert_eq!(states, states_before, "nothing recorded was lost");
 
     restart(&env, &leader);
     wait_for("the restarted replica to be ready", TIMEOUT, || async {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::Response;
@@ -98,43 +98,33 @@ impl WebhookState {
     }
 }
 
-/// Answers 503 until the caches have synced, so the API server's failurePolicy decides rather
-/// than a silent "allowed" from empty caches.
-async fn require_synced(
-    State(state): State<Arc<WebhookState>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    if state.caches.is_synced() {
-        return next.run(request).await;
+/// Guards the routes that answer from the caches, in one layer: 403 to an admission request
+/// without a verified client certificate when `--client-ca` is set (checked first: an
+/// unauthenticated client learns nothing, not even whether we synced), then 503 until the
+/// caches have synced, so the API server's failurePolicy decides rather than a silent
+/// "allowed" from empty caches.
+async fn guard(State(state): State<Arc<WebhookState>>, request: Request, next: Next) -> Response {
+    if state.client_auth
+        && !request
+            .extensions()
+            .get::<ClientCertificate>()
+            .is_some_and(|c| c.verified)
+    {
+        state
+            .metrics
+            .refused(request.uri().path(), AdmissionResult::Forbidden);
+        return error_response(
+            StatusCode::FORBIDDEN,
+            "a client certificate signed by the configured CA is required",
+        );
     }
-    state
-        .metrics
-        .refused(request.uri().path(), AdmissionResult::Unavailable);
-    error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet")
-}
-
-/// Answers 403 to an admission request without a verified client certificate, when
-/// `--client-ca` is set.
-async fn require_client_cert(
-    State(state): State<Arc<WebhookState>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let verified = request
-        .extensions()
-        .get::<ClientCertificate>()
-        .is_some_and(|c| c.verified);
-    if !state.client_auth || verified {
-        return next.run(request).await;
+    if !state.caches.is_synced() {
+        state
+            .metrics
+            .refused(request.uri().path(), AdmissionResult::Unavailable);
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet");
     }
-    state
-        .metrics
-        .refused(request.uri().path(), AdmissionResult::Forbidden);
-    error_response(
-        StatusCode::FORBIDDEN,
-        "a client certificate signed by the configured CA is required",
-    )
+    next.run(request).await
 }
 
 /// The admission routes. Conversion needs no cache, so it is served from the first moment (the
@@ -143,15 +133,7 @@ pub fn router(state: Arc<WebhookState>) -> Router {
     let from_caches = Router::new()
         .route(endpoints::MUTATE_POD, post(mutate_pod::mutate_pod))
         .route(endpoints::VALIDATE_PPS, post(validate_pps::validate_pps))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            require_synced,
-        ))
-        // Outermost: an unauthenticated client learns nothing, not even whether we synced.
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            require_client_cert,
-        ));
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard));
     let limit = RequestLimit::new(
         OTHER_BUDGET,
         REQUEST_TIMEOUT,
@@ -168,7 +150,6 @@ pub fn router(state: Arc<WebhookState>) -> Router {
         .method_not_allowed_fallback(|| async {
             error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")
         })
-        .layer(DefaultBodyLimit::max(MAX_BODY))
         .route_layer(middleware::from_fn_with_state(limit, limit_requests))
         .with_state(state)
 }

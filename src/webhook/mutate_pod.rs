@@ -5,21 +5,18 @@
 //! The webhook publishes Events (its `sideEffects` is `NoneOnDryRun`): a dry-run request gets
 //! exactly the answer a real one would, but publishes nothing.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::Response;
-use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, Pod, PodSpec, Toleration};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::runtime::events::EventType;
-use serde::Deserialize;
 
 use super::admit::{
     CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide,
 };
 use super::inject::Injection;
 use super::review::{Admission, AdmissionRequest, Review};
+pub use super::review::{ReadPod, decode_pod};
 use super::{WebhookState, endpoints};
 use crate::api::{PersistentPodState, json_error_summary};
 use crate::ip_request::IpDecision;
@@ -51,70 +48,6 @@ pub enum Outcome {
     Decided(Box<Decision>),
 }
 
-/// The metadata the decision reads.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ReadMeta {
-    name: Option<String>,
-    generate_name: Option<String>,
-    namespace: Option<String>,
-    annotations: Option<BTreeMap<String, String>>,
-    owner_references: Option<Vec<OwnerReference>>,
-}
-
-/// The affinity the decision reads: node affinity (the rest is only noticed as present).
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ReadAffinity {
-    node_affinity: Option<NodeAffinity>,
-}
-
-/// The spec fields the decision reads: what the pod demands of a node.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ReadSpec {
-    node_selector: Option<BTreeMap<String, String>>,
-    affinity: Option<ReadAffinity>,
-    tolerations: Option<Vec<Toleration>>,
-}
-
-#[derive(Deserialize)]
-struct ReadPod {
-    metadata: Option<ReadMeta>,
-    spec: Option<ReadSpec>,
-}
-
-/// Decodes of a pod only what the decision reads (metadata naming it and its owner, its
-/// annotations, and its node selector, node affinity and tolerations), skipping the rest of
-/// the object (containers, volumes, managed fields) without building it: the decode is most of
-/// an admission's cost. The patch only adds to what the pod has, so nothing skipped is lost.
-pub fn decode_pod(object: &str) -> Result<Pod, serde_json::Error> {
-    let read: ReadPod = serde_json::from_str(object)?;
-    let metadata = read
-        .metadata
-        .map_or_else(ObjectMeta::default, |m| ObjectMeta {
-            name: m.name,
-            generate_name: m.generate_name,
-            namespace: m.namespace,
-            annotations: m.annotations,
-            owner_references: m.owner_references,
-            ..ObjectMeta::default()
-        });
-    Ok(Pod {
-        metadata,
-        spec: read.spec.map(|s| PodSpec {
-            node_selector: s.node_selector,
-            affinity: s.affinity.map(|a| Affinity {
-                node_affinity: a.node_affinity,
-                ..Affinity::default()
-            }),
-            tolerations: s.tolerations,
-            ..PodSpec::default()
-        }),
-        status: None,
-    })
-}
-
 /// Filters the review (a Pod CREATE without subresource), decodes the pod (once, from the
 /// request body) and decides.
 pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
@@ -127,7 +60,11 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     if let Some(t) = request.too_complex {
         return Outcome::Invalid(t.message());
     }
-    let mut pod = match request.object().map(decode_pod) {
+    let decoded = match request.pod() {
+        Some(pod) => Some(Ok(pod.clone())),
+        None => request.object().map(decode_pod),
+    };
+    let mut pod = match decoded {
         Some(Ok(pod)) => pod,
         Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
         None => return Outcome::Invalid("the request carries no object".into()),
@@ -147,7 +84,9 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
 /// Answers one pod AdmissionReview.
 pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
     let Review { request, received } = review;
-    let span = tracing::info_span!("admission", uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(), name = %request.name);
+    // At debug only: an info span costs every review its fields' formatting; the few events
+    // above debug on this path name the review themselves.
+    let span = tracing::debug_span!("admission", uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(), name = %request.name);
     let _entered = span.enter();
     let lookup = state.lookup();
     let mut outcome = admit(&request, &lookup);
@@ -160,7 +99,7 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     {
         outcome = admit(&request, &lookup);
     }
-    let (answer, result) = respond(&state, request.dry_run, outcome);
+    let (answer, result) = respond(&state, &request, outcome);
     state
         .metrics
         .admission(endpoints::MUTATE_POD, result, received);
@@ -210,11 +149,17 @@ fn skipped(state: &WebhookState, reason: SkipReason) -> (Admission, AdmissionRes
     (Admission::allow(), AdmissionResult::Allowed)
 }
 
-fn respond(state: &WebhookState, dry_run: bool, outcome: Outcome) -> (Admission, AdmissionResult) {
+fn respond(
+    state: &WebhookState,
+    request: &AdmissionRequest,
+    outcome: Outcome,
+) -> (Admission, AdmissionResult) {
+    let dry_run = request.dry_run;
     let decision = match outcome {
         Outcome::NotPodCreate => return skipped(state, SkipReason::NotPodCreate),
         Outcome::Invalid(error) => {
-            tracing::warn!(%error, "object is not a readable Pod; allowed without patch");
+            tracing::warn!(uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(),
+                name = %request.name, %error, "object is not a readable Pod; allowed without patch");
             return (Admission::allow(), AdmissionResult::InvalidObject);
         }
         Outcome::Decided(decision) => decision,
@@ -245,7 +190,8 @@ fn respond(state: &WebhookState, dry_run: bool, outcome: Outcome) -> (Admission,
             (patched, AdmissionResult::Patched)
         }
         Err(error) => {
-            tracing::error!(%error, "could not serialize the patch; allowing without it");
+            tracing::error!(uid = %request.uid, namespace = %decision.namespace, pod = %decision.pod,
+                %error, "could not serialize the patch; allowing without it");
             (Admission::allow(), AdmissionResult::Allowed)
         }
     }
@@ -310,7 +256,7 @@ fn observed(
 }
 
 /// Counts the IP request, or why none was made.
-fn count_ip(state: &WebhookState, ip: &IpDecision) {
+fn count_ip(state: &WebhookState, decision: &Decision, ip: &IpDecision) {
     let m = &state.metrics;
     let result = match ip {
         IpDecision::NotAsked => return,
@@ -324,7 +270,8 @@ fn count_ip(state: &WebhookState, ip: &IpDecision) {
                 .get_or_create(&IpSkipLabels { reason: *reason })
                 .inc();
             // The detail may quote a tenant's annotation value: below info only.
-            tracing::info!(reason = reason.describe(), "recorded IPs not requested");
+            tracing::info!(namespace = %decision.namespace, pod = %decision.pod,
+                reason = reason.describe(), "recorded IPs not requested");
             tracing::debug!(%detail, "why the recorded IPs were not requested");
             IpRequestResult::Skipped
         }
@@ -368,14 +315,16 @@ fn report(
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
-        tracing::warn!(pps = pps.metadata.name.as_deref().unwrap_or_default(),
+        tracing::warn!(namespace = %decision.namespace, pod = %decision.pod,
+            pps = pps.metadata.name.as_deref().unwrap_or_default(),
             values = %values.join(","), reason = dropped.reason.describe(),
             "recorded required values left out so the pod is not stranded");
     }
-    count_ip(state, ip);
+    count_ip(state, decision, ip);
     for c in &injection.conflicts {
         m.injection_conflicts.inc();
-        tracing::info!(key = %c.key, "pod sets its own nodeSelector value; recorded value not injected");
+        tracing::info!(namespace = %decision.namespace, pod = %decision.pod, key = %c.key,
+            "pod sets its own nodeSelector value; recorded value not injected");
     }
     let Some(events) = state.events.as_ref().filter(|_| !dry_run) else {
         return;
@@ -446,7 +395,9 @@ mod tests {
     use super::*;
     use crate::placement::{self, PodDemands};
     use crate::workload::pod_workload;
+    use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
+    use std::collections::BTreeMap;
 
     /// A parsed request for `object` (absent when `None`).
     fn request(
@@ -529,7 +480,7 @@ mod tests {
                 ..WebhookState::over(server.caches.clone())
             };
             let outcome = admit(&create, &lookup);
-            let (answer, result) = respond(&server, false, outcome);
+            let (answer, result) = respond(&server, &create, outcome);
             assert_eq!(result, want);
             assert!(answer.allowed);
             let observed = server

@@ -27,6 +27,9 @@ use serde_json::{Value, json};
 use super::{WebhookState, endpoints};
 use crate::api::json_error_summary;
 use crate::metrics::AdmissionResult;
+use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, Pod, PodSpec, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use std::collections::BTreeMap;
 
 /// The AdmissionReview versions answered (the request's is echoed).
 const ADMISSION_VERSIONS: [&str; 2] = ["admission.k8s.io/v1", "admission.k8s.io/v1beta1"];
@@ -60,9 +63,10 @@ impl Gvk {
     }
 }
 
+/// A request as read: the object as `O` (raw, or decoded in the same pass).
 #[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct RawRequest<'a> {
+#[serde(rename_all = "camelCase", bound(deserialize = "O: Deserialize<'de>"))]
+struct RawRequest<'a, O> {
     #[serde(default, deserialize_with = "lenient")]
     uid: Option<String>,
     #[serde(default, deserialize_with = "lenient")]
@@ -77,19 +81,19 @@ struct RawRequest<'a> {
     operation: Option<String>,
     #[serde(default, deserialize_with = "lenient")]
     dry_run: Option<bool>,
-    #[serde(default, borrow)]
-    object: Option<&'a RawValue>,
+    #[serde(default)]
+    object: Option<O>,
     #[serde(default, borrow)]
     old_object: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct RawReview<'a> {
+#[serde(rename_all = "camelCase", bound(deserialize = "O: Deserialize<'de>"))]
+struct RawReview<'a, O> {
     #[serde(default, deserialize_with = "lenient")]
     api_version: Option<String>,
     #[serde(default, borrow)]
-    request: Option<RawRequest<'a>>,
+    request: Option<RawRequest<'a, O>>,
 }
 
 /// An admission request: what the handlers read of it. The request body is kept, and the
@@ -118,6 +122,8 @@ pub struct AdmissionRequest {
     body: Bytes,
     object: Option<std::ops::Range<usize>>,
     old_object: Option<std::ops::Range<usize>>,
+    /// The object, when it was decoded as a pod in the review's own pass ([`parse_pod`]).
+    pod: Option<Pod>,
 }
 
 impl AdmissionRequest {
@@ -131,10 +137,87 @@ impl AdmissionRequest {
         self.slice(self.object.as_ref())
     }
 
+    /// The object decoded as a pod in the review's pass ([`parse_pod`]); otherwise absent, and
+    /// [`Self::object`] holds it raw.
+    pub fn pod(&self) -> Option<&Pod> {
+        self.pod.as_ref()
+    }
+
     /// The old object as sent (absent when missing or null), as JSON text.
     pub fn old_object(&self) -> Option<&str> {
         self.slice(self.old_object.as_ref())
     }
+}
+
+/// The metadata the decision reads.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadMeta {
+    name: Option<String>,
+    generate_name: Option<String>,
+    namespace: Option<String>,
+    annotations: Option<BTreeMap<String, String>>,
+    owner_references: Option<Vec<OwnerReference>>,
+}
+
+/// The affinity the decision reads: node affinity (the rest is only noticed as present).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadAffinity {
+    node_affinity: Option<NodeAffinity>,
+}
+
+/// The spec fields the decision reads: what the pod demands of a node.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReadSpec {
+    node_selector: Option<BTreeMap<String, String>>,
+    affinity: Option<ReadAffinity>,
+    tolerations: Option<Vec<Toleration>>,
+}
+
+/// What the decision reads of a pod, as decoded ([`decode_pod`], or in the review's own pass).
+#[derive(Deserialize)]
+pub struct ReadPod {
+    metadata: Option<ReadMeta>,
+    spec: Option<ReadSpec>,
+}
+
+impl ReadPod {
+    /// The pod with only the fields read.
+    pub fn into_pod(self) -> Pod {
+        let metadata = self
+            .metadata
+            .map_or_else(ObjectMeta::default, |m| ObjectMeta {
+                name: m.name,
+                generate_name: m.generate_name,
+                namespace: m.namespace,
+                annotations: m.annotations,
+                owner_references: m.owner_references,
+                ..ObjectMeta::default()
+            });
+        Pod {
+            metadata,
+            spec: self.spec.map(|s| PodSpec {
+                node_selector: s.node_selector,
+                affinity: s.affinity.map(|a| Affinity {
+                    node_affinity: a.node_affinity,
+                    ..Affinity::default()
+                }),
+                tolerations: s.tolerations,
+                ..PodSpec::default()
+            }),
+            status: None,
+        }
+    }
+}
+
+/// Decodes of a pod only what the decision reads (metadata naming it and its owner, its
+/// annotations, and its node selector, node affinity and tolerations), skipping the rest of
+/// the object (containers, volumes, managed fields) without building it: the decode is most of
+/// an admission's cost. The patch only adds to what the pod has, so nothing skipped is lost.
+pub fn decode_pod(object: &str) -> Result<Pod, serde_json::Error> {
+    serde_json::from_str::<ReadPod>(object).map(ReadPod::into_pod)
 }
 
 /// Why a body could not be read as a review (HTTP 400).
@@ -182,22 +265,59 @@ fn range_in(body: &[u8], raw: Option<&RawValue>) -> Option<std::ops::Range<usize
 
 /// Parses a request body as an AdmissionReview, in one pass.
 pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
-    const KIND: &str = "an AdmissionReview";
-    let review: RawReview<'_> = serde_json::from_slice(&body)
+    let review: RawReview<'_, &RawValue> = serde_json::from_slice(&body)
         .map_err(|error| ReviewError::NotAReview { kind: KIND, error })?;
+    let (request, api_version) = checked(review)?;
+    let object = range_in(&body, request.object);
+    let old_object = range_in(&body, request.old_object);
+    Ok(AdmissionRequest {
+        object,
+        old_object,
+        ..request_of(request, api_version, body.clone())?
+    })
+}
+
+/// Parses a pod review in one pass, its object decoded straight into what the decision reads
+/// (never kept raw and read twice). A review whose object does not decode so is parsed by
+/// [`parse`] instead (the handler then says why the object is not a pod).
+pub fn parse_pod(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
+    let Ok(review) = serde_json::from_slice::<RawReview<'_, ReadPod>>(&body) else {
+        return parse(body);
+    };
+    let (mut request, api_version) = checked(review)?;
+    let pod = request.object.take().map(ReadPod::into_pod);
+    let old_object = range_in(&body, request.old_object);
+    Ok(AdmissionRequest {
+        old_object,
+        pod,
+        ..request_of(request, api_version, body.clone())?
+    })
+}
+
+const KIND: &str = "an AdmissionReview";
+
+/// The request of a review, and the version to answer with; an error without a request or uid.
+fn checked<O>(review: RawReview<'_, O>) -> Result<(RawRequest<'_, O>, &'static str), ReviewError> {
     let request = review
         .request
         .ok_or(ReviewError::NoRequest("AdmissionReview"))?;
-    let uid = request
-        .uid
-        .filter(|u| !u.is_empty())
-        .ok_or(ReviewError::NoUid("AdmissionReview"))?;
     let api_version = ADMISSION_VERSIONS
         .into_iter()
         .find(|v| review.api_version.as_deref() == Some(*v))
         .unwrap_or(ADMISSION_VERSIONS[0]);
-    let object = range_in(&body, request.object);
-    let old_object = range_in(&body, request.old_object);
+    Ok((request, api_version))
+}
+
+/// The request's fields (no object), keeping `body`.
+fn request_of<O>(
+    request: RawRequest<'_, O>,
+    api_version: &'static str,
+    body: Bytes,
+) -> Result<AdmissionRequest, ReviewError> {
+    let uid = request
+        .uid
+        .filter(|u| !u.is_empty())
+        .ok_or(ReviewError::NoUid("AdmissionReview"))?;
     Ok(AdmissionRequest {
         api_version,
         uid,
@@ -208,9 +328,10 @@ pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
         operation: request.operation.unwrap_or_default(),
         dry_run: request.dry_run.unwrap_or(false),
         too_complex: None,
-        object,
-        old_object,
         body,
+        object: None,
+        old_object: None,
+        pod: None,
     })
 }
 
@@ -398,8 +519,8 @@ pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Res
     )
 }
 
-/// Reads the body (within the router's body limit); a body that cannot be read is answered
-/// with its status (413 when too large) and a JSON message.
+/// Reads the body (at most [`super::MAX_BODY`] bytes: the serving limits answered a larger one
+/// 413 before); a body that cannot be read is answered 400 with a JSON message.
 async fn body(req: Request, state: &Arc<WebhookState>) -> Result<(Bytes, &'static str), Response> {
     let path = endpoints::label(req.uri().path());
     let start = Instant::now();
@@ -418,14 +539,18 @@ async fn body(req: Request, state: &Arc<WebhookState>) -> Result<(Bytes, &'stati
             "reviews are sent as Content-Type: application/json",
         ));
     }
-    Bytes::from_request(req, state)
+    // The serving limits read the body already (at most MAX_BODY bytes): this takes it whole.
+    axum::body::to_bytes(req.into_body(), super::MAX_BODY)
         .await
         .map(|b| (b, path))
-        .map_err(|rejection| {
+        .map_err(|_| {
             state
                 .metrics
                 .admission(path, AdmissionResult::BadRequest, start);
-            error_response(rejection.status(), &rejection.body_text())
+            error_response(
+                StatusCode::BAD_REQUEST,
+                "the request body could not be read whole",
+            )
         })
 }
 
@@ -457,7 +582,13 @@ impl FromRequest<Arc<WebhookState>> for Review {
         let received = Instant::now();
         let too_complex = req.extensions().get::<TooComplex>().copied();
         let (body, path) = body(req, state).await?;
-        match parse(body) {
+        // A pod review too complex to decode is kept raw (and answered without decoding).
+        let parsed = if path == endpoints::MUTATE_POD && too_complex.is_none() {
+            parse_pod(body)
+        } else {
+            parse(body)
+        };
+        match parsed {
             Ok(mut request) => {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
@@ -506,6 +637,31 @@ mod tests {
                 "object": object
             }
         })
+    }
+
+    #[test]
+    fn a_pod_review_decodes_its_object_in_the_same_pass_or_keeps_it_raw() {
+        let pod = json!({"metadata": {"name": "web-0", "annotations": {"a": "b"}},
+                         "spec": {"nodeSelector": {"zone": "z1"}, "containers": [{"name": "c"}]}});
+        let body = serde_json::to_vec(&review(pod)).expect("json");
+        let parsed = parse_pod(body.into()).expect("parses");
+        assert_eq!(parsed.uid, "u-1");
+        let decoded = parsed.pod().expect("decoded in the pass");
+        assert_eq!(decoded.metadata.name.as_deref(), Some("web-0"));
+        assert_eq!(
+            decoded.spec.as_ref().and_then(|s| s.node_selector.clone()),
+            Some([("zone".to_owned(), "z1".to_owned())].into())
+        );
+        assert!(parsed.object().is_none(), "not kept raw as well");
+        // An object that is not a pod: the review is still read (its uid answers), the object
+        // kept raw for the handler to say why.
+        for object in [json!(5), json!({"metadata": []})] {
+            let body = serde_json::to_vec(&review(object.clone())).expect("json");
+            let parsed = parse_pod(body.into()).expect("parses");
+            assert_eq!(parsed.uid, "u-1");
+            assert!(parsed.pod().is_none());
+            assert_eq!(parsed.object(), Some(object.to_string().as_str()));
+        }
     }
 
     #[test]

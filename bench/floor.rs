@@ -1,0 +1,155 @@
+//! bench-floor: the true floor of an HTTPS admission endpoint on this machine (issue 22.1), the
+//! least any webhook server must spend per review: axum 0.8 with one route, hyper-util's auto
+//! connection builder, tokio-rustls with rustls' default server settings (ring provider),
+//! mimalloc with its defaults, and a handler that deserializes only `request.uid` (serde skips
+//! the rest without building it) and answers a fixed review with a one-operation base64 patch.
+//! No limits, no logging, no metrics, no decision.
+//!
+//! `bench-floor --listen ADDR --cert-dir DIR [--with LAYER,...]` writes a certificate for
+//! 127.0.0.1 into DIR (`ca.crt` for clients) and serves until killed. `--with` swaps in the
+//! webhook's own layers one at a time, so that a benchmark can say what each costs: `loop` (the
+//! serving loop of `serve`: connection cap, idle and age bounds, header deadline, activity
+//! tracking), `tls` (the webhook's TLS configuration: the reloading certificate resolver),
+//! `limits` (the per-endpoint request limits: body read within a deadline, byte share, slots),
+//! `review` (the review read as the webhook reads it, instead of its uid alone).
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use base64::Engine as _;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use persistent_pod_state::benchkit::flag;
+use persistent_pod_state::serving;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use serde::Deserialize;
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Deserialize)]
+struct Review {
+    request: Request,
+}
+
+#[derive(Deserialize)]
+struct Request {
+    uid: String,
+}
+
+/// What `--with` may swap in, in the order a benchmark adds them.
+const LAYERS: [&str; 4] = ["loop", "tls", "limits", "review"];
+
+/// The fixed patch, base64 as the API documents it.
+static PATCH: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    base64::engine::general_purpose::STANDARD
+        .encode(br#"[{"op":"add","path":"/metadata/labels/bench-floor","value":"answered"}]"#)
+});
+
+async fn answer(body: Bytes) -> axum::response::Response {
+    let Ok(review) = serde_json::from_slice::<Review>(&body) else {
+        return (StatusCode::BAD_REQUEST, "{}").into_response();
+    };
+    fixed(&review.request.uid)
+}
+
+/// The `review` layer: the body read as the webhook reads a review.
+async fn answer_review(body: Bytes) -> axum::response::Response {
+    match persistent_pod_state::webhook::review::parse(body) {
+        Ok(request) => fixed(&request.uid),
+        Err(_) => (StatusCode::BAD_REQUEST, "{}").into_response(),
+    }
+}
+
+/// The fixed answer, for review `uid`.
+fn fixed(uid: &str) -> axum::response::Response {
+    let answer = serde_json::json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "response": {"uid": uid, "allowed": true, "patchType": "JSONPatch", "patch": *PATCH}});
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        serde_json::to_vec(&answer).unwrap_or_default(),
+    )
+        .into_response()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let listen = flag(&args, "--listen").context("--listen ADDR")?;
+    let dir = std::path::PathBuf::from(flag(&args, "--cert-dir").context("--cert-dir DIR")?);
+    let bundle = persistent_pod_state::certs::generate(&["127.0.0.1".into()], None)?;
+    persistent_pod_state::certs::write(&bundle, &dir)?;
+    let with: Vec<String> = flag(&args, "--with")
+        .map(|w| w.split(',').map(str::to_owned).collect())
+        .unwrap_or_default();
+    for layer in &with {
+        anyhow::ensure!(
+            LAYERS.contains(&layer.as_str()),
+            "--with: {layer} is not one of {LAYERS:?}"
+        );
+    }
+    let has = |layer: &str| with.iter().any(|w| w == layer);
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let tls = if has("tls") {
+        persistent_pod_state::webhook::tls::server_config(&cert, &key, None, Default::default())?
+    } else {
+        let chain = CertificateDer::pem_file_iter(&cert)?.collect::<Result<_, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(&key)?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)?;
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Arc::new(tls)
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let mut app = if has("review") {
+        Router::new().route("/mutate-pod", post(answer_review))
+    } else {
+        Router::new().route("/mutate-pod", post(answer))
+    };
+    if has("limits") {
+        use persistent_pod_state::webhook::{MAX_BODY, POD_BUDGET, REQUEST_TIMEOUT};
+        let limit = serving::RequestLimit::new(POD_BUDGET, REQUEST_TIMEOUT, MAX_BODY, None)
+            .endpoint("/mutate-pod", POD_BUDGET);
+        app = app.route_layer(axum::middleware::from_fn_with_state(
+            limit,
+            serving::limit_requests,
+        ));
+    }
+    let listener = tokio::net::TcpListener::bind(&listen).await?;
+    eprintln!("bench-floor: listening on {listen} with {with:?}");
+    if has("loop") {
+        serving::serve(
+            listener,
+            Some(acceptor),
+            app,
+            serving::Limits::WEBHOOK,
+            tokio_util::sync::CancellationToken::new(),
+            std::time::Duration::from_secs(1),
+        )
+        .await;
+        return Ok(());
+    }
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        tcp.set_nodelay(true)?;
+        let (acceptor, app) = (acceptor.clone(), app.clone());
+        tokio::spawn(async move {
+            let Ok(tls) = acceptor.accept(tcp).await else {
+                return;
+            };
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(tls), TowerToHyperService::new(app))
+                .await;
+        });
+    }
+}

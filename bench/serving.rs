@@ -1,0 +1,391 @@
+//! bench-serving (issue 22.1): the shipped `persistent-pod-state serve` (a running replica over
+//! real caches from the local control plane) against the true floor (`bench-floor`), both
+//! driven by an external load generator (oha, pinned, installed by `bench/run.sh`) with the same
+//! review, alternated in one run; then the floor with the webhook's own layers swapped in one at
+//! a time, and `bench-server` (the webhook's router over synthetic caches, without logging),
+//! so that the table says what each layer costs.
+//!
+//! `bench-serving --oha PATH --serve-addr HOST:PORT --serve-pid PID [--short] [--runs N]
+//! [--seconds S] [--connections C] [--perf FILE]`. Every request sends the same AdmissionReview:
+//! of a re-created pod with a recorded state in the cluster (`bench-cluster`'s memory part made
+//! them), so every answer of ours carries a patch (checked before the runs). With `--perf FILE`, one more run of
+//! `serve` at the maximum is sampled by `perf record` into FILE.
+//!
+//! Figures: maximum throughput (closed loop, `--connections` keep-alive HTTP/1.1 connections,
+//! as the API server calls webhooks); server CPU per review (user + system, from
+//! `/proc/PID/stat`, over the answered reviews); p99 latency at half the floor's median maximum
+//! (open loop, oha's `-q` with `--latency-correction`: a request's latency counts from when it
+//! was due). Medians over the runs, with min and max.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use persistent_pod_state::benchkit::{flag, median};
+use persistent_pod_state::synthetic;
+use serde_json::Value;
+
+/// A server under load: its pid and URL, and the process when this benchmark started it.
+struct Server {
+    name: String,
+    pid: u32,
+    url: String,
+    child: Option<Child>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Server {
+    /// Starts the sibling binary `bin` with `args` on 127.0.0.1:`port`; waits until it listens.
+    fn start(name: &str, bin: &str, args: &[&str], port: u16, dir: &Path) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?
+            .parent()
+            .context("the directory of bench-serving")?
+            .join(bin);
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new(&exe)
+            .args(["--listen", &addr, "--cert-dir"])
+            .arg(dir.join(format!("certs-{port}")))
+            .args(args)
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))?;
+        let mut server = Self {
+            name: name.to_owned(),
+            pid: child.id(),
+            url: format!("https://{addr}/mutate-pod"),
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            if let Some(child) = server.child.as_mut() {
+                anyhow::ensure!(
+                    child.try_wait()?.is_none(),
+                    "{name} exited before listening"
+                );
+            }
+            anyhow::ensure!(Instant::now() < deadline, "{name} is not listening");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(server)
+    }
+}
+
+/// User plus system CPU seconds of a process.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = stat
+        .get(stat.rfind(')').context("/proc/PID/stat")? + 2..)
+        .context("/proc/PID/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11).context("utime")?.parse::<f64>()?
+        + fields.get(12).context("stime")?.parse::<f64>()?;
+    // USER_HZ is 100 on Linux.
+    Ok(ticks / 100.0)
+}
+
+/// What one run measured.
+#[derive(Clone, Copy, Debug)]
+struct Outcome {
+    throughput: f64,
+    p99_us: f64,
+    cpu_us: f64,
+}
+
+struct Load<'a> {
+    oha: &'a Path,
+    review: &'a Path,
+    connections: usize,
+    seconds: f64,
+}
+
+impl Load<'_> {
+    fn args(&self, server: &Server) -> Vec<String> {
+        [
+            "-m",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "--insecure",
+            "--no-tui",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(["-D".to_owned(), self.review.display().to_string()])
+        .chain([server.url.clone()])
+        .collect()
+    }
+
+    /// Checks that `server` answers the review 200 with a patch.
+    fn check(&self, server: &Server) -> anyhow::Result<()> {
+        let out = Command::new(self.oha)
+            .arg("--debug")
+            .args(self.args(server))
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        anyhow::ensure!(
+            text.contains("status: 200") && text.contains(r#"\"patch\":\""#),
+            "{} did not answer the review with a patch: {}",
+            server.name,
+            text.chars().take(2000).collect::<String>()
+        );
+        Ok(())
+    }
+
+    /// One run against `server`, closed loop or at `rate` requests per second.
+    fn run(&self, server: &Server, rate: Option<f64>) -> anyhow::Result<Outcome> {
+        let mut cmd = Command::new(self.oha);
+        // `-w`: requests in flight at the deadline are answered and counted, not aborted.
+        cmd.args(["--output-format", "json", "-w", "-c"])
+            .arg(self.connections.to_string())
+            .arg("-z")
+            .arg(format!("{}ms", (self.seconds * 1000.0) as u64))
+            .args(self.args(server));
+        if let Some(rate) = rate {
+            cmd.args(["-q", &format!("{rate:.0}"), "--latency-correction"]);
+        }
+        let before = cpu_seconds(server.pid)?;
+        let out = cmd.output().context("running oha")?;
+        let after = cpu_seconds(server.pid)?;
+        anyhow::ensure!(
+            out.status.success(),
+            "oha failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: Value = serde_json::from_slice(&out.stdout).context("oha's JSON report")?;
+        let codes = report["statusCodeDistribution"]
+            .as_object()
+            .context("status codes")?;
+        let ok = codes.get("200").and_then(Value::as_f64).unwrap_or(0.0);
+        let all: f64 = codes.values().filter_map(Value::as_f64).sum();
+        let errors = report["errorDistribution"]
+            .as_object()
+            .map_or(0, |e| e.len());
+        anyhow::ensure!(
+            ok > 0.0 && ok == all && errors == 0,
+            "{}: not every request was answered 200: {codes:?}, errors {}",
+            server.name,
+            report["errorDistribution"]
+        );
+        Ok(Outcome {
+            throughput: report["summary"]["requestsPerSec"]
+                .as_f64()
+                .context("requestsPerSec")?,
+            p99_us: report["latencyPercentiles"]["p99"]
+                .as_f64()
+                .context("p99")?
+                * 1e6,
+            cpu_us: (after - before) / ok * 1e6,
+        })
+    }
+}
+
+/// Min, median and max of one figure over the runs.
+fn spread(runs: &[Outcome], f: impl Fn(&Outcome) -> f64) -> (f64, f64, f64) {
+    let values: Vec<f64> = runs.iter().map(f).collect();
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (min, median(&values), max)
+}
+
+fn figure(value: f64) -> anyhow::Result<f64> {
+    anyhow::ensure!(value.is_finite(), "a figure was not produced");
+    Ok(value)
+}
+
+/// Runs every server in `servers` `runs` times, the order rotating each run; each server's
+/// outcomes in the order of `servers`.
+fn alternate(
+    load: &Load<'_>,
+    servers: &[&Server],
+    runs: usize,
+    rate: Option<f64>,
+) -> anyhow::Result<Vec<Vec<Outcome>>> {
+    let mut outcomes = vec![Vec::new(); servers.len()];
+    for run in 0..runs {
+        for k in 0..servers.len() {
+            let i = (k + run) % servers.len();
+            outcomes[i].push(load.run(servers[i], rate)?);
+        }
+    }
+    Ok(outcomes)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let short = args.iter().any(|a| a == "--short");
+    let number = |name: &str, default: f64| -> anyhow::Result<f64> {
+        flag(&args, name).map_or(Ok(default), |v| v.parse().context(name.to_owned()))
+    };
+    let runs = number("--runs", if short { 2.0 } else { 5.0 })? as usize;
+    let oha = PathBuf::from(flag(&args, "--oha").context("--oha PATH")?);
+    let dir = std::env::temp_dir().join(format!("bench-serving-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    // Pod 1 of PersistentPodState web-1 (the cluster's are those of `bench-cluster`'s memory
+    // part: Advanced StatefulSets', with recorded states).
+    let review = dir.join("review.json");
+    std::fs::write(&review, synthetic::review_of(synthetic::kruise_pod(1), 1))?;
+    let load = Load {
+        oha: &oha,
+        review: &review,
+        connections: number("--connections", 32.0)? as usize,
+        seconds: number("--seconds", if short { 2.0 } else { 8.0 })?,
+    };
+    let serve = Server {
+        name: "serve".into(),
+        pid: flag(&args, "--serve-pid")
+            .context("--serve-pid PID")?
+            .parse()?,
+        url: format!(
+            "https://{}/mutate-pod",
+            flag(&args, "--serve-addr").context("--serve-addr HOST:PORT")?
+        ),
+        child: None,
+    };
+    let floor = Server::start("floor", "bench-floor", &[], 19561, &dir)?;
+    // The ladder: the floor with the webhook's layers added one by one, then its router.
+    let ladder = [
+        ("+ serving loop", "loop"),
+        ("+ TLS settings", "loop,tls"),
+        ("+ request limits", "loop,tls,limits"),
+        ("+ review read", "loop,tls,limits,review"),
+    ];
+    let mut layers = Vec::new();
+    for (k, (name, with)) in ladder.iter().enumerate() {
+        layers.push(Server::start(
+            name,
+            "bench-floor",
+            &["--with", with],
+            19562 + k as u16,
+            &dir,
+        )?);
+    }
+    let router = Server::start(
+        "+ decision, response, metrics (bench-server)",
+        "bench-server",
+        &["--pps", "1000", "--states", "10000", "--kruise"],
+        19570,
+        &dir,
+    )?;
+    for server in [&serve, &floor, &router].into_iter().chain(layers.iter()) {
+        load.check(server)?;
+    }
+    eprintln!(
+        "bench-serving: {runs} run(s) of {} s per server and kind, {} connections, oha",
+        load.seconds, load.connections
+    );
+
+    let max = alternate(&load, &[&serve, &floor], runs, None)?;
+    let floor_max = median(&max[1].iter().map(|o| o.throughput).collect::<Vec<_>>());
+    let half = (floor_max / 2.0).round();
+    let fixed = alternate(&load, &[&serve, &floor], runs, Some(half))?;
+    let mut all: Vec<&Server> = vec![&floor];
+    all.extend(layers.iter());
+    all.push(&router);
+    all.push(&serve);
+    let ladder_runs = alternate(&load, &all, runs, None)?;
+
+    if let Some(perf) = flag(&args, "--perf") {
+        let mut record = Command::new("perf")
+            .args([
+                "record",
+                "-e",
+                "cpu-clock",
+                "-F",
+                "999",
+                "-g",
+                "-o",
+                &perf,
+                "-p",
+            ])
+            .arg(serve.pid.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("perf record")?;
+        let profiled = load.run(&serve, None);
+        // perf writes its file on SIGINT.
+        let _ = Command::new("kill")
+            .args(["-INT", &record.id().to_string()])
+            .status();
+        record.wait()?;
+        profiled?;
+    }
+
+    println!();
+    println!(
+        "Admission over HTTPS (issue 22.1): the shipped `serve` against the floor, oha 1.16, {} connections, {} run(s) of {} s each, alternated; medians (min-max):",
+        load.connections, runs, load.seconds
+    );
+    println!();
+    println!("| figure | serve | floor | ratio | target |");
+    println!("|---|---|---|---|---|");
+    let show = |(min, med, max): (f64, f64, f64)| format!("{med:.1} ({min:.1}-{max:.1})");
+    let rows = [
+        (
+            "max throughput (req/s)",
+            spread(&max[0], |o| o.throughput),
+            spread(&max[1], |o| o.throughput),
+            ">= 0.65",
+        ),
+        (
+            "CPU per review at max (µs)",
+            spread(&max[0], |o| o.cpu_us),
+            spread(&max[1], |o| o.cpu_us),
+            "<= 1.5",
+        ),
+        (
+            &*format!("p99 at {half} req/s (µs)"),
+            spread(&fixed[0], |o| o.p99_us),
+            spread(&fixed[1], |o| o.p99_us),
+            "<= 1.5",
+        ),
+        (
+            &*format!("CPU per review at {half} req/s (µs)"),
+            spread(&fixed[0], |o| o.cpu_us),
+            spread(&fixed[1], |o| o.cpu_us),
+            "",
+        ),
+    ];
+    for (what, ours, floor, target) in rows {
+        println!(
+            "| {what} | {} | {} | {:.2} | {target} |",
+            show(ours),
+            show(floor),
+            figure(ours.1)? / figure(floor.1)?
+        );
+    }
+    println!();
+    println!(
+        "Where the CPU goes: the floor with the webhook's layers added one at a time (at max, medians):"
+    );
+    println!();
+    println!("| server | req/s | CPU per review (µs) | added by the layer (µs) | over the floor |");
+    println!("|---|---|---|---|---|");
+    let base = median(&ladder_runs[0].iter().map(|o| o.cpu_us).collect::<Vec<_>>());
+    let mut previous = base;
+    for (server, outcomes) in all.iter().zip(&ladder_runs) {
+        let cpu = figure(median(
+            &outcomes.iter().map(|o| o.cpu_us).collect::<Vec<_>>(),
+        ))?;
+        let throughput = median(&outcomes.iter().map(|o| o.throughput).collect::<Vec<_>>());
+        println!(
+            "| {} | {throughput:.0} | {cpu:.1} | {:+.1} | {:.2} |",
+            server.name,
+            cpu - previous,
+            cpu / base
+        );
+        previous = cpu;
+    }
+    drop(layers);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
