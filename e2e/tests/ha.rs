@@ -10,8 +10,9 @@ use serde_json::json;
 
 use crate::support::*;
 
-/// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it.
-fn restart(env: &Env, replica: &Replica) {
+/// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it,
+/// and waits until it is ready.
+async fn restart(env: &Env, replica: &Replica) {
     let log = std::fs::File::create(env.cluster_dir.join(format!(
         "logs/persistent-pod-state-{}-restarted.log",
         replica.name
@@ -46,6 +47,10 @@ fn restart(env: &Env, replica: &Replica) {
     .expect("pid file");
     // It outlives the test; the suite's teardown stops it by its pid file. Reap it if it ends.
     std::thread::spawn(move || child.wait());
+    wait_for("the restarted replica to be ready", TIMEOUT, || async {
+        (http_get(&format!("{}/readyz", replica.probe_url())).await.0 == 200).then_some(())
+    })
+    .await;
 }
 
 /// Issue 3.7: kill the leader; the other replica takes over within the lease duration; states
@@ -178,11 +183,7 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
         (before["ha-0"].node.as_str(), before["ha-0"].ip.as_str())
     );
 
-    restart(&env, &leader);
-    wait_for("the restarted replica to be ready", TIMEOUT, || async {
-        (http_get(&format!("{}/readyz", leader.probe_url())).await.0 == 200).then_some(())
-    })
-    .await;
+    restart(&env, &leader).await;
     delete_namespace(c, &ns).await;
 }
 
@@ -287,11 +288,7 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_two_seconds() {
         wait_recorded(c, &ns, "handover", &pod_names("handover", 2), "handover").await;
     assert_eq!(states, states_before, "nothing recorded was lost");
 
-    restart(&env, &leader);
-    wait_for("the restarted replica to be ready", TIMEOUT, || async {
-        (http_get(&format!("{}/readyz", leader.probe_url())).await.0 == 200).then_some(())
-    })
-    .await;
+    restart(&env, &leader).await;
     delete_namespace(c, &ns).await;
 }
 
