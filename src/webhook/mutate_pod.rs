@@ -16,7 +16,7 @@ use super::admit::{
 };
 use super::inject::Injection;
 use super::review::{Admission, AdmissionRequest, Review};
-pub use super::review::{ReadPod, decode_pod};
+pub use super::review::decode_pod;
 use super::{WebhookState, endpoints};
 use crate::api::{PersistentPodState, json_error_summary};
 use crate::ip_request::IpDecision;
