@@ -16,6 +16,11 @@ const CALICO_MARK: &str = "e2e.persistent-pod-state.io/cni";
 const IP_REQUEST: &str = "persistent-pod-state.io/ip-request";
 const CALICO_IP: &str = "cni.projectcalico.org/ipAddrs";
 
+/// The Calico-like nodes' address pool is one for the whole suite: these tests take it in turn,
+/// or one test's pod could take an address another test's pod recorded (the webhook then rightly
+/// does not ask for it, and the other test fails on a race of the suite, not of the product).
+static CALICO_POOL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A StatefulSet like the seeds', running on the Calico-like nodes only.
 fn calico_sts(name: &str, replicas: i32, annotations: &[(&str, &str)]) -> StatefulSet {
     let mut sts = statefulset(name, replicas, annotations);
@@ -84,6 +89,7 @@ fn restored(text: &str, node: &str, ip: &str) -> f64 {
 /// IP; counted as node moved, IP kept, and a Warning Event names the move.
 #[tokio::test]
 async fn a_pod_re_created_on_another_node_gets_its_old_ip() {
+    let _pool = CALICO_POOL.lock().await;
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-ip-move").await;
@@ -135,6 +141,7 @@ async fn a_pod_re_created_on_another_node_gets_its_old_ip() {
 /// reported) and the pod runs with a new IP; counted as IP changed.
 #[tokio::test]
 async fn an_ip_taken_meanwhile_is_not_requested_and_the_pod_gets_a_new_one() {
+    let _pool = CALICO_POOL.lock().await;
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-ip-taken").await;
@@ -216,6 +223,7 @@ fn annotations_in(patch: &Value) -> Vec<(String, String)> {
 /// re-created pod then gets; `kubectl get pps` shows recorded and restored pods.
 #[tokio::test]
 async fn scale_down_and_up_gives_the_returning_ordinal_its_old_ip_and_explain_shows_the_patch() {
+    let _pool = CALICO_POOL.lock().await;
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-ip-scale").await;

@@ -15,8 +15,8 @@ use super::admit::{
     CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide,
 };
 use super::inject::Injection;
-use super::review::{Admission, AdmissionRequest, Review};
 pub use super::review::decode_pod;
+use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
 use crate::api::{PersistentPodState, json_error_summary};
 use crate::ip_request::IpDecision;
