@@ -158,11 +158,18 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     // state is unplaceable; with the default (5m) it is not yet.
     let node = before["web-0"].node.clone();
     let kubelet = kubelet_dies(c, &node).await;
-    let lost = status_json(&env, &path, &ns, &["--node-lost-after", "1s"]).await;
-    assert_eq!(
-        row(&lost, &ns, "web").expect("row")["unplaceable"],
-        serde_json::json!(["web-0"])
-    );
+    // The node counts as lost 1 s after its Ready condition turned Unknown (a moment ago, to
+    // the second): polled until then.
+    wait_for(
+        "web-0 unplaceable with --node-lost-after 1s",
+        TIMEOUT,
+        || async {
+            let lost = status_json(&env, &path, &ns, &["--node-lost-after", "1s"]).await;
+            (row(&lost, &ns, "web").expect("row")["unplaceable"] == serde_json::json!(["web-0"]))
+                .then_some(())
+        },
+    )
+    .await;
     let not_yet = status_json(&env, &path, &ns, &[]).await;
     assert_eq!(
         row(&not_yet, &ns, "web").expect("row")["unplaceable"],
