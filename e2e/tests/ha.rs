@@ -10,6 +10,19 @@ use serde_json::json;
 
 use crate::support::*;
 
+/// A StatefulSet whose generated PersistentPodState prefers each pod's recorded node, as these
+/// tests use.
+fn generated_statefulset(name: &str, replicas: i32) -> StatefulSet {
+    statefulset(
+        name,
+        replicas,
+        &[
+            ("kruise.io/auto-generate-persistent-pod-state", "true"),
+            ("kruise.io/preferred-persistent-topology", HOST),
+        ],
+    )
+}
+
 /// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it,
 /// and waits until it is ready.
 async fn restart(env: &Env, replica: &Replica) {
@@ -61,19 +74,7 @@ async fn the_other_replica_takes_over_when_the_leader_dies_and_nothing_is_lost()
     let c = &env.client;
     assert_eq!(env.replicas.len(), 2, "the suite runs two replicas");
     let ns = namespace(c, "e2e-ha").await;
-    let (before, states_before) = start_recorded(
-        c,
-        &ns,
-        &statefulset(
-            "ha",
-            2,
-            &[
-                ("kruise.io/auto-generate-persistent-pod-state", "true"),
-                ("kruise.io/preferred-persistent-topology", HOST),
-            ],
-        ),
-    )
-    .await;
+    let (before, states_before) = start_recorded(c, &ns, &generated_statefulset("ha", 2)).await;
 
     // Both replicas answer webhooks.
     for r in &env.replicas {
@@ -239,19 +240,7 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_two_seconds() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-handover").await;
-    let (_, states_before) = start_recorded(
-        c,
-        &ns,
-        &statefulset(
-            "handover",
-            2,
-            &[
-                ("kruise.io/auto-generate-persistent-pod-state", "true"),
-                ("kruise.io/preferred-persistent-topology", HOST),
-            ],
-        ),
-    )
-    .await;
+    let (_, states_before) = start_recorded(c, &ns, &generated_statefulset("handover", 2)).await;
     let (leader, follower) = leader_and_follower(&env).await;
     let (pid, _) = replica_process(&env, &leader);
     signal(&pid, "-TERM");
@@ -332,19 +321,7 @@ async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
     let env = env().await;
     let c = &env.client;
     let ns = namespace(c, "e2e-fence").await;
-    start_recorded(
-        c,
-        &ns,
-        &statefulset(
-            "fenced",
-            3,
-            &[
-                ("kruise.io/auto-generate-persistent-pod-state", "true"),
-                ("kruise.io/preferred-persistent-topology", HOST),
-            ],
-        ),
-    )
-    .await;
+    start_recorded(c, &ns, &generated_statefulset("fenced", 3)).await;
 
     let (leader, follower) = leader_and_follower(&env).await;
     let (pid, log) = replica_process(&env, &leader);
