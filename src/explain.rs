@@ -170,7 +170,9 @@ impl Explanation {
             Some(s) => t.push_str(&format!(
                 "recorded: node {}, labels {:?}, IPs [{}]\n",
                 s.node_name.as_deref().unwrap_or("?"),
-                s.node_topology_labels,
+                s.node_topology_labels
+                    .iter()
+                    .collect::<std::collections::BTreeMap<_, _>>(),
                 s.pod_ips.join(", ")
             )),
             None => t.push_str("recorded: nothing for this pod name\n"),
@@ -287,9 +289,7 @@ pub async fn explain(
 /// Whether `pod` waits unscheduled (not being deleted, not finished).
 fn waits_unscheduled(pod: &Pod) -> bool {
     let cached = CachedPod::from(pod.clone());
-    cached.node_name.as_deref().is_none_or(str::is_empty)
-        && cached.metadata.deletion_timestamp.is_none()
-        && !cached.finished()
+    cached.node_name.as_deref().is_none_or(str::is_empty) && !cached.deleting && !cached.finished
 }
 
 /// When the controller releases a waiting pod the webhook pinned: now when no usable node has

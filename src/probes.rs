@@ -73,7 +73,7 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
 async fn metrics(State(health): State<Arc<Health>>) -> Response {
     let (m, c) = (&health.metrics, &health.caches);
     m.cached_persistent_pod_states.set(c.pps.len() as i64);
-    m.cached_pods.set(c.pods.len() as i64);
+    m.cached_pods.set(c.pods.read().len() as i64);
     m.cached_nodes.set(c.nodes.len() as i64);
     m.stale_watches.set(c.watches.stale_now().len() as i64);
     m.shadowed_persistent_pod_states

@@ -72,9 +72,9 @@ pub fn waiting_on_gone_nodes(
 ) -> Vec<Waiting> {
     pods.iter()
         .filter(|p| p.node_name.as_deref().is_none_or(str::is_empty))
-        .filter(|p| p.metadata.deletion_timestamp.is_none() && !p.finished())
+        .filter(|p| !p.deleting && !p.finished)
         .filter_map(|p| {
-            let name = p.name_any();
+            let name = p.name.to_string();
             let state = status.pod_states.get(&name)?;
             let recorded = state.node_name.as_deref().filter(|n| !n.is_empty())?;
             let reason = node_gone(node(recorded).as_deref(), state.node_uid.as_deref(), health)?;

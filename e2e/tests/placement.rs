@@ -176,7 +176,11 @@ async fn required_zone_keeps_the_zone_when_the_node_is_cordoned() {
     );
     let (before, states) = start_recorded(c, &ns, &sts).await;
     let node = before["zoned-0"].node.clone();
-    let zone = states["zoned-0"].node_topology_labels[ZONE].clone();
+    let zone = states["zoned-0"]
+        .node_topology_labels
+        .get(ZONE)
+        .cloned()
+        .expect("the zone recorded");
 
     set_unschedulable(c, &node, true).await;
     let pod = recreate_pod(c, &ns, "zoned-0").await;

@@ -25,6 +25,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     WebhookConversion,
 };
 use kube::CustomResourceExt;
+use litemap::LiteMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -185,9 +186,12 @@ pub struct PodState {
     /// The node the pod ran on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
+    // A sorted vector, not a tree map: a state is cached for every pod, and a tree map's
+    // first node alone is over 500 bytes.
     /// That node's values of the required and preferred topology keys.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub node_topology_labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "LiteMap::is_empty")]
+    #[schemars(with = "BTreeMap<String, String>")]
+    pub node_topology_labels: LiteMap<String, String>,
     /// The pod's values of the persistent annotation keys.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,

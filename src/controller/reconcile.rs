@@ -87,9 +87,15 @@ pub async fn reconcile_pps(
     };
 
     let key = ObjectRef::from_obj(pps.as_ref());
-    // A write within the pacing interval waits (what changes meanwhile joins it); what is
+    // A change during a rollout waits (what changes meanwhile joins it); what is
     // reported below from the computed status is not held back with it.
-    let paced = change.patch.as_ref().and_then(|_| ctx.pacing.wait(&key));
+    let paced = match &change.patch {
+        Some(_) => ctx.pacing.wait(&key),
+        None => {
+            ctx.pacing.settled(&key);
+            None
+        }
+    };
     if let (Some(patch), None) = (&change.patch, paced) {
         // Conditional on the version the status was computed from: a stale writer (a replica
         // that lost the Lease, or a reconcile of an older copy) gets a conflict, never

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kube::ResourceExt;
+use litemap::LiteMap;
 use serde_json::{Map, Value};
 
 use crate::api::PersistentPodStateSpec;
@@ -14,7 +14,7 @@ use crate::api::{
 };
 use crate::placement::{Dropped, HOSTNAME_LABEL, Required};
 use crate::state::trim::CachedPod;
-use crate::workload::{WorkloadInfo, controller_owner, pod_ordinal};
+use crate::workload::{WorkloadInfo, pod_ordinal};
 
 /// What is known about the target workload.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,27 +77,27 @@ pub fn pod_state(
     let keys = spec.topology_keys();
     let seen = nodes(node);
     let node_topology_labels = if keys.is_empty() {
-        BTreeMap::new()
+        LiteMap::new()
     } else {
         let labels = &seen.as_ref()?.labels;
         keys.iter()
             .filter_map(|k| labels.get(*k).map(|v| ((*k).to_owned(), v.clone())))
             .collect()
     };
-    let pod_annotations = pod.annotations();
+    let pod_annotations = &pod.annotations;
     let annotations = spec
         .persistent_annotation_keys()
         .filter_map(|key| {
             pod_annotations
                 .get(key)
-                .map(|v| (key.to_owned(), v.clone()))
+                .map(|v| (key.to_owned(), v.to_owned()))
         })
         .collect();
     Some(PodState {
-        node_name: Some(node.clone()),
+        node_name: Some(node.to_string()),
         node_topology_labels,
         annotations,
-        pod_ips: pod.ips.clone(),
+        pod_ips: pod.ips.iter().map(|ip| ip.to_string()).collect(),
         pod_uid: pod.uid(),
         node_uid: seen.and_then(|n| n.uid),
         last_restore: None,
@@ -253,7 +253,7 @@ pub fn desired_status(
 
     for pod in observed.pods {
         // A pod left behind by an earlier workload of the same name is not this one's.
-        let owner_uid = controller_owner(pod.owner_references()).map(|o| o.uid.as_str());
+        let owner_uid = pod.controller.as_deref().map(|o| &*o.uid);
         if let (Some(w), Some(uid)) = (workload, owner_uid)
             && !w.uid.is_empty()
             && w.uid != uid
@@ -261,12 +261,8 @@ pub fn desired_status(
             continue;
         }
         if let Some(mut state) = pod_state(spec, pod, observed.node) {
-            let steered = pod
-                .annotations()
-                .get(INJECTED_ANNOTATION)
-                .map(String::as_str)
-                == Some(pps_name);
-            state.last_restore = match status.pod_states.get(&pod.name_any()) {
+            let steered = pod.annotations.get(INJECTED_ANNOTATION) == Some(pps_name);
+            state.last_restore = match status.pod_states.get(&*pod.name) {
                 // A new pod of that name: judged if it was steered back, else not known.
                 Some(before) if before.pod_uid.is_some() && before.pod_uid != state.pod_uid => {
                     steered.then(|| compare(before, &state))
@@ -274,7 +270,7 @@ pub fn desired_status(
                 Some(before) => before.last_restore,
                 None => None,
             };
-            status.pod_states.insert(pod.name_any(), state);
+            status.pod_states.insert(pod.name.to_string(), state);
         }
     }
 
@@ -350,17 +346,17 @@ pub fn stranded(
 ) -> Vec<Stranded> {
     pods.iter()
         .filter(|p| p.node_name.as_deref().is_none_or(str::is_empty))
-        .filter(|p| p.metadata.deletion_timestamp.is_none() && !p.finished())
-        .filter(|p| p.annotations().get(INJECTED_ANNOTATION).map(String::as_str) == Some(pps_name))
+        .filter(|p| !p.deleting && !p.finished)
+        .filter(|p| p.annotations.get(INJECTED_ANNOTATION) == Some(pps_name))
         .filter_map(|p| {
-            let values = decode_required(p.annotations().get(INJECTED_REQUIRED_ANNOTATION)?)?;
+            let values = decode_required(p.annotations.get(INJECTED_REQUIRED_ANNOTATION)?)?;
             let dropped = place(&values).dropped?;
             let node = values
                 .get(HOSTNAME_LABEL)
                 .cloned()
                 .unwrap_or_else(|| encode_required(&values));
             Some(Stranded {
-                pod: p.name_any(),
+                pod: p.name.to_string(),
                 uid: p.uid()?,
                 resource_version: p.resource_version(),
                 node,
@@ -633,7 +629,8 @@ mod tests {
                 (HOST.to_string(), "node-1".to_string()),
                 (ZONE.to_string(), "z1".to_string())
             ]
-            .into()
+            .into_iter()
+            .collect()
         );
         assert_eq!(
             s.annotations,

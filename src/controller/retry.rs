@@ -52,31 +52,65 @@ impl Backoff {
     }
 }
 
-/// Status writes are paced: at most one per PersistentPodState per [`Pacing::INTERVAL`]. The
-/// first change after a quiet spell is written at once; changes that follow within the interval
-/// (a large StatefulSet becoming Ready pod after pod) wait for its end and are written together,
-/// so a rollout costs a few writes, not one per pod, and each pod is recorded within the
-/// interval (plus a reconcile). The wait also lets the cache catch up with the last write, so
-/// the next is rarely computed from a stale copy (which would be a conflict and a retry).
+/// Status writes are paced per PersistentPodState. The first change after a quiet spell is
+/// written at once. During a rollout (a write in the last [`Pacing::ROLLOUT`]), a change waits
+/// until it is [`Pacing::GATHER`] old and the last write [`Pacing::INTERVAL`] old, so the pods
+/// that turn Ready together (a large StatefulSet comes up in bursts) go out in one write, not
+/// one per pod or two per burst; each pod is still recorded within about the longer of the two
+/// (plus a reconcile). The wait also lets the cache catch up with the last write, so the next is
+/// rarely computed from a stale copy (which would be a conflict and a retry).
 #[derive(Default)]
-pub(super) struct Pacing(pub(super) Mutex<HashMap<ObjectRef<PersistentPodState>, Instant>>);
+pub(super) struct Pacing(pub(super) Mutex<HashMap<ObjectRef<PersistentPodState>, Paced>>);
+
+/// A PersistentPodState's last write, and since when a change has been waiting for the next.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Paced {
+    pub(super) wrote: Instant,
+    pub(super) waiting_since: Option<Instant>,
+}
 
 impl Pacing {
+    /// The least time between two writes of one PersistentPodState.
     pub(super) const INTERVAL: Duration = Duration::from_millis(300);
+    /// How long a change waits during a rollout for those that follow it.
+    pub(super) const GATHER: Duration = Duration::from_millis(500);
+    /// How long after a write a PersistentPodState counts as rolling out.
+    pub(super) const ROLLOUT: Duration = Duration::from_secs(10);
 
-    /// How long a write to `pps` must still wait, if at all.
+    /// How long a pending change of `pps` must still wait, if at all.
     pub(super) fn wait(&self, pps: &ObjectRef<PersistentPodState>) -> Option<Duration> {
-        let last = lock(&self.0);
-        let since = last.get(pps)?.elapsed();
-        Self::INTERVAL.checked_sub(since).filter(|d| !d.is_zero())
+        let mut paced = lock(&self.0);
+        let p = paced.get_mut(pps)?;
+        let since_write = p.wrote.elapsed();
+        if since_write >= Self::ROLLOUT {
+            return None;
+        }
+        let waiting = p.waiting_since.get_or_insert_with(Instant::now).elapsed();
+        let wait = Self::INTERVAL
+            .saturating_sub(since_write)
+            .max(Self::GATHER.saturating_sub(waiting));
+        (!wait.is_zero()).then_some(wait)
     }
 
-    /// Notes a write to `pps` now (and forgets writes older than the interval: the map holds
-    /// only the PersistentPodStates written in the last interval).
+    /// Notes that nothing of `pps` waits to be written (what waited was undone meanwhile).
+    pub(super) fn settled(&self, pps: &ObjectRef<PersistentPodState>) {
+        if let Some(p) = lock(&self.0).get_mut(pps) {
+            p.waiting_since = None;
+        }
+    }
+
+    /// Notes a write to `pps` now (and forgets writes older than a rollout: the map holds only
+    /// the PersistentPodStates written in the last [`Pacing::ROLLOUT`]).
     pub(super) fn wrote(&self, pps: ObjectRef<PersistentPodState>) {
-        let mut last = lock(&self.0);
-        last.retain(|_, at| at.elapsed() < Self::INTERVAL);
-        last.insert(pps, Instant::now());
+        let mut paced = lock(&self.0);
+        paced.retain(|_, p| p.wrote.elapsed() < Self::ROLLOUT);
+        paced.insert(
+            pps,
+            Paced {
+                wrote: Instant::now(),
+                waiting_since: None,
+            },
+        );
     }
 }
 

@@ -277,11 +277,13 @@ async fn status_writes_are_paced_and_a_change_within_the_interval_waits_for_the_
     )
     .await;
     assert!(sent.is_empty(), "{sent:?}");
-    // Looked at again before the interval is over (the Action exposes no getter: its Debug
-    // shows the delay, in ms).
-    let paced = kube::runtime::controller::Action::requeue(super::retry::Pacing::INTERVAL);
+    // Looked at again when the change has waited long enough (the Action exposes no getter:
+    // compared with the longest wait, which it is not longer than).
+    let longest = super::retry::Pacing::INTERVAL.max(super::retry::Pacing::GATHER);
+    let paced = kube::runtime::controller::Action::requeue(longest);
     assert!(
-        action != paced && format!("{action:?}").ends_with("ms) }"),
+        action != kube::runtime::controller::Action::await_change()
+            && (action == paced || format!("{action:?}").ends_with("ms) }")),
         "{action:?}"
     );
 
@@ -300,6 +302,58 @@ async fn status_writes_are_paced_and_a_change_within_the_interval_waits_for_the_
         sent[0].body
     );
     assert!(ctx.metrics.encode().contains("pps_status_writes_total 2"));
+}
+
+#[test]
+fn during_a_rollout_a_change_waits_to_gather_those_that_follow_it() {
+    use super::retry::{Paced, Pacing};
+    use std::time::Instant;
+    let pacing = Pacing::default();
+    let key = kube::runtime::reflector::ObjectRef::new("web").within("ns");
+    assert_eq!(pacing.wait(&key), None, "after a quiet spell: at once");
+
+    // Written a second ago (past the interval, within a rollout): a new change waits GATHER.
+    let ago = |d: Duration| Instant::now().checked_sub(d).expect("uptime");
+    let set = |p: Paced| {
+        pacing.0.lock().expect("pacing").insert(key.clone(), p);
+    };
+    set(Paced {
+        wrote: ago(Duration::from_secs(1)),
+        waiting_since: None,
+    });
+    let wait = pacing.wait(&key).expect("waits");
+    assert!(
+        wait > Pacing::GATHER / 2 && wait <= Pacing::GATHER,
+        "{wait:?}"
+    );
+    // Looked at again meanwhile: it keeps waiting from when it was first seen, not anew.
+    let waiting_since = pacing.0.lock().expect("pacing")[&key].waiting_since;
+    assert!(waiting_since.is_some());
+    set(Paced {
+        wrote: ago(Duration::from_secs(1)),
+        waiting_since: Some(ago(Pacing::GATHER)),
+    });
+    assert_eq!(pacing.wait(&key), None, "gathered: written now");
+
+    // Undone before it was written: the next change waits its own full GATHER.
+    pacing.settled(&key);
+    assert!(pacing.wait(&key).is_some_and(|w| w > Pacing::GATHER / 2));
+
+    // Right after a write the interval holds even for a change that waited long.
+    pacing.wrote(key.clone());
+    let written = pacing.0.lock().expect("pacing")[&key];
+    set(Paced {
+        waiting_since: Some(ago(Duration::from_secs(5))),
+        ..written
+    });
+    assert!(pacing.wait(&key).is_some_and(|w| w > Pacing::INTERVAL / 2));
+
+    // A rollout long over: at once again.
+    set(Paced {
+        wrote: ago(Pacing::ROLLOUT),
+        waiting_since: None,
+    });
+    assert_eq!(pacing.wait(&key), None);
 }
 
 #[tokio::test]

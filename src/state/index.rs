@@ -11,10 +11,8 @@ use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
-use super::trim::CachedPod;
 use crate::api::PersistentPodState;
-use crate::api::ip_request::requested_ips;
-use crate::workload::{GroupKind, WorkloadRef, pod_workload};
+use crate::workload::{GroupKind, WorkloadRef};
 
 /// An index over objects of kind `K`, updated one object at a time.
 pub trait Indexer<K>: Default {
@@ -96,8 +94,7 @@ impl<S> std::ops::Deref for ReadIndex<'_, S> {
     }
 }
 
-/// Objects that belong to a workload: a PersistentPodState to its target, a Pod to its
-/// controller.
+/// Objects that belong to a workload (a PersistentPodState to its target).
 pub trait OfWorkload {
     /// The workload this object belongs to, if any.
     fn workload(&self) -> Option<WorkloadRef>;
@@ -106,12 +103,6 @@ pub trait OfWorkload {
 impl OfWorkload for PersistentPodState {
     fn workload(&self) -> Option<WorkloadRef> {
         pps_target(self)
-    }
-}
-
-impl OfWorkload for CachedPod {
-    fn workload(&self) -> Option<WorkloadRef> {
-        pod_workload(self, &self.namespace()?)
     }
 }
 
@@ -185,74 +176,6 @@ impl<K: Resource + OfWorkload> Indexer<K> for ByWorkload {
 
     fn remove(&mut self, obj: &K) -> bool {
         self.forget(&id(obj))
-    }
-}
-
-/// Live pods by IP: which pod holds an address. A pod holds its IPs (those its status reports,
-/// and from its creation those it requests through a preset's annotation) until it is gone (one
-/// being deleted still does); a pod that has finished (`Succeeded`, `Failed`) does not.
-#[derive(Debug, Default)]
-pub struct PodsByIp {
-    holders: HashMap<String, BTreeSet<(String, String)>>,
-    ips_of: HashMap<(String, String), Vec<String>>,
-}
-
-impl PodsByIp {
-    /// The pods holding `ip`, as (namespace, name).
-    pub fn holders(&self, ip: &str) -> impl Iterator<Item = &(String, String)> {
-        self.holders.get(ip).into_iter().flatten()
-    }
-
-    fn forget(&mut self, id: &(String, String)) -> bool {
-        let Some(ips) = self.ips_of.remove(id) else {
-            return false;
-        };
-        for ip in ips {
-            if let Some(pods) = self.holders.get_mut(&ip) {
-                pods.remove(id);
-                if pods.is_empty() {
-                    self.holders.remove(&ip);
-                }
-            }
-        }
-        true
-    }
-}
-
-impl Indexer<CachedPod> for PodsByIp {
-    fn upsert(&mut self, pod: &CachedPod) -> bool {
-        let id = id(pod);
-        // A pod not finished holds its status IPs and, from its creation on, the IPs it
-        // requests through a preset's annotation (before its status reports them).
-        let ips = if pod.finished() {
-            Vec::new()
-        } else {
-            let mut ips = pod.ips.clone();
-            for ip in requested_ips(pod.annotations()) {
-                if !ips.contains(&ip) {
-                    ips.push(ip);
-                }
-            }
-            ips
-        };
-        if self.ips_of.get(&id).map(Vec::as_slice).unwrap_or_default() == ips.as_slice() {
-            return false;
-        }
-        self.forget(&id);
-        if !ips.is_empty() {
-            for ip in &ips {
-                self.holders
-                    .entry(ip.clone())
-                    .or_default()
-                    .insert(id.clone());
-            }
-            self.ips_of.insert(id, ips);
-        }
-        true
-    }
-
-    fn remove(&mut self, pod: &CachedPod) -> bool {
-        self.forget(&id(pod))
     }
 }
 
@@ -347,57 +270,6 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn pod(name: &str, owner: Option<&str>) -> CachedPod {
-        let owners = owner.map(|o| {
-            json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": o, "uid": "u", "controller": true}])
-        });
-        serde_json::from_value(json!({
-            "metadata": {"name": name, "namespace": "ns", "ownerReferences": owners},
-        }))
-        .expect("pod")
-    }
-
-    fn sts(name: &str) -> WorkloadRef {
-        WorkloadRef {
-            namespace: "ns".into(),
-            kind: GroupKind::native_statefulset(),
-            name: name.into(),
-        }
-    }
-
-    fn names(index: &Shared<ByWorkload>, workload: &str) -> Vec<String> {
-        index
-            .read()
-            .get(&sts(workload))
-            .map(str::to_owned)
-            .collect()
-    }
-
-    #[test]
-    fn upstream_bug_11_lookups_use_an_index_that_follows_applies_moves_deletes_and_relists() {
-        let index = Shared::<ByWorkload>::default();
-        index.apply(&watcher::Event::Apply(pod("a-0", Some("a"))));
-        index.apply(&watcher::Event::Apply(pod("a-1", Some("a"))));
-        index.apply(&watcher::Event::Apply(pod("bare", None)));
-        assert_eq!(names(&index, "a"), vec!["a-0", "a-1"]);
-
-        // the owner changes: the pod moves
-        index.apply(&watcher::Event::Apply(pod("a-1", Some("b"))));
-        assert_eq!(names(&index, "a"), vec!["a-0"]);
-        assert_eq!(names(&index, "b"), vec!["a-1"]);
-
-        index.apply(&watcher::Event::Delete(pod("a-0", Some("a"))));
-        assert!(names(&index, "a").is_empty());
-
-        // a relist replaces everything at InitDone, not before
-        index.apply(&watcher::Event::<CachedPod>::Init);
-        index.apply(&watcher::Event::InitApply(pod("c-0", Some("c"))));
-        assert_eq!(names(&index, "b"), vec!["a-1"]);
-        index.apply(&watcher::Event::<CachedPod>::InitDone);
-        assert!(names(&index, "b").is_empty());
-        assert_eq!(names(&index, "c"), vec!["c-0"]);
-    }
-
     fn node(name: &str, labels: &[(&str, &str)]) -> Node {
         let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
         serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("node")
@@ -408,65 +280,6 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
-    }
-
-    fn pod_with_ip(name: &str, ip: &str, phase: &str) -> CachedPod {
-        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns"},
-            "status": {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}]}}))
-        .expect("pod")
-    }
-
-    #[test]
-    fn ip_holders_follow_pods_until_they_are_gone_or_finished() {
-        let index = Shared::<PodsByIp>::default();
-        let holders = |ip: &str| -> Vec<String> {
-            index.read().holders(ip).map(|(_, n)| n.clone()).collect()
-        };
-        index.apply(&watcher::Event::Apply(pod_with_ip(
-            "a", "10.0.0.1", "Running",
-        )));
-        assert_eq!(holders("10.0.0.1"), ["a"]);
-        index.apply(&watcher::Event::Apply(pod_with_ip(
-            "a", "10.0.0.2", "Running",
-        )));
-        assert!(holders("10.0.0.1").is_empty(), "the IP moved");
-        index.apply(&watcher::Event::Apply(pod_with_ip(
-            "a",
-            "10.0.0.2",
-            "Succeeded",
-        )));
-        assert!(
-            holders("10.0.0.2").is_empty(),
-            "a finished pod holds nothing"
-        );
-        index.apply(&watcher::Event::Apply(pod_with_ip(
-            "b", "10.0.0.3", "Running",
-        )));
-        index.apply(&watcher::Event::Delete(pod_with_ip(
-            "b", "10.0.0.3", "Running",
-        )));
-        assert!(holders("10.0.0.3").is_empty());
-    }
-
-    #[test]
-    fn a_pod_holds_the_ip_it_requests_from_its_creation() {
-        let index = Shared::<PodsByIp>::default();
-        let holders = |ip: &str| -> Vec<String> {
-            index.read().holders(ip).map(|(_, n)| n.clone()).collect()
-        };
-        // Just created: no status yet, a Calico request.
-        let created: CachedPod = serde_json::from_value(json!({"metadata": {"name": "c",
-            "namespace": "ns", "annotations": {"cni.projectcalico.org/ipAddrs": "[\"10.0.0.7\"]"}}}))
-        .expect("pod");
-        index.apply(&watcher::Event::Apply(created.clone()));
-        assert_eq!(holders("10.0.0.7"), ["c"]);
-        let mut finished = created;
-        finished.phase = Some("Failed".into());
-        index.apply(&watcher::Event::Apply(finished));
-        assert!(
-            holders("10.0.0.7").is_empty(),
-            "a finished pod holds nothing"
-        );
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! every base store has had its first full list.
 
 pub mod index;
+pub mod pods;
 pub mod triggers;
 pub mod trim;
 
@@ -26,9 +27,10 @@ use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
 pub use index::pps_target;
-use index::{ByWorkload, NodesByLabel, PodsByIp, Shared};
+use index::{ByWorkload, NodesByLabel, Shared};
+use pods::PodTable;
 pub use triggers::Triggers;
-use trim::{CachedPod, Read};
+use trim::{CachedPod, Read, WatchedPod};
 
 use crate::api::PersistentPodState;
 use crate::placement::{Nodes, health_fields};
@@ -97,13 +99,8 @@ pub struct Caches {
     pps_writer: Mutex<Writer<PersistentPodState>>,
     /// PersistentPodStates by target workload.
     pub pps_by_target: Shared<ByWorkload>,
-    /// Pods, as [`CachedPod`]s.
-    pub pods: Store<CachedPod>,
-    pods_writer: Mutex<Writer<CachedPod>>,
-    /// Pods by controlling workload.
-    pub pods_by_workload: Shared<ByWorkload>,
-    /// Live pods by IP.
-    pub pods_by_ip: Shared<PodsByIp>,
+    /// Pods, as [`CachedPod`]s, by name, controlling workload and IP.
+    pub pods: Shared<PodTable>,
     /// Nodes (labels, spec and conditions).
     pub nodes: Store<Node>,
     nodes_writer: Mutex<Writer<Node>>,
@@ -122,17 +119,13 @@ pub struct Caches {
 impl Caches {
     fn build(client: Option<Client>) -> Arc<Self> {
         let (pps, pps_writer) = reflector::store();
-        let (pods, pods_writer) = reflector::store();
         let (nodes, nodes_writer) = reflector::store();
         let caches = Arc::new(Self {
             client,
             pps,
             pps_writer: Mutex::new(pps_writer),
             pps_by_target: Shared::default(),
-            pods,
-            pods_writer: Mutex::new(pods_writer),
-            pods_by_workload: Shared::default(),
-            pods_by_ip: Shared::default(),
+            pods: Shared::default(),
             nodes,
             nodes_writer: Mutex::new(nodes_writer),
             node_labels: Shared::default(),
@@ -189,8 +182,8 @@ impl Caches {
         let c = caches.clone();
         spawn_watch(
             "Pod",
-            Api::<CachedPod>::all(client.clone()),
-            move |ev| c.apply_cached_pod(ev),
+            Api::<WatchedPod>::all(client.clone()),
+            move |ev| c.apply_cached_pod(trim::map_event(ev, |w| Arc::new(w.pod))),
             watches.clone(),
         );
         let c = caches.clone();
@@ -214,14 +207,12 @@ impl Caches {
 
     /// Applies one Pod watch event (the pods kept as [`CachedPod`]).
     pub fn apply_pod(&self, event: watcher::Event<Pod>) {
-        self.apply_cached_pod(trim::map_event(event, CachedPod::from));
+        self.apply_cached_pod(trim::map_event(event, |p| Arc::new(CachedPod::from(p))));
     }
 
     /// Applies one watch event of pods decoded as they are kept.
-    pub fn apply_cached_pod(&self, event: watcher::Event<CachedPod>) {
-        lock(&self.pods_writer).apply_watcher_event(&event);
-        self.pods_by_workload.apply(&event);
-        self.pods_by_ip.apply(&event);
+    pub fn apply_cached_pod(&self, event: watcher::Event<Arc<CachedPod>>) {
+        self.pods.apply(&event);
         self.listed_if_done(&event, &self.listed.pods);
         self.trigger_for_pod(&event);
     }
@@ -402,35 +393,21 @@ impl Caches {
 
     /// The cached pods whose controller is `workload`.
     pub fn pods_of(&self, workload: &WorkloadRef) -> Vec<Arc<CachedPod>> {
-        let names: Vec<String> = self
-            .pods_by_workload
-            .read()
-            .get(workload)
-            .map(str::to_owned)
-            .collect();
-        names
-            .iter()
-            .filter_map(|name| {
-                self.pods
-                    .get(&ObjectRef::new(name).within(&workload.namespace))
-            })
-            .collect()
+        self.pods.read().of_workload(workload)
     }
 
     /// A live pod other than `namespace/name` that holds `ip`, as `namespace/name`.
     pub fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
-        self.pods_by_ip
+        self.pods
             .read()
             .holders(ip)
-            .find(|(ns, n)| !(ns == namespace && n == name))
-            .map(|(ns, n)| format!("{ns}/{n}"))
+            .find(|p| !(&*p.namespace == namespace && &*p.name == name))
+            .map(|p| format!("{}/{}", p.namespace, p.name))
     }
 
     /// Whether a pod of that name exists in `namespace`.
     pub fn pod_exists(&self, namespace: &str, name: &str) -> bool {
-        self.pods
-            .get(&ObjectRef::new(name).within(namespace))
-            .is_some()
+        self.pods.read().get(namespace, name).is_some()
     }
 
     /// The cached node named `name`.

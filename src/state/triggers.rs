@@ -11,7 +11,6 @@ use kube::api::DynamicObject;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 
-use super::index::OfWorkload;
 use super::{Caches, lock, pps_target};
 use crate::api::PersistentPodState;
 use crate::workload::{GroupKind, WorkloadRef};
@@ -76,7 +75,10 @@ impl Caches {
     }
 
     /// A pod changed or went: the PersistentPodStates of its workload.
-    pub(super) fn trigger_for_pod(&self, event: &watcher::Event<super::trim::CachedPod>) {
+    pub(super) fn trigger_for_pod(
+        &self,
+        event: &watcher::Event<std::sync::Arc<super::trim::CachedPod>>,
+    ) {
         match event {
             watcher::Event::Apply(p) | watcher::Event::Delete(p) => {
                 self.triggers.pps(self.pps_targeting(p.workload()));

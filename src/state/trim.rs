@@ -4,7 +4,8 @@
 //! volumes, images, managed fields) is skipped while decoding, never built, so a page of a
 //! list costs its bytes, not the full objects.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::{
     Node, NodeCondition, NodeSpec, NodeStatus, Pod, PodCondition, PodIP, PodSpec, PodStatus,
@@ -86,30 +87,171 @@ impl From<ReadMeta> for ObjectMeta {
 }
 
 /// A pod as the caches keep it: what recording, the IP index and the triggers read (its name,
-/// namespace, uid, resourceVersion, owner, annotations and deletion mark; its node, phase,
-/// readiness and IPs). A few hundred bytes, where a `Pod` value alone is over 2 KB.
+/// namespace, uid, resourceVersion, controller, annotations and deletion mark; its node,
+/// whether it finished, readiness and IPs), in boxes, with the strings many pods share
+/// (namespace, node, controller) interned: a few hundred bytes a pod.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CachedPod {
-    /// Name, namespace, uid, resourceVersion, owner references, annotations, deletion mark.
-    pub metadata: ObjectMeta,
+    /// Its name.
+    pub name: Box<str>,
+    /// Its namespace.
+    pub namespace: Arc<str>,
+    /// Its uid.
+    pub uid: Option<Box<str>>,
+    /// Its resourceVersion.
+    pub resource_version: Option<Box<str>>,
+    /// Whether it is being deleted (`deletionTimestamp` set).
+    pub deleting: bool,
+    /// Its annotations.
+    pub annotations: Annotations,
+    /// Its controlling owner reference.
+    pub controller: Option<Box<Owner>>,
     /// The node it is bound to.
-    pub node_name: Option<String>,
-    /// Its phase.
-    pub phase: Option<String>,
+    pub node_name: Option<Arc<str>>,
+    /// Whether it has finished (phase Succeeded or Failed): it holds no IP any more.
+    pub finished: bool,
     /// Whether its Ready condition is True.
     pub ready: bool,
     /// Its IPs, every family (`status.podIPs`, else `status.podIP`).
-    pub ips: Vec<String>,
+    pub ips: Box<[Box<str>]>,
 }
 
-impl CachedPod {
-    /// Whether it has finished (Succeeded or Failed): it holds no IP any more.
-    pub fn finished(&self) -> bool {
-        matches!(self.phase.as_deref(), Some("Succeeded" | "Failed"))
+/// A pod's controlling owner reference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Owner {
+    /// Its apiVersion.
+    pub api_version: Arc<str>,
+    /// Its kind.
+    pub kind: Arc<str>,
+    /// Its name.
+    pub name: Arc<str>,
+    /// Its uid.
+    pub uid: Box<str>,
+}
+
+/// Annotations as a slice of pairs sorted by key: no tree nodes per pod.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Annotations(Box<[(Box<str>, Box<str>)]>);
+
+impl Annotations {
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        let i = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
+        Some(&self.0[i].1)
     }
 }
 
-impl k8s_openapi::Resource for CachedPod {
+impl From<BTreeMap<String, String>> for Annotations {
+    fn from(map: BTreeMap<String, String>) -> Self {
+        Annotations(map.into_iter().map(|(k, v)| (k.into(), v.into())).collect())
+    }
+}
+
+impl CachedPod {
+    /// Its uid, owned.
+    pub fn uid(&self) -> Option<String> {
+        self.uid.as_deref().map(str::to_owned)
+    }
+
+    /// Its resourceVersion, owned.
+    pub fn resource_version(&self) -> Option<String> {
+        self.resource_version.as_deref().map(str::to_owned)
+    }
+
+    /// The StatefulSet-like workload that controls it, if any.
+    pub fn workload(&self) -> Option<crate::workload::WorkloadRef> {
+        let owner = self.controller.as_deref()?;
+        Some(crate::workload::WorkloadRef {
+            namespace: self.namespace.to_string(),
+            kind: crate::workload::GroupKind::new(
+                crate::api::api_group(&owner.api_version),
+                &owner.kind,
+            ),
+            name: owner.name.to_string(),
+        })
+    }
+}
+
+/// Strings many cached objects share (namespaces, node names, owners), held once.
+static INTERNED: Mutex<Interner> = Mutex::new(Interner {
+    strings: None,
+    pruned_at: 0,
+});
+
+struct Interner {
+    strings: Option<HashSet<Arc<str>>>,
+    /// How many strings there were after the last pruning.
+    pruned_at: usize,
+}
+
+/// The shared copy of `s`. Strings no cached object holds any more are dropped whenever the
+/// table has doubled since it was last pruned, so it stays within about twice what is in use.
+pub fn intern(s: &str) -> Arc<str> {
+    let mut interner = crate::sync::lock(&INTERNED);
+    let Interner { strings, pruned_at } = &mut *interner;
+    let strings = strings.get_or_insert_with(HashSet::new);
+    if let Some(shared) = strings.get(s) {
+        return shared.clone();
+    }
+    if strings.len() >= (*pruned_at * 2).max(1024) {
+        strings.retain(|s| Arc::strong_count(s) > 1);
+        *pruned_at = strings.len();
+    }
+    let shared: Arc<str> = Arc::from(s);
+    strings.insert(shared.clone());
+    shared
+}
+
+impl From<Pod> for CachedPod {
+    fn from(pod: Pod) -> Self {
+        let ready = crate::workload::is_ready(&pod);
+        let ips = crate::workload::pod_ips(&pod)
+            .into_iter()
+            .map(String::into_boxed_str)
+            .collect();
+        let finished = matches!(
+            pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Succeeded" | "Failed")
+        );
+        let m = pod.metadata;
+        let controller = m
+            .owner_references
+            .as_deref()
+            .and_then(crate::workload::controller_owner)
+            .map(|o| {
+                Box::new(Owner {
+                    api_version: intern(&o.api_version),
+                    kind: intern(&o.kind),
+                    name: intern(&o.name),
+                    uid: o.uid.as_str().into(),
+                })
+            });
+        CachedPod {
+            name: m.name.unwrap_or_default().into(),
+            namespace: intern(m.namespace.as_deref().unwrap_or_default()),
+            uid: m.uid.map(String::into_boxed_str),
+            resource_version: m.resource_version.map(String::into_boxed_str),
+            deleting: m.deletion_timestamp.is_some(),
+            annotations: m.annotations.unwrap_or_default().into(),
+            controller,
+            node_name: pod.spec.and_then(|s| s.node_name).map(|n| intern(&n)),
+            finished,
+            ready,
+            ips,
+        }
+    }
+}
+
+/// A pod as a watch delivers it: what is kept, plus the metadata the watch itself reads (its
+/// name, namespace and resourceVersion), dropped once the event is applied.
+#[derive(Clone, Debug)]
+pub struct WatchedPod {
+    metadata: ObjectMeta,
+    /// What is kept.
+    pub pod: CachedPod,
+}
+
+impl k8s_openapi::Resource for WatchedPod {
     const API_VERSION: &'static str = Pod::API_VERSION;
     const GROUP: &'static str = Pod::GROUP;
     const KIND: &'static str = Pod::KIND;
@@ -118,7 +260,7 @@ impl k8s_openapi::Resource for CachedPod {
     type Scope = <Pod as k8s_openapi::Resource>::Scope;
 }
 
-impl k8s_openapi::Metadata for CachedPod {
+impl k8s_openapi::Metadata for WatchedPod {
     type Ty = ObjectMeta;
 
     fn metadata(&self) -> &ObjectMeta {
@@ -130,30 +272,17 @@ impl k8s_openapi::Metadata for CachedPod {
     }
 }
 
-/// The metadata a cached pod keeps.
-fn pod_meta(m: ObjectMeta) -> ObjectMeta {
-    ObjectMeta {
-        name: m.name,
-        namespace: m.namespace,
-        uid: m.uid,
-        resource_version: m.resource_version,
-        deletion_timestamp: m.deletion_timestamp,
-        annotations: m.annotations,
-        owner_references: m.owner_references,
-        ..ObjectMeta::default()
-    }
-}
-
-impl From<Pod> for CachedPod {
+impl From<Pod> for WatchedPod {
     fn from(pod: Pod) -> Self {
-        let ready = crate::workload::is_ready(&pod);
-        let ips = crate::workload::pod_ips(&pod);
-        CachedPod {
-            metadata: pod_meta(pod.metadata),
-            node_name: pod.spec.and_then(|s| s.node_name),
-            phase: pod.status.and_then(|s| s.phase),
-            ready,
-            ips,
+        let metadata = ObjectMeta {
+            name: pod.metadata.name.clone(),
+            namespace: pod.metadata.namespace.clone(),
+            resource_version: pod.metadata.resource_version.clone(),
+            ..ObjectMeta::default()
+        };
+        WatchedPod {
+            metadata,
+            pod: CachedPod::from(pod),
         }
     }
 }
@@ -183,11 +312,11 @@ struct ReadPod {
 }
 
 /// Decodes a listed or watched pod straight into what is kept.
-impl<'de> Deserialize<'de> for CachedPod {
+impl<'de> Deserialize<'de> for WatchedPod {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let read = ReadPod::deserialize(d)?;
         // Through the same conversion as a whole Pod, so both keep exactly the same.
-        Ok(CachedPod::from(Pod {
+        Ok(WatchedPod::from(Pod {
             metadata: read.metadata.map(ObjectMeta::from).unwrap_or_default(),
             spec: read.spec.map(|s| PodSpec {
                 node_name: s.node_name,
@@ -201,6 +330,13 @@ impl<'de> Deserialize<'de> for CachedPod {
                 ..PodStatus::default()
             }),
         }))
+    }
+}
+
+/// Decodes a pod straight into what is kept (as [`WatchedPod`] does).
+impl<'de> Deserialize<'de> for CachedPod {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        WatchedPod::deserialize(d).map(|w| w.pod)
     }
 }
 
@@ -301,14 +437,14 @@ mod tests {
         }))
         .expect("pod");
         let p = CachedPod::from(p);
-        assert!(p.metadata.managed_fields.is_none() && p.metadata.labels.is_none());
-        assert!(p.metadata.finalizers.is_none());
-        assert_eq!(p.metadata.uid.as_deref(), Some("u"));
-        assert_eq!(p.annotations().get("k").map(String::as_str), Some("v"));
+        assert_eq!(&*p.name, "a-0");
+        assert_eq!(p.uid.as_deref(), Some("u"));
+        assert_eq!(p.annotations.get("k"), Some("v"));
+        assert_eq!(p.annotations.get("app"), None, "labels are not kept");
         assert_eq!(p.node_name.as_deref(), Some("n1"));
-        assert_eq!(p.phase.as_deref(), Some("Running"));
-        assert!(p.ready && !p.finished());
-        assert_eq!(p.ips, ["10.0.0.1"]);
+        assert!(p.ready && !p.finished && !p.deleting);
+        assert_eq!(&*p.ips, [Box::from("10.0.0.1")]);
+        assert!(p.controller.is_none());
 
         let mut w: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "a"},
@@ -342,6 +478,28 @@ mod tests {
             let read: CachedPod = serde_json::from_value(object.clone()).expect("read pod");
             assert_eq!(read, CachedPod::from(whole), "{object}");
         }
+        let watched: WatchedPod = serde_json::from_value(json!({"metadata": {"name": "a-0",
+            "namespace": "ns", "resourceVersion": "7", "uid": "u", "annotations": {"k": "v"}},
+            "spec": {"nodeName": "n1"}}))
+        .expect("watched pod");
+        assert_eq!(
+            watched.resource_version().as_deref(),
+            Some("7"),
+            "the watch resumes from it"
+        );
+        assert_eq!(watched.metadata.annotations, None, "kept once, in the pod");
+        let other: CachedPod = serde_json::from_value(json!({"metadata": {"name": "a-1",
+            "namespace": "ns"}, "spec": {"nodeName": "n1"}}))
+        .expect("pod");
+        assert!(
+            Arc::ptr_eq(&watched.pod.namespace, &other.namespace),
+            "interned"
+        );
+        let (a, b) = (
+            watched.pod.node_name.expect("node"),
+            other.node_name.expect("node"),
+        );
+        assert!(Arc::ptr_eq(&a, &b), "interned");
         let node_object = json!({"metadata": {"name": "n1", "resourceVersion": "3",
                 "labels": {"topology.kubernetes.io/zone": "z1"}, "annotations": {"a": "b"},
                 "managedFields": [{"manager": "m"}]},

@@ -305,14 +305,14 @@ mod tests {
     }
 
     fn state(labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> PodState {
-        let map = |kv: &[(&str, &str)]| {
+        let map = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
             kv.iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         };
         PodState {
             node_name: Some("node-a1".into()),
-            node_topology_labels: map(labels),
+            node_topology_labels: map(labels).into_iter().collect(),
             annotations: map(annotations),
             ..PodState::default()
         }
