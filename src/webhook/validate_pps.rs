@@ -8,6 +8,7 @@ use axum::extract::State;
 use axum::response::Response;
 use kube::api::{Api, ListParams};
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
@@ -30,8 +31,9 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review
     } = review;
     let metrics = &state.metrics;
     let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
-    let _entered = span.enter();
-    let (answer, result) = decide(&state, &req).await;
+    // Attached to the future, not entered: a guard held across the await would stay entered on
+    // the worker thread while this review waits, and wrap whatever else runs there.
+    let (answer, result) = decide(&state, &req).instrument(span).await;
     metrics.admission(endpoints::VALIDATE_PPS, result, start);
     answer.into_response(&req)
 }
