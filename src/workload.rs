@@ -100,11 +100,21 @@ pub fn controller_owner(owners: &[OwnerReference]) -> Option<&OwnerReference> {
 /// The StatefulSet-like workload that controls `pod` (in `namespace`), if any.
 pub fn pod_workload<K: kube::Resource>(pod: &K, namespace: &str) -> Option<WorkloadRef> {
     let owner = controller_owner(pod.owner_references())?;
-    Some(WorkloadRef {
+    Some(owner_workload(
+        namespace,
+        &owner.api_version,
+        &owner.kind,
+        &owner.name,
+    ))
+}
+
+/// The workload an owner reference (`apiVersion`, `kind`, `name`) in `namespace` names.
+pub fn owner_workload(namespace: &str, api_version: &str, kind: &str, name: &str) -> WorkloadRef {
+    WorkloadRef {
         namespace: namespace.to_owned(),
-        kind: GroupKind::new(api_group(&owner.api_version), &owner.kind),
-        name: owner.name.clone(),
-    })
+        kind: GroupKind::new(api_group(api_version), kind),
+        name: name.to_owned(),
+    }
 }
 
 /// Whether the pod's Ready condition is True.

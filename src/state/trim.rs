@@ -161,14 +161,12 @@ impl CachedPod {
     /// The StatefulSet-like workload that controls it, if any.
     pub fn workload(&self) -> Option<crate::workload::WorkloadRef> {
         let owner = self.controller.as_deref()?;
-        Some(crate::workload::WorkloadRef {
-            namespace: self.namespace.to_string(),
-            kind: crate::workload::GroupKind::new(
-                crate::api::api_group(&owner.api_version),
-                &owner.kind,
-            ),
-            name: owner.name.to_string(),
-        })
+        Some(crate::workload::owner_workload(
+            &self.namespace,
+            &owner.api_version,
+            &owner.kind,
+            &owner.name,
+        ))
     }
 }
 
