@@ -491,13 +491,18 @@ fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<Per
     })
 }
 
-/// Objects per page of an initial list or relist.
+/// Objects per page of a paginated list (where streaming lists are refused).
 const PAGE_SIZE: u32 = 500;
 
 /// Whether each watch is current: listed since it last failed. A watch that fails, ends or
 /// is restarted is stale until its relist is done; readiness is false while any is stale.
 #[derive(Default)]
-pub struct Watches(Mutex<BTreeMap<String, WatchState>>);
+pub struct Watches {
+    states: Mutex<BTreeMap<String, WatchState>>,
+    /// Set once the API server refused a streaming list (before v1.34, or its `WatchList`
+    /// feature gate off): every list is paginated from then on.
+    paginate: AtomicBool,
+}
 
 /// The state of one watch.
 #[derive(Clone, Debug, Default)]
@@ -509,14 +514,14 @@ struct WatchState {
 
 impl Watches {
     fn current(&self, kind: &str) {
-        let mut all = lock(&self.0);
+        let mut all = lock(&self.states);
         let state = all.entry(kind.to_owned()).or_default();
         state.current = true;
         state.why = None;
     }
 
     fn stale(&self, kind: &str, why: String) {
-        let mut all = lock(&self.0);
+        let mut all = lock(&self.states);
         let state = all.entry(kind.to_owned()).or_default();
         state.current = false;
         state.restarts += 1;
@@ -524,12 +529,12 @@ impl Watches {
     }
 
     fn forget(&self, kind: &str) {
-        lock(&self.0).remove(kind);
+        lock(&self.states).remove(kind);
     }
 
     /// The watches that are stale now, and why (empty: every cache is current).
     pub fn stale_now(&self) -> Vec<String> {
-        lock(&self.0)
+        lock(&self.states)
             .iter()
             .filter(|(_, s)| !s.current)
             .map(|(k, s)| match &s.why {
@@ -541,7 +546,7 @@ impl Watches {
 
     /// How often each watch was restarted.
     pub fn restarts(&self) -> Vec<(String, u64)> {
-        lock(&self.0)
+        lock(&self.states)
             .iter()
             .map(|(k, s)| (k.clone(), s.restarts))
             .collect()
@@ -615,6 +620,10 @@ fn jitter() -> f64 {
 }
 
 /// One watch, from its first list until it fails or ends; why it stopped.
+///
+/// The initial list is a streaming list (a watch that first sends every object, served from
+/// the API server's watch cache as one stream that is decoded while it arrives); where the
+/// API server refuses it, the list is paginated instead, 500 objects a page.
 async fn run_watch<K>(
     kind: String,
     api: Api<K>,
@@ -625,23 +634,34 @@ where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
-    // Lists are paginated (500 objects a page, from etcd): no single response holds every
-    // object of the cluster. (`any_semantic` would be served from the API server's watch
-    // cache, which answers in one response whatever the limit.)
-    let config = watcher::Config::default().page_size(PAGE_SIZE);
-    let events = watcher(api, config);
-    futures::pin_mut!(events);
     loop {
-        match events.try_next().await {
-            Ok(Some(ev)) => {
-                let listed = matches!(ev, watcher::Event::InitDone);
-                apply(ev);
-                if listed {
-                    watches.current(&kind);
+        let streaming = !watches.paginate.load(Ordering::Relaxed);
+        let config = if streaming {
+            watcher::Config::default().streaming_lists()
+        } else {
+            watcher::Config::default().page_size(PAGE_SIZE)
+        };
+        let events = watcher(api.clone(), config);
+        futures::pin_mut!(events);
+        loop {
+            match events.try_next().await {
+                Ok(Some(ev)) => {
+                    let listed = matches!(ev, watcher::Event::InitDone);
+                    apply(ev);
+                    if listed {
+                        watches.current(&kind);
+                    }
                 }
+                Ok(None) => return "the watch ended".to_owned(),
+                Err(watcher::Error::WatchStartFailed(kube::Error::Api(status)))
+                    if streaming && (status.is_invalid() || status.code == 400) =>
+                {
+                    tracing::info!(%kind, reason = %status.message, "the API server refused a streaming list; lists are paginated from now on");
+                    watches.paginate.store(true, Ordering::Relaxed);
+                    break;
+                }
+                Err(error) => return format!("the watch failed: {error}"),
             }
-            Ok(None) => return "the watch ended".to_owned(),
-            Err(error) => return format!("the watch failed: {error}"),
         }
     }
 }
@@ -689,9 +709,104 @@ mod tests {
         (Client::new(service, "default"), handle, Arc::default())
     }
 
+    /// As [`mock_watch`], for an API server known to refuse streaming lists.
+    fn mock_paginated_watch() -> (Client, MockHandle, Arc<Watches>) {
+        let (client, handle, watches) = mock_watch();
+        watches.paginate.store(true, Ordering::Relaxed);
+        (client, handle, watches)
+    }
+
+    /// The end of a streaming list: a bookmark carrying `initial-events-end`.
+    fn initial_events_end(
+        respond: tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
+    ) {
+        let event = json!({"type": "BOOKMARK", "object": {"kind": "Node", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "7",
+                "annotations": {"k8s.io/initial-events-end": "true"}}}});
+        respond.send_response(
+            http::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(format!("{event}\n").into_bytes()))
+                .expect("response"),
+        );
+    }
+
+    /// A watch of Nodes, and whether its list is done.
+    fn watch_nodes(
+        client: Client,
+        watches: &Arc<Watches>,
+    ) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
+        let listed = Arc::new(AtomicBool::new(false));
+        let done = listed.clone();
+        let task = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            move |ev| {
+                if matches!(ev, watcher::Event::InitDone) {
+                    done.store(true, Ordering::SeqCst);
+                }
+            },
+            watches.clone(),
+        );
+        (listed, task)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_list_is_streamed_and_ends_at_the_initial_events_bookmark() {
+        let (client, mut handle, watches) = mock_watch();
+        let (listed, task) = watch_nodes(client, &watches);
+        let (request, answer) = handle.next_request().await.expect("the streaming list");
+        let uri = request.uri().to_string();
+        assert!(
+            uri.contains("watch=true") && uri.contains("sendInitialEvents=true"),
+            "{uri}"
+        );
+        initial_events_end(answer);
+        until("the list to be done", || listed.load(Ordering::SeqCst)).await;
+        assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
+        task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_streaming_list_is_paginated_at_once_and_from_then_on() {
+        let (client, mut handle, watches) = mock_watch();
+        let (listed, task) = watch_nodes(client, &watches);
+        let (request, answer) = handle.next_request().await.expect("the streaming list");
+        assert!(request.uri().to_string().contains("sendInitialEvents=true"));
+        // v1.20-v1.33 (or the WatchList gate off) answer 422 Invalid.
+        respond(
+            answer,
+            422,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid",
+            "message": "ListOptions.meta.k8s.io \"\" is invalid: sendInitialEvents: Forbidden",
+            "code": 422}),
+        );
+        // No backoff, no restart counted: the paginated list comes next.
+        let (request, answer) = handle.next_request().await.expect("a paginated list");
+        let uri = request.uri().to_string();
+        assert!(
+            !uri.contains("watch=true") && uri.contains("limit=500"),
+            "{uri}"
+        );
+        respond(
+            answer,
+            200,
+            json!({"kind": "NodeList", "apiVersion": "v1",
+                "metadata": {"resourceVersion": "1"}, "items": []}),
+        );
+        until("the list to be done", || listed.load(Ordering::SeqCst)).await;
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 0)]);
+        assert!(
+            watches.paginate.load(Ordering::Relaxed),
+            "remembered for relists"
+        );
+        task.abort();
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_failed_watch_goes_stale_and_is_current_again_once_relisted() {
-        let (client, mut handle, watches) = mock_watch();
+        let (client, mut handle, watches) = mock_paginated_watch();
         let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
@@ -740,7 +855,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_watch_whose_task_panics_is_started_again() {
-        let (client, mut handle, watches) = mock_watch();
+        let (client, mut handle, watches) = mock_paginated_watch();
         let applied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = applied.clone();
         // Applying the first event panics; later ones do not.

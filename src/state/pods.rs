@@ -96,6 +96,33 @@ impl PodTable {
 
 impl Indexer<Arc<CachedPod>> for PodTable {
     fn upsert(&mut self, pod: &Arc<CachedPod>) -> bool {
+        let hash = self.hash(&pod.namespace, &pod.name);
+        if let Ok(mut entry) = self
+            .by_name
+            .find_entry(hash, |p| p.name == pod.name && p.namespace == pod.namespace)
+            && entry.get().workload() == pod.workload()
+            && held_ips(entry.get()) == held_ips(pod)
+        {
+            // Same workload and IPs (most updates): the new record takes the old one's place
+            // in each list, which keeps its order and moves nothing.
+            let old = std::mem::replace(entry.get_mut(), pod.clone());
+            let swap = |pods: &mut Vec<Arc<CachedPod>>| {
+                if let Some(slot) = pods.iter_mut().find(|p| Arc::ptr_eq(p, &old)) {
+                    *slot = pod.clone();
+                }
+            };
+            if let Some(w) = pod.workload()
+                && let Some(pods) = self.by_workload.get_mut(&w)
+            {
+                swap(pods);
+            }
+            for ip in held_ips(pod) {
+                if let Some(pods) = self.by_ip.get_mut(ip.as_str()) {
+                    swap(pods);
+                }
+            }
+            return *old != **pod;
+        }
         let old = self.take(&pod.namespace, &pod.name);
         let changed = old.as_deref() != Some(&**pod);
         let pod = pod.clone();
@@ -201,6 +228,37 @@ mod tests {
         assert!(names(&table, "b").is_empty());
         assert_eq!(names(&table, "c"), vec!["c-0"]);
         assert_eq!(table.read().len(), 1);
+    }
+
+    #[test]
+    fn an_update_that_keeps_workload_and_ips_is_seen_through_every_index() {
+        let table = Shared::<PodTable>::default();
+        let running = decode(json!({"metadata": {"name": "a-0", "namespace": "ns",
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "a",
+                "uid": "u", "controller": true}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}]}}));
+        table.apply(&watcher::Event::Apply(running.clone()));
+        table.apply(&watcher::Event::Apply(pod("a-1", Some("a"))));
+        let mut ready = (*running).clone();
+        ready.ready = true;
+        let ready = Arc::new(ready);
+        table.apply(&watcher::Event::Apply(ready.clone()));
+
+        let read = table.read();
+        assert_eq!(read.len(), 2);
+        let by_workload = read.of_workload(&sts("a"));
+        assert_eq!(by_workload.len(), 2, "{by_workload:?}");
+        assert!(
+            Arc::ptr_eq(&by_workload[0], &ready),
+            "by workload: the new record"
+        );
+        let by_ip: Vec<_> = read.holders("10.0.0.1").collect();
+        assert_eq!(by_ip.len(), 1);
+        assert!(Arc::ptr_eq(by_ip[0], &ready), "by IP: the new record");
+        assert!(
+            read.get("ns", "a-0")
+                .is_some_and(|p| Arc::ptr_eq(p, &ready))
+        );
     }
 
     fn pod_with_ip(name: &str, ip: &str, phase: &str) -> Arc<CachedPod> {
