@@ -5,6 +5,7 @@
 //! The webhook publishes Events (its `sideEffects` is `NoneOnDryRun`): a dry-run request gets
 //! exactly the answer a real one would, but publishes nothing.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -60,14 +61,14 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
     if let Some(t) = request.too_complex {
         return Outcome::Invalid(t.message());
     }
-    let decoded = match request.pod() {
-        Some(pod) => Some(Ok(pod.clone())),
-        None => request.object().map(decode_pod),
-    };
-    let mut pod = match decoded {
-        Some(Ok(pod)) => pod,
-        Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
-        None => return Outcome::Invalid("the request carries no object".into()),
+    // Decoded with the review as a rule (borrowed, not copied); else from the object's text.
+    let mut pod = match request.pod() {
+        Some(pod) => Cow::Borrowed(pod),
+        None => match request.object().map(decode_pod) {
+            Some(Ok(pod)) => Cow::Owned(pod),
+            Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
+            None => return Outcome::Invalid("the request carries no object".into()),
+        },
     };
     let namespace = request
         .namespace
@@ -76,7 +77,7 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
         .unwrap_or_default();
     // A pod created with generateName has no name in the object; the request may carry it.
     if pod.metadata.name.as_deref().is_none_or(str::is_empty) {
-        pod.metadata.name = Some(request.name.clone());
+        pod.to_mut().metadata.name = Some(request.name.clone());
     }
     Outcome::Decided(Box::new(decide(&pod, &namespace, lookup)))
 }
