@@ -656,7 +656,9 @@ where
                 Err(watcher::Error::WatchStartFailed(kube::Error::Api(status)))
                     if streaming && (status.is_invalid() || status.code == 400) =>
                 {
-                    tracing::info!(%kind, reason = %status.message, "the API server refused a streaming list; lists are paginated from now on");
+                    // Its message is not logged: it names the refused options as "Forbidden",
+                    // which reads as an RBAC refusal.
+                    tracing::info!(%kind, code = status.code, reason = %status.reason, "the API server does not serve streaming lists (before v1.34, or its WatchList feature gate off); lists are paginated from now on");
                     watches.paginate.store(true, Ordering::Relaxed);
                     break;
                 }
