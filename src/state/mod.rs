@@ -583,6 +583,7 @@ where
     let apply = Arc::new(apply);
     tokio::spawn(async move {
         let mut backoff = WATCH_BACKOFF;
+        let listed = Arc::new(AtomicBool::new(false));
         loop {
             let started = tokio::time::Instant::now();
             // Its own task, so that a panic while applying an event is a restart too; aborted
@@ -592,6 +593,7 @@ where
                 api.clone(),
                 apply.clone(),
                 watches.clone(),
+                listed.clone(),
             )));
             let why = match run.await {
                 Ok(why) => why,
@@ -621,21 +623,26 @@ fn jitter() -> f64 {
 
 /// One watch, from its first list until it fails or ends; why it stopped.
 ///
-/// The initial list is a streaming list (a watch that first sends every object, served from
-/// the API server's watch cache as one stream that is decoded while it arrives); where the
-/// API server refuses it, the list is paginated instead, 500 objects a page.
+/// Until the watch has once been listed (`listed`), its list is a streaming list: a watch that
+/// first sends every object from the API server's watch cache, decoded as it arrives, and ends
+/// them with a bookmark. Where the API server refuses that, and for every relist once the cache
+/// holds objects, the list is paginated (500 objects a page) and consistent: a streaming list
+/// is served at whatever version the API server's watch cache has (kube-runtime asks from
+/// resourceVersion 0), which after a failure could be older than what the cache already holds.
 async fn run_watch<K>(
     kind: String,
     api: Api<K>,
     apply: Arc<impl Fn(watcher::Event<K>) + Send + Sync + 'static>,
     watches: Arc<Watches>,
+    listed: Arc<AtomicBool>,
 ) -> String
 where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
     loop {
-        let streaming = !watches.paginate.load(Ordering::Relaxed);
+        let streaming =
+            !listed.load(Ordering::Relaxed) && !watches.paginate.load(Ordering::Relaxed);
         let config = if streaming {
             watcher::Config::default().streaming_lists()
         } else {
@@ -646,15 +653,18 @@ where
         loop {
             match events.try_next().await {
                 Ok(Some(ev)) => {
-                    let listed = matches!(ev, watcher::Event::InitDone);
+                    let done = matches!(ev, watcher::Event::InitDone);
                     apply(ev);
-                    if listed {
+                    if done {
+                        listed.store(true, Ordering::Relaxed);
                         watches.current(&kind);
                     }
                 }
                 Ok(None) => return "the watch ended".to_owned(),
+                // The streaming list's request refused as invalid (not a later watch's: this
+                // one has not listed yet).
                 Err(watcher::Error::WatchStartFailed(kube::Error::Api(status)))
-                    if streaming && (status.is_invalid() || status.code == 400) =>
+                    if streaming && !listed.load(Ordering::Relaxed) && status.is_invalid() =>
                 {
                     // Its message is not logged: it names the refused options as "Forbidden",
                     // which reads as an RBAC refusal.
@@ -755,7 +765,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_first_list_is_streamed_and_ends_at_the_initial_events_bookmark() {
+    async fn the_first_list_is_streamed_and_a_relist_after_a_failure_is_paginated_and_consistent() {
         let (client, mut handle, watches) = mock_watch();
         let (listed, task) = watch_nodes(client, &watches);
         let (request, answer) = handle.next_request().await.expect("the streaming list");
@@ -767,6 +777,31 @@ mod tests {
         initial_events_end(answer);
         until("the list to be done", || listed.load(Ordering::SeqCst)).await;
         assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
+        // The stream ended after the bookmark; the watch resumed from it fails.
+        let (request, answer) = handle.next_request().await.expect("the resumed watch");
+        let uri = request.uri().to_string();
+        assert!(
+            uri.contains("watch=true") && !uri.contains("sendInitialEvents"),
+            "{uri}"
+        );
+        respond(
+            answer,
+            500,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "etcd is gone", "code": 500}),
+        );
+        // The relist after the backoff: consistent and paginated, not from the watch cache.
+        let (request, _answer) = handle.next_request().await.expect("the relist");
+        let uri = request.uri().to_string();
+        assert!(
+            !uri.contains("watch=true") && uri.contains("limit=500"),
+            "{uri}"
+        );
+        assert!(!uri.contains("resourceVersion=0"), "{uri}");
+        assert!(
+            !watches.paginate.load(Ordering::Relaxed),
+            "streaming is not refused"
+        );
         task.abort();
     }
 
