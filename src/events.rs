@@ -19,8 +19,19 @@ pub const REPORTER: &str = "persistent-pod-state";
 pub struct Events {
     recorder: Recorder,
     min_interval: Duration,
-    last: Mutex<HashMap<(String, String, String), Instant>>,
+    last: Mutex<LastSent>,
 }
+
+/// When each key last sent an Event; keys out of the window are dropped once there are more
+/// than `prune_above` (then twice what is left, at least 4096: amortized, not a pass per call).
+#[derive(Default)]
+struct LastSent {
+    at: HashMap<(String, String, String), Instant>,
+    prune_above: usize,
+}
+
+/// The fewest keys kept before the window is pruned.
+const PRUNE_ABOVE: usize = 4096;
 
 impl Events {
     /// Events reported as `instance` of this controller.
@@ -41,16 +52,18 @@ impl Events {
         let now = Instant::now();
         let mut last = crate::sync::lock(&self.last);
         if last
+            .at
             .get(&key)
             .is_some_and(|t| now.duration_since(*t) < self.min_interval)
         {
             return false;
         }
-        if last.len() > 4096 {
+        if last.at.len() > last.prune_above.max(PRUNE_ABOVE) {
             let window = self.min_interval;
-            last.retain(|_, t| now.duration_since(*t) < window);
+            last.at.retain(|_, t| now.duration_since(*t) < window);
+            last.prune_above = last.at.len() * 2;
         }
-        last.insert(key, now);
+        last.at.insert(key, now);
         true
     }
 
@@ -155,5 +168,27 @@ mod tests {
         assert!(!events.allow(key("a", "StatesRecorded")), "repeat dropped");
         assert!(events.allow(key("a", "StatesPruned")), "another reason");
         assert!(events.allow(key("b", "StatesRecorded")), "another object");
+    }
+
+    #[tokio::test]
+    async fn the_window_is_pruned_when_the_keys_double_not_on_every_call() {
+        let (mock, _server) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let events = Events::new(
+            Client::new(mock, "default"),
+            None,
+            Duration::from_secs(3600),
+        );
+        let key = |i: usize| ("ns".to_string(), format!("pps-{i}"), "Reason/".to_string());
+        for i in 0..=PRUNE_ABOVE + 1 {
+            assert!(events.allow(key(i)));
+        }
+        // One pass when the keys passed PRUNE_ABOVE: all in the window, so kept, and the
+        // next pass waits until they have doubled.
+        let last = crate::sync::lock(&events.last);
+        assert_eq!(last.at.len(), PRUNE_ABOVE + 2);
+        assert_eq!(last.prune_above, 2 * (PRUNE_ABOVE + 1));
     }
 }

@@ -13,7 +13,7 @@ mod retry;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
@@ -40,7 +40,45 @@ pub const FIELD_MANAGER: &str = "persistent-pod-state";
 const RESYNC: Duration = Duration::from_secs(300);
 
 /// What was last reported about each PersistentPodState (so a report goes out once).
-type Reported<T> = Mutex<HashMap<ObjectRef<PersistentPodState>, T>>;
+/// How often the entries of PersistentPodStates gone from the cache are dropped from what was
+/// reported.
+const FORGET_EVERY: Duration = Duration::from_secs(10);
+
+/// What was reported, by PersistentPodState.
+#[derive(Default)]
+struct Reported<T>(Mutex<ReportedMap<T>>);
+
+/// The entries of a [`Reported`], locked.
+struct ReportedMap<T> {
+    by_pps: HashMap<ObjectRef<PersistentPodState>, T>,
+    forgotten_at: Option<Instant>,
+}
+
+impl<T> Default for ReportedMap<T> {
+    fn default() -> Self {
+        Self {
+            by_pps: HashMap::new(),
+            forgotten_at: None,
+        }
+    }
+}
+
+impl<T> Reported<T> {
+    /// The entries, and whether those of PersistentPodStates gone from `caches` were dropped
+    /// just now: at most once per [`FORGET_EVERY`], since it looks at every entry (on every
+    /// reconcile, that made a pass over 10,000 PersistentPodStates quadratic).
+    fn lock(&self, caches: &Caches) -> (std::sync::MutexGuard<'_, ReportedMap<T>>, bool) {
+        let mut map = crate::sync::lock(&self.0);
+        let due = map
+            .forgotten_at
+            .is_none_or(|at| at.elapsed() >= FORGET_EVERY);
+        if due {
+            map.by_pps.retain(|k, _| caches.pps.get(k).is_some());
+            map.forgotten_at = Some(Instant::now());
+        }
+        (map, due)
+    }
+}
 
 /// What the controllers share.
 pub struct Context {
@@ -92,10 +130,10 @@ impl Context {
             events,
             node_lost_after,
             fence,
-            reported_unplaceable: Mutex::default(),
-            reported_limits: Mutex::default(),
-            reported_replaced: Mutex::default(),
-            reported_local: Mutex::default(),
+            reported_unplaceable: Reported::default(),
+            reported_limits: Reported::default(),
+            reported_replaced: Reported::default(),
+            reported_local: Reported::default(),
             failures: Backoff::default(),
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),

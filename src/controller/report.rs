@@ -17,7 +17,6 @@ use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateS
 use crate::metrics::{DropLabels, RestoreLabels};
 use crate::placement::{self, Dropped, Health, PodDemands};
 use crate::release::{self, Kept, LocalClaim, Waiting};
-use crate::sync::lock;
 use crate::webhook::admit::LeftOut;
 use crate::workload::{MAX_RESERVED_ENTRIES, WorkloadRef};
 
@@ -146,14 +145,14 @@ pub(super) fn limits(ctx: &Context, pps: &PersistentPodState, target: &Target) {
     }
     let key = ObjectRef::from_obj(pps);
     let newly = {
-        let mut reported = lock(&ctx.reported_limits);
+        let (mut reported, _) = ctx.reported_limits.lock(&ctx.caches);
+        let reported = &mut reported.by_pps;
         let newly = !over.is_empty() && reported.get(&key) != Some(&over);
         if over.is_empty() {
             reported.remove(&key);
         } else {
             reported.insert(key, over.clone());
         }
-        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
         ctx.metrics.over_limits.set(reported.len() as i64);
         newly
     };
@@ -180,7 +179,10 @@ pub(super) fn unplaceable(
     let unplaceable = record::unplaceable_states(&pps.spec, status, &place);
     let key = ObjectRef::from_obj(pps);
     let newly: Vec<(String, Dropped)> = {
-        let mut reported = lock(&ctx.reported_unplaceable);
+        // PPS deleted since they were reported are forgotten (now and then); the gauge is
+        // counted again when they were, else moved by this PPS's change.
+        let (mut reported, forgot) = ctx.reported_unplaceable.lock(&ctx.caches);
+        let reported = &mut reported.by_pps;
         let before = reported.remove(&key).unwrap_or_default();
         let newly = unplaceable
             .iter()
@@ -190,10 +192,12 @@ pub(super) fn unplaceable(
         if !unplaceable.is_empty() {
             reported.insert(key, unplaceable.keys().cloned().collect());
         }
-        // PPS deleted since they were reported are forgotten.
-        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
-        let total: usize = reported.values().map(BTreeSet::len).sum();
-        ctx.metrics.states_unplaceable.set(total as i64);
+        let gauge = &ctx.metrics.states_unplaceable;
+        if forgot {
+            gauge.set(reported.values().map(BTreeSet::len).sum::<usize>() as i64);
+        } else {
+            gauge.inc_by(unplaceable.len() as i64 - before.len() as i64);
+        }
         newly
     };
     for (pod, dropped) in newly {
@@ -222,12 +226,12 @@ pub(super) fn replaced(ctx: &Context, pps: &PersistentPodState, change: &StatusC
         .map(|r| (r.pod.clone(), r.uid.clone()))
         .collect();
     let newly: Vec<&Replaced> = {
-        let mut reported = lock(&ctx.reported_replaced);
+        let (mut reported, _) = ctx.reported_replaced.lock(&ctx.caches);
+        let reported = &mut reported.by_pps;
         let before = reported.remove(&key).unwrap_or_default();
         if !now.is_empty() {
             reported.insert(key, now.clone());
         }
-        reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
         change
             .replaced
             .iter()
@@ -308,9 +312,8 @@ pub(super) fn first_local_report(
     waiting: &BTreeSet<String>,
 ) -> bool {
     let key = ObjectRef::from_obj(pps);
-    let mut reported = lock(&ctx.reported_local);
-    reported.retain(|k, _| ctx.caches.pps.get(k).is_some());
-    let seen = reported.entry(key).or_default();
+    let (mut reported, _) = ctx.reported_local.lock(&ctx.caches);
+    let seen = reported.by_pps.entry(key).or_default();
     seen.retain(|u| waiting.contains(u));
     seen.insert(uid.to_owned())
 }

@@ -958,3 +958,34 @@ async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() 
             .contains("pps_pods_released_total{reason=\"node_gone\"} 1")
     );
 }
+
+#[test]
+fn what_was_reported_forgets_deleted_pps_now_and_then_not_on_every_look() {
+    use super::{FORGET_EVERY, Reported};
+    use kube::runtime::reflector::ObjectRef;
+    let caches = Caches::new();
+    caches.apply_pps(watcher::Event::Apply(pps(json!({}))));
+    let kept = ObjectRef::<PersistentPodState>::new("web").within("ns");
+    let gone = ObjectRef::<PersistentPodState>::new("deleted").within("ns");
+    let reported = Reported::<u32>::default();
+    {
+        let (mut map, forgot) = reported.lock(&caches);
+        assert!(forgot, "the first look forgets");
+        map.by_pps.insert(kept.clone(), 1);
+        map.by_pps.insert(gone.clone(), 2);
+    }
+    let (map, forgot) = reported.lock(&caches);
+    assert!(!forgot, "not again within {FORGET_EVERY:?}");
+    assert_eq!(map.by_pps.len(), 2);
+    drop(map);
+    if let Some(long_ago) = std::time::Instant::now().checked_sub(FORGET_EVERY) {
+        crate::sync::lock(&reported.0).forgotten_at = Some(long_ago);
+        let (map, forgot) = reported.lock(&caches);
+        assert!(forgot);
+        assert_eq!(
+            map.by_pps.keys().collect::<Vec<_>>(),
+            [&kept],
+            "the deleted one is forgotten"
+        );
+    }
+}

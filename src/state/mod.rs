@@ -650,12 +650,21 @@ where
         };
         let events = watcher(api.clone(), config);
         futures::pin_mut!(events);
+        let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         loop {
             match events.try_next().await {
                 Ok(Some(ev)) => {
+                    match ev {
+                        watcher::Event::Init => {
+                            (started, objects) = (tokio::time::Instant::now(), 0)
+                        }
+                        watcher::Event::InitApply(_) => objects += 1,
+                        _ => {}
+                    }
                     let done = matches!(ev, watcher::Event::InitDone);
                     apply(ev);
                     if done {
+                        tracing::info!(%kind, objects, seconds = started.elapsed().as_secs_f64(), streamed = streaming, "listed");
                         listed.store(true, Ordering::Relaxed);
                         watches.current(&kind);
                     }
