@@ -6,16 +6,17 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::response::Response;
-use kube::api::{Api, ListParams};
+use kube::Resource;
+use kube::api::{ListParams, ObjectList};
+use serde::Deserialize;
 use serde_json::Value;
 use tracing::Instrument;
 
 use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
 use crate::api::validation::{Context, validate};
-use crate::api::{KRUISE_GROUP, PersistentPodState, api_group, keys_field};
+use crate::api::{KRUISE_GROUP, PersistentPodState, TargetReference, api_group, keys_field};
 use crate::metrics::AdmissionResult;
-use crate::state::index::pps_target;
 use crate::workload::{GroupKind, WorkloadRef};
 
 /// How long the live read of a namespace's PersistentPodStates may take before the cache answers
@@ -51,13 +52,14 @@ async fn others_for(
 ) -> Vec<String> {
     let live = match (&state.client, create) {
         (Some(client), true) => {
-            let api: Api<PersistentPodState> = Api::namespaced(client.clone(), &workload.namespace);
-            match tokio::time::timeout(LIVE_READ_TIMEOUT, api.list(&ListParams::default())).await {
+            match tokio::time::timeout(LIVE_READ_TIMEOUT, list_targets(client, &workload.namespace))
+                .await
+            {
                 Ok(Ok(list)) => Some(
                     list.items
-                        .iter()
-                        .filter(|pps| pps_target(pps).as_ref() == Some(workload))
-                        .filter_map(|pps| pps.metadata.name.clone())
+                        .into_iter()
+                        .filter(|pps| pps.targets(workload))
+                        .filter_map(|pps| pps.metadata.name)
                         .collect::<Vec<_>>(),
                 ),
                 Ok(Err(error)) => {
@@ -81,6 +83,50 @@ async fn others_for(
         .collect();
     others.sort();
     others
+}
+
+/// What the uniqueness check reads of a listed PersistentPodState: its name and target. The
+/// rest of each object (its status above all) is skipped while parsing, not decoded: the
+/// namespace's list is read on every CREATE.
+#[derive(Clone, Debug, Deserialize)]
+struct Targeting {
+    metadata: Named,
+    #[serde(default)]
+    spec: TargetingSpec,
+}
+
+/// A listed object's name.
+#[derive(Clone, Debug, Deserialize)]
+struct Named {
+    name: Option<String>,
+}
+
+/// A listed PersistentPodState's target, if it has one.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TargetingSpec {
+    target_ref: Option<TargetReference>,
+}
+
+impl Targeting {
+    /// Whether it targets `workload` (matched by group, kind and name, in its namespace).
+    fn targets(&self, workload: &WorkloadRef) -> bool {
+        self.spec.target_ref.as_ref().is_some_and(|t| {
+            t.name == workload.name && GroupKind::new(t.group(), &t.kind) == workload.kind
+        })
+    }
+}
+
+/// The PersistentPodStates of `namespace`, read live, as [`Targeting`]s.
+async fn list_targets(
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<ObjectList<Targeting>, kube::Error> {
+    let url = PersistentPodState::url_path(&(), Some(namespace));
+    let request = kube::core::Request::new(url)
+        .list(&ListParams::default())
+        .map_err(kube::Error::BuildRequest)?;
+    client.request(request).await
 }
 
 async fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, AdmissionResult) {
@@ -157,4 +203,42 @@ async fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, Adm
         Admission::deny(422, "Invalid", message),
         AdmissionResult::Denied,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_listed_pps_is_read_for_its_name_and_target_only() {
+        let list: ObjectList<Targeting> = serde_json::from_value(json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodStateList",
+            "metadata": {"resourceVersion": "9"},
+            "items": [
+                {"metadata": {"name": "native", "namespace": "ns"},
+                 "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}},
+                 "status": {"podStates": {"web-0": {"nodeName": "n1"}}, "observedGeneration": 1}},
+                {"metadata": {"name": "advanced", "namespace": "ns"},
+                 "spec": {"targetRef": {"apiVersion": "apps.kruise.io/v1beta1", "kind": "StatefulSet", "name": "web"}},
+                 "status": "a status of another shape is skipped, not decoded"},
+                {"metadata": {"name": "other", "namespace": "ns"},
+                 "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "db"}}},
+                {"metadata": {"name": "no-spec", "namespace": "ns"}}
+            ]
+        }))
+        .expect("list");
+        let web = WorkloadRef {
+            namespace: "ns".into(),
+            kind: GroupKind::native_statefulset(),
+            name: "web".into(),
+        };
+        let named: Vec<_> = list
+            .items
+            .iter()
+            .filter(|pps| pps.targets(&web))
+            .filter_map(|pps| pps.metadata.name.as_deref())
+            .collect();
+        assert_eq!(named, ["native"]);
+    }
 }
