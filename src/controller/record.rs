@@ -2,7 +2,7 @@
 //! and the nodes, the whole change a reconcile makes ([`change`]): the status it should have, the
 //! minimal merge patch to it, and which states were recorded, pruned and restored.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use litemap::LiteMap;
 use serde_json::{Map, Value};
@@ -308,13 +308,23 @@ pub fn unplaceable_states(
     status: &PersistentPodStateStatus,
     place: &dyn Fn(&BTreeMap<String, String>) -> Required,
 ) -> BTreeMap<String, Dropped> {
+    // Asked once per distinct set of values: states share them (a zone), and placing values
+    // whose nodes are lost looks at every node.
+    let mut placed: HashMap<BTreeMap<String, String>, Option<Dropped>> = HashMap::new();
     status
         .pod_states
         .iter()
         .filter_map(|(pod, state)| {
-            place(&spec.required_values(state))
-                .dropped
-                .map(|d| (pod.clone(), d))
+            let values = spec.required_values(state);
+            let dropped = match placed.get(&values) {
+                Some(dropped) => dropped.clone(),
+                None => {
+                    let dropped = place(&values).dropped;
+                    placed.insert(values, dropped.clone());
+                    dropped
+                }
+            };
+            dropped.map(|d| (pod.clone(), d))
         })
         .collect()
 }
@@ -792,6 +802,35 @@ mod tests {
         let mut no_required = spec(None);
         no_required.required_persistent_topology = None;
         assert!(unplaceable_states(&no_required, &status, &only_z2).is_empty());
+    }
+
+    #[test]
+    fn states_sharing_their_required_values_are_placed_once() {
+        let status = PersistentPodStateStatus {
+            observed_generation: 1,
+            pod_states: [
+                ("web-0".to_string(), state("node-1")),
+                ("web-1".to_string(), state("node-2")),
+                ("web-2".to_string(), state("node-1")),
+            ]
+            .into(),
+            ..PersistentPodStateStatus::default()
+        };
+        let asked = std::cell::Cell::new(0);
+        let none_usable = |l: &BTreeMap<String, String>| {
+            asked.set(asked.get() + 1);
+            Required {
+                kept: BTreeMap::new(),
+                dropped: Some(Dropped {
+                    values: l.clone(),
+                    reason: DropReason::NodeLost,
+                }),
+            }
+        };
+        let out = unplaceable_states(&spec(None), &status, &none_usable);
+        assert_eq!(out.len(), 3, "each state is reported");
+        assert_eq!(out["web-0"], out["web-2"]);
+        assert_eq!(asked.get(), 2, "once per distinct values");
     }
 
     #[test]
