@@ -168,10 +168,16 @@ pub fn change(
     observed: &Observed<'_>,
 ) -> Result<StatusChange, serde_json::Error> {
     let status = desired_status(pps_name, spec, generation, current, observed);
-    let patch = merge_patch(
-        &serde_json::to_value(current)?,
-        &serde_json::to_value(&status)?,
-    );
+    // Equal statuses serialize equal: the usual reconcile (nothing changed) writes nothing
+    // without serializing both.
+    let patch = if current == Some(&status) {
+        None
+    } else {
+        merge_patch(
+            &serde_json::to_value(current)?,
+            &serde_json::to_value(&status)?,
+        )
+    };
     let empty = BTreeMap::new();
     let old = current.map_or(&empty, |s| &s.pod_states);
     let (mut recorded, mut restorations) = (Vec::new(), Vec::new());
