@@ -151,17 +151,26 @@ impl Events {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn one_event_per_object_and_reason_per_interval() {
-        let (mock, _server) = tower_test::mock::pair::<
+    /// Events with a one-hour window, on a mock API server (kept alive with them).
+    fn hourly() -> (
+        Events,
+        tower_test::mock::Handle<
             http::Request<kube::client::Body>,
             http::Response<kube::client::Body>,
-        >();
+        >,
+    ) {
+        let (mock, server) = tower_test::mock::pair();
         let events = Events::new(
             Client::new(mock, "default"),
             None,
             Duration::from_secs(3600),
         );
+        (events, server)
+    }
+
+    #[tokio::test]
+    async fn one_event_per_object_and_reason_per_interval() {
+        let (events, _server) = hourly();
         let key =
             |name: &str, reason: &str| ("ns".to_string(), name.to_string(), reason.to_string());
         assert!(events.allow(key("a", "StatesRecorded")));
@@ -172,15 +181,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_window_is_pruned_when_the_keys_double_not_on_every_call() {
-        let (mock, _server) = tower_test::mock::pair::<
-            http::Request<kube::client::Body>,
-            http::Response<kube::client::Body>,
-        >();
-        let events = Events::new(
-            Client::new(mock, "default"),
-            None,
-            Duration::from_secs(3600),
-        );
+        let (events, _server) = hourly();
         let key = |i: usize| ("ns".to_string(), format!("pps-{i}"), "Reason/".to_string());
         for i in 0..=PRUNE_ABOVE + 1 {
             assert!(events.allow(key(i)));
