@@ -11,7 +11,7 @@ pub mod record;
 mod report;
 mod retry;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,7 @@ use crate::api::PersistentPodState;
 use crate::events::Events;
 use crate::leader::{Fence, Fenced};
 use crate::metrics::Metrics;
+use crate::placement::{self, Health, PodDemands, Required};
 use crate::state::{Caches, WorkloadStore};
 use crate::workload::GroupKind;
 pub use reconcile::{WorkloadContext, reconcile_pps, reconcile_workload};
@@ -40,6 +41,51 @@ pub const FIELD_MANAGER: &str = "persistent-pod-state";
 const RESYNC: Duration = Duration::from_secs(300);
 
 /// What was last reported about each PersistentPodState (so a report goes out once).
+/// How long a placement of recorded required values is reused while no node changes (a node
+/// also becomes lost by time alone, at most this late).
+const PLACEMENT_TTL: Duration = Duration::from_millis(500);
+/// The most placements kept (distinct sets of recorded values; all dropped beyond).
+const MAX_PLACEMENTS: usize = 65_536;
+
+/// Placements of recorded required values with no pod's own demands, shared by reconciles:
+/// during a zone outage every PersistentPodState places the same few zones, and placing
+/// values whose nodes are lost looks at every node.
+#[derive(Default)]
+struct Placements {
+    nodes_changed: u64,
+    at: Option<Instant>,
+    by_values: HashMap<BTreeMap<String, String>, Required>,
+}
+
+impl Context {
+    /// Where `values` can still be required of a pod with no demands of its own: placed again
+    /// only when a node changed or the last placements are older than [`PLACEMENT_TTL`].
+    fn place_required(&self, values: &BTreeMap<String, String>, health: &Health) -> Required {
+        let nodes_changed = self.caches.nodes_changed();
+        {
+            let mut memo = crate::sync::lock(&self.placements);
+            let fresh = memo.nodes_changed == nodes_changed
+                && memo.at.is_some_and(|at| at.elapsed() < PLACEMENT_TTL);
+            if !fresh {
+                memo.by_values.clear();
+                memo.nodes_changed = nodes_changed;
+                memo.at = Some(Instant::now());
+            } else if let Some(placed) = memo.by_values.get(values) {
+                return placed.clone();
+            }
+        }
+        let placed = placement::required(values, &PodDemands::none(), self.caches.as_ref(), health);
+        let mut memo = crate::sync::lock(&self.placements);
+        if memo.nodes_changed == nodes_changed {
+            if memo.by_values.len() >= MAX_PLACEMENTS {
+                memo.by_values.clear();
+            }
+            memo.by_values.insert(values.clone(), placed.clone());
+        }
+        placed
+    }
+}
+
 /// How often the entries of PersistentPodStates gone from the cache are dropped from what was
 /// reported.
 const FORGET_EVERY: Duration = Duration::from_secs(10);
@@ -103,6 +149,8 @@ pub struct Context {
     /// Waiting pods whose node-local volumes were reported (kept or blocking), by
     /// PersistentPodState: their uids.
     reported_local: Reported<BTreeSet<String>>,
+    /// Placements of recorded required values, shared by reconciles.
+    placements: Mutex<Placements>,
     /// Consecutive failures by object, for the retry backoff.
     failures: Backoff,
     /// When each PersistentPodState's status was last written.
@@ -134,6 +182,7 @@ impl Context {
             reported_limits: Reported::default(),
             reported_replaced: Reported::default(),
             reported_local: Reported::default(),
+            placements: Mutex::default(),
             failures: Backoff::default(),
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),

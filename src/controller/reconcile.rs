@@ -20,7 +20,7 @@ use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
 use crate::api::{PersistentPodState, PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION};
 use crate::metrics::{GeneratorAction, Reconciler};
-use crate::placement::{self, Health, PodDemands};
+use crate::placement::Health;
 use crate::release::{self, Kept, LocalClaim};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
@@ -280,10 +280,7 @@ async fn release_stranded(
     health: &Health,
     handled: &BTreeSet<String>,
 ) -> Result<Option<Duration>, Error> {
-    let demands = PodDemands::none();
-    let place = |values: &BTreeMap<String, String>| {
-        placement::required(values, &demands, ctx.caches.as_ref(), health)
-    };
+    let place = |values: &BTreeMap<String, String>| ctx.place_required(values, health);
     let stranded = record::stranded(&pps.name_any(), pods, &place);
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);

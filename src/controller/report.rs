@@ -15,7 +15,7 @@ use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
 use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
 use crate::metrics::{DropLabels, RestoreLabels};
-use crate::placement::{self, Dropped, Health, PodDemands};
+use crate::placement::{self, Dropped, Health};
 use crate::release::{self, Kept, LocalClaim, Waiting};
 use crate::webhook::admit::LeftOut;
 use crate::workload::{MAX_RESERVED_ENTRIES, WorkloadRef};
@@ -172,10 +172,7 @@ pub(super) fn unplaceable(
     status: &PersistentPodStateStatus,
     health: &Health,
 ) {
-    let demands = PodDemands::none();
-    let place = |recorded: &BTreeMap<String, String>| {
-        placement::required(recorded, &demands, ctx.caches.as_ref(), health)
-    };
+    let place = |recorded: &BTreeMap<String, String>| ctx.place_required(recorded, health);
     let unplaceable = record::unplaceable_states(&pps.spec, status, &place);
     let key = ObjectRef::from_obj(pps);
     let newly: Vec<(String, Dropped)> = {

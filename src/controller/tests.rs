@@ -989,3 +989,32 @@ fn what_was_reported_forgets_deleted_pps_now_and_then_not_on_every_look() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_shared_placement_is_placed_again_as_soon_as_a_node_changes() {
+    use crate::placement::Health;
+    use std::collections::BTreeMap;
+    let caches = world();
+    let (ctx, _server) = context(caches.clone());
+    let zone = BTreeMap::from([("topology.kubernetes.io/zone".to_string(), "z1".to_string())]);
+    let health = Health::now(ctx.node_lost_after);
+    assert!(
+        ctx.place_required(&zone, &health).dropped.is_none(),
+        "n1 is usable"
+    );
+    assert!(
+        ctx.place_required(&zone, &health).dropped.is_none(),
+        "reused"
+    );
+    // n1 is taken out of service: seen by the next placement, not after the memo's time.
+    caches.apply_node(watcher::Event::Apply(
+        serde_json::from_value(json!({"metadata": {"name": "n1",
+            "labels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}},
+            "spec": {"taints": [{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}]}}))
+        .expect("node"),
+    ));
+    assert!(
+        ctx.place_required(&zone, &health).dropped.is_some(),
+        "the only node of z1 is lost"
+    );
+}

@@ -14,7 +14,7 @@ pub mod triggers;
 pub mod trim;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -106,6 +106,8 @@ pub struct Caches {
     nodes_writer: Mutex<Writer<Node>>,
     /// Nodes by label.
     pub node_labels: Shared<NodesByLabel>,
+    /// Node watch events applied (any node changed when it moved).
+    nodes_changed: AtomicU64,
     workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
     kinds_changed: watch::Sender<u64>,
     /// Reconcile requests to the controllers.
@@ -129,6 +131,7 @@ impl Caches {
             nodes,
             nodes_writer: Mutex::new(nodes_writer),
             node_labels: Shared::default(),
+            nodes_changed: AtomicU64::new(0),
             workloads: RwLock::default(),
             kinds_changed: watch::channel(0).0,
             triggers: Triggers::default(),
@@ -217,6 +220,11 @@ impl Caches {
         self.trigger_for_pod(&event);
     }
 
+    /// How many node watch events were applied: equal counts mean no node changed between.
+    pub fn nodes_changed(&self) -> u64 {
+        self.nodes_changed.load(Ordering::Acquire)
+    }
+
     /// Applies one Node watch event.
     pub fn apply_node(&self, event: watcher::Event<Node>) {
         let event = event.modify(trim::node);
@@ -229,6 +237,7 @@ impl Caches {
         };
         lock(&self.nodes_writer).apply_watcher_event(&event);
         let labels_changed = self.node_labels.apply(&event);
+        self.nodes_changed.fetch_add(1, Ordering::Release);
         self.listed_if_done(&event, &self.listed.nodes);
         self.trigger_for_node(labels_changed || health_changed);
     }
