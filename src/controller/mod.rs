@@ -40,7 +40,6 @@ pub const FIELD_MANAGER: &str = "persistent-pod-state";
 /// How often every object is reconciled even without a change.
 const RESYNC: Duration = Duration::from_secs(300);
 
-/// What was last reported about each PersistentPodState (so a report goes out once).
 /// How long a placement of recorded required values is reused while no node changes (a node
 /// also becomes lost by time alone, at most this late).
 const PLACEMENT_TTL: Duration = Duration::from_millis(500);
@@ -90,7 +89,7 @@ impl Context {
 /// reported.
 const FORGET_EVERY: Duration = Duration::from_secs(10);
 
-/// What was reported, by PersistentPodState.
+/// What was last reported about each PersistentPodState (so a report goes out once).
 #[derive(Default)]
 struct Reported<T>(Mutex<ReportedMap<T>>);
 
