@@ -97,11 +97,12 @@ impl PodTable {
 impl Indexer<Arc<CachedPod>> for PodTable {
     fn upsert(&mut self, pod: &Arc<CachedPod>) -> bool {
         let hash = self.hash(&pod.namespace, &pod.name);
+        let (workload, ips) = (pod.workload(), held_ips(pod));
         if let Ok(mut entry) = self
             .by_name
             .find_entry(hash, |p| p.name == pod.name && p.namespace == pod.namespace)
-            && entry.get().workload() == pod.workload()
-            && held_ips(entry.get()) == held_ips(pod)
+            && entry.get().workload() == workload
+            && held_ips(entry.get()) == ips
         {
             // Same workload and IPs (most updates): the new record takes the old one's place
             // in each list, which keeps its order and moves nothing.
@@ -111,12 +112,10 @@ impl Indexer<Arc<CachedPod>> for PodTable {
                     *slot = pod.clone();
                 }
             };
-            if let Some(w) = pod.workload()
-                && let Some(pods) = self.by_workload.get_mut(&w)
-            {
+            if let Some(pods) = workload.and_then(|w| self.by_workload.get_mut(&w)) {
                 swap(pods);
             }
-            for ip in held_ips(pod) {
+            for ip in &ips {
                 if let Some(pods) = self.by_ip.get_mut(ip.as_str()) {
                     swap(pods);
                 }
@@ -126,16 +125,15 @@ impl Indexer<Arc<CachedPod>> for PodTable {
         let old = self.take(&pod.namespace, &pod.name);
         let changed = old.as_deref() != Some(&**pod);
         let pod = pod.clone();
-        if let Some(w) = pod.workload() {
+        if let Some(w) = workload {
             self.by_workload.entry(w).or_default().push(pod.clone());
         }
-        for ip in held_ips(&pod) {
+        for ip in ips {
             self.by_ip
                 .entry(ip.into_boxed_str())
                 .or_default()
                 .push(pod.clone());
         }
-        let hash = self.hash(&pod.namespace, &pod.name);
         let hasher = &self.hasher;
         self.by_name
             .insert_unique(hash, pod, |p| hasher.hash_one((&*p.namespace, &*p.name)));
