@@ -111,9 +111,10 @@ struct TargetingSpec {
 impl Targeting {
     /// Whether it targets `workload` (matched by group, kind and name, in its namespace).
     fn targets(&self, workload: &WorkloadRef) -> bool {
-        self.spec.target_ref.as_ref().is_some_and(|t| {
-            t.name == workload.name && GroupKind::new(t.group(), &t.kind) == workload.kind
-        })
+        self.spec
+            .target_ref
+            .as_ref()
+            .is_some_and(|t| t.name == workload.name && t.group_kind() == workload.kind)
     }
 }
 
