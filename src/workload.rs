@@ -9,7 +9,7 @@ use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use serde_json::Value;
 
-use crate::api::{KRUISE_GROUP, api_group};
+use crate::api::{KRUISE_GROUP, TargetReference, api_group};
 
 /// API group of the native StatefulSet.
 pub const APPS_GROUP: &str = "apps";
@@ -32,6 +32,11 @@ impl GroupKind {
             group: group.to_owned(),
             kind: kind.to_owned(),
         }
+    }
+
+    /// The group and kind a PersistentPodState targets (the version is not matched).
+    pub fn of_target(target: &TargetReference) -> Self {
+        Self::new(target.group(), &target.kind)
     }
 
     /// Native `apps/v1` StatefulSet.

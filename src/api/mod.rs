@@ -107,11 +107,6 @@ impl TargetReference {
     pub fn group(&self) -> &str {
         api_group(&self.api_version)
     }
-
-    /// The workload's group and kind (the version is not matched).
-    pub fn group_kind(&self) -> crate::workload::GroupKind {
-        crate::workload::GroupKind::new(self.group(), &self.kind)
-    }
 }
 
 /// Keys read of a key list (required, or one preferred term); the validating webhook refuses

@@ -12,7 +12,7 @@ use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
 use crate::api::PersistentPodState;
-use crate::workload::WorkloadRef;
+use crate::workload::{GroupKind, WorkloadRef};
 
 /// An index over objects of kind `K`, updated one object at a time.
 pub trait Indexer<K>: Default {
@@ -111,7 +111,7 @@ pub fn pps_target(pps: &PersistentPodState) -> Option<WorkloadRef> {
     let target = &pps.spec.target_ref;
     Some(WorkloadRef {
         namespace: pps.namespace()?,
-        kind: target.group_kind(),
+        kind: GroupKind::of_target(target),
         name: target.name.clone(),
     })
 }

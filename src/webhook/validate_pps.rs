@@ -114,7 +114,7 @@ impl Targeting {
         self.spec
             .target_ref
             .as_ref()
-            .is_some_and(|t| t.name == workload.name && t.group_kind() == workload.kind)
+            .is_some_and(|t| t.name == workload.name && GroupKind::of_target(t) == workload.kind)
     }
 }
 
