@@ -312,7 +312,7 @@ impl DropReason {
 }
 
 /// Recorded required values left out, and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct Dropped {
     /// The values left out.
     pub values: BTreeMap<String, String>,

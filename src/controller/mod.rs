@@ -11,17 +11,17 @@ pub mod record;
 mod report;
 mod retry;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
-use kube::Client;
 use kube::api::DynamicObject;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::PersistentPodState;
@@ -29,7 +29,7 @@ use crate::events::Events;
 use crate::leader::{Fence, Fenced};
 use crate::metrics::Metrics;
 use crate::placement::{self, Health, PodDemands, Required};
-use crate::state::{Caches, WorkloadStore};
+use crate::state::{Caches, NodeHealthChange, WorkloadStore, pps_target};
 use crate::workload::GroupKind;
 pub use reconcile::{WorkloadContext, reconcile_pps, reconcile_workload};
 use retry::{Backoff, Pacing, Releases, pps_error_policy, workload_error_policy};
@@ -82,6 +82,64 @@ impl Context {
             memo.by_values.insert(values.clone(), placed.clone());
         }
         placed
+    }
+}
+
+impl Context {
+    /// The PersistentPodStates a batch of node health changes concerns: those with a state
+    /// recorded on one of the nodes (what they record, when to look again, what to release),
+    /// those with a pod waiting where they steered it (it may be stranded now), and those with
+    /// a state whose required values the nodes carry and whose unplaceable states differ from
+    /// what was last reported of them. The others would reconcile to nothing new: during a zone
+    /// outage, each of its nodes would otherwise reconcile every PersistentPodState.
+    fn concerned_by(&self, changes: &[NodeHealthChange]) -> Vec<ObjectRef<PersistentPodState>> {
+        let names: HashSet<&str> = changes.iter().map(|c| c.name.as_str()).collect();
+        let labels: HashSet<(&str, &str)> = changes
+            .iter()
+            .flat_map(|c| c.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .collect();
+        let health = Health::now(self.node_lost_after);
+        let concerned: Vec<_> = self
+            .caches
+            .pps
+            .state()
+            .iter()
+            .filter(|pps| {
+                let Some(status) = pps.status.as_ref() else {
+                    return false;
+                };
+                let states = || status.pod_states.values();
+                let on_nodes =
+                    || states().any(|s| s.node_name.as_deref().is_some_and(|n| names.contains(n)));
+                let keys = pps.spec.required_keys();
+                let carried = || {
+                    states().any(|s| {
+                        keys.iter().any(|k| {
+                            s.node_topology_labels
+                                .get(k)
+                                .is_some_and(|v| labels.contains(&(k.as_str(), v.as_str())))
+                        })
+                    })
+                };
+                let waiting = || {
+                    let name = pps.name_any();
+                    pps_target(pps).is_some_and(|target| {
+                        let pods = self.caches.pods_of(&target);
+                        pods.iter().any(|p| record::waits_steered(&name, p))
+                    })
+                };
+                on_nodes()
+                    || waiting()
+                    || (carried() && report::unplaceable_changed(self, pps, &health))
+            })
+            .map(|pps| ObjectRef::from_obj(pps.as_ref()))
+            .collect();
+        tracing::debug!(
+            nodes = changes.len(),
+            concerned = concerned.len(),
+            "node health changed"
+        );
+        concerned
     }
 }
 
@@ -140,7 +198,7 @@ pub struct Context {
     /// Open while this replica may write (its hold on the Lease is certain).
     pub fence: Fence,
     /// Unplaceable states already reported, by PersistentPodState.
-    reported_unplaceable: Reported<BTreeSet<String>>,
+    reported_unplaceable: Reported<report::Unplaceable>,
     /// What each PersistentPodState over the limits was reported for.
     reported_limits: Reported<Vec<String>>,
     /// Replaced nodes already reported, by PersistentPodState: (pod, the node's new uid).
@@ -207,6 +265,9 @@ impl Context {
 /// unbounded concurrent requests to the API server.
 const CONCURRENCY: u16 = 4;
 
+/// Node health changes looked at together, at most (those queued meanwhile).
+const NODE_CHANGES_AT_ONCE: usize = 256;
+
 /// A failed reconcile; retried with backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -225,12 +286,20 @@ pub enum Error {
 pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let caches = ctx.caches.clone();
     let pps_requests = caches.triggers.subscribe_pps();
+    let from_nodes = {
+        let ctx = ctx.clone();
+        caches
+            .triggers
+            .subscribe_nodes()
+            .ready_chunks(NODE_CHANGES_AT_ONCE)
+            .flat_map(move |changes| stream::iter(ctx.concerned_by(&changes)))
+    };
     let pps = Controller::for_stream(
         stream::empty::<Result<PersistentPodState, watcher::Error>>(),
         caches.pps.clone(),
     )
     .with_config(controller::Config::default().concurrency(CONCURRENCY))
-    .reconcile_on(pps_requests)
+    .reconcile_on(stream::select(pps_requests, from_nodes))
     .graceful_shutdown_on(shutdown.clone().cancelled_owned())
     .run(reconcile_pps, pps_error_policy, ctx.clone())
     .for_each(|_| async {})

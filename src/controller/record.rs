@@ -361,9 +361,7 @@ pub fn stranded(
     place: &dyn Fn(&BTreeMap<String, String>) -> Required,
 ) -> Vec<Stranded> {
     pods.iter()
-        .filter(|p| p.node_name.as_deref().is_none_or(str::is_empty))
-        .filter(|p| !p.deleting && !p.finished)
-        .filter(|p| p.annotations.get(INJECTED_ANNOTATION) == Some(pps_name))
+        .filter(|p| waits_steered(pps_name, p))
         .filter_map(|p| {
             let values = decode_required(p.annotations.get(INJECTED_REQUIRED_ANNOTATION)?)?;
             let dropped = place(&values).dropped?;
@@ -380,6 +378,15 @@ pub fn stranded(
             })
         })
         .collect()
+}
+
+/// Whether `pod` waits unscheduled (not being deleted) where the PersistentPodState `pps_name`
+/// steered it.
+pub fn waits_steered(pps_name: &str, pod: &CachedPod) -> bool {
+    pod.node_name.as_deref().is_none_or(str::is_empty)
+        && !pod.deleting
+        && !pod.finished
+        && pod.annotations.get(INJECTED_ANNOTATION) == Some(pps_name)
 }
 
 /// The RFC 7386 merge patch that turns `old` into `new`, or `None` if they are equal. Only

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::collections::BTreeSet;
+use std::hash::{Hash, Hasher};
 
 use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject};
@@ -164,6 +165,49 @@ pub(super) fn limits(ctx: &Context, pps: &PersistentPodState, target: &Target) {
     }
 }
 
+/// What was last reported unplaceable of one PersistentPodState: each such state's pod, with a
+/// fingerprint of what it left out (so that a change of what is left out is seen too, at 8
+/// bytes a state).
+pub(super) type Unplaceable = BTreeMap<String, u64>;
+
+/// The states of `status` whose required values cannot all be injected now, with the
+/// fingerprints of what they leave out.
+fn unplaceable_now(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    status: &PersistentPodStateStatus,
+    health: &Health,
+) -> BTreeMap<String, (Dropped, u64)> {
+    let place = |recorded: &BTreeMap<String, String>| ctx.place_required(recorded, health);
+    record::unplaceable_states(&pps.spec, status, &place)
+        .into_iter()
+        .map(|(pod, dropped)| {
+            let mut hasher = std::hash::DefaultHasher::new();
+            dropped.hash(&mut hasher);
+            (pod, (dropped, hasher.finish()))
+        })
+        .collect()
+}
+
+/// Whether what `pps`'s recorded states leave out now differs from what its last reconcile
+/// reported.
+pub(super) fn unplaceable_changed(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    health: &Health,
+) -> bool {
+    let Some(status) = pps.status.as_ref() else {
+        return false;
+    };
+    let now = unplaceable_now(ctx, pps, status, health);
+    let (reported, _) = ctx.reported_unplaceable.lock(&ctx.caches);
+    let before = reported.by_pps.get(&ObjectRef::from_obj(pps));
+    before.map_or(0, BTreeMap::len) != now.len()
+        || now
+            .iter()
+            .any(|(pod, (_, print))| before.and_then(|b| b.get(pod)) != Some(print))
+}
+
 /// Publishes a Warning Event for each state that newly became unplaceable (its required node or
 /// zone is gone or lost), and keeps the gauge of such states current.
 pub(super) fn unplaceable(
@@ -172,8 +216,7 @@ pub(super) fn unplaceable(
     status: &PersistentPodStateStatus,
     health: &Health,
 ) {
-    let place = |recorded: &BTreeMap<String, String>| ctx.place_required(recorded, health);
-    let unplaceable = record::unplaceable_states(&pps.spec, status, &place);
+    let unplaceable = unplaceable_now(ctx, pps, status, health);
     let key = ObjectRef::from_obj(pps);
     let newly: Vec<(String, Dropped)> = {
         // PPS deleted since they were reported are forgotten (now and then); the gauge is
@@ -183,17 +226,19 @@ pub(super) fn unplaceable(
         let before = reported.remove(&key).unwrap_or_default();
         let newly = unplaceable
             .iter()
-            .filter(|(pod, _)| !before.contains(*pod))
-            .map(|(p, v)| (p.clone(), v.clone()))
+            .filter(|(pod, _)| !before.contains_key(*pod))
+            .map(|(p, (dropped, _))| (p.clone(), dropped.clone()))
             .collect();
+        let (now, before) = (unplaceable.len(), before.len());
         if !unplaceable.is_empty() {
-            reported.insert(key, unplaceable.keys().cloned().collect());
+            let prints = unplaceable.into_iter().map(|(p, (_, print))| (p, print));
+            reported.insert(key, prints.collect());
         }
         let gauge = &ctx.metrics.states_unplaceable;
         if forgot {
-            gauge.set(reported.values().map(BTreeSet::len).sum::<usize>() as i64);
+            gauge.set(reported.values().map(BTreeMap::len).sum::<usize>() as i64);
         } else {
-            gauge.inc_by(unplaceable.len() as i64 - before.len() as i64);
+            gauge.inc_by(now as i64 - before as i64);
         }
         newly
     };

@@ -1018,3 +1018,102 @@ async fn a_shared_placement_is_placed_again_as_soon_as_a_node_changes() {
         "the only node of z1 is lost"
     );
 }
+
+/// Node `name` in `zone`, taken out of service when `lost` (lost at once).
+fn zone_node(name: &str, zone: &str, lost: bool) -> k8s_openapi::api::core::v1::Node {
+    let taints = if lost {
+        json!([{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}])
+    } else {
+        json!([])
+    };
+    serde_json::from_value(json!({"metadata": {"name": name,
+        "labels": {"topology.kubernetes.io/zone": zone, "kubernetes.io/hostname": name}},
+        "spec": {"taints": taints}}))
+    .expect("node")
+}
+
+/// PersistentPodState `name` of StatefulSet `name`, its pod `name-0` recorded on `node` in
+/// `zone` (the zone required).
+fn pps_on(name: &str, node: &str, zone: &str) -> PersistentPodState {
+    serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+        "metadata": {"name": name, "namespace": "ns", "uid": format!("{name}-uid")},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": name},
+                 "requiredPersistentTopology": {"keys": ["topology.kubernetes.io/zone"]}},
+        "status": {"podStates": {format!("{name}-0"): {"nodeName": node,
+            "nodeTopologyLabels": {"topology.kubernetes.io/zone": zone, "kubernetes.io/hostname": node}}}}
+    }))
+    .expect("pps")
+}
+
+#[tokio::test]
+async fn a_node_health_change_reconciles_only_the_pps_it_concerns() {
+    use crate::placement::Health;
+    use crate::state::NodeHealthChange;
+    use kube::runtime::reflector::ObjectRef;
+    let caches = Caches::new();
+    for node in [
+        zone_node("a1", "za", false),
+        zone_node("a2", "za", false),
+        zone_node("b1", "zb", false),
+    ] {
+        caches.apply_node(watcher::Event::Apply(node));
+    }
+    // on-a1 records a1; elsewhere-in-za records a node gone since (za has others); on-b1
+    // records b1; waiting has its re-created pod waiting, steered to a zone no node has.
+    let all = [
+        pps_on("on-a1", "a1", "za"),
+        pps_on("elsewhere-in-za", "old-a", "za"),
+        pps_on("on-b1", "b1", "zb"),
+        pps_on("waiting", "old-c", "zc"),
+    ];
+    for p in &all {
+        caches.apply_pps(watcher::Event::Apply(p.clone()));
+    }
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "waiting-0", "namespace": "ns", "uid": "w0",
+                "annotations": {crate::api::INJECTED_ANNOTATION: "waiting",
+                                crate::api::INJECTED_REQUIRED_ANNOTATION: "topology.kubernetes.io/zone=zc"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "waiting",
+                                     "uid": "waiting-sts", "controller": true}]},
+            "spec": {"containers": []}
+        }))
+        .expect("pod"),
+    ));
+    let (ctx, _server) = context(caches.clone());
+    let health = Health::now(ctx.node_lost_after);
+    for p in &all {
+        let status = p.status.clone().unwrap_or_default();
+        super::report::unplaceable(&ctx, p, &status, &health);
+    }
+    let lose = |name: &str, zone: &str| {
+        let node = zone_node(name, zone, true);
+        caches.apply_node(watcher::Event::Apply(node));
+        let labels = std::collections::BTreeMap::from([
+            ("topology.kubernetes.io/zone".to_string(), zone.to_string()),
+            ("kubernetes.io/hostname".to_string(), name.to_string()),
+        ]);
+        let mut concerned: Vec<String> = ctx
+            .concerned_by(&[NodeHealthChange {
+                name: name.into(),
+                labels,
+            }])
+            .iter()
+            .map(|r: &ObjectRef<PersistentPodState>| r.name.clone())
+            .collect();
+        concerned.sort();
+        concerned
+    };
+    assert_eq!(
+        lose("a2", "za"),
+        ["waiting"],
+        "za keeps a1: nothing recorded in it changes"
+    );
+    assert_eq!(
+        lose("a1", "za"),
+        ["elsewhere-in-za", "on-a1", "waiting"],
+        "a1 was recorded by on-a1, and za is lost for elsewhere-in-za; on-b1 is not concerned"
+    );
+    assert_eq!(lose("b1", "zb"), ["on-b1", "waiting"]);
+}

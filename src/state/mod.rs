@@ -29,7 +29,8 @@ use tokio::sync::watch;
 pub use index::pps_target;
 use index::{ByWorkload, NodesByLabel, Shared};
 use pods::PodTable;
-pub use triggers::Triggers;
+use triggers::NodeTrigger;
+pub use triggers::{NodeHealthChange, Triggers};
 use trim::{CachedPod, Read, WatchedPod};
 
 use crate::api::PersistentPodState;
@@ -228,18 +229,32 @@ impl Caches {
     /// Applies one Node watch event.
     pub fn apply_node(&self, event: watcher::Event<Node>) {
         let event = event.modify(trim::node);
-        let health_changed = match &event {
-            watcher::Event::Apply(node) => self
-                .node(&node.name_any())
-                .is_none_or(|old| health_fields(&old) != health_fields(node)),
-            watcher::Event::Delete(_) => true,
-            _ => false,
+        let health_change = |node: &Node| NodeHealthChange {
+            name: node.name_any(),
+            labels: node.labels().clone(),
+        };
+        let known = match &event {
+            watcher::Event::Apply(node) => self.node(&node.name_any()),
+            _ => None,
         };
         lock(&self.nodes_writer).apply_watcher_event(&event);
         let labels_changed = self.node_labels.apply(&event);
         self.nodes_changed.fetch_add(1, Ordering::Release);
         self.listed_if_done(&event, &self.listed.nodes);
-        self.trigger_for_node(labels_changed || health_changed);
+        let trigger = match (&event, known) {
+            (watcher::Event::Delete(node), _) => NodeTrigger::Health(health_change(node)),
+            (watcher::Event::Apply(node), Some(old)) if !labels_changed => {
+                if health_fields(&old) == health_fields(node) {
+                    NodeTrigger::None
+                } else {
+                    NodeTrigger::Health(health_change(node))
+                }
+            }
+            // A new node, a known one relabelled, or the end of a list.
+            (watcher::Event::Apply(_), _) | (watcher::Event::InitDone, _) => NodeTrigger::Every,
+            (watcher::Event::Init | watcher::Event::InitApply(_), _) => NodeTrigger::None,
+        };
+        self.trigger_for_node(trigger);
     }
 
     /// Applies one watch event of a workload kind (ignored if the kind is not registered).

@@ -2,7 +2,7 @@
 //! looked at again when an object changes. Requests go only to running controllers (on the
 //! leader); elsewhere they are dropped.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
@@ -19,7 +19,19 @@ use crate::workload::{GroupKind, WorkloadRef};
 #[derive(Default)]
 pub struct Triggers {
     pps: Mutex<Option<UnboundedSender<ObjectRef<PersistentPodState>>>>,
+    nodes: Mutex<Option<UnboundedSender<NodeHealthChange>>>,
     workloads: Mutex<HashMap<GroupKind, UnboundedSender<ObjectRef<DynamicObject>>>>,
+}
+
+/// A known node whose health changed (readiness, lifecycle taints) or that was deleted, with
+/// the labels it carries or carried: the controller reconciles only the PersistentPodStates
+/// this can change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeHealthChange {
+    /// The node's name.
+    pub name: String,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
 }
 
 impl Triggers {
@@ -27,6 +39,14 @@ impl Triggers {
     pub fn subscribe_pps(&self) -> UnboundedReceiver<ObjectRef<PersistentPodState>> {
         let (tx, rx) = unbounded();
         *lock(&self.pps) = Some(tx);
+        rx
+    }
+
+    /// Starts delivering node health changes to the returned stream (until then, each one asks
+    /// for every PersistentPodState).
+    pub fn subscribe_nodes(&self) -> UnboundedReceiver<NodeHealthChange> {
+        let (tx, rx) = unbounded();
+        *lock(&self.nodes) = Some(tx);
         rx
     }
 
@@ -88,11 +108,22 @@ impl Caches {
         }
     }
 
-    /// A node's labels or health changed (rare: operator actions, node failures): every
-    /// PersistentPodState re-records what it must and reports what cannot be injected.
-    pub(super) fn trigger_for_node(&self, changed: bool) {
-        if changed {
-            self.triggers.pps(self.all_pps());
+    /// A node came, or its labels changed (rare: operator actions, autoscaling), or a list
+    /// ended: every PersistentPodState re-records what it must and reports what cannot be
+    /// injected. A known node's health changed or it went (every node of a failing zone, one
+    /// by one): the controller is told which, and picks the PersistentPodStates it concerns.
+    pub(super) fn trigger_for_node(&self, change: NodeTrigger) {
+        match change {
+            NodeTrigger::None => {}
+            NodeTrigger::Every => self.triggers.pps(self.all_pps()),
+            NodeTrigger::Health(change) => {
+                let unsent = lock(&self.triggers.nodes)
+                    .as_ref()
+                    .is_none_or(|tx| tx.unbounded_send(change).is_err());
+                if unsent {
+                    self.triggers.pps(self.all_pps());
+                }
+            }
         }
     }
 
@@ -174,6 +205,16 @@ impl Caches {
     }
 }
 
+/// What a node event asks of the controller.
+pub(super) enum NodeTrigger {
+    /// Nothing it reads changed.
+    None,
+    /// Every PersistentPodState.
+    Every,
+    /// Those a known node's health change concerns.
+    Health(NodeHealthChange),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,5 +277,49 @@ mod tests {
             "the other workload has no PPS: nothing was sent for it"
         );
         assert!(requests.try_recv().is_err(), "nothing more queued");
+    }
+
+    #[test]
+    fn a_known_nodes_health_change_is_handed_over_and_other_node_events_ask_for_every_pps() {
+        let caches = Caches::new();
+        caches.apply_pps(watcher::Event::Apply(pps()));
+        let mut requests = caches.triggers.subscribe_pps();
+        let mut nodes = caches.triggers.subscribe_nodes();
+        let node = |zone: &str, ready: &str| {
+            serde_json::from_value::<k8s_openapi::api::core::v1::Node>(json!({
+                "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": zone}},
+                "status": {"conditions": [{"type": "Ready", "status": ready}]}}))
+            .expect("node")
+        };
+        let web = ObjectRef::<PersistentPodState>::new("web").within("ns");
+        caches.apply_node(watcher::Event::Apply(node("z1", "True")));
+        assert_eq!(requests.try_recv().ok(), Some(web.clone()), "a new node");
+        caches.apply_node(watcher::Event::Apply(node("z1", "True")));
+        assert!(requests.try_recv().is_err(), "nothing read changed");
+        assert!(nodes.try_recv().is_err());
+        caches.apply_node(watcher::Event::Apply(node("z1", "False")));
+        let change = NodeHealthChange {
+            name: "n1".into(),
+            labels: BTreeMap::from([("topology.kubernetes.io/zone".into(), "z1".into())]),
+        };
+        assert_eq!(nodes.try_recv().ok(), Some(change.clone()), "its health");
+        assert!(requests.try_recv().is_err(), "handed over, not every PPS");
+        caches.apply_node(watcher::Event::Apply(node("z2", "False")));
+        assert_eq!(requests.try_recv().ok(), Some(web.clone()), "relabelled");
+        caches.apply_node(watcher::Event::Delete(node("z1", "False")));
+        assert_eq!(
+            nodes.try_recv().ok().map(|c| c.name),
+            Some("n1".into()),
+            "deleted"
+        );
+        drop(nodes);
+        caches.apply_node(watcher::Event::Apply(node("z1", "True")));
+        caches.apply_node(watcher::Event::Apply(node("z1", "False")));
+        assert_eq!(requests.try_recv().ok(), Some(web.clone()), "a new node");
+        assert_eq!(
+            requests.try_recv().ok(),
+            Some(web),
+            "with nobody to hand it to, a health change asks for every PPS"
+        );
     }
 }
