@@ -36,7 +36,7 @@ use kube::api::{
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use persistent_pod_state::api::PersistentPodState;
-use persistent_pod_state::benchkit::{flag, http_get, median, metric, quantile};
+use persistent_pod_state::benchkit::{cpu_seconds, flag, http_get, median, metric, quantile};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::state::trim::{CachedPod, Read, WatchedPod};
 use persistent_pod_state::synthetic;
@@ -764,6 +764,10 @@ struct Synced {
     peak_mb: f64,
     cached_pods: f64,
     seconds: f64,
+    /// CPU seconds (user + system) the replica spent from its start to Ready.
+    replica_cpu: f64,
+    /// CPU seconds the API server spent meanwhile (serving the lists, and whatever else).
+    apiserver_cpu: f64,
 }
 
 /// A pod of the memory test: the synthetic StatefulSet pod, bare (no owner) and bound to a node.
@@ -819,6 +823,10 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
         .spawn()?;
     let replica = Stopped(child);
     let pid = replica.0.id();
+    let apiserver: u32 = std::fs::read_to_string(dir.join("kube-apiserver.pid"))?
+        .trim()
+        .parse()?;
+    let apiserver_before = cpu_seconds(apiserver)?;
     let start = Instant::now();
     until(
         &format!("{name} to sync"),
@@ -827,6 +835,8 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
     )
     .await?;
     let seconds = start.elapsed().as_secs_f64();
+    let replica_cpu = cpu_seconds(pid)?;
+    let apiserver_cpu = cpu_seconds(apiserver)? - apiserver_before;
     let (rss_mb, peak_mb) = memory_of(pid)?;
     let cached_pods = metric(&scrape(&probe).await?, "pps_cached_pods").context("cached pods")?;
     drop(replica);
@@ -835,6 +845,8 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
         peak_mb,
         cached_pods,
         seconds,
+        replica_cpu,
+        apiserver_cpu,
     })
 }
 
@@ -1193,6 +1205,11 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
         "| start to Ready (s) | {:.1} | {} |",
         figure(s.seconds)?,
         at_scale("<= 10")
+    );
+    println!(
+        "| CPU until Ready: the replica, the API server (s) | {:.1}, {:.1} | |",
+        figure(s.replica_cpu)?,
+        figure(s.apiserver_cpu)?
     );
     println!(
         "| heap per cached pod (bytes) | {:.0} | <= 1024 |",

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use persistent_pod_state::benchkit::{flag, median};
+use persistent_pod_state::benchkit::{cpu_seconds, flag, median};
 use persistent_pod_state::synthetic;
 use serde_json::Value;
 
@@ -77,19 +77,6 @@ impl Server {
         }
         Ok(server)
     }
-}
-
-/// User plus system CPU seconds of a process.
-fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat
-        .get(stat.rfind(')').context("/proc/PID/stat")? + 2..)
-        .context("/proc/PID/stat")?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = fields.get(11).context("utime")?.parse::<f64>()?
-        + fields.get(12).context("stime")?.parse::<f64>()?;
-    // USER_HZ is 100 on Linux.
-    Ok(ticks / 100.0)
 }
 
 /// What one run measured.

@@ -23,6 +23,19 @@ pub fn quantile(values: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
+/// User plus system CPU seconds process `pid` has spent (from `/proc/PID/stat`).
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = stat
+        .get(stat.rfind(')').context("/proc/PID/stat")? + 2..)
+        .context("/proc/PID/stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields.get(11).context("utime")?.parse::<f64>()?
+        + fields.get(12).context("stime")?.parse::<f64>()?;
+    // USER_HZ is 100 on Linux.
+    Ok(ticks / 100.0)
+}
+
 /// The median of `values` (mean of the middle two for an even count); NaN when there are none.
 pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
