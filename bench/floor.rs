@@ -5,8 +5,9 @@
 //! the rest without building it) and answers a fixed review with a one-operation base64 patch.
 //! No limits, no logging, no metrics, no decision.
 //!
-//! `bench-floor --listen ADDR --cert-dir DIR [--with LAYER,...]` writes a certificate for
-//! 127.0.0.1 into DIR (`ca.crt` for clients) and serves until killed. `--with` swaps in the
+//! `bench-floor --listen ADDR --cert-dir DIR [--with LAYER,...] [--patch-file FILE]` writes a
+//! certificate for 127.0.0.1 into DIR (`ca.crt` for clients) and serves until killed; with
+//! `--patch-file`, it answers with the JSON patch in FILE instead of its one label. `--with` swaps in the
 //! webhook's own layers one at a time, so that a benchmark can say what each costs: `loop` (the
 //! serving loop of `serve`: connection cap, idle and age bounds, header deadline, activity
 //! tracking), `tls` (the webhook's TLS configuration: the reloading certificate resolver),
@@ -47,11 +48,12 @@ struct Request {
 /// What `--with` may swap in, in the order a benchmark adds them.
 const LAYERS: [&str; 4] = ["loop", "tls", "limits", "review"];
 
-/// The fixed patch, base64 as the API documents it.
-static PATCH: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    base64::engine::general_purpose::STANDARD
-        .encode(br#"[{"op":"add","path":"/metadata/labels/bench-floor","value":"answered"}]"#)
-});
+/// The fixed patch, base64 as the API documents it: set once at the start.
+static PATCH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The patch answered without `--patch-file`.
+const ONE_LABEL: &[u8] =
+    br#"[{"op":"add","path":"/metadata/labels/bench-floor","value":"answered"}]"#;
 
 async fn answer(body: Bytes) -> axum::response::Response {
     let Ok(review) = serde_json::from_slice::<Review>(&body) else {
@@ -71,7 +73,7 @@ async fn answer_review(body: Bytes) -> axum::response::Response {
 /// The fixed answer, for review `uid`.
 fn fixed(uid: &str) -> axum::response::Response {
     let answer = serde_json::json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "response": {"uid": uid, "allowed": true, "patchType": "JSONPatch", "patch": *PATCH}});
+        "response": {"uid": uid, "allowed": true, "patchType": "JSONPatch", "patch": PATCH.get()}});
     (
         [(header::CONTENT_TYPE, "application/json")],
         serde_json::to_vec(&answer).unwrap_or_default(),
@@ -95,6 +97,17 @@ async fn main() -> anyhow::Result<()> {
             "--with: {layer} is not one of {LAYERS:?}"
         );
     }
+    let patch = match flag(&args, "--patch-file") {
+        Some(file) => {
+            let text = std::fs::read(&file).with_context(|| format!("--patch-file {file}"))?;
+            let ops: Vec<serde_json::Value> = serde_json::from_slice(&text)
+                .with_context(|| format!("{file}: a JSON patch (an array of operations)"))?;
+            anyhow::ensure!(!ops.is_empty(), "{file}: an empty patch");
+            text
+        }
+        None => ONE_LABEL.to_vec(),
+    };
+    let _ = PATCH.set(base64::engine::general_purpose::STANDARD.encode(patch));
     let has = |layer: &str| with.iter().any(|w| w == layer);
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let tls = if has("tls") {
