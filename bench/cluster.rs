@@ -279,6 +279,23 @@ async fn register(
     .await
 }
 
+/// `registration` renamed `name`, its webhooks sent to `url` (trusting `ca`).
+fn pointed_at(
+    registration: &MutatingWebhookConfiguration,
+    name: &str,
+    url: &str,
+    ca: Vec<u8>,
+) -> MutatingWebhookConfiguration {
+    let mut config = registration.clone();
+    config.metadata.name = Some(name.into());
+    for webhook in config.webhooks.iter_mut().flatten() {
+        webhook.client_config.url = Some(url.into());
+        webhook.client_config.service = None;
+        webhook.client_config.ca_bundle = Some(k8s_openapi::ByteString(ca.clone()));
+    }
+    config
+}
+
 /// The label the bare webhook adds when it answers with our patch.
 const OUR_PATCH_LABEL: &str = "our-patch";
 
@@ -400,46 +417,38 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         labels: ours.metadata.labels.clone(),
         ..kube::api::ObjectMeta::default()
     };
-    let mut bare = ours.clone();
-    bare.metadata.name = Some("bench-floor".into());
-    let ca = std::fs::read(&opts.baseline_ca)?;
-    for webhook in bare.webhooks.iter_mut().flatten() {
-        webhook.client_config.url = Some(format!("https://{}/mutate-pod", opts.baseline_addr));
-        webhook.client_config.service = None;
-        webhook.client_config.ca_bundle = Some(k8s_openapi::ByteString(ca.clone()));
-    }
+    let bare = pointed_at(
+        &ours,
+        "bench-floor",
+        &format!("https://{}/mutate-pod", opts.baseline_addr),
+        std::fs::read(&opts.baseline_ca)?,
+    );
     // The bare webhook once more, answering with the very patch ours answers for this pod (asked
     // of ours directly, for the pod as the API server sends it): what the API server's work on
     // our answer costs, apart from our server.
     let first = [(&ours, Answered::Ours), (&bare, Answered::Bare)];
     register(&configurations, &first, &pods, &pod(0)?, Answered::Nobody).await?;
     let defaulted = pods.create(&dry_run, &pod(0)?).await?;
-    let url = ours
+    let ours_at = ours
         .webhooks
         .iter()
         .flatten()
-        .find_map(|w| w.client_config.url.clone())
-        .context("ours is registered by URL")?;
-    let our_ca = ours
-        .webhooks
-        .iter()
-        .flatten()
-        .find_map(|w| w.client_config.ca_bundle.clone())
-        .context("ours is registered with a CA bundle")?;
+        .map(|w| &w.client_config)
+        .find_map(|c| Some((c.url.as_deref()?, &c.ca_bundle.as_ref()?.0)))
+        .context("ours is registered by URL, with a CA bundle")?;
     let patch_file = opts.cluster_dir.join("our-patch.json");
     std::fs::write(
         &patch_file,
-        our_patch(&url, &our_ca.0, ns, &defaulted).await?,
+        our_patch(ours_at.0, ours_at.1, ns, &defaulted).await?,
     )?;
     let patched_dir = opts.cluster_dir.join("floor-our-patch-certs");
     let _patched_floor = start_floor(&patched_dir, 29501, &patch_file).await?;
-    let mut patched = bare.clone();
-    patched.metadata.name = Some("bench-floor-our-patch".into());
-    let patched_ca = std::fs::read(patched_dir.join("ca.crt"))?;
-    for webhook in patched.webhooks.iter_mut().flatten() {
-        webhook.client_config.url = Some("https://127.0.0.1:29501/mutate-pod".into());
-        webhook.client_config.ca_bundle = Some(k8s_openapi::ByteString(patched_ca.clone()));
-    }
+    let patched = pointed_at(
+        &ours,
+        "bench-floor-our-patch",
+        "https://127.0.0.1:29501/mutate-pod",
+        std::fs::read(patched_dir.join("ca.crt"))?,
+    );
     let registrations = [
         (&ours, Answered::Ours),
         (&bare, Answered::Bare),
