@@ -429,6 +429,15 @@ impl Caches {
             .map(|p| format!("{}/{}", p.namespace, p.name))
     }
 
+    /// Whether the cache shows the pod `namespace/name` holding `ip` (by its status, or by its
+    /// request through a preset's annotation).
+    pub fn ip_held_by(&self, ip: &str, namespace: &str, name: &str) -> bool {
+        self.pods
+            .read()
+            .holders(ip)
+            .any(|p| &*p.namespace == namespace && &*p.name == name)
+    }
+
     /// Whether a pod of that name exists in `namespace`.
     pub fn pod_exists(&self, namespace: &str, name: &str) -> bool {
         self.pods.read().get(namespace, name).is_some()

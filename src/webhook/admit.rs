@@ -62,29 +62,37 @@ pub enum Kinds<'a> {
 }
 
 /// IPs this server has just asked the CNI for, for pods its cache does not show yet: until
-/// the cache does (or [`IpReservations::HOLD`] has passed), another pod is not sent them, so
-/// two reviews back to back never ask for one IP.
+/// the cache shows the pod holding the IP (its IP index speaks for it from then on), or
+/// [`IpReservations::HOLD`] has passed, another pod is not sent them, so two reviews back to
+/// back never ask for one IP.
 #[derive(Debug, Default)]
 pub struct IpReservations(Mutex<HashMap<String, (String, Instant)>>);
 
+/// Whether the cache shows the pod `namespace/name` (the second argument) holding the IP (the
+/// first).
+pub type Shown<'a> = &'a dyn Fn(&str, &str) -> bool;
+
 impl IpReservations {
-    /// How long a reservation holds: far longer than the cache takes to see a created pod.
-    pub const HOLD: Duration = Duration::from_secs(30);
+    /// How long a reservation holds at most: far longer than the cache takes to see a created
+    /// pod, and short, so that a pod created and deleted meanwhile does not keep its IP from
+    /// another for long.
+    pub const HOLD: Duration = Duration::from_secs(5);
 
     /// The pod (`namespace/name`) other than `who` that reserved `ip`, if any.
-    pub fn holder(&self, ip: &str, who: &str) -> Option<String> {
-        let reserved = crate::sync::lock(&self.0);
+    pub fn holder(&self, ip: &str, who: &str, shown: Shown<'_>) -> Option<String> {
+        let mut reserved = crate::sync::lock(&self.0);
+        current(&mut reserved, shown);
         reserved
             .get(&normalized(ip))
-            .filter(|(by, at)| by != who && at.elapsed() < Self::HOLD)
+            .filter(|(by, _)| by != who)
             .map(|(by, _)| by.clone())
     }
 
     /// Reserves `ips` for `who` (`namespace/name`), unless another pod holds a reservation of
     /// one of them: then nothing is reserved, and that pod is returned.
-    pub fn reserve(&self, ips: &[String], who: &str) -> Result<(), String> {
+    pub fn reserve(&self, ips: &[String], who: &str, shown: Shown<'_>) -> Result<(), String> {
         let mut reserved = crate::sync::lock(&self.0);
-        reserved.retain(|_, (_, at)| at.elapsed() < Self::HOLD);
+        current(&mut reserved, shown);
         let ips: Vec<String> = ips.iter().map(|ip| normalized(ip)).collect();
         if let Some((by, _)) = ips
             .iter()
@@ -98,6 +106,18 @@ impl IpReservations {
         }
         Ok(())
     }
+}
+
+/// Drops the reservations past [`IpReservations::HOLD`] and those of pods the cache shows
+/// holding their IP.
+fn current(reserved: &mut HashMap<String, (String, Instant)>, shown: Shown<'_>) {
+    reserved.retain(|ip, (by, at)| at.elapsed() < IpReservations::HOLD && !shown(ip, by));
+}
+
+/// Whether `caches` shows the pod `who` (`namespace/name`) holding `ip`.
+pub fn shown_holding(caches: &Caches, ip: &str, who: &str) -> bool {
+    who.split_once('/')
+        .is_some_and(|(namespace, name)| caches.ip_held_by(ip, namespace, name))
 }
 
 /// `ip` as its parsed form prints (as status IPs are written), or as given.
@@ -141,8 +161,9 @@ impl Lookup for CacheLookup<'_> {
 
     fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
         self.caches.ip_holder(ip, namespace, name).or_else(|| {
+            let shown = |ip: &str, who: &str| shown_holding(self.caches, ip, who);
             self.reservations?
-                .holder(ip, &format!("{namespace}/{name}"))
+                .holder(ip, &format!("{namespace}/{name}"), &shown)
         })
     }
 }
@@ -332,6 +353,53 @@ pub(super) mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Node;
     use serde_json::{Value, json};
+
+    #[test]
+    fn an_ip_reservation_holds_until_the_cache_shows_its_pod_holding_the_ip() {
+        let reservations = IpReservations::default();
+        let not_shown = |_: &str, _: &str| false;
+        let ip = "10.0.0.5".to_string();
+        assert_eq!(
+            reservations.reserve(std::slice::from_ref(&ip), "ns/a", &not_shown),
+            Ok(())
+        );
+        assert_eq!(
+            reservations.holder(&ip, "ns/b", &not_shown).as_deref(),
+            Some("ns/a"),
+            "another pod is not sent it"
+        );
+        assert_eq!(
+            reservations.holder(&ip, "ns/a", &not_shown),
+            None,
+            "its own"
+        );
+        assert_eq!(
+            reservations.reserve(std::slice::from_ref(&ip), "ns/b", &not_shown),
+            Err("ns/a".to_string())
+        );
+        // The cache shows ns/a holding it: the IP index speaks for it, and the reservation goes.
+        let caches = Caches::new();
+        caches.apply_pod(kube::runtime::watcher::Event::Apply(
+            serde_json::from_value(json!({"metadata": {"name": "a", "namespace": "ns"},
+                "status": {"podIPs": [{"ip": "10.0.0.5"}]}}))
+            .expect("pod"),
+        ));
+        assert!(shown_holding(&caches, &ip, "ns/a"));
+        assert!(!shown_holding(&caches, &ip, "ns/b"));
+        assert!(!shown_holding(&caches, "10.0.0.6", "ns/a"));
+        assert!(!shown_holding(&caches, &ip, "no-slash"));
+        let shown = |ip: &str, who: &str| shown_holding(&caches, ip, who);
+        assert_eq!(reservations.holder(&ip, "ns/b", &shown), None);
+        assert_eq!(
+            reservations.holder(&ip, "ns/b", &not_shown),
+            None,
+            "dropped, not only hidden"
+        );
+        assert_eq!(
+            reservations.reserve(std::slice::from_ref(&ip), "ns/b", &not_shown),
+            Ok(())
+        );
+    }
 
     /// A lookup over one PersistentPodState (or none) and one node `n1` with any labels asked
     /// for (or no node).

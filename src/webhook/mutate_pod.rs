@@ -13,7 +13,7 @@ use axum::response::Response;
 use kube::runtime::events::EventType;
 
 use super::admit::{
-    CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide,
+    CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide, shown_holding,
 };
 use super::inject::Injection;
 pub use super::review::decode_pod;
@@ -96,7 +96,10 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     // it.
     if !request.dry_run
         && let Some((ips, who)) = requested(&outcome, state.observe_all)
-        && state.ip_reservations.reserve(&ips, &who).is_err()
+        && state
+            .ip_reservations
+            .reserve(&ips, &who, &|ip, by| shown_holding(&state.caches, ip, by))
+            .is_err()
     {
         outcome = admit(&request, &lookup);
     }
