@@ -68,10 +68,6 @@ pub enum Kinds<'a> {
 #[derive(Debug, Default)]
 pub struct IpReservations(Mutex<HashMap<String, (String, Instant)>>);
 
-/// Whether the cache shows the pod `namespace/name` (the second argument) holding the IP (the
-/// first).
-pub type Shown<'a> = &'a dyn Fn(&str, &str) -> bool;
-
 impl IpReservations {
     /// How long a reservation holds at most: far longer than the cache takes to see a created
     /// pod, and short, so that a pod created and deleted meanwhile does not keep its IP from
@@ -79,9 +75,9 @@ impl IpReservations {
     pub const HOLD: Duration = Duration::from_secs(5);
 
     /// The pod (`namespace/name`) other than `who` that reserved `ip`, if any.
-    pub fn holder(&self, ip: &str, who: &str, shown: Shown<'_>) -> Option<String> {
+    pub fn holder(&self, ip: &str, who: &str, caches: &Caches) -> Option<String> {
         let mut reserved = crate::sync::lock(&self.0);
-        current(&mut reserved, shown);
+        current(&mut reserved, caches);
         reserved
             .get(&normalized(ip))
             .filter(|(by, _)| by != who)
@@ -90,9 +86,9 @@ impl IpReservations {
 
     /// Reserves `ips` for `who` (`namespace/name`), unless another pod holds a reservation of
     /// one of them: then nothing is reserved, and that pod is returned.
-    pub fn reserve(&self, ips: &[String], who: &str, shown: Shown<'_>) -> Result<(), String> {
+    pub fn reserve(&self, ips: &[String], who: &str, caches: &Caches) -> Result<(), String> {
         let mut reserved = crate::sync::lock(&self.0);
-        current(&mut reserved, shown);
+        current(&mut reserved, caches);
         let ips: Vec<String> = ips.iter().map(|ip| normalized(ip)).collect();
         if let Some((by, _)) = ips
             .iter()
@@ -108,14 +104,16 @@ impl IpReservations {
     }
 }
 
-/// Drops the reservations past [`IpReservations::HOLD`] and those of pods the cache shows
+/// Drops the reservations past [`IpReservations::HOLD`] and those of pods `caches` shows
 /// holding their IP.
-fn current(reserved: &mut HashMap<String, (String, Instant)>, shown: Shown<'_>) {
-    reserved.retain(|ip, (by, at)| at.elapsed() < IpReservations::HOLD && !shown(ip, by));
+fn current(reserved: &mut HashMap<String, (String, Instant)>, caches: &Caches) {
+    reserved.retain(|ip, (by, at)| {
+        at.elapsed() < IpReservations::HOLD && !shown_holding(caches, ip, by)
+    });
 }
 
 /// Whether `caches` shows the pod `who` (`namespace/name`) holding `ip`.
-pub fn shown_holding(caches: &Caches, ip: &str, who: &str) -> bool {
+fn shown_holding(caches: &Caches, ip: &str, who: &str) -> bool {
     who.split_once('/')
         .is_some_and(|(namespace, name)| caches.ip_held_by(ip, namespace, name))
 }
@@ -161,9 +159,8 @@ impl Lookup for CacheLookup<'_> {
 
     fn ip_holder(&self, ip: &str, namespace: &str, name: &str) -> Option<String> {
         self.caches.ip_holder(ip, namespace, name).or_else(|| {
-            let shown = |ip: &str, who: &str| shown_holding(self.caches, ip, who);
             self.reservations?
-                .holder(ip, &format!("{namespace}/{name}"), &shown)
+                .holder(ip, &format!("{namespace}/{name}"), self.caches)
         })
     }
 }
@@ -357,24 +354,20 @@ pub(super) mod tests {
     #[test]
     fn an_ip_reservation_holds_until_the_cache_shows_its_pod_holding_the_ip() {
         let reservations = IpReservations::default();
-        let not_shown = |_: &str, _: &str| false;
+        let empty = Caches::new();
         let ip = "10.0.0.5".to_string();
         assert_eq!(
-            reservations.reserve(std::slice::from_ref(&ip), "ns/a", &not_shown),
+            reservations.reserve(std::slice::from_ref(&ip), "ns/a", &empty),
             Ok(())
         );
         assert_eq!(
-            reservations.holder(&ip, "ns/b", &not_shown).as_deref(),
+            reservations.holder(&ip, "ns/b", &empty).as_deref(),
             Some("ns/a"),
             "another pod is not sent it"
         );
+        assert_eq!(reservations.holder(&ip, "ns/a", &empty), None, "its own");
         assert_eq!(
-            reservations.holder(&ip, "ns/a", &not_shown),
-            None,
-            "its own"
-        );
-        assert_eq!(
-            reservations.reserve(std::slice::from_ref(&ip), "ns/b", &not_shown),
+            reservations.reserve(std::slice::from_ref(&ip), "ns/b", &empty),
             Err("ns/a".to_string())
         );
         // The cache shows ns/a holding it: the IP index speaks for it, and the reservation goes.
@@ -388,15 +381,14 @@ pub(super) mod tests {
         assert!(!shown_holding(&caches, &ip, "ns/b"));
         assert!(!shown_holding(&caches, "10.0.0.6", "ns/a"));
         assert!(!shown_holding(&caches, &ip, "no-slash"));
-        let shown = |ip: &str, who: &str| shown_holding(&caches, ip, who);
-        assert_eq!(reservations.holder(&ip, "ns/b", &shown), None);
+        assert_eq!(reservations.holder(&ip, "ns/b", &caches), None);
         assert_eq!(
-            reservations.holder(&ip, "ns/b", &not_shown),
+            reservations.holder(&ip, "ns/b", &empty),
             None,
             "dropped, not only hidden"
         );
         assert_eq!(
-            reservations.reserve(std::slice::from_ref(&ip), "ns/b", &not_shown),
+            reservations.reserve(std::slice::from_ref(&ip), "ns/b", &empty),
             Ok(())
         );
     }

@@ -13,7 +13,7 @@ use axum::response::Response;
 use kube::runtime::events::EventType;
 
 use super::admit::{
-    CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide, shown_holding,
+    CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide,
 };
 use super::inject::Injection;
 pub use super::review::decode_pod;
@@ -98,7 +98,7 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
         && let Some((ips, who)) = requested(&outcome, state.observe_all)
         && state
             .ip_reservations
-            .reserve(&ips, &who, &|ip, by| shown_holding(&state.caches, ip, by))
+            .reserve(&ips, &who, &state.caches)
             .is_err()
     {
         outcome = admit(&request, &lookup);
