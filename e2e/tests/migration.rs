@@ -264,6 +264,15 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
         "an invalid new weight is refused: {refused:?}"
     );
 
+    // Replacing the CRD ended the replicas' PersistentPodState watches (the API server answers
+    // 410 Gone once it serves the resource anew): a replica is not ready until it has listed
+    // again, and a pod created meanwhile would be admitted without it. Wait for both.
+    for r in &env.replicas {
+        wait_for(&format!("replica {} ready", r.name), TIMEOUT, || async {
+            (http_get(&format!("{}/readyz", r.probe_url())).await.0 == 200).then_some(())
+        })
+        .await;
+    }
     // A re-created pod runs, steered by the PPS in force.
     let pod: Pod = recreate_pod(c, &ns, "web-0").await;
     assert_eq!(
