@@ -599,8 +599,8 @@ const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Runs one watch for the life of the process (until the returned task is aborted), handing
 /// each event to `apply`, supervised: when the watch fails, ends, or its task panics, it is
-/// marked stale in `watches` and started again (a full relist) after a backoff with jitter; it
-/// is current again once relisted. A connection that stays silent past the server's watch
+/// marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
+/// at once when it expired after listing (410 Gone); it is current again once relisted. A connection that stays silent past the server's watch
 /// timeout (290 s) and a margin is ended by the watcher itself, and so restarted.
 fn spawn_watch<K>(
     kind: &str,
@@ -628,12 +628,16 @@ where
                 watches.clone(),
                 listed.clone(),
             )));
-            let why = match run.await {
-                Ok(why) => why,
-                Err(e) if e.is_panic() => "panicked".to_owned(),
-                Err(e) => e.to_string(),
+            let Stopped { why, relist_now } = match run.await {
+                Ok(stopped) => stopped,
+                Err(e) if e.is_panic() => Stopped::after("panicked".to_owned()),
+                Err(e) => Stopped::after(e.to_string()),
             };
             watches.stale(&kind, why.clone());
+            if relist_now {
+                tracing::info!(%kind, %why, "watch expired; listing again at once (the cache is stale until relisted)");
+                continue;
+            }
             if started.elapsed() > Duration::from_secs(60) {
                 backoff = WATCH_BACKOFF;
             }
@@ -654,6 +658,36 @@ fn jitter() -> f64 {
     (random % 1000) as f64 / 1000.0
 }
 
+/// Why a watch stopped, and whether to list again without the backoff.
+struct Stopped {
+    why: String,
+    /// The watch had listed and then expired (410 Gone: its resource version is no longer
+    /// served, after a compaction or the resource's storage replaced, as by a CRD update).
+    /// Nothing is wrong with the API server, and each such restart follows a full list, so
+    /// it cannot spin: the relist starts at once instead of leaving the cache stale (and the
+    /// replica unready) for a backoff.
+    relist_now: bool,
+}
+
+impl Stopped {
+    /// Stopped for `why`; started again after the backoff.
+    fn after(why: String) -> Self {
+        Self {
+            why,
+            relist_now: false,
+        }
+    }
+}
+
+/// Whether `error` says the watch's resource version is gone (HTTP 410).
+fn expired(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::WatchError(status) => status.code == 410,
+        watcher::Error::WatchStartFailed(kube::Error::Api(status)) => status.code == 410,
+        _ => false,
+    }
+}
+
 /// One watch, from its first list until it fails or ends; why it stopped.
 ///
 /// Until the watch has once been listed (`listed`), its list is a streaming list: a watch that
@@ -668,7 +702,7 @@ async fn run_watch<K>(
     apply: Arc<impl Fn(watcher::Event<K>) + Send + Sync + 'static>,
     watches: Arc<Watches>,
     listed: Arc<AtomicBool>,
-) -> String
+) -> Stopped
 where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone,
@@ -684,6 +718,7 @@ where
         let events = watcher(api.clone(), config);
         futures::pin_mut!(events);
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
+        let mut listed_here = false;
         loop {
             match events.try_next().await {
                 Ok(Some(ev)) => {
@@ -699,10 +734,11 @@ where
                     if done {
                         tracing::info!(%kind, objects, seconds = started.elapsed().as_secs_f64(), streamed = streaming, "listed");
                         listed.store(true, Ordering::Relaxed);
+                        listed_here = true;
                         watches.current(&kind);
                     }
                 }
-                Ok(None) => return "the watch ended".to_owned(),
+                Ok(None) => return Stopped::after("the watch ended".to_owned()),
                 // The streaming list's request refused as invalid (not a later watch's: this
                 // one has not listed yet).
                 Err(watcher::Error::WatchStartFailed(kube::Error::Api(status)))
@@ -714,7 +750,12 @@ where
                     watches.paginate.store(true, Ordering::Relaxed);
                     break;
                 }
-                Err(error) => return format!("the watch failed: {error}"),
+                Err(error) => {
+                    return Stopped {
+                        relist_now: listed_here && expired(&error),
+                        why: format!("the watch failed: {error}"),
+                    };
+                }
             }
         }
     }
@@ -929,6 +970,58 @@ mod tests {
         })
         .await;
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_expires_after_listing_is_relisted_at_once_and_a_failure_after_a_backoff()
+    {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, list.clone());
+        // The watch after the list: its resource version is gone (as after a CRD update).
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+            "status": "Failure", "reason": "Expired", "code": 410,
+            "message": "too old resource version: 1 (7)"}});
+        answer.send_response(
+            http::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(format!("{gone}\n").into_bytes()))
+                .expect("response"),
+        );
+        // Time is paused and moves only when every task waits for it: a backoff would show.
+        let expired_at = tokio::time::Instant::now();
+        let (request, answer) = handle.next_request().await.expect("the relist");
+        assert!(
+            !request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        assert_eq!(expired_at.elapsed(), Duration::ZERO, "relisted at once");
+        assert!(!watches.stale_now().is_empty(), "stale until relisted");
+        respond(answer, 200, list.clone());
+        // The next failure is not an expiry: the backoff applies.
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        respond(
+            answer,
+            500,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "etcd is gone", "code": 500}),
+        );
+        let failed_at = tokio::time::Instant::now();
+        let (request, _answer) = handle.next_request().await.expect("the relist");
+        assert!(!request.uri().to_string().contains("watch=true"));
+        assert!(
+            failed_at.elapsed() >= WATCH_BACKOFF / 2,
+            "{:?}",
+            failed_at.elapsed()
+        );
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 2)]);
         task.abort();
     }
 
