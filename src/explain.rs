@@ -142,7 +142,7 @@ pub fn explain_with(
             } else {
                 "inject".into()
             };
-            out.patch = serde_json::to_value(&injection.patch).unwrap_or_default();
+            out.patch = injection.patch.to_value();
         }
     }
     out

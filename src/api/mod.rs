@@ -71,11 +71,16 @@ pub fn observed_only(pps: &PersistentPodState, observe_all: bool) -> bool {
 
 /// The value of [`INJECTED_REQUIRED_ANNOTATION`] for `values`.
 pub fn encode_required(values: &BTreeMap<String, String>) -> String {
-    values
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
+    let mut out = String::with_capacity(values.iter().map(|(k, v)| k.len() + v.len() + 2).sum());
+    for (k, v) in values {
+        if !out.is_empty() {
+            out.push(',');
+        }
+        out.push_str(k);
+        out.push('=');
+        out.push_str(v);
+    }
+    out
 }
 
 /// The values an [`INJECTED_REQUIRED_ANNOTATION`] names; `None` if it does not parse (then no

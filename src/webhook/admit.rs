@@ -188,7 +188,7 @@ pub enum Verdict {
     /// A recorded state applies.
     Inject {
         /// What is injected, and what was left out.
-        injection: Injection,
+        injection: Box<Injection>,
         /// Whether the recorded IPs are requested, and if not why.
         ip: IpDecision,
     },
@@ -341,7 +341,10 @@ pub fn decide(pod: &Pod, namespace: &str, lookup: &dyn Lookup) -> Decision {
         _ => None,
     };
     let injection = injection_for(pod, pps_name, &pps.spec, state, &place, request);
-    decision.verdict = Verdict::Inject { injection, ip };
+    decision.verdict = Verdict::Inject {
+        injection: Box::new(injection),
+        ip,
+    };
     decision
 }
 

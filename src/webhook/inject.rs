@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, ReplaceOperation};
-use k8s_openapi::api::core::v1::Pod;
-use serde_json::{Value, json};
+use k8s_openapi::api::core::v1::{Pod, PreferredSchedulingTerm};
+use serde::Serialize;
 
+use super::patch::PodPatch;
 use crate::api::PersistentPodStateSpec;
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PodState, decode_required, encode_required,
@@ -32,7 +31,7 @@ pub struct Conflict {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Injection {
     /// The patch to return to the API server (may be empty).
-    pub patch: Patch,
+    pub patch: PodPatch,
     /// Number of required node labels added to `spec.nodeSelector`.
     pub required: usize,
     /// Number of preferred node affinity terms appended.
@@ -47,15 +46,63 @@ pub struct Injection {
     pub kept_required: BTreeMap<String, String>,
 }
 
-fn pointer(tokens: &[&str]) -> PointerBuf {
-    PointerBuf::from_tokens(tokens.iter().copied())
+/// A preferred node affinity term as injected: each recorded value of its keys, `In`. Fields
+/// in the order a JSON map has them (as the patch always read).
+#[derive(Serialize, PartialEq)]
+struct Term<'a> {
+    preference: Preference<'a>,
+    weight: i32,
 }
 
-fn add(ops: &mut Vec<PatchOperation>, tokens: &[&str], value: Value) {
-    ops.push(PatchOperation::Add(AddOperation {
-        path: pointer(tokens),
-        value,
-    }));
+#[derive(Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct Preference<'a> {
+    match_expressions: Vec<Expression<'a>>,
+}
+
+#[derive(Serialize, PartialEq)]
+struct Expression<'a> {
+    key: &'a str,
+    operator: &'static str,
+    values: [&'a str; 1],
+}
+
+impl Term<'_> {
+    /// Whether the pod's own `term` is this one (the same JSON once written).
+    fn is(&self, term: &PreferredSchedulingTerm) -> bool {
+        let wanted = &self.preference.match_expressions;
+        term.weight == self.weight
+            && term.preference.match_fields.is_none()
+            && term
+                .preference
+                .match_expressions
+                .as_ref()
+                .is_some_and(|have| {
+                    have.len() == wanted.len()
+                        && have.iter().zip(wanted).all(|(have, want)| {
+                            have.key == want.key
+                                && have.operator == want.operator
+                                && have
+                                    .values
+                                    .as_deref()
+                                    .is_some_and(|v| v.len() == 1 && v[0] == want.values[0])
+                        })
+                })
+    }
+}
+
+/// Preferred terms under their field name.
+#[derive(Serialize)]
+struct Preferred<'t, 'a> {
+    #[serde(rename = "preferredDuringSchedulingIgnoredDuringExecution")]
+    terms: &'t [Term<'a>],
+}
+
+/// A node affinity under its field name.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct WithNodeAffinity<T> {
+    node_affinity: T,
 }
 
 /// Computes the patch that restores `state` onto `pod` as asked by `spec`, with the IP request
@@ -78,10 +125,9 @@ pub fn injection_for(
     let Some(pod_spec) = pod.spec.as_ref() else {
         return out;
     };
-    let mut ops = Vec::new();
+    let mut patch = PodPatch::default();
 
     // a. required keys -> spec.nodeSelector
-    let recorded = |key: &str| state.node_topology_labels.get(key).cloned();
     let mut required = spec.required_values(state);
     // A key the pod sets itself to another value keeps the pod's value.
     if let Some(own) = &pod_spec.node_selector {
@@ -99,7 +145,6 @@ pub fn injection_for(
     }
     let placed = place(&required);
     out.dropped = placed.dropped;
-    out.kept_required = placed.kept.clone();
     // What this webhook adds (not what the pod sets itself): what it may later release the
     // pod from. A value it added before (a reinvocation with its own result) stays its own.
     let pod_annotations = pod.metadata.annotations.as_ref();
@@ -109,29 +154,28 @@ pub fn injection_for(
         .and_then(|text| decode_required(text))
         .unwrap_or_default();
     let set_by_pod = |key: &str| pod_spec.node_selector.as_ref().and_then(|own| own.get(key));
-    let injected: BTreeMap<String, String> = placed
+    let injected: BTreeMap<&str, &str> = placed
         .kept
         .iter()
         .filter(|(key, _)| set_by_pod(key).is_none())
-        .map(|(k, v)| (k.clone(), v.clone()))
+        .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     out.required = injected.len();
     let ours: BTreeMap<String, String> = placed
         .kept
-        .into_iter()
+        .iter()
         .filter(|(key, value)| {
             set_by_pod(key).is_none()
-                || (set_by_pod(key) == Some(value) && added_before.get(key) == Some(value))
+                || (set_by_pod(key) == Some(*value) && added_before.get(*key) == Some(*value))
         })
+        .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     match &pod_spec.node_selector {
-        None if !injected.is_empty() => {
-            add(&mut ops, &["spec", "nodeSelector"], json!(injected));
-        }
+        None if !injected.is_empty() => patch.add(&["spec", "nodeSelector"], &injected),
         None => {}
         Some(_) => {
             for (key, value) in &injected {
-                add(&mut ops, &["spec", "nodeSelector", key], json!(value));
+                patch.add(&["spec", "nodeSelector", key], value);
             }
         }
     }
@@ -141,126 +185,106 @@ pub fn injection_for(
         .affinity
         .as_ref()
         .and_then(|a| a.node_affinity.as_ref());
-    let existing_terms: Vec<Value> = node_affinity
+    let existing_terms = node_affinity
         .and_then(|na| {
             na.preferred_during_scheduling_ignored_during_execution
-                .as_ref()
-        })
-        .map(|terms| {
-            terms
-                .iter()
-                .filter_map(|t| serde_json::to_value(t).ok())
-                .collect()
+                .as_deref()
         })
         .unwrap_or_default();
-    let mut terms: Vec<Value> = Vec::new();
+    let mut terms: Vec<Term<'_>> = Vec::new();
     for (weight, keys) in spec.preferred_terms() {
-        let expressions: Vec<Value> = keys
+        let match_expressions: Vec<Expression<'_>> = keys
             .iter()
-            .filter_map(|k| recorded(k).map(|v| json!({"key": k, "operator": "In", "values": [v]})))
+            .filter_map(|k| {
+                state.node_topology_labels.get(k).map(|v| Expression {
+                    key: k,
+                    operator: "In",
+                    values: [v.as_str()],
+                })
+            })
             .collect();
-        if expressions.is_empty() {
+        if match_expressions.is_empty() {
             continue;
         }
-        let value = json!({
-            "weight": weight.clamp(1, 100),
-            "preference": {"matchExpressions": expressions},
-        });
-        if !existing_terms.contains(&value) && !terms.contains(&value) {
-            terms.push(value);
+        let term = Term {
+            preference: Preference { match_expressions },
+            weight: weight.clamp(1, 100),
+        };
+        if !existing_terms.iter().any(|t| term.is(t)) && !terms.contains(&term) {
+            terms.push(term);
         }
     }
     out.preferred = terms.len();
     if !terms.is_empty() {
+        let preferred = Preferred { terms: &terms };
         if pod_spec.affinity.is_none() {
-            let value = json!({"nodeAffinity": {PREFERRED: terms}});
-            add(&mut ops, &["spec", "affinity"], value);
+            let affinity = WithNodeAffinity {
+                node_affinity: preferred,
+            };
+            patch.add(&["spec", "affinity"], &affinity);
         } else if node_affinity.is_none() {
-            add(
-                &mut ops,
-                &["spec", "affinity", "nodeAffinity"],
-                json!({PREFERRED: terms}),
-            );
+            patch.add(&["spec", "affinity", "nodeAffinity"], &preferred);
         } else if node_affinity.is_some_and(|na| {
             na.preferred_during_scheduling_ignored_during_execution
                 .is_none()
         }) {
-            add(
-                &mut ops,
-                &["spec", "affinity", "nodeAffinity", PREFERRED],
-                json!(terms),
-            );
+            patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED], &terms);
         } else {
-            for term in terms {
-                add(
-                    &mut ops,
-                    &["spec", "affinity", "nodeAffinity", PREFERRED, "-"],
-                    term,
-                );
+            for term in &terms {
+                patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED, "-"], term);
             }
         }
     }
 
     // c. persistent annotations (never over the pod's own) and the injected-state marker
-    let mut annotations: BTreeMap<String, String> = spec
+    let mut annotations: BTreeMap<&str, &str> = spec
         .persistent_annotation_keys()
         .filter(|key| *key != INJECTED_ANNOTATION)
         .filter(|key| pod_annotations.is_none_or(|m| !m.contains_key(*key)))
-        .filter_map(|key| {
-            state
-                .annotations
-                .get(key)
-                .map(|v| (key.to_owned(), v.clone()))
-        })
+        .filter_map(|key| state.annotations.get(key).map(|v| (key, v.as_str())))
         .collect();
     out.annotations = annotations.len();
     // The IP request (decided by `ip_request::decide`, which never overrides the pod's own).
     if let Some((key, value)) =
         ip_request.filter(|(k, _)| pod_annotations.is_none_or(|m| !m.contains_key(*k)))
     {
-        annotations.insert(key.to_owned(), value.to_owned());
+        annotations.insert(key, value);
     }
     // The webhook's own annotations say exactly what it did: which PersistentPodState, and
     // which required values it added (none: the annotation is not there).
+    let required_text = (!ours.is_empty()).then(|| encode_required(&ours));
     let own = [
-        (INJECTED_ANNOTATION, Some(pps_name.to_owned())),
-        (
-            INJECTED_REQUIRED_ANNOTATION,
-            (!ours.is_empty()).then(|| encode_required(&ours)),
-        ),
+        (INJECTED_ANNOTATION, Some(pps_name)),
+        (INJECTED_REQUIRED_ANNOTATION, required_text.as_deref()),
     ];
     match pod_annotations {
         None => {
             for (key, value) in own {
                 if let Some(value) = value {
-                    annotations.insert(key.to_owned(), value);
+                    annotations.insert(key, value);
                 }
             }
-            add(&mut ops, &["metadata", "annotations"], json!(annotations));
+            patch.add(&["metadata", "annotations"], &annotations);
         }
         Some(existing) => {
             for (key, value) in &annotations {
-                add(&mut ops, &["metadata", "annotations", key], json!(value));
+                patch.add(&["metadata", "annotations", key], value);
             }
             for (key, value) in own {
-                let path = pointer(&["metadata", "annotations", key]);
+                let path = ["metadata", "annotations", key];
                 match (existing.get(key), value) {
-                    (Some(have), Some(want)) if *have == want => {}
-                    (Some(_), Some(want)) => ops.push(PatchOperation::Replace(ReplaceOperation {
-                        path,
-                        value: json!(want),
-                    })),
-                    (None, Some(want)) => {
-                        add(&mut ops, &["metadata", "annotations", key], json!(want))
-                    }
-                    (Some(_), None) => ops.push(PatchOperation::Remove(RemoveOperation { path })),
+                    (Some(have), Some(want)) if have == want => {}
+                    (Some(_), Some(want)) => patch.replace(&path, want),
+                    (None, Some(want)) => patch.add(&path, want),
+                    (Some(_), None) => patch.remove(&path),
                     (None, None) => {}
                 }
             }
         }
     }
 
-    out.patch = Patch(ops);
+    out.kept_required = placed.kept;
+    out.patch = patch;
     out
 }
 
@@ -270,6 +294,7 @@ mod tests {
     use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
     use crate::placement::DropReason;
+    use serde_json::{Value, json};
 
     const ZONE: &str = "topology.kubernetes.io/zone";
     const HOST: &str = "kubernetes.io/hostname";
@@ -329,10 +354,16 @@ mod tests {
         }
     }
 
+    /// The injection's patch, as the API server reads it.
+    fn ops(inj: &Injection) -> json_patch::Patch {
+        let bytes = inj.patch.to_bytes().expect("the patch is written");
+        serde_json::from_slice(&bytes).expect("a JSON patch")
+    }
+
     /// Applies the injection to the raw pod and returns the patched JSON.
     fn apply(raw: &Value, inj: &Injection) -> Value {
         let mut doc = raw.clone();
-        json_patch::patch(&mut doc, &inj.patch).expect("patch applies to the pod as sent");
+        json_patch::patch(&mut doc, &ops(inj)).expect("patch applies to the pod as sent");
         doc
     }
 
@@ -376,7 +407,7 @@ mod tests {
         // Invoked again with its own result: nothing changes.
         let (again, _) = pod(out.clone());
         let inj = injection_for(&again, "web", &s, &st, &anywhere, None);
-        assert!(inj.patch.0.is_empty(), "{:?}", inj.patch);
+        assert!(inj.patch.is_empty(), "{:?}", inj.patch);
         // A template that carries the annotation (copied from a steered pod) looks like a
         // reinvocation: what it names and the pod sets as named stays named; the hostname the
         // pod sets itself is not taken for the webhook's.
@@ -423,7 +454,7 @@ mod tests {
             &[("a~b/c", "old"), ("other/key", "o")],
         );
         let inj = injection_for(&p, "web", &s, &st, &anywhere, None);
-        let paths: Vec<String> = inj.patch.0.iter().map(|op| op.path().to_string()).collect();
+        let paths: Vec<String> = ops(&inj).0.iter().map(|op| op.path().to_string()).collect();
         assert!(paths.contains(&"/spec/nodeSelector/topology.kubernetes.io~1zone".to_string()));
         assert!(paths.contains(&"/metadata/annotations/other~1key".to_string()));
         let out = apply(&raw, &inj);
@@ -560,7 +591,7 @@ mod tests {
                 &anywhere,
                 None,
             );
-            assert_eq!(inj.patch.0.len(), ops);
+            assert_eq!(inj.patch.len(), ops);
             assert_eq!(
                 apply(&raw, &inj)["metadata"]["annotations"][INJECTED_ANNOTATION],
                 "web"

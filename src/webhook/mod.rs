@@ -6,6 +6,7 @@ pub mod convert;
 pub mod endpoints;
 pub mod inject;
 pub mod mutate_pod;
+pub mod patch;
 pub mod review;
 pub mod tls;
 pub mod validate_pps;

@@ -16,6 +16,7 @@ use super::admit::{
     CacheLookup, Decision, Kinds, LeftOut, Lookup, Part, SkipReason, Verdict, decide,
 };
 use super::inject::Injection;
+use super::patch::PodPatch;
 pub use super::review::decode_pod;
 use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
@@ -179,7 +180,7 @@ fn respond(
         return (Admission::allow(), AdmissionResult::Observed);
     }
     report(state, dry_run, &decision, pps, injection, ip);
-    if injection.patch.0.is_empty() {
+    if injection.patch.is_empty() {
         return (Admission::allow(), AdmissionResult::Allowed);
     }
     match Admission::patch(&injection.patch) {
@@ -206,15 +207,15 @@ const NOTE_MAX: usize = 1000;
 
 /// The note of a `WouldInject` Event: the exact patch, or (too long for an Event) its size
 /// and where to see it.
-fn would_inject_note(pod: &str, patch: &json_patch::Patch) -> String {
-    let text = serde_json::to_string(patch).unwrap_or_default();
+fn would_inject_note(pod: &str, patch: &PodPatch) -> String {
+    let text = patch.to_value().to_string();
     let note = format!("pod {pod}: would inject {text}");
     if note.len() <= NOTE_MAX {
         return note;
     }
     format!(
         "pod {pod}: would inject a patch of {} operations ({} bytes; `explain {pod}` shows it)",
-        patch.0.len(),
+        patch.len(),
         text.len()
     )
 }
@@ -246,7 +247,7 @@ fn observed(
         "observed only: patch computed, not applied"
     );
     if let Some(events) = state.events.as_ref().filter(|_| !dry_run)
-        && !injection.patch.0.is_empty()
+        && !injection.patch.is_empty()
     {
         events.publish_about(
             pps,

@@ -24,6 +24,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use super::patch::PodPatch;
 use super::{WebhookState, endpoints};
 use crate::api::json_error_summary;
 use crate::metrics::AdmissionResult;
@@ -357,10 +358,8 @@ impl Admission {
     }
 
     /// Allowed with `patch` (left out when it holds no operation).
-    pub fn patch(patch: &json_patch::Patch) -> Result<Self, serde_json::Error> {
-        let bytes = (!patch.0.is_empty())
-            .then(|| serde_json::to_vec(patch))
-            .transpose()?;
+    pub fn patch(patch: &PodPatch) -> Result<Self, String> {
+        let bytes = (!patch.is_empty()).then(|| patch.to_bytes()).transpose()?;
         Ok(Self {
             patch: bytes,
             ..Self::allow()
@@ -424,13 +423,19 @@ impl Admission {
                     .map(|p| base64::engine::general_purpose::STANDARD.encode(p)),
             },
         };
-        json_response(StatusCode::OK, &review)
+        // The fields around the patch take under 256 bytes but a denial's message.
+        let size = 256
+            + review.response.patch.as_ref().map_or(0, String::len)
+            + self.denial.as_ref().map_or(0, |(_, _, m)| m.len());
+        json_response(StatusCode::OK, &review, size)
     }
 }
 
-fn json_response(status: StatusCode, body: &impl Serialize) -> Response {
-    match serde_json::to_vec(body) {
-        Ok(bytes) => (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
+/// `body` as a JSON response; `size` is the room to start with (the body's usual length).
+fn json_response(status: StatusCode, body: &impl Serialize, size: usize) -> Response {
+    let mut bytes = Vec::with_capacity(size);
+    match serde_json::to_writer(&mut bytes, body) {
+        Ok(()) => (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
         Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     }
 }
@@ -516,6 +521,7 @@ pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Res
     json_response(
         StatusCode::OK,
         &json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview", "response": response}),
+        1024,
     )
 }
 
@@ -733,9 +739,8 @@ mod tests {
         ))
         .expect("parses");
         assert_eq!(request.api_version, "admission.k8s.io/v1beta1");
-        let patch: json_patch::Patch =
-            serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}]))
-                .expect("patch");
+        let mut patch = PodPatch::default();
+        patch.add(&["a"], &1);
         let admission = Admission::patch(&patch).expect("serializes");
         assert_eq!(
             base64::engine::general_purpose::STANDARD

@@ -1,0 +1,194 @@
+//! The webhook's JSON patch (RFC 6902), written as JSON text while it is built: the answer
+//! carries it as bytes, so no tree of values is built, serialized and dropped per review.
+
+use serde::Serialize;
+
+/// A JSON patch as its operations' JSON text, built one operation at a time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodPatch {
+    /// The operations, each a JSON object, comma-separated (without the enclosing brackets).
+    text: Vec<u8>,
+    /// How many operations `text` holds.
+    ops: usize,
+    /// Why a value could not be written, if one could not (the patch is then not answered).
+    failed: Option<String>,
+}
+
+impl PodPatch {
+    /// Adds `value` at the JSON Pointer of `path`'s tokens (escaped here).
+    pub fn add(&mut self, path: &[&str], value: &(impl Serialize + ?Sized)) {
+        self.push("add", path, Some(value));
+    }
+
+    /// Replaces the value at `path` with `value`.
+    pub fn replace(&mut self, path: &[&str], value: &(impl Serialize + ?Sized)) {
+        self.push("replace", path, Some(value));
+    }
+
+    /// Removes the value at `path`.
+    pub fn remove(&mut self, path: &[&str]) {
+        self.push::<()>("remove", path, None);
+    }
+
+    fn push<V: Serialize + ?Sized>(&mut self, op: &str, path: &[&str], value: Option<&V>) {
+        let start = self.text.len();
+        if self.ops > 0 {
+            self.text.push(b',');
+        } else {
+            // Room for a usual patch (a few operations) at once.
+            self.text.reserve(512);
+        }
+        self.text.extend_from_slice(b"{\"op\":\"");
+        self.text.extend_from_slice(op.as_bytes());
+        self.text.extend_from_slice(b"\",\"path\":");
+        let written = self.write_pointer(path).and_then(|()| {
+            let Some(value) = value else { return Ok(()) };
+            self.text.extend_from_slice(b",\"value\":");
+            serde_json::to_writer(&mut self.text, value)
+        });
+        match written {
+            Ok(()) => {
+                self.text.push(b'}');
+                self.ops += 1;
+            }
+            Err(error) => {
+                self.text.truncate(start);
+                self.failed.get_or_insert_with(|| error.to_string());
+            }
+        }
+    }
+
+    /// Writes the JSON string of the pointer of `tokens`: as they are when no token needs
+    /// escaping (as a rule: field names and label keys without `/`), else escaped.
+    fn write_pointer(&mut self, tokens: &[&str]) -> serde_json::Result<()> {
+        let plain = |t: &&str| {
+            !t.bytes()
+                .any(|b| matches!(b, b'~' | b'/' | b'"' | b'\\') || b < 0x20)
+        };
+        if tokens.iter().all(plain) {
+            self.text.push(b'"');
+            for token in tokens {
+                self.text.push(b'/');
+                self.text.extend_from_slice(token.as_bytes());
+            }
+            self.text.push(b'"');
+            return Ok(());
+        }
+        serde_json::to_writer(&mut self.text, &pointer(tokens))
+    }
+
+    /// Whether the patch has no operation.
+    pub fn is_empty(&self) -> bool {
+        self.ops == 0 && self.failed.is_none()
+    }
+
+    /// The number of operations.
+    pub fn len(&self) -> usize {
+        self.ops
+    }
+
+    /// The patch as JSON text; an error if one of its values could not be written.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, String> {
+        if let Some(failed) = &self.failed {
+            return Err(failed.clone());
+        }
+        let mut bytes = Vec::with_capacity(self.text.len() + 2);
+        bytes.push(b'[');
+        bytes.extend_from_slice(&self.text);
+        bytes.push(b']');
+        Ok(bytes)
+    }
+
+    /// The patch as a JSON value (for `explain` and Event notes): the operations written so
+    /// far, whether or not one failed.
+    pub fn to_value(&self) -> serde_json::Value {
+        let mut bytes = Vec::with_capacity(self.text.len() + 2);
+        bytes.push(b'[');
+        bytes.extend_from_slice(&self.text);
+        bytes.push(b']');
+        serde_json::from_slice(&bytes).unwrap_or_default()
+    }
+}
+
+/// The JSON Pointer (RFC 6901) of `tokens`: each prefixed with `/`, `~` written `~0` and `/`
+/// written `~1`.
+fn pointer(tokens: &[&str]) -> String {
+    let mut out = String::with_capacity(tokens.iter().map(|t| t.len() + 1).sum());
+    for token in tokens {
+        out.push('/');
+        for c in token.chars() {
+            match c {
+                '~' => out.push_str("~0"),
+                '/' => out.push_str("~1"),
+                c => out.push(c),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn writes_the_operations_as_a_json_patch_with_escaped_pointers() {
+        let mut patch = PodPatch::default();
+        assert!(patch.is_empty());
+        assert_eq!(patch.to_bytes().as_deref(), Ok(&b"[]"[..]));
+        let map = BTreeMap::from([("a/b", "v\"1"), ("c~d", "v2")]);
+        patch.add(&["spec", "nodeSelector"], &map);
+        patch.replace(&["metadata", "annotations", "x/y~z"], "new");
+        patch.remove(&["metadata", "annotations", "gone"]);
+        patch.add(
+            &["spec", "affinity", "nodeAffinity", "terms", "-"],
+            &json!({"w": 1}),
+        );
+        // Characters JSON escapes (not a pointer's): written escaped, read back as sent.
+        patch.add(&["metadata", "annotations", "q\"b\\s\u{1}é"], "odd");
+        assert_eq!(patch.len(), 5);
+        let bytes = patch.to_bytes().expect("written");
+        let parsed: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
+        assert_eq!(
+            serde_json::to_value(&parsed).expect("json"),
+            json!([
+                {"op": "add", "path": "/spec/nodeSelector", "value": {"a/b": "v\"1", "c~d": "v2"}},
+                {"op": "replace", "path": "/metadata/annotations/x~1y~0z", "value": "new"},
+                {"op": "remove", "path": "/metadata/annotations/gone"},
+                {"op": "add", "path": "/spec/affinity/nodeAffinity/terms/-", "value": {"w": 1}},
+                {"op": "add", "path": "/metadata/annotations/q\"b\\s\u{1}é", "value": "odd"},
+            ])
+        );
+        assert_eq!(
+            patch.to_value(),
+            serde_json::from_slice::<serde_json::Value>(&bytes).expect("json")
+        );
+        // Applied as the API server would: the escaped key is the key.
+        let mut doc =
+            json!({"spec": {}, "metadata": {"annotations": {"x/y~z": "old", "gone": "1"}}});
+        let mut patch = PodPatch::default();
+        patch.replace(&["metadata", "annotations", "x/y~z"], "new");
+        patch.remove(&["metadata", "annotations", "gone"]);
+        let ops: json_patch::Patch =
+            serde_json::from_slice(&patch.to_bytes().expect("written")).expect("a JSON patch");
+        json_patch::patch(&mut doc, &ops).expect("applies");
+        assert_eq!(doc["metadata"]["annotations"], json!({"x/y~z": "new"}));
+    }
+
+    #[test]
+    fn a_value_that_cannot_be_written_fails_the_patch_and_leaves_the_rest_whole() {
+        let mut patch = PodPatch::default();
+        patch.add(&["a"], "kept");
+        // A map with non-string keys is no JSON object.
+        patch.add(&["b"], &BTreeMap::from([((1, 2), "v")]));
+        assert_eq!(patch.len(), 1);
+        assert!(!patch.is_empty());
+        assert!(patch.to_bytes().is_err());
+        assert_eq!(
+            patch.to_value(),
+            json!([{"op": "add", "path": "/a", "value": "kept"}])
+        );
+    }
+}
