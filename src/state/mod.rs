@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::watcher;
@@ -221,7 +222,8 @@ impl Caches {
         self.trigger_for_pod(&event);
     }
 
-    /// How many node watch events were applied: equal counts mean no node changed between.
+    /// How many node watch events were applied that changed a node as kept (what placement
+    /// reads): equal counts mean no node changed between.
     pub fn nodes_changed(&self) -> u64 {
         self.nodes_changed.load(Ordering::Acquire)
     }
@@ -239,7 +241,15 @@ impl Caches {
         };
         lock(&self.nodes_writer).apply_watcher_event(&event);
         let labels_changed = self.node_labels.apply(&event);
-        self.nodes_changed.fetch_add(1, Ordering::Release);
+        // A known node kept as it was but for its version (a status update of what is not
+        // kept: a heartbeat, another condition) changes no placement: the shared ones stay.
+        let unchanged = match (&event, &known) {
+            (watcher::Event::Apply(node), Some(old)) => same_but_version(old, node),
+            _ => false,
+        };
+        if !unchanged {
+            self.nodes_changed.fetch_add(1, Ordering::Release);
+        }
         self.listed_if_done(&event, &self.listed.nodes);
         let trigger = match (&event, known) {
             (watcher::Event::Delete(node), _) => NodeTrigger::Health(health_change(node)),
@@ -486,6 +496,15 @@ impl Nodes for Caches {
     }
 }
 
+/// Whether two nodes as kept ([`trim::node`]) differ at most in their resource version.
+fn same_but_version(a: &Node, b: &Node) -> bool {
+    let unversioned = |n: &Node| ObjectMeta {
+        resource_version: None,
+        ..n.metadata.clone()
+    };
+    a.spec == b.spec && a.status == b.status && unversioned(a) == unversioned(b)
+}
+
 /// A PersistentPodState watch event decoded from a plain object. An object that does not decode
 /// is logged and treated as absent (an `Apply` of it removes what was cached under its name).
 fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<PersistentPodState>> {
@@ -600,7 +619,8 @@ const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// Runs one watch for the life of the process (until the returned task is aborted), handing
 /// each event to `apply`, supervised: when the watch fails, ends, or its task panics, it is
 /// marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
-/// at once when it expired after listing (410 Gone); it is current again once relisted. A connection that stays silent past the server's watch
+/// at once when it expired after listing (410 Gone; once per [`WATCH_BACKOFF_MAX`]); it is
+/// current again once relisted. A connection that stays silent past the server's watch
 /// timeout (290 s) and a margin is ended by the watcher itself, and so restarted.
 fn spawn_watch<K>(
     kind: &str,
@@ -617,6 +637,7 @@ where
     tokio::spawn(async move {
         let mut backoff = WATCH_BACKOFF;
         let listed = Arc::new(AtomicBool::new(false));
+        let mut relisted_at_once: Option<tokio::time::Instant> = None;
         loop {
             let started = tokio::time::Instant::now();
             // Its own task, so that a panic while applying an event is a restart too; aborted
@@ -634,12 +655,15 @@ where
                 Err(e) => Stopped::after(e.to_string()),
             };
             watches.stale(&kind, why.clone());
-            if relist_now {
-                tracing::info!(%kind, %why, "watch expired; listing again at once (the cache is stale until relisted)");
-                continue;
-            }
             if started.elapsed() > Duration::from_secs(60) {
                 backoff = WATCH_BACKOFF;
+            }
+            // At once at most once a backoff's length: a server that answers every watch 410
+            // right after its list is not listed from back to back.
+            if relist_now && relisted_at_once.is_none_or(|t| t.elapsed() >= WATCH_BACKOFF_MAX) {
+                relisted_at_once = Some(tokio::time::Instant::now());
+                tracing::info!(%kind, %why, "watch expired; listing again at once (the cache is stale until relisted)");
+                continue;
             }
             let jittered = backoff.mul_f64(0.5 + jitter() / 2.0);
             tracing::warn!(%kind, %why, delay = ?jittered, "watch stopped; starting it again (the cache is stale until relisted)");
@@ -663,9 +687,9 @@ struct Stopped {
     why: String,
     /// The watch had listed and then expired (410 Gone: its resource version is no longer
     /// served, after a compaction or the resource's storage replaced, as by a CRD update).
-    /// Nothing is wrong with the API server, and each such restart follows a full list, so
-    /// it cannot spin: the relist starts at once instead of leaving the cache stale (and the
-    /// replica unready) for a backoff.
+    /// Nothing is wrong with the API server: the relist starts at once instead of leaving the
+    /// cache stale (and the replica unready) for a backoff. (A list that fails 410, its
+    /// continue token expired, is a failure like any other: it waits for the backoff.)
     relist_now: bool,
 }
 
@@ -683,7 +707,8 @@ impl Stopped {
 fn expired(error: &watcher::Error) -> bool {
     match error {
         watcher::Error::WatchError(status) => status.code == 410,
-        watcher::Error::WatchStartFailed(kube::Error::Api(status)) => status.code == 410,
+        watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 410,
         _ => false,
     }
 }
@@ -847,6 +872,38 @@ mod tests {
         (listed, task)
     }
 
+    #[test]
+    fn a_node_event_that_changes_nothing_kept_leaves_the_node_change_count() {
+        let caches = Caches::new();
+        let node = |version: &str, ready: &str, memory: &str| {
+            serde_json::from_value::<Node>(json!({
+                "metadata": {"name": "n1", "resourceVersion": version, "labels": {"zone": "z1"}},
+                "status": {"conditions": [{"type": "Ready", "status": ready},
+                    {"type": "MemoryPressure", "status": memory}]}}))
+            .expect("node")
+        };
+        caches.apply_node(watcher::Event::Apply(node("1", "True", "False")));
+        let first = caches.nodes_changed();
+        assert!(first > 0, "a new node");
+        caches.apply_node(watcher::Event::Apply(node("2", "True", "True")));
+        assert_eq!(
+            caches.nodes_changed(),
+            first,
+            "a new version, and a condition placement does not read"
+        );
+        caches.apply_node(watcher::Event::Apply(node("3", "False", "True")));
+        assert_eq!(caches.nodes_changed(), first + 1, "Ready changed");
+        let mut tainted = node("4", "False", "True");
+        tainted.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+            unschedulable: Some(true),
+            ..Default::default()
+        });
+        caches.apply_node(watcher::Event::Apply(tainted));
+        assert_eq!(caches.nodes_changed(), first + 2, "cordoned");
+        caches.apply_node(watcher::Event::Delete(node("5", "False", "True")));
+        assert_eq!(caches.nodes_changed(), first + 3, "deleted");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_first_list_is_streamed_and_a_relist_after_a_failure_is_paginated_and_consistent() {
         let (client, mut handle, watches) = mock_watch();
@@ -974,38 +1031,58 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_watch_that_expires_after_listing_is_relisted_at_once_and_a_failure_after_a_backoff()
-    {
+    async fn a_watch_expired_after_listing_is_relisted_at_once_once_per_longest_backoff() {
         let (client, mut handle, watches) = mock_paginated_watch();
         let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
+        let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "Expired", "code": 410, "message": "too old resource version: 1 (7)"});
+        // Time is paused and moves only when every task waits for it: a backoff would show.
+        let relisted_after =
+            |at: tokio::time::Instant, request: http::Request<kube::client::Body>| {
+                assert!(
+                    !request.uri().to_string().contains("watch=true"),
+                    "{}",
+                    request.uri()
+                );
+                at.elapsed()
+            };
         let (_, answer) = handle.next_request().await.expect("the first list");
         respond(answer, 200, list.clone());
-        // The watch after the list: its resource version is gone (as after a CRD update).
+        // The watch after the list: its resource version is gone (as after a CRD update), in
+        // an ERROR event.
         let (_, answer) = handle.next_request().await.expect("the watch");
-        let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
-            "status": "Failure", "reason": "Expired", "code": 410,
-            "message": "too old resource version: 1 (7)"}});
         answer.send_response(
             http::Response::builder()
                 .status(200)
                 .header("content-type", "application/json")
-                .body(kube::client::Body::from(format!("{gone}\n").into_bytes()))
+                .body(kube::client::Body::from(
+                    format!("{}\n", json!({"type": "ERROR", "object": gone})).into_bytes(),
+                ))
                 .expect("response"),
         );
-        // Time is paused and moves only when every task waits for it: a backoff would show.
-        let expired_at = tokio::time::Instant::now();
+        let at = tokio::time::Instant::now();
         let (request, answer) = handle.next_request().await.expect("the relist");
-        assert!(
-            !request.uri().to_string().contains("watch=true"),
-            "{}",
-            request.uri()
-        );
-        assert_eq!(expired_at.elapsed(), Duration::ZERO, "relisted at once");
+        assert_eq!(relisted_after(at, request), Duration::ZERO, "at once");
         assert!(!watches.stale_now().is_empty(), "stale until relisted");
         respond(answer, 200, list.clone());
-        // The next failure is not an expiry: the backoff applies.
+        // Gone again at once (the watch refused 410): not twice in a row, the backoff applies.
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        respond(answer, 410, gone.clone());
+        let at = tokio::time::Instant::now();
+        let (request, answer) = handle.next_request().await.expect("the relist");
+        assert!(relisted_after(at, request) >= WATCH_BACKOFF / 2);
+        respond(answer, 200, list.clone());
+        // Gone once more, a longest backoff later: at once again.
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        tokio::time::advance(WATCH_BACKOFF_MAX).await;
+        respond(answer, 410, gone);
+        let at = tokio::time::Instant::now();
+        let (request, answer) = handle.next_request().await.expect("the relist");
+        assert_eq!(relisted_after(at, request), Duration::ZERO, "at once");
+        respond(answer, 200, list);
+        // A failure that is no expiry waits for the backoff.
         let (_, answer) = handle.next_request().await.expect("the watch");
         respond(
             answer,
@@ -1013,15 +1090,10 @@ mod tests {
             json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
             "message": "etcd is gone", "code": 500}),
         );
-        let failed_at = tokio::time::Instant::now();
+        let at = tokio::time::Instant::now();
         let (request, _answer) = handle.next_request().await.expect("the relist");
-        assert!(!request.uri().to_string().contains("watch=true"));
-        assert!(
-            failed_at.elapsed() >= WATCH_BACKOFF / 2,
-            "{:?}",
-            failed_at.elapsed()
-        );
-        assert_eq!(watches.restarts(), [("Node".to_owned(), 2)]);
+        assert!(relisted_after(at, request) >= WATCH_BACKOFF / 2);
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 4)]);
         task.abort();
     }
 

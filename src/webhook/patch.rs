@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 /// A JSON patch as its operations' JSON text, built one operation at a time.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct PodPatch {
     /// The operations, each a JSON object, comma-separated (without the enclosing brackets).
     text: Vec<u8>,
@@ -110,6 +110,16 @@ impl PodPatch {
     }
 }
 
+impl std::fmt::Debug for PodPatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{}]", String::from_utf8_lossy(&self.text))?;
+        match &self.failed {
+            Some(failed) => write!(f, " (a value could not be written: {failed})"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The JSON Pointer (RFC 6901) of `tokens`: each prefixed with `/`, `~` written `~0` and `/`
 /// written `~1`.
 fn pointer(tokens: &[&str]) -> String {
@@ -186,6 +196,12 @@ mod tests {
         assert_eq!(patch.len(), 1);
         assert!(!patch.is_empty());
         assert!(patch.to_bytes().is_err());
+        assert!(
+            format!("{patch:?}").starts_with(
+                r#"[{"op":"add","path":"/a","value":"kept"}] (a value could not be written"#
+            ),
+            "{patch:?}"
+        );
         assert_eq!(
             patch.to_value(),
             json!([{"op": "add", "path": "/a", "value": "kept"}])
