@@ -71,6 +71,8 @@ async fn main() -> anyhow::Result<()> {
         watcher::Event::InitDone,
     );
     anyhow::ensure!(caches.is_synced(), "the synthetic caches are synced");
+    // As `serve` does once synced.
+    persistent_pod_state::alloc::purge_batched();
 
     let state = Arc::new(WebhookState::over(caches));
     let listener = tokio::net::TcpListener::bind(&listen).await?;

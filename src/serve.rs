@@ -168,6 +168,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 () = shutdown.cancelled() => return Ended::Shutdown,
             }
             tracing::info!("caches synced; ready");
+            // The sync's garbage is returned; what serving frees is returned in batches.
+            crate::alloc::purge_batched();
             match lease {
                 Some(lease) => {
                     leader::run_when_leading(client, lease, &metrics, fence, shutdown, |stop| {
