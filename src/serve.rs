@@ -168,8 +168,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 () = shutdown.cancelled() => return Ended::Shutdown,
             }
             tracing::info!("caches synced; ready");
-            // The sync's garbage is returned; what serving frees is returned in batches.
-            crate::alloc::purge_batched();
+            // What the sync freed is returned at once, until it has settled; then what serving
+            // frees is returned in batches.
+            tokio::spawn(async {
+                tokio::time::sleep(crate::alloc::SYNC_SETTLES).await;
+                crate::alloc::purge_batched();
+            });
             match lease {
                 Some(lease) => {
                     leader::run_when_leading(client, lease, &metrics, fence, shutdown, |stop| {
