@@ -843,6 +843,14 @@ mod tests {
         let event = json!({"type": "BOOKMARK", "object": {"kind": "Node", "apiVersion": "v1",
             "metadata": {"resourceVersion": "7",
                 "annotations": {"k8s.io/initial-events-end": "true"}}}});
+        watch_event(respond, &event);
+    }
+
+    /// A watch answered with one `event`, its stream left open.
+    fn watch_event(
+        respond: tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
+        event: &serde_json::Value,
+    ) {
         respond.send_response(
             http::Response::builder()
                 .status(200)
@@ -1053,15 +1061,7 @@ mod tests {
         // The watch after the list: its resource version is gone (as after a CRD update), in
         // an ERROR event.
         let (_, answer) = handle.next_request().await.expect("the watch");
-        answer.send_response(
-            http::Response::builder()
-                .status(200)
-                .header("content-type", "application/json")
-                .body(kube::client::Body::from(
-                    format!("{}\n", json!({"type": "ERROR", "object": gone})).into_bytes(),
-                ))
-                .expect("response"),
-        );
+        watch_event(answer, &json!({"type": "ERROR", "object": gone}));
         let at = tokio::time::Instant::now();
         let (request, answer) = handle.next_request().await.expect("the relist");
         assert_eq!(relisted_after(at, request), Duration::ZERO, "at once");

@@ -89,24 +89,25 @@ impl PodPatch {
 
     /// The patch as JSON text; an error if one of its values could not be written.
     pub fn to_bytes(&self) -> Result<Vec<u8>, String> {
-        if let Some(failed) = &self.failed {
-            return Err(failed.clone());
+        match &self.failed {
+            Some(failed) => Err(failed.clone()),
+            None => Ok(self.written()),
         }
-        let mut bytes = Vec::with_capacity(self.text.len() + 2);
-        bytes.push(b'[');
-        bytes.extend_from_slice(&self.text);
-        bytes.push(b']');
-        Ok(bytes)
     }
 
     /// The patch as a JSON value (for `explain` and Event notes): the operations written so
     /// far, whether or not one failed.
     pub fn to_value(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.written()).unwrap_or_default()
+    }
+
+    /// The operations written, as a JSON array.
+    fn written(&self) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(self.text.len() + 2);
         bytes.push(b'[');
         bytes.extend_from_slice(&self.text);
         bytes.push(b']');
-        serde_json::from_slice(&bytes).unwrap_or_default()
+        bytes
     }
 }
 
