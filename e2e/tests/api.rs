@@ -189,3 +189,94 @@ async fn invalid_pps_are_rejected_with_field_paths() {
     );
     delete_namespace(c, &ns).await;
 }
+
+/// The pod cache reads pods as protobuf (src/state/proto.rs, its messages numbered by hand):
+/// every pod of a StatefulSet, listed streamed and in pages and then watched, is kept exactly
+/// as the same pod read as JSON from the same API server.
+#[tokio::test]
+async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::runtime::watcher;
+    use persistent_pod_state::state::Source;
+    use persistent_pod_state::state::proto::PodSource;
+    use persistent_pod_state::state::trim::CachedPod;
+    use std::collections::BTreeMap;
+
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-protobuf").await;
+    create_sts(c, &ns, &statefulset("web", 2, &[])).await;
+    wait_sts_rolled(c, &ns, "web", 2).await;
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    pods.patch(
+        "web-0",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {"example.com/kept": "yes"}}})),
+    )
+    .await
+    .expect("annotate web-0");
+    let as_json = |list: Vec<Pod>| -> BTreeMap<String, CachedPod> {
+        list.into_iter()
+            .map(|p| {
+                (
+                    p.metadata.name.clone().unwrap_or_default(),
+                    CachedPod::from(p),
+                )
+            })
+            .collect()
+    };
+    let source = PodSource::new(c.clone());
+    for (round, config) in [
+        watcher::Config::default().streaming_lists(),
+        watcher::Config::default().page_size(1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let json_pods = as_json(pods.list(&Default::default()).await.expect("list").items);
+        assert_eq!(json_pods.len(), 2, "{json_pods:?}");
+        let mut events = source.events(config);
+        let mut listed = BTreeMap::new();
+        loop {
+            let event = tokio::time::timeout(TIMEOUT, events.next())
+                .await
+                .expect("the protobuf list in time")
+                .expect("the list to go on")
+                .expect("no error");
+            match event {
+                watcher::Event::InitApply(w) if *w.pod.namespace == *ns => {
+                    listed.insert(w.pod.name.to_string(), w.pod);
+                }
+                watcher::Event::InitDone => break,
+                _ => {}
+            }
+        }
+        assert_eq!(listed, json_pods);
+        assert!(!source.as_json(), "the API server answered protobuf");
+        // A change is watched as JSON sees it.
+        pods.patch(
+            "web-1",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"example.com/round": round.to_string()}}}),
+            ),
+        )
+        .await
+        .expect("annotate web-1");
+        let expected = CachedPod::from(pods.get("web-1").await.expect("web-1"));
+        loop {
+            let event = tokio::time::timeout(TIMEOUT, events.next())
+                .await
+                .expect("the change watched in time")
+                .expect("the watch to go on")
+                .expect("no error");
+            if let watcher::Event::Apply(w) = event
+                && w.pod == expected
+            {
+                break;
+            }
+        }
+    }
+    delete_namespace(c, &ns).await;
+}

@@ -10,6 +10,7 @@
 
 pub mod index;
 pub mod pods;
+pub mod proto;
 pub mod triggers;
 pub mod trim;
 
@@ -32,7 +33,7 @@ use index::{ByWorkload, NodesByLabel, Shared};
 use pods::PodTable;
 use triggers::NodeTrigger;
 pub use triggers::{NodeHealthChange, Triggers};
-use trim::{CachedPod, Read, WatchedPod};
+use trim::{CachedPod, Read};
 
 use crate::api::PersistentPodState;
 use crate::placement::{Nodes, health_fields};
@@ -187,7 +188,7 @@ impl Caches {
         let c = caches.clone();
         spawn_watch(
             "Pod",
-            Api::<WatchedPod>::all(client.clone()),
+            proto::PodSource::new(client.clone()),
             move |ev| c.apply_cached_pod(trim::map_event(ev, |w| Arc::new(w.pod))),
             watches.clone(),
         );
@@ -622,16 +623,12 @@ const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// at once when it expired after listing (410 Gone; once per [`WATCH_BACKOFF_MAX`]); it is
 /// current again once relisted. A connection that stays silent past the server's watch
 /// timeout (290 s) and a margin is ended by the watcher itself, and so restarted.
-fn spawn_watch<K>(
+fn spawn_watch<K: Send + 'static>(
     kind: &str,
-    api: Api<K>,
+    source: impl Source<K>,
     apply: impl Fn(watcher::Event<K>) + Send + Sync + 'static,
     watches: Arc<Watches>,
-) -> tokio::task::JoinHandle<()>
-where
-    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
+) -> tokio::task::JoinHandle<()> {
     let kind = kind.to_owned();
     let apply = Arc::new(apply);
     tokio::spawn(async move {
@@ -644,7 +641,7 @@ where
             // with this one.
             let run = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(run_watch(
                 kind.clone(),
-                api.clone(),
+                source.clone(),
                 apply.clone(),
                 watches.clone(),
                 listed.clone(),
@@ -703,6 +700,29 @@ impl Stopped {
     }
 }
 
+/// Where a watch's events come from: kube-runtime's watcher of an [`Api`], or the pods' own
+/// protobuf watch ([`proto::PodSource`]).
+pub trait Source<K>: Clone + Send + Sync + 'static {
+    /// The events of one list and watch under `config`; the stream ends after an error.
+    fn events(
+        &self,
+        config: watcher::Config,
+    ) -> futures::stream::BoxStream<'static, watcher::Result<watcher::Event<K>>>;
+}
+
+impl<K> Source<K> for Api<K>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    fn events(
+        &self,
+        config: watcher::Config,
+    ) -> futures::stream::BoxStream<'static, watcher::Result<watcher::Event<K>>> {
+        futures::StreamExt::boxed(watcher(self.clone(), config))
+    }
+}
+
 /// Whether `error` says the watch's resource version is gone (HTTP 410).
 fn expired(error: &watcher::Error) -> bool {
     match error {
@@ -723,15 +743,11 @@ fn expired(error: &watcher::Error) -> bool {
 /// resourceVersion 0), which after a failure could be older than what the cache already holds.
 async fn run_watch<K>(
     kind: String,
-    api: Api<K>,
+    source: impl Source<K>,
     apply: Arc<impl Fn(watcher::Event<K>) + Send + Sync + 'static>,
     watches: Arc<Watches>,
     listed: Arc<AtomicBool>,
-) -> Stopped
-where
-    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
+) -> Stopped {
     loop {
         let streaming =
             !listed.load(Ordering::Relaxed) && !watches.paginate.load(Ordering::Relaxed);
@@ -740,8 +756,7 @@ where
         } else {
             watcher::Config::default().page_size(PAGE_SIZE)
         };
-        let events = watcher(api.clone(), config);
-        futures::pin_mut!(events);
+        let mut events = source.events(config);
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
         loop {

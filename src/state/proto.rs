@@ -1,0 +1,983 @@
+//! Pods listed and watched as Protocol Buffers.
+//!
+//! The API server encodes built-in objects as protobuf several times cheaper than as JSON, and
+//! the first list of every pod in the cluster is most of what a replica's start costs it. The
+//! messages here hold only the fields [`CachedPod`](super::trim::CachedPod) keeps, numbered as in
+//! `k8s.io/api/core/v1/generated.proto` and `k8s.io/apimachinery/pkg/apis/meta/v1/generated.proto`;
+//! every other field is skipped by its length while decoding, never read.
+//!
+//! The list and watch follow kube-runtime's watcher (the same [`watcher::Event`]s, the same
+//! requests built by kube): a streaming list or pages, then a watch from the listed
+//! resourceVersion, resumed from the last one seen when it ends. Any error ends the stream; the
+//! supervisor starts it again. Where an answer is not protobuf (a proxy that only speaks JSON),
+//! the pods are watched as JSON from then on.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use http_body_util::BodyExt;
+use k8s_openapi::api::core::v1::{Pod, PodCondition, PodIP, PodSpec, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1 as meta;
+use kube::api::{ListParams, WatchParams};
+use kube::core::Status;
+use kube::runtime::watcher::{self, InitialListStrategy};
+use kube::{Api, Client};
+use prost::Message;
+use prost::bytes::{Bytes, BytesMut};
+use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
+
+use super::trim::WatchedPod;
+
+/// What is asked for: protobuf (and JSON only where protobuf cannot be had).
+const ACCEPT: &str = "application/vnd.kubernetes.protobuf, application/json;q=0.5";
+/// What is asked for a watch: length-prefixed protobuf events.
+const ACCEPT_WATCH: &str =
+    "application/vnd.kubernetes.protobuf;stream=watch, application/json;q=0.5";
+/// The media type of protobuf answers (a watch's carries `;stream=watch`).
+const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+/// What starts every enveloped protobuf object.
+const MAGIC: &[u8] = b"k8s\0";
+/// The largest watch event read (etcd keeps objects up to 1.5 MiB by default).
+const MAX_EVENT: usize = 16 << 20;
+/// Added to the watch's timeout before a silent connection is taken as dead (as kube-runtime).
+const IDLE_MARGIN: Duration = Duration::from_secs(5);
+
+/// `runtime.Unknown`: the envelope of an encoded object.
+#[derive(Clone, PartialEq, Message)]
+struct Unknown {
+    #[prost(bytes = "bytes", tag = "2")]
+    raw: Bytes,
+}
+
+/// `meta.v1.ListMeta`.
+#[derive(Clone, PartialEq, Message)]
+struct ListMeta {
+    #[prost(string, optional, tag = "2")]
+    resource_version: Option<String>,
+    #[prost(string, optional, tag = "3")]
+    continue_token: Option<String>,
+}
+
+/// `core.v1.PodList`.
+#[derive(Clone, PartialEq, Message)]
+struct PodList {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<ListMeta>,
+    #[prost(message, repeated, tag = "2")]
+    items: Vec<ProtoPod>,
+}
+
+/// `core.v1.Pod`.
+#[derive(Clone, PartialEq, Message)]
+struct ProtoPod {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<ObjectMeta>,
+    #[prost(message, optional, tag = "2")]
+    spec: Option<ProtoPodSpec>,
+    #[prost(message, optional, tag = "3")]
+    status: Option<ProtoPodStatus>,
+}
+
+/// `meta.v1.ObjectMeta`.
+#[derive(Clone, PartialEq, Message)]
+struct ObjectMeta {
+    #[prost(string, optional, tag = "1")]
+    name: Option<String>,
+    #[prost(string, optional, tag = "3")]
+    namespace: Option<String>,
+    #[prost(string, optional, tag = "5")]
+    uid: Option<String>,
+    #[prost(string, optional, tag = "6")]
+    resource_version: Option<String>,
+    #[prost(message, optional, tag = "9")]
+    deletion_timestamp: Option<Time>,
+    #[prost(btree_map = "string, string", tag = "12")]
+    annotations: BTreeMap<String, String>,
+    #[prost(message, repeated, tag = "13")]
+    owner_references: Vec<OwnerReference>,
+}
+
+/// `meta.v1.Time`.
+#[derive(Clone, PartialEq, Message)]
+struct Time {
+    #[prost(int64, optional, tag = "1")]
+    seconds: Option<i64>,
+    #[prost(int32, optional, tag = "2")]
+    nanos: Option<i32>,
+}
+
+/// `meta.v1.OwnerReference`.
+#[derive(Clone, PartialEq, Message)]
+struct OwnerReference {
+    #[prost(string, optional, tag = "1")]
+    kind: Option<String>,
+    #[prost(string, optional, tag = "3")]
+    name: Option<String>,
+    #[prost(string, optional, tag = "4")]
+    uid: Option<String>,
+    #[prost(string, optional, tag = "5")]
+    api_version: Option<String>,
+    #[prost(bool, optional, tag = "6")]
+    controller: Option<bool>,
+}
+
+/// `core.v1.PodSpec`.
+#[derive(Clone, PartialEq, Message)]
+struct ProtoPodSpec {
+    #[prost(string, optional, tag = "10")]
+    node_name: Option<String>,
+}
+
+/// `core.v1.PodStatus`.
+#[derive(Clone, PartialEq, Message)]
+struct ProtoPodStatus {
+    #[prost(string, optional, tag = "1")]
+    phase: Option<String>,
+    #[prost(message, repeated, tag = "2")]
+    conditions: Vec<ProtoPodCondition>,
+    #[prost(string, optional, tag = "6")]
+    pod_ip: Option<String>,
+    #[prost(message, repeated, tag = "12")]
+    pod_ips: Vec<ProtoPodIp>,
+}
+
+/// `core.v1.PodCondition`.
+#[derive(Clone, PartialEq, Message)]
+struct ProtoPodCondition {
+    #[prost(string, optional, tag = "1")]
+    type_: Option<String>,
+    #[prost(string, optional, tag = "2")]
+    status: Option<String>,
+}
+
+/// `core.v1.PodIP`.
+#[derive(Clone, PartialEq, Message)]
+struct ProtoPodIp {
+    #[prost(string, optional, tag = "1")]
+    ip: Option<String>,
+}
+
+/// `meta.v1.WatchEvent`.
+#[derive(Clone, PartialEq, Message)]
+struct WatchEvent {
+    #[prost(string, optional, tag = "1")]
+    type_: Option<String>,
+    #[prost(message, optional, tag = "2")]
+    object: Option<RawExtension>,
+}
+
+/// `runtime.RawExtension`.
+#[derive(Clone, PartialEq, Message)]
+struct RawExtension {
+    #[prost(bytes = "bytes", tag = "1")]
+    raw: Bytes,
+}
+
+/// `meta.v1.Status`.
+#[derive(Clone, PartialEq, Message)]
+struct ProtoStatus {
+    #[prost(string, optional, tag = "2")]
+    status: Option<String>,
+    #[prost(string, optional, tag = "3")]
+    message: Option<String>,
+    #[prost(string, optional, tag = "4")]
+    reason: Option<String>,
+    #[prost(int32, optional, tag = "6")]
+    code: Option<i32>,
+}
+
+impl From<ProtoPod> for Pod {
+    /// The pod with only the fields read, as the JSON watch decodes it: both go through the
+    /// same conversion into what is kept.
+    fn from(p: ProtoPod) -> Self {
+        let m = p.metadata.unwrap_or_default();
+        let non_empty = |map: BTreeMap<String, String>| (!map.is_empty()).then_some(map);
+        Pod {
+            metadata: meta::ObjectMeta {
+                name: m.name,
+                namespace: m.namespace,
+                uid: m.uid,
+                resource_version: m.resource_version,
+                deletion_timestamp: m.deletion_timestamp.map(|t| {
+                    meta::Time(
+                        k8s_openapi::jiff::Timestamp::new(
+                            t.seconds.unwrap_or_default(),
+                            t.nanos.unwrap_or_default(),
+                        )
+                        .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+                    )
+                }),
+                annotations: non_empty(m.annotations),
+                owner_references: (!m.owner_references.is_empty()).then(|| {
+                    m.owner_references
+                        .into_iter()
+                        .map(|o| meta::OwnerReference {
+                            api_version: o.api_version.unwrap_or_default(),
+                            kind: o.kind.unwrap_or_default(),
+                            name: o.name.unwrap_or_default(),
+                            uid: o.uid.unwrap_or_default(),
+                            controller: o.controller,
+                            block_owner_deletion: None,
+                        })
+                        .collect()
+                }),
+                ..meta::ObjectMeta::default()
+            },
+            spec: p.spec.map(|s| PodSpec {
+                node_name: s.node_name,
+                ..PodSpec::default()
+            }),
+            status: p.status.map(|s| PodStatus {
+                phase: s.phase,
+                conditions: (!s.conditions.is_empty()).then(|| {
+                    s.conditions
+                        .into_iter()
+                        .map(|c| PodCondition {
+                            type_: c.type_.unwrap_or_default(),
+                            status: c.status.unwrap_or_default(),
+                            ..PodCondition::default()
+                        })
+                        .collect()
+                }),
+                pod_ip: s.pod_ip,
+                pod_ips: (!s.pod_ips.is_empty()).then(|| {
+                    s.pod_ips
+                        .into_iter()
+                        .map(|ip| PodIP {
+                            ip: ip.ip.unwrap_or_default(),
+                        })
+                        .collect()
+                }),
+                ..PodStatus::default()
+            }),
+        }
+    }
+}
+
+/// An answer that cannot be read.
+fn unreadable(what: impl std::fmt::Display) -> kube::Error {
+    kube::Error::ReadEvents(std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        what.to_string(),
+    ))
+}
+
+/// The object inside an enveloped encoding (`k8s\0` and a `runtime.Unknown`).
+fn unwrap_envelope(bytes: &[u8]) -> Result<Bytes, kube::Error> {
+    let inner = bytes
+        .strip_prefix(MAGIC)
+        .ok_or_else(|| unreadable("a protobuf object without its k8s envelope"))?;
+    Ok(Unknown::decode(inner)
+        .map_err(|e| unreadable(format!("the protobuf envelope: {e}")))?
+        .raw)
+}
+
+/// A pod from its enveloped encoding.
+fn decode_pod(bytes: &[u8]) -> Result<WatchedPod, kube::Error> {
+    let pod = ProtoPod::decode(unwrap_envelope(bytes)?)
+        .map_err(|e| unreadable(format!("a protobuf pod: {e}")))?;
+    Ok(WatchedPod::from(Pod::from(pod)))
+}
+
+/// A `Status` from an error answer or event: protobuf, or JSON, or else its text.
+fn decode_status(bytes: &[u8], code: u16) -> Status {
+    if let Ok(s) = unwrap_envelope(bytes).and_then(|raw| {
+        ProtoStatus::decode(raw).map_err(|e| unreadable(format!("a protobuf Status: {e}")))
+    }) {
+        let status = Status::failure(
+            s.message.as_deref().unwrap_or_default(),
+            s.reason.as_deref().unwrap_or_default(),
+        );
+        let code = s.code.and_then(|c| u16::try_from(c).ok()).unwrap_or(code);
+        return status.with_code(code);
+    }
+    serde_json::from_slice::<Status>(bytes).unwrap_or_else(|_| {
+        Status::failure(String::from_utf8_lossy(bytes).trim(), "").with_code(code)
+    })
+}
+
+/// Pods listed and watched as protobuf, or as JSON once an answer was not protobuf.
+#[derive(Clone)]
+pub struct PodSource {
+    client: Client,
+    /// Set once an answer came as JSON: kube-runtime's watcher is used from then on.
+    json: Arc<AtomicBool>,
+}
+
+impl PodSource {
+    /// Pods of the whole cluster, through `client`.
+    pub fn new(client: Client) -> Self {
+        Self {
+            client,
+            json: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Whether the pods are watched as JSON (an answer was not protobuf).
+    pub fn as_json(&self) -> bool {
+        self.json.load(Ordering::Relaxed)
+    }
+}
+
+impl super::Source<WatchedPod> for PodSource {
+    fn events(
+        &self,
+        config: watcher::Config,
+    ) -> BoxStream<'static, watcher::Result<watcher::Event<WatchedPod>>> {
+        if self.as_json() {
+            return watcher::watcher(Api::<WatchedPod>::all(self.client.clone()), config).boxed();
+        }
+        futures::stream::unfold(
+            (self.clone(), config, State::Empty),
+            |(source, config, state)| async move {
+                let (event, next) = source.step(&config, state).await;
+                event.map(|event| (event, (source, config, next)))
+            },
+        )
+        .flat_map(futures::stream::iter)
+        .boxed()
+    }
+}
+
+/// Length-prefixed watch events, as read from the answer's body.
+type Frames = BoxStream<'static, std::io::Result<BytesMut>>;
+
+/// Where the list and watch are.
+enum State {
+    /// Nothing listed yet.
+    Empty,
+    /// Listing in pages: the objects of the last page not yet handed on, the next page's token
+    /// and the list's resourceVersion.
+    Pages {
+        objects: VecDeque<WatchedPod>,
+        continue_token: Option<String>,
+        resource_version: Option<String>,
+    },
+    /// A streaming list, until its bookmark that ends the initial events.
+    Streaming(Frames),
+    /// Listed; the watch is (re)started from `resource_version`.
+    Listed(String),
+    /// Watching, from the last resourceVersion seen.
+    Watching(String, Frames),
+    /// After an error: the stream ends.
+    Done,
+}
+
+/// What one step hands on (nothing, one event, or one error), and whether the stream goes on.
+type Step = (
+    Option<Vec<watcher::Result<watcher::Event<WatchedPod>>>>,
+    State,
+);
+
+impl PodSource {
+    /// Sends `request` for a protobuf answer; its body, or the error it answered with.
+    async fn send(
+        &self,
+        request: Result<http::Request<Vec<u8>>, kube::core::request::Error>,
+        accept: &'static str,
+    ) -> Result<kube::client::Body, kube::Error> {
+        let (mut parts, body) = request.map_err(kube::Error::BuildRequest)?.into_parts();
+        parts
+            .headers
+            .insert(http::header::ACCEPT, http::HeaderValue::from_static(accept));
+        let response = self
+            .client
+            .send(http::Request::from_parts(parts, body.into()))
+            .await?;
+        let status = response.status();
+        if status.is_client_error() || status.is_server_error() {
+            let body = response.into_body().collect().await?.to_bytes();
+            return Err(kube::Error::Api(
+                decode_status(&body, status.as_u16()).boxed(),
+            ));
+        }
+        let protobuf = response
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with(PROTOBUF));
+        if !protobuf {
+            self.json.store(true, Ordering::Relaxed);
+            tracing::warn!(content_type = ?response.headers().get(http::header::CONTENT_TYPE), "the API server answered the pod watch without protobuf; pods are watched as JSON from now on");
+            return Err(unreadable(
+                "an answer that is not protobuf (pods are watched as JSON from now on)",
+            ));
+        }
+        Ok(response.into_body())
+    }
+
+    /// A watch from `resource_version`, as length-prefixed frames.
+    async fn watch(
+        &self,
+        config: &watcher::Config,
+        resource_version: &str,
+        initial_events: bool,
+    ) -> Result<Frames, kube::Error> {
+        let params = WatchParams {
+            label_selector: config.label_selector.clone(),
+            field_selector: config.field_selector.clone(),
+            timeout: config.timeout,
+            bookmarks: config.bookmarks,
+            send_initial_events: initial_events,
+        };
+        let request = request().watch(&params, resource_version);
+        let body = self.send(request, ACCEPT_WATCH).await?;
+        let reader = tokio_util::io::StreamReader::new(
+            http_body_util::BodyDataStream::new(body).map_err(std::io::Error::other),
+        );
+        let codec = LengthDelimitedCodec::builder()
+            .length_field_length(4)
+            .big_endian()
+            .max_frame_length(MAX_EVENT)
+            .new_codec();
+        Ok(FramedRead::new(reader, codec).boxed())
+    }
+
+    /// One page of the list.
+    async fn list(
+        &self,
+        config: &watcher::Config,
+        continue_token: Option<String>,
+    ) -> Result<PodList, kube::Error> {
+        let params = ListParams {
+            label_selector: config.label_selector.clone(),
+            field_selector: config.field_selector.clone(),
+            limit: config.page_size,
+            continue_token,
+            ..ListParams::default()
+        };
+        let body = self.send(request().list(&params), ACCEPT).await?;
+        let bytes = body.collect().await?.to_bytes();
+        PodList::decode(unwrap_envelope(&bytes)?)
+            .map_err(|e| unreadable(format!("a protobuf pod list: {e}")))
+    }
+
+    /// The next step from `state`.
+    async fn step(&self, config: &watcher::Config, state: State) -> Step {
+        use watcher::Event;
+        let one = |e| Some(vec![e]);
+        match state {
+            State::Empty => match config.initial_list_strategy {
+                InitialListStrategy::ListWatch => (
+                    one(Ok(Event::Init)),
+                    State::Pages {
+                        objects: VecDeque::new(),
+                        continue_token: None,
+                        resource_version: None,
+                    },
+                ),
+                InitialListStrategy::StreamingList => match self.watch(config, "0", true).await {
+                    Ok(frames) => (one(Ok(Event::Init)), State::Streaming(frames)),
+                    Err(e) => (one(Err(watcher::Error::WatchStartFailed(e))), State::Done),
+                },
+            },
+            State::Pages {
+                mut objects,
+                continue_token,
+                resource_version,
+            } => {
+                if !objects.is_empty() {
+                    let events = objects.drain(..).map(|o| Ok(Event::InitApply(o))).collect();
+                    return (
+                        Some(events),
+                        State::Pages {
+                            objects,
+                            continue_token,
+                            resource_version,
+                        },
+                    );
+                }
+                if let (None, Some(rv)) = (&continue_token, &resource_version) {
+                    return (one(Ok(Event::InitDone)), State::Listed(rv.clone()));
+                }
+                match self.list(config, continue_token).await {
+                    Ok(list) => {
+                        let meta = list.metadata.unwrap_or_default();
+                        let resource_version = meta.resource_version.filter(|s| !s.is_empty());
+                        let continue_token = meta.continue_token.filter(|s| !s.is_empty());
+                        if resource_version.is_none() && continue_token.is_none() {
+                            return (one(Err(watcher::Error::NoResourceVersion)), State::Done);
+                        }
+                        let objects = list
+                            .items
+                            .into_iter()
+                            .map(|p| WatchedPod::from(Pod::from(p)))
+                            .collect();
+                        (
+                            Some(Vec::new()),
+                            State::Pages {
+                                objects,
+                                continue_token,
+                                resource_version,
+                            },
+                        )
+                    }
+                    Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
+                }
+            }
+            State::Streaming(mut frames) => match self.next_event(config, &mut frames).await {
+                Ok(Some(Read::Object(_, object))) => {
+                    (one(Ok(Event::InitApply(object))), State::Streaming(frames))
+                }
+                // Never sent in a streaming list's initial events (as kube-runtime, ignored).
+                Ok(Some(Read::Deleted(..))) => (Some(Vec::new()), State::Streaming(frames)),
+                Ok(Some(Read::Bookmark { rv, initial_end })) => {
+                    if initial_end {
+                        (one(Ok(Event::InitDone)), State::Watching(rv, frames))
+                    } else {
+                        (Some(Vec::new()), State::Streaming(frames))
+                    }
+                }
+                Ok(None) => (Some(Vec::new()), State::Empty),
+                Err(e) => (one(Err(e)), State::Done),
+            },
+            State::Listed(rv) => match self.watch(config, &rv, false).await {
+                Ok(frames) => (Some(Vec::new()), State::Watching(rv, frames)),
+                Err(e) => (one(Err(watcher::Error::WatchStartFailed(e))), State::Done),
+            },
+            State::Watching(rv, mut frames) => match self.next_event(config, &mut frames).await {
+                Ok(Some(Read::Object(rv, object))) => {
+                    (one(Ok(Event::Apply(object))), State::Watching(rv, frames))
+                }
+                Ok(Some(Read::Deleted(rv, object))) => {
+                    (one(Ok(Event::Delete(object))), State::Watching(rv, frames))
+                }
+                Ok(Some(Read::Bookmark { rv, .. })) => {
+                    (Some(Vec::new()), State::Watching(rv, frames))
+                }
+                Ok(None) => (Some(Vec::new()), State::Listed(rv)),
+                Err(e) => (one(Err(e)), State::Done),
+            },
+            State::Done => (None, State::Done),
+        }
+    }
+
+    /// The next event of a watch; `None` when it ended (or stayed silent past its timeout).
+    async fn next_event(
+        &self,
+        config: &watcher::Config,
+        frames: &mut Frames,
+    ) -> watcher::Result<Option<Read>> {
+        let idle = Duration::from_secs(u64::from(config.timeout.unwrap_or(290))) + IDLE_MARGIN;
+        let frame = match tokio::time::timeout(idle, frames.next()).await {
+            Ok(Some(frame)) => frame.map_err(|e| watcher::Error::WatchFailed(unreadable(e)))?,
+            Ok(None) => return Ok(None),
+            Err(_) => {
+                tracing::debug!("the pod watch stayed silent past its timeout; resuming it");
+                return Ok(None);
+            }
+        };
+        read_event(&frame)
+    }
+}
+
+/// One watch event, read.
+#[derive(Debug)]
+enum Read {
+    /// Added or modified, with its resourceVersion.
+    Object(String, WatchedPod),
+    /// Deleted, with its resourceVersion.
+    Deleted(String, WatchedPod),
+    /// A bookmark: the resourceVersion reached, and whether it ends a streaming list's
+    /// initial events.
+    Bookmark { rv: String, initial_end: bool },
+}
+
+/// A watch event from its frame.
+fn read_event(frame: &[u8]) -> watcher::Result<Option<Read>> {
+    let failed = |e| watcher::Error::WatchFailed(e);
+    let event = WatchEvent::decode(frame)
+        .map_err(|e| failed(unreadable(format!("a protobuf watch event: {e}"))))?;
+    let raw = event.object.map(|o| o.raw).unwrap_or_default();
+    let object = || decode_pod(&raw).map_err(failed);
+    let resource_version = |pod: &WatchedPod| {
+        pod.pod
+            .resource_version()
+            .filter(|rv| !rv.is_empty())
+            .ok_or(watcher::Error::NoResourceVersion)
+    };
+    match event.type_.as_deref().unwrap_or_default() {
+        "ADDED" | "MODIFIED" => {
+            let pod = object()?;
+            Ok(Some(Read::Object(resource_version(&pod)?, pod)))
+        }
+        "DELETED" => {
+            let pod = object()?;
+            Ok(Some(Read::Deleted(resource_version(&pod)?, pod)))
+        }
+        "BOOKMARK" => {
+            let pod = object()?;
+            let initial_end = pod
+                .pod
+                .annotations
+                .get("k8s.io/initial-events-end")
+                .is_some();
+            Ok(Some(Read::Bookmark {
+                rv: resource_version(&pod)?,
+                initial_end,
+            }))
+        }
+        "ERROR" => Err(watcher::Error::WatchError(decode_status(&raw, 500).boxed())),
+        other => Err(failed(unreadable(format!(
+            "a watch event of unknown type {other:?}"
+        )))),
+    }
+}
+
+/// The request builder for pods of every namespace.
+fn request() -> kube::core::Request {
+    kube::core::Request::new(<Pod as kube::Resource>::url_path(&(), None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Source;
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    fn source() -> (PodSource, Handle) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (PodSource::new(Client::new(service, "default")), handle)
+    }
+
+    /// `message` in its k8s envelope.
+    fn envelope(message: &impl Message) -> Vec<u8> {
+        let raw = Bytes::from(message.encode_to_vec());
+        [MAGIC, &Unknown { raw }.encode_to_vec()].concat()
+    }
+
+    fn pod(name: &str, rv: &str) -> ProtoPod {
+        ProtoPod {
+            metadata: Some(ObjectMeta {
+                name: Some(name.to_owned()),
+                namespace: Some("ns".to_owned()),
+                uid: Some(format!("uid-{name}")),
+                resource_version: Some(rv.to_owned()),
+                deletion_timestamp: None,
+                annotations: BTreeMap::new(),
+                owner_references: Vec::new(),
+            }),
+            spec: None,
+            status: None,
+        }
+    }
+
+    /// A length-prefixed watch event of `type_` carrying `object` (enveloped).
+    fn frame(type_: &str, object: &impl Message) -> Vec<u8> {
+        let event = WatchEvent {
+            type_: Some(type_.to_owned()),
+            object: Some(RawExtension {
+                raw: envelope(object).into(),
+            }),
+        }
+        .encode_to_vec();
+        let length = u32::try_from(event.len()).expect("a small event");
+        [&length.to_be_bytes()[..], &event].concat()
+    }
+
+    fn bookmark(rv: &str, initial_end: bool) -> ProtoPod {
+        let mut pod = pod("", rv);
+        if let Some(m) = pod.metadata.as_mut() {
+            m.name = None;
+            if initial_end {
+                m.annotations
+                    .insert("k8s.io/initial-events-end".into(), "true".into());
+            }
+        }
+        pod
+    }
+
+    fn answer(content_type: &str, body: Vec<u8>) -> Response<Body> {
+        Response::builder()
+            .header(http::header::CONTENT_TYPE, content_type)
+            .body(Body::from(body))
+            .expect("a response")
+    }
+
+    fn query(request: &Request<Body>) -> String {
+        request.uri().query().unwrap_or_default().to_owned()
+    }
+
+    fn accept(request: &Request<Body>) -> String {
+        request
+            .headers()
+            .get(http::header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// What the stream hands on, as short text: `apply a@1`, `init`, `error 410`, ...
+    fn describe(event: &watcher::Result<watcher::Event<WatchedPod>>) -> String {
+        let pod = |w: &WatchedPod| {
+            format!(
+                "{}@{}",
+                w.pod.name,
+                w.pod.resource_version().unwrap_or_default()
+            )
+        };
+        match event {
+            Ok(watcher::Event::Init) => "init".into(),
+            Ok(watcher::Event::InitApply(w)) => format!("init-apply {}", pod(w)),
+            Ok(watcher::Event::InitDone) => "init-done".into(),
+            Ok(watcher::Event::Apply(w)) => format!("apply {}", pod(w)),
+            Ok(watcher::Event::Delete(w)) => format!("delete {}", pod(w)),
+            Err(watcher::Error::WatchError(s)) => format!("watch-error {}", s.code),
+            Err(watcher::Error::WatchStartFailed(kube::Error::Api(s))) => {
+                format!("start-failed {} {}", s.code, s.reason)
+            }
+            Err(e) => format!("error {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_streaming_list_and_its_watch_hand_on_what_kube_runtimes_watcher_would() {
+        let (source, mut handle) = source();
+        let events = source.events(watcher::Config::default().streaming_lists());
+        let server = tokio::spawn(async move {
+            let (request, respond) = handle.next_request().await.expect("the streaming list");
+            let q = query(&request);
+            assert!(q.contains("sendInitialEvents=true"), "{q}");
+            assert!(q.contains("resourceVersion=0"), "{q}");
+            assert!(
+                accept(&request).starts_with("application/vnd.kubernetes.protobuf;stream=watch")
+            );
+            let body = [
+                frame("ADDED", &pod("a", "5")),
+                frame("BOOKMARK", &bookmark("6", false)),
+                frame("ADDED", &pod("b", "7")),
+                frame("BOOKMARK", &bookmark("8", true)),
+                frame("MODIFIED", &pod("a", "9")),
+                frame("DELETED", &pod("b", "10")),
+                frame("BOOKMARK", &bookmark("11", false)),
+            ]
+            .concat();
+            respond.send_response(answer(
+                "application/vnd.kubernetes.protobuf;stream=watch",
+                body,
+            ));
+            // The watch ended: resumed from the last resourceVersion seen, without initial events.
+            let (request, respond) = handle.next_request().await.expect("the resumed watch");
+            let q = query(&request);
+            assert!(q.contains("resourceVersion=11"), "{q}");
+            assert!(!q.contains("sendInitialEvents=true"), "{q}");
+            let gone = ProtoStatus {
+                status: Some("Failure".into()),
+                message: Some("too old resource version".into()),
+                reason: Some("Expired".into()),
+                code: Some(410),
+            };
+            respond.send_response(answer(
+                "application/vnd.kubernetes.protobuf;stream=watch",
+                frame("ERROR", &gone),
+            ));
+        });
+        let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
+        server.await.expect("the mock API server");
+        assert_eq!(
+            seen,
+            [
+                "init",
+                "init-apply a@5",
+                "init-apply b@7",
+                "init-done",
+                "apply a@9",
+                "delete b@10",
+                "watch-error 410",
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn pages_are_listed_then_watched_from_the_lists_resource_version() {
+        let (source, mut handle) = source();
+        let events = source.events(watcher::Config::default().page_size(1));
+        let server = tokio::spawn(async move {
+            let (request, respond) = handle.next_request().await.expect("page 1");
+            assert!(query(&request).contains("limit=1"));
+            assert!(accept(&request).starts_with("application/vnd.kubernetes.protobuf,"));
+            let page = |items, rv: Option<&str>, token: Option<&str>| PodList {
+                metadata: Some(ListMeta {
+                    resource_version: rv.map(str::to_owned),
+                    continue_token: token.map(str::to_owned),
+                }),
+                items,
+            };
+            respond.send_response(answer(
+                PROTOBUF,
+                envelope(&page(vec![pod("a", "3")], Some("20"), Some("next"))),
+            ));
+            let (request, respond) = handle.next_request().await.expect("page 2");
+            assert!(query(&request).contains("continue=next"));
+            respond.send_response(answer(
+                PROTOBUF,
+                envelope(&page(vec![pod("b", "4")], Some("21"), None)),
+            ));
+            let (request, respond) = handle.next_request().await.expect("the watch");
+            let q = query(&request);
+            assert!(
+                q.contains("watch=true") && q.contains("resourceVersion=21"),
+                "{q}"
+            );
+            let forbidden = ProtoStatus {
+                status: Some("Failure".into()),
+                message: Some("pods is forbidden".into()),
+                reason: Some("Forbidden".into()),
+                code: Some(403),
+            };
+            respond.send_response(
+                Response::builder()
+                    .status(403)
+                    .header(http::header::CONTENT_TYPE, PROTOBUF)
+                    .body(Body::from(envelope(&forbidden)))
+                    .expect("a response"),
+            );
+        });
+        let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
+        server.await.expect("the mock API server");
+        assert_eq!(
+            seen,
+            [
+                "init",
+                "init-apply a@3",
+                "init-apply b@4",
+                "init-done",
+                "start-failed 403 Forbidden",
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_answer_in_json_switches_the_pods_to_the_json_watch() {
+        let (source, mut handle) = source();
+        let events = source.events(watcher::Config::default().page_size(10));
+        let server = tokio::spawn(async move {
+            let (_, respond) = handle.next_request().await.expect("the list");
+            respond.send_response(answer(
+                "application/json",
+                br#"{"kind":"PodList","apiVersion":"v1","metadata":{"resourceVersion":"1"},"items":[]}"#.to_vec(),
+            ));
+            handle
+        });
+        let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
+        let mut handle = server.await.expect("the mock API server");
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert!(seen[1].contains("not protobuf"), "{seen:?}");
+        assert!(source.as_json());
+        // The next list is kube-runtime's, in JSON.
+        let events = source.events(watcher::Config::default().page_size(10));
+        let listed = tokio::spawn(events.take(2).map(|e| describe(&e)).collect::<Vec<_>>());
+        let (request, respond) = handle.next_request().await.expect("the JSON list");
+        assert!(
+            !accept(&request).contains("protobuf"),
+            "{}",
+            accept(&request)
+        );
+        respond.send_response(answer(
+            "application/json",
+            br#"{"kind":"PodList","apiVersion":"v1","metadata":{"resourceVersion":"1"},"items":[]}"#.to_vec(),
+        ));
+        assert_eq!(listed.await.expect("joined"), ["init", "init-done"]);
+    }
+
+    #[test]
+    fn a_pod_keeps_what_the_json_watch_keeps() {
+        let mut p = pod("web-0", "7");
+        if let Some(m) = p.metadata.as_mut() {
+            m.deletion_timestamp = Some(Time {
+                seconds: Some(1_700_000_000),
+                nanos: None,
+            });
+            m.annotations.insert("k".into(), "v".into());
+            m.owner_references = vec![
+                OwnerReference {
+                    kind: Some("ReplicaSet".into()),
+                    name: Some("other".into()),
+                    uid: Some("u1".into()),
+                    api_version: Some("apps/v1".into()),
+                    controller: Some(false),
+                },
+                OwnerReference {
+                    kind: Some("StatefulSet".into()),
+                    name: Some("web".into()),
+                    uid: Some("u2".into()),
+                    api_version: Some("apps/v1".into()),
+                    controller: Some(true),
+                },
+            ];
+        }
+        p.spec = Some(ProtoPodSpec {
+            node_name: Some("n1".into()),
+        });
+        p.status = Some(ProtoPodStatus {
+            phase: Some("Running".into()),
+            conditions: vec![ProtoPodCondition {
+                type_: Some("Ready".into()),
+                status: Some("True".into()),
+            }],
+            pod_ip: Some("10.0.0.1".into()),
+            pod_ips: vec![
+                ProtoPodIp {
+                    ip: Some("10.0.0.1".into()),
+                },
+                ProtoPodIp {
+                    ip: Some("fd00::1".into()),
+                },
+            ],
+        });
+        let decoded = decode_pod(&envelope(&p)).expect("decoded").pod;
+        let json: WatchedPod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "web-0", "namespace": "ns", "uid": "uid-web-0", "resourceVersion": "7",
+                "deletionTimestamp": "2023-11-14T22:13:20Z",
+                "annotations": {"k": "v"},
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "other", "uid": "u1", "controller": false},
+                    {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "u2", "controller": true}
+                ]
+            },
+            "spec": {"nodeName": "n1", "containers": []},
+            "status": {
+                "phase": "Running",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "podIP": "10.0.0.1",
+                "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]
+            }
+        }))
+        .expect("a JSON pod");
+        assert_eq!(decoded, json.pod);
+        assert!(decoded.deleting && decoded.ready);
+        assert_eq!(&*decoded.ips, [Box::from("10.0.0.1"), Box::from("fd00::1")]);
+        assert_eq!(decoded.controller.as_ref().map(|o| &*o.name), Some("web"));
+    }
+
+    #[test]
+    fn unreadable_frames_and_envelopes_are_errors_not_panics() {
+        assert!(decode_pod(b"").is_err());
+        assert!(decode_pod(b"k8s\0\xff\xff").is_err());
+        assert!(read_event(b"\x0a\x05ADDED\x12\x03\x0a\x01x").is_err());
+        let unknown = WatchEvent {
+            type_: Some("SURPRISE".into()),
+            object: None,
+        };
+        assert!(read_event(&unknown.encode_to_vec()).is_err());
+        // A Status that is not protobuf is read as JSON, or else kept as text.
+        let status = decode_status(
+            br#"{"code": 429, "message": "slow down", "reason": "TooManyRequests"}"#,
+            500,
+        );
+        assert_eq!(
+            (status.code, status.reason.as_str()),
+            (429, "TooManyRequests")
+        );
+        let status = decode_status(b"bad gateway\n", 502);
+        assert_eq!((status.code, status.message.as_str()), (502, "bad gateway"));
+    }
+}
