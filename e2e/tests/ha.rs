@@ -247,10 +247,7 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_two_seconds() {
     let stopped = Instant::now();
     // The old leader has gone (so the write below can only be the new leader's).
     wait_for("the old leader to exit", TIMEOUT, || async {
-        (!std::path::Path::new(&format!("/proc/{pid}")).exists()
-            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .is_ok_and(|s| s.contains(") Z ")))
-        .then_some(())
+        exited(&pid).then_some(())
     })
     .await;
     let exited = stopped.elapsed();

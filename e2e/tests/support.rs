@@ -1014,6 +1014,12 @@ pub async fn restart_component(env: &Env, name: &str, kill: bool, down: Duration
     assert!(status.success(), "restart.sh {args:?}");
 }
 
+/// Whether the process `pid` has exited (gone, or a zombie not yet reaped).
+pub fn exited(pid: &str) -> bool {
+    !Path::new(&format!("/proc/{pid}")).exists()
+        || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+}
+
 pub fn pid_of(env: &Env, name: &str) -> String {
     std::fs::read_to_string(env.cluster_dir.join(format!("{name}.pid")))
         .expect("pid")
