@@ -227,6 +227,17 @@ async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
             .collect()
     };
     let source = PodSource::new(c.clone());
+    /// The next event, within [`TIMEOUT`]; none missing, no error.
+    async fn next<T>(
+        events: &mut (impl futures::Stream<Item = watcher::Result<T>> + Unpin),
+        what: &str,
+    ) -> T {
+        tokio::time::timeout(TIMEOUT, events.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what} in time"))
+            .unwrap_or_else(|| panic!("{what}: the stream ended"))
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    }
     for (round, config) in [
         watcher::Config::default().streaming_lists(),
         watcher::Config::default().page_size(1),
@@ -239,12 +250,7 @@ async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
         let mut events = source.events(config);
         let mut listed = BTreeMap::new();
         loop {
-            let event = tokio::time::timeout(TIMEOUT, events.next())
-                .await
-                .expect("the protobuf list in time")
-                .expect("the list to go on")
-                .expect("no error");
-            match event {
+            match next(&mut events, "the protobuf list").await {
                 watcher::Event::InitApply(w) if *w.pod.namespace == *ns => {
                     listed.insert(w.pod.name.to_string(), w.pod);
                 }
@@ -266,12 +272,7 @@ async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
         .expect("annotate web-1");
         let expected = CachedPod::from(pods.get("web-1").await.expect("web-1"));
         loop {
-            let event = tokio::time::timeout(TIMEOUT, events.next())
-                .await
-                .expect("the change watched in time")
-                .expect("the watch to go on")
-                .expect("no error");
-            if let watcher::Event::Apply(w) = event
+            if let watcher::Event::Apply(w) = next(&mut events, "the change watched").await
                 && w.pod == expected
             {
                 break;

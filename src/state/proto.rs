@@ -266,26 +266,27 @@ fn unreadable(what: impl std::fmt::Display) -> kube::Error {
     ))
 }
 
-/// The object inside an enveloped encoding (`k8s\0` and a `runtime.Unknown`).
-fn unwrap_envelope(bytes: &[u8]) -> Result<Bytes, kube::Error> {
-    let inner = bytes
-        .strip_prefix(MAGIC)
-        .ok_or_else(|| unreadable("a protobuf object without its k8s envelope"))?;
-    Ok(Unknown::decode(inner)
+/// The object inside an enveloped encoding (`k8s\0` and a `runtime.Unknown`), a view of
+/// `bytes` (not a copy).
+fn unwrap_envelope(bytes: Bytes) -> Result<Bytes, kube::Error> {
+    if !bytes.starts_with(MAGIC) {
+        return Err(unreadable("a protobuf object without its k8s envelope"));
+    }
+    Ok(Unknown::decode(bytes.slice(MAGIC.len()..))
         .map_err(|e| unreadable(format!("the protobuf envelope: {e}")))?
         .raw)
 }
 
 /// A pod from its enveloped encoding.
-fn decode_pod(bytes: &[u8]) -> Result<WatchedPod, kube::Error> {
+fn decode_pod(bytes: Bytes) -> Result<WatchedPod, kube::Error> {
     let pod = ProtoPod::decode(unwrap_envelope(bytes)?)
         .map_err(|e| unreadable(format!("a protobuf pod: {e}")))?;
     Ok(WatchedPod::from(Pod::from(pod)))
 }
 
 /// A `Status` from an error answer or event: protobuf, or JSON, or else its text.
-fn decode_status(bytes: &[u8], code: u16) -> Status {
-    if let Ok(s) = unwrap_envelope(bytes).and_then(|raw| {
+fn decode_status(bytes: Bytes, code: u16) -> Status {
+    if let Ok(s) = unwrap_envelope(bytes.clone()).and_then(|raw| {
         ProtoStatus::decode(raw).map_err(|e| unreadable(format!("a protobuf Status: {e}")))
     }) {
         let status = Status::failure(
@@ -295,8 +296,8 @@ fn decode_status(bytes: &[u8], code: u16) -> Status {
         let code = s.code.and_then(|c| u16::try_from(c).ok()).unwrap_or(code);
         return status.with_code(code);
     }
-    serde_json::from_slice::<Status>(bytes).unwrap_or_else(|_| {
-        Status::failure(String::from_utf8_lossy(bytes).trim(), "").with_code(code)
+    serde_json::from_slice::<Status>(&bytes).unwrap_or_else(|_| {
+        Status::failure(String::from_utf8_lossy(&bytes).trim(), "").with_code(code)
     })
 }
 
@@ -392,7 +393,7 @@ impl PodSource {
         if status.is_client_error() || status.is_server_error() {
             let body = response.into_body().collect().await?.to_bytes();
             return Err(kube::Error::Api(
-                decode_status(&body, status.as_u16()).boxed(),
+                decode_status(body, status.as_u16()).boxed(),
             ));
         }
         let protobuf = response
@@ -452,7 +453,7 @@ impl PodSource {
         };
         let body = self.send(request().list(&params), ACCEPT).await?;
         let bytes = body.collect().await?.to_bytes();
-        PodList::decode(unwrap_envelope(&bytes)?)
+        PodList::decode(unwrap_envelope(bytes)?)
             .map_err(|e| unreadable(format!("a protobuf pod list: {e}")))
     }
 
@@ -519,7 +520,7 @@ impl PodSource {
                     Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
                 }
             }
-            State::Streaming(mut frames) => match self.next_event(config, &mut frames).await {
+            State::Streaming(mut frames) => match next_event(config, &mut frames).await {
                 Ok(Some(Read::Object(_, object))) => {
                     (one(Ok(Event::InitApply(object))), State::Streaming(frames))
                 }
@@ -539,7 +540,7 @@ impl PodSource {
                 Ok(frames) => (Some(Vec::new()), State::Watching(rv, frames)),
                 Err(e) => (one(Err(watcher::Error::WatchStartFailed(e))), State::Done),
             },
-            State::Watching(rv, mut frames) => match self.next_event(config, &mut frames).await {
+            State::Watching(rv, mut frames) => match next_event(config, &mut frames).await {
                 Ok(Some(Read::Object(rv, object))) => {
                     (one(Ok(Event::Apply(object))), State::Watching(rv, frames))
                 }
@@ -555,24 +556,23 @@ impl PodSource {
             State::Done => (None, State::Done),
         }
     }
+}
 
-    /// The next event of a watch; `None` when it ended (or stayed silent past its timeout).
-    async fn next_event(
-        &self,
-        config: &watcher::Config,
-        frames: &mut Frames,
-    ) -> watcher::Result<Option<Read>> {
-        let idle = Duration::from_secs(u64::from(config.timeout.unwrap_or(290))) + IDLE_MARGIN;
-        let frame = match tokio::time::timeout(idle, frames.next()).await {
-            Ok(Some(frame)) => frame.map_err(|e| watcher::Error::WatchFailed(unreadable(e)))?,
-            Ok(None) => return Ok(None),
-            Err(_) => {
-                tracing::debug!("the pod watch stayed silent past its timeout; resuming it");
-                return Ok(None);
-            }
-        };
-        read_event(&frame)
-    }
+/// The next event of a watch; `None` when it ended (or stayed silent past its timeout).
+async fn next_event(
+    config: &watcher::Config,
+    frames: &mut Frames,
+) -> watcher::Result<Option<Read>> {
+    let idle = Duration::from_secs(u64::from(config.timeout.unwrap_or(290))) + IDLE_MARGIN;
+    let frame = match tokio::time::timeout(idle, frames.next()).await {
+        Ok(Some(frame)) => frame.map_err(|e| watcher::Error::WatchFailed(unreadable(e)))?,
+        Ok(None) => return Ok(None),
+        Err(_) => {
+            tracing::debug!("the pod watch stayed silent past its timeout; resuming it");
+            return Ok(None);
+        }
+    };
+    read_event(frame.freeze())
 }
 
 /// One watch event, read.
@@ -587,13 +587,13 @@ enum Read {
     Bookmark { rv: String, initial_end: bool },
 }
 
-/// A watch event from its frame.
-fn read_event(frame: &[u8]) -> watcher::Result<Option<Read>> {
+/// A watch event from its frame (the object in it is decoded from a view of the frame).
+fn read_event(frame: Bytes) -> watcher::Result<Option<Read>> {
     let failed = |e| watcher::Error::WatchFailed(e);
     let event = WatchEvent::decode(frame)
         .map_err(|e| failed(unreadable(format!("a protobuf watch event: {e}"))))?;
     let raw = event.object.map(|o| o.raw).unwrap_or_default();
-    let object = || decode_pod(&raw).map_err(failed);
+    let object = || decode_pod(raw.clone()).map_err(failed);
     let resource_version = |pod: &WatchedPod| {
         pod.pod
             .resource_version()
@@ -621,7 +621,7 @@ fn read_event(frame: &[u8]) -> watcher::Result<Option<Read>> {
                 initial_end,
             }))
         }
-        "ERROR" => Err(watcher::Error::WatchError(decode_status(&raw, 500).boxed())),
+        "ERROR" => Err(watcher::Error::WatchError(decode_status(raw, 500).boxed())),
         other => Err(failed(unreadable(format!(
             "a watch event of unknown type {other:?}"
         )))),
@@ -932,7 +932,7 @@ mod tests {
                 },
             ],
         });
-        let decoded = decode_pod(&envelope(&p)).expect("decoded").pod;
+        let decoded = decode_pod(envelope(&p).into()).expect("decoded").pod;
         let json: WatchedPod = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": "web-0", "namespace": "ns", "uid": "uid-web-0", "resourceVersion": "7",
@@ -960,24 +960,26 @@ mod tests {
 
     #[test]
     fn unreadable_frames_and_envelopes_are_errors_not_panics() {
-        assert!(decode_pod(b"").is_err());
-        assert!(decode_pod(b"k8s\0\xff\xff").is_err());
-        assert!(read_event(b"\x0a\x05ADDED\x12\x03\x0a\x01x").is_err());
+        assert!(decode_pod(Bytes::new()).is_err());
+        assert!(decode_pod(Bytes::from_static(b"k8s\0\xff\xff")).is_err());
+        assert!(read_event(Bytes::from_static(b"\x0a\x05ADDED\x12\x03\x0a\x01x")).is_err());
         let unknown = WatchEvent {
             type_: Some("SURPRISE".into()),
             object: None,
         };
-        assert!(read_event(&unknown.encode_to_vec()).is_err());
+        assert!(read_event(unknown.encode_to_vec().into()).is_err());
         // A Status that is not protobuf is read as JSON, or else kept as text.
         let status = decode_status(
-            br#"{"code": 429, "message": "slow down", "reason": "TooManyRequests"}"#,
+            Bytes::from_static(
+                br#"{"code": 429, "message": "slow down", "reason": "TooManyRequests"}"#,
+            ),
             500,
         );
         assert_eq!(
             (status.code, status.reason.as_str()),
             (429, "TooManyRequests")
         );
-        let status = decode_status(b"bad gateway\n", 502);
+        let status = decode_status(Bytes::from_static(b"bad gateway\n"), 502);
         assert_eq!((status.code, status.message.as_str()), (502, "bad gateway"));
     }
 }
