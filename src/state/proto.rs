@@ -180,8 +180,6 @@ struct RawExtension {
 /// `meta.v1.Status`.
 #[derive(Clone, PartialEq, Message)]
 struct ProtoStatus {
-    #[prost(string, optional, tag = "2")]
-    status: Option<String>,
     #[prost(string, optional, tag = "3")]
     message: Option<String>,
     #[prost(string, optional, tag = "4")]
@@ -694,6 +692,15 @@ mod tests {
         pod
     }
 
+    /// A failure `Status` with `code`, `reason` and `message`.
+    fn failure(code: i32, reason: &str, message: &str) -> ProtoStatus {
+        ProtoStatus {
+            message: Some(message.to_owned()),
+            reason: Some(reason.to_owned()),
+            code: Some(code),
+        }
+    }
+
     fn answer(content_type: &str, body: Vec<u8>) -> Response<Body> {
         Response::builder()
             .header(http::header::CONTENT_TYPE, content_type)
@@ -768,12 +775,7 @@ mod tests {
             let q = query(&request);
             assert!(q.contains("resourceVersion=11"), "{q}");
             assert!(!q.contains("sendInitialEvents=true"), "{q}");
-            let gone = ProtoStatus {
-                status: Some("Failure".into()),
-                message: Some("too old resource version".into()),
-                reason: Some("Expired".into()),
-                code: Some(410),
-            };
+            let gone = failure(410, "Expired", "too old resource version");
             respond.send_response(answer(
                 "application/vnd.kubernetes.protobuf;stream=watch",
                 frame("ERROR", &gone),
@@ -826,12 +828,7 @@ mod tests {
                 q.contains("watch=true") && q.contains("resourceVersion=21"),
                 "{q}"
             );
-            let forbidden = ProtoStatus {
-                status: Some("Failure".into()),
-                message: Some("pods is forbidden".into()),
-                reason: Some("Forbidden".into()),
-                code: Some(403),
-            };
+            let forbidden = failure(403, "Forbidden", "pods is forbidden");
             respond.send_response(
                 Response::builder()
                     .status(403)
