@@ -364,7 +364,11 @@ async fn volume_release(
         .into_iter()
         .flatten()
         .filter(|c| {
-            c.node == recorded || state.node_topology_labels.get(HOSTNAME_LABEL) == Some(&c.node)
+            c.node == recorded
+                || state
+                    .node_topology_labels
+                    .get(HOSTNAME_LABEL)
+                    .is_some_and(|h| *h == c.node)
         })
         .collect();
     if local.is_empty() {

@@ -33,6 +33,7 @@ pub mod probes;
 pub mod release;
 pub mod serve;
 pub mod serving;
+pub mod shared;
 pub mod state;
 pub mod supervise;
 pub mod sync;

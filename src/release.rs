@@ -83,7 +83,10 @@ pub fn waiting_on_gone_nodes(
                 uid: p.uid()?,
                 resource_version: p.resource_version(),
                 node: recorded.to_owned(),
-                hostname: state.node_topology_labels.get(HOSTNAME_LABEL).cloned(),
+                hostname: state
+                    .node_topology_labels
+                    .get(HOSTNAME_LABEL)
+                    .map(|h| h.to_string()),
                 reason,
             })
         })

@@ -110,7 +110,8 @@ async fn a_node_replaced_under_its_name_is_reported() {
     let old_uid = nodes.get(&node).await.expect("node").uid();
     assert!(old_uid.is_some());
     assert_eq!(
-        states["repl-0"].node_uid, old_uid,
+        states["repl-0"].node_uid.as_deref(),
+        old_uid.as_deref(),
         "the node's uid is recorded"
     );
     nodes

@@ -29,8 +29,11 @@ async fn echoserver_from_the_seeds_comes_back_on_its_node_with_its_ip() {
     let (before, states) = start_recorded(c, &ns, &sts).await;
     for (pod, p) in &before {
         assert_eq!(
-            states[pod].node_topology_labels.get(HOST),
-            Some(&p.node),
+            states[pod]
+                .node_topology_labels
+                .get(HOST)
+                .map(|h| h.as_str()),
+            Some(p.node.as_str()),
             "{pod} recorded with its node"
         );
     }
@@ -179,7 +182,7 @@ async fn required_zone_keeps_the_zone_when_the_node_is_cordoned() {
     let zone = states["zoned-0"]
         .node_topology_labels
         .get(ZONE)
-        .cloned()
+        .map(|z| z.to_string())
         .expect("the zone recorded");
 
     set_unschedulable(c, &node, true).await;
@@ -249,7 +252,11 @@ spec:
 
     let (before, states) = start_recorded(c, &ns, &statefulset("echoserver", 2, &[])).await;
     for state in states.values() {
-        let keys: Vec<&String> = state.node_topology_labels.keys().collect();
+        let keys: Vec<&str> = state
+            .node_topology_labels
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
         assert_eq!(keys, ["failure-domain.beta.kubernetes.io/zone", HOST]);
     }
     let pod = recreate_pod(c, &ns, "echoserver-1").await;
@@ -260,10 +267,13 @@ spec:
         .and_then(|s| s.node_selector.clone())
         .unwrap_or_default();
     assert_eq!(
-        selector.get("failure-domain.beta.kubernetes.io/zone"),
+        selector
+            .get("failure-domain.beta.kubernetes.io/zone")
+            .map(|z| z.as_str()),
         states["echoserver-1"]
             .node_topology_labels
             .get("failure-domain.beta.kubernetes.io/zone")
+            .map(|z| z.as_str())
     );
     assert_eq!(
         preferred_terms(&pod),

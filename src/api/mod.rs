@@ -19,6 +19,7 @@ pub use v1beta1::{
 
 use std::collections::BTreeMap;
 
+use crate::shared::Shared;
 use k8s_openapi::ByteString;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceConversion, CustomResourceDefinition, ServiceReference, WebhookClientConfig,
@@ -190,13 +191,13 @@ pub struct PersistentPodStateStatus {
 pub struct PodState {
     /// The node the pod ran on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub node_name: Option<String>,
+    pub node_name: Option<Shared>,
     // A sorted vector, not a tree map: a state is cached for every pod, and a tree map's
-    // first node alone is over 500 bytes.
+    // first node alone is over 500 bytes. Keys and values are shared: every state repeats them.
     /// That node's values of the required and preferred topology keys.
     #[serde(default, skip_serializing_if = "LiteMap::is_empty")]
     #[schemars(with = "BTreeMap<String, String>")]
-    pub node_topology_labels: LiteMap<String, String>,
+    pub node_topology_labels: LiteMap<Shared, Shared>,
     /// The pod's values of the persistent annotation keys.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
@@ -209,7 +210,7 @@ pub struct PodState {
     /// Extension: the uid of the node the pod ran on, to tell a node replaced under the same
     /// name (its local data gone) from the same node.
     #[serde(default, rename = "nodeUID", skip_serializing_if = "Option::is_none")]
-    pub node_uid: Option<String>,
+    pub node_uid: Option<Shared>,
     /// Extension: how the last re-created pod of this name came back, compared with what it
     /// was steered back to.
     #[serde(default, skip_serializing_if = "Option::is_none")]

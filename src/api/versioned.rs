@@ -174,8 +174,8 @@ macro_rules! versioned_types {
                     .filter_map(|k| {
                         state
                             .node_topology_labels
-                            .get(k)
-                            .map(|v| (k.clone(), v.clone()))
+                            .get(k.as_str())
+                            .map(|v| (k.clone(), v.to_string()))
                     })
                     .collect()
             }

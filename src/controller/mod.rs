@@ -116,7 +116,7 @@ impl Context {
                     states().any(|s| {
                         keys.iter().any(|k| {
                             s.node_topology_labels
-                                .get(k)
+                                .get(k.as_str())
                                 .is_some_and(|v| labels.contains(&(k.as_str(), v.as_str())))
                         })
                     })

@@ -13,6 +13,7 @@ use crate::api::{
     PersistentPodStateStatus, PodState, Restore, RetentionPolicy, decode_required, encode_required,
 };
 use crate::placement::{Dropped, HOSTNAME_LABEL, Required};
+use crate::shared::Shared;
 use crate::state::trim::CachedPod;
 use crate::workload::{WorkloadInfo, pod_ordinal};
 
@@ -81,7 +82,7 @@ pub fn pod_state(
     } else {
         let labels = &seen.as_ref()?.labels;
         keys.iter()
-            .filter_map(|k| labels.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+            .filter_map(|k| labels.get(*k).map(|v| (Shared::from(*k), Shared::from(v))))
             .collect()
     };
     let pod_annotations = &pod.annotations;
@@ -94,12 +95,12 @@ pub fn pod_state(
         })
         .collect();
     Some(PodState {
-        node_name: Some(node.to_string()),
+        node_name: Some(Shared::from(&**node)),
         node_topology_labels,
         annotations,
         pod_ips: pod.ips.iter().map(|ip| ip.to_string()).collect(),
         pod_uid: pod.uid(),
-        node_uid: seen.and_then(|n| n.uid),
+        node_uid: seen.and_then(|n| n.uid).map(Shared::from),
         last_restore: None,
     })
 }
@@ -211,8 +212,8 @@ pub fn change(
             let uid = (observed.node)(node)?.uid?;
             (uid != *recorded_uid).then(|| Replaced {
                 pod: pod.clone(),
-                node: node.clone(),
-                recorded_uid: recorded_uid.clone(),
+                node: node.to_string(),
+                recorded_uid: recorded_uid.to_string(),
                 uid,
             })
         })
@@ -508,7 +509,7 @@ mod tests {
         assert_eq!(out.observed_generation, 7);
         out.pod_states
             .into_iter()
-            .map(|(k, v)| (k, v.node_name))
+            .map(|(k, v)| (k, v.node_name.map(String::from)))
             .collect()
     }
 
@@ -648,12 +649,9 @@ mod tests {
         assert_eq!(s.node_name.as_deref(), Some("node-1"));
         assert_eq!(
             s.node_topology_labels,
-            [
-                (HOST.to_string(), "node-1".to_string()),
-                (ZONE.to_string(), "z1".to_string())
-            ]
-            .into_iter()
-            .collect()
+            [(HOST.into(), "node-1".into()), (ZONE.into(), "z1".into())]
+                .into_iter()
+                .collect()
         );
         assert_eq!(
             s.annotations,

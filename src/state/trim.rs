@@ -4,8 +4,10 @@
 //! volumes, images, managed fields) is skipped while decoding, never built, so a page of a
 //! list costs its bytes, not the full objects.
 
-use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::shared::intern;
 
 use k8s_openapi::api::core::v1::{
     Node, NodeCondition, NodeSpec, NodeStatus, Pod, PodCondition, PodIP, PodSpec, PodStatus,
@@ -168,36 +170,6 @@ impl CachedPod {
             &owner.name,
         ))
     }
-}
-
-/// Strings many cached objects share (namespaces, node names, owners), held once.
-static INTERNED: Mutex<Interner> = Mutex::new(Interner {
-    strings: None,
-    pruned_at: 0,
-});
-
-struct Interner {
-    strings: Option<HashSet<Arc<str>>>,
-    /// How many strings there were after the last pruning.
-    pruned_at: usize,
-}
-
-/// The shared copy of `s`. Strings no cached object holds any more are dropped whenever the
-/// table has doubled since it was last pruned, so it stays within about twice what is in use.
-pub fn intern(s: &str) -> Arc<str> {
-    let mut interner = crate::sync::lock(&INTERNED);
-    let Interner { strings, pruned_at } = &mut *interner;
-    let strings = strings.get_or_insert_with(HashSet::new);
-    if let Some(shared) = strings.get(s) {
-        return shared.clone();
-    }
-    if strings.len() >= (*pruned_at * 2).max(1024) {
-        strings.retain(|s| Arc::strong_count(s) > 1);
-        *pruned_at = strings.len();
-    }
-    let shared: Arc<str> = Arc::from(s);
-    strings.insert(shared.clone());
-    shared
 }
 
 impl From<Pod> for CachedPod {

@@ -196,11 +196,14 @@ pub fn injection_for(
         let match_expressions: Vec<Expression<'_>> = keys
             .iter()
             .filter_map(|k| {
-                state.node_topology_labels.get(k).map(|v| Expression {
-                    key: k,
-                    operator: "In",
-                    values: [v.as_str()],
-                })
+                state
+                    .node_topology_labels
+                    .get(k.as_str())
+                    .map(|v| Expression {
+                        key: k,
+                        operator: "In",
+                        values: [v.as_str()],
+                    })
             })
             .collect();
         if match_expressions.is_empty() {
@@ -337,7 +340,7 @@ mod tests {
         };
         PodState {
             node_name: Some("node-a1".into()),
-            node_topology_labels: map(labels).into_iter().collect(),
+            node_topology_labels: labels.iter().map(|&(k, v)| (k.into(), v.into())).collect(),
             annotations: map(annotations),
             ..PodState::default()
         }
