@@ -264,10 +264,20 @@ fn range_in(body: &[u8], raw: Option<&RawValue>) -> Option<std::ops::Range<usize
     (range.end <= body.len()).then_some(range)
 }
 
+/// Reads `body` as JSON: as text once it is checked to be UTF-8 in one go (each string is
+/// then not checked again as it is read); a body that is not UTF-8 as bytes, as before (serde
+/// checks the strings it reads, and says where one is not UTF-8).
+fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> serde_json::Result<T> {
+    match std::str::from_utf8(body) {
+        Ok(text) => serde_json::from_str(text),
+        Err(_) => serde_json::from_slice(body),
+    }
+}
+
 /// Parses a request body as an AdmissionReview, in one pass.
 pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
-    let review: RawReview<'_, &RawValue> = serde_json::from_slice(&body)
-        .map_err(|error| ReviewError::NotAReview { kind: KIND, error })?;
+    let review: RawReview<'_, &RawValue> =
+        from_body(&body).map_err(|error| ReviewError::NotAReview { kind: KIND, error })?;
     let (request, api_version) = checked(review)?;
     let object = range_in(&body, request.object);
     let old_object = range_in(&body, request.old_object);
@@ -282,7 +292,7 @@ pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
 /// (never kept raw and read twice). A review whose object does not decode so is parsed by
 /// [`parse`] instead (the handler then says why the object is not a pod).
 pub fn parse_pod(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
-    let Ok(review) = serde_json::from_slice::<RawReview<'_, ReadPod>>(&body) else {
+    let Ok(review) = from_body::<RawReview<'_, ReadPod>>(&body) else {
         return parse(body);
     };
     let (mut request, api_version) = checked(review)?;
@@ -375,7 +385,9 @@ impl Admission {
         }
     }
 
-    /// The AdmissionReview response for `request`, as JSON.
+    /// The AdmissionReview response for `request`, as JSON. Written as text around the one
+    /// field that needs escaping (the uid) and the rare denial, with the patch base64-encoded
+    /// straight into it: no string of the encoded patch is built and then scanned for escapes.
     pub fn into_response(self, request: &AdmissionRequest) -> Response {
         #[derive(Serialize)]
         #[serde(rename_all = "camelCase")]
@@ -385,49 +397,64 @@ impl Admission {
             reason: &'a str,
             message: &'a str,
         }
-        #[derive(Serialize)]
-        #[serde(rename_all = "camelCase")]
-        struct Answer<'a> {
-            uid: &'a str,
-            allowed: bool,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            status: Option<Status<'a>>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            patch_type: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            patch: Option<String>,
-        }
-        #[derive(Serialize)]
-        #[serde(rename_all = "camelCase")]
-        struct Review<'a> {
-            api_version: &'a str,
-            kind: &'a str,
-            response: Answer<'a>,
-        }
-        let review = Review {
-            api_version: request.api_version,
-            kind: "AdmissionReview",
-            response: Answer {
-                uid: &request.uid,
-                allowed: self.allowed,
-                status: self.denial.as_ref().map(|(code, reason, message)| Status {
-                    status: "Failure",
-                    code: *code,
-                    reason,
-                    message,
-                }),
-                patch_type: self.patch.as_ref().map(|_| "JSONPatch"),
-                patch: self
-                    .patch
-                    .as_ref()
-                    .map(|p| base64::engine::general_purpose::STANDARD.encode(p)),
-            },
-        };
+        let base64 = base64::engine::general_purpose::STANDARD;
         // The fields around the patch take under 256 bytes but a denial's message.
         let size = 256
-            + review.response.patch.as_ref().map_or(0, String::len)
+            + self
+                .patch
+                .as_ref()
+                .map_or(0, |p| p.len().saturating_mul(4) / 3)
             + self.denial.as_ref().map_or(0, |(_, _, m)| m.len());
-        json_response(StatusCode::OK, &review, size)
+        let mut out = Vec::with_capacity(size);
+        out.extend_from_slice(b"{\"apiVersion\":\"");
+        out.extend_from_slice(request.api_version.as_bytes());
+        out.extend_from_slice(b"\",\"kind\":\"AdmissionReview\",\"response\":{\"uid\":");
+        let written = serde_json::to_writer(&mut out, &request.uid).and_then(|()| {
+            out.extend_from_slice(if self.allowed {
+                b",\"allowed\":true"
+            } else {
+                b",\"allowed\":false"
+            });
+            if let Some((code, reason, message)) = &self.denial {
+                out.extend_from_slice(b",\"status\":");
+                serde_json::to_writer(
+                    &mut out,
+                    &Status {
+                        status: "Failure",
+                        code: *code,
+                        reason,
+                        message,
+                    },
+                )?;
+            }
+            Ok(())
+        });
+        if let Err(e) = written {
+            return error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string());
+        }
+        if let Some(patch) = &self.patch {
+            out.extend_from_slice(b",\"patchType\":\"JSONPatch\",\"patch\":\"");
+            let start = out.len();
+            let end = base64::encoded_len(patch.len(), true).and_then(|n| start.checked_add(n));
+            let Some(end) = end else {
+                return error_response(StatusCode::INTERNAL_SERVER_ERROR, "the patch is too large");
+            };
+            out.resize(end, 0);
+            if base64.encode_slice(patch, &mut out[start..]).is_err() {
+                return error_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the patch could not be encoded",
+                );
+            }
+            out.push(b'"');
+        }
+        out.extend_from_slice(b"}}");
+        (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            out,
+        )
+            .into_response()
     }
 }
 
@@ -489,7 +516,7 @@ struct RawConversionReview<'a> {
 /// Parses a request body as a ConversionReview (its objects kept raw).
 pub fn parse_conversion(body: Bytes) -> Result<ConversionRequest, ReviewError> {
     let review: RawConversionReview<'_> =
-        serde_json::from_slice(&body).map_err(|error| ReviewError::NotAReview {
+        from_body(&body).map_err(|error| ReviewError::NotAReview {
             kind: "a ConversionReview",
             error,
         })?;
@@ -748,5 +775,57 @@ mod tests {
             base64::engine::general_purpose::STANDARD
                 .encode(br#"[{"op":"add","path":"/a","value":1}]"#)
         );
+    }
+
+    #[tokio::test]
+    async fn answers_are_written_as_the_review_json_with_the_uid_escaped() {
+        let request = parse(Bytes::from_static(
+            br#"{"apiVersion":"admission.k8s.io/v1beta1","request":{"uid":"u\"1\\\n"}}"#,
+        ))
+        .expect("parses");
+        assert_eq!(request.uid, "u\"1\\\n");
+        let mut patch = PodPatch::default();
+        patch.add(&["metadata", "labels"], &json!({"a": "b"}));
+        let bytes = patch.to_bytes().expect("written");
+        let cases = [
+            (
+                Admission::allow(),
+                json!({"uid": request.uid, "allowed": true}),
+            ),
+            (
+                Admission::patch(&patch).expect("patch"),
+                json!({"uid": request.uid, "allowed": true, "patchType": "JSONPatch",
+                       "patch": base64::engine::general_purpose::STANDARD.encode(&bytes)}),
+            ),
+            (
+                Admission::patch(&PodPatch::default()).expect("no patch"),
+                json!({"uid": request.uid, "allowed": true}),
+            ),
+            (
+                Admission::deny(422, "Invalid", "a \"quoted\" message".into()),
+                json!({"uid": request.uid, "allowed": false, "status": {"status": "Failure",
+                       "code": 422, "reason": "Invalid", "message": "a \"quoted\" message"}}),
+            ),
+        ];
+        for (admission, expected) in cases {
+            let response = admission.into_response(&request);
+            assert_eq!(response.status(), StatusCode::OK);
+            assert_eq!(
+                response
+                    .headers()
+                    .get(header::CONTENT_TYPE)
+                    .map(|v| v.as_bytes()),
+                Some(&b"application/json"[..])
+            );
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .expect("body");
+            let answer: Value = serde_json::from_slice(&body).expect("JSON");
+            assert_eq!(
+                answer,
+                json!({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview",
+                       "response": expected})
+            );
+        }
     }
 }
