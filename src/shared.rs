@@ -67,12 +67,6 @@ impl std::borrow::Borrow<str> for Shared {
     }
 }
 
-impl AsRef<str> for Shared {
-    fn as_ref(&self) -> &str {
-        &self.0
-    }
-}
-
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Debug::fmt(&*self.0, f)
@@ -103,12 +97,6 @@ impl From<&String> for Shared {
     }
 }
 
-impl From<Shared> for String {
-    fn from(s: Shared) -> Self {
-        s.0.as_ref().to_owned()
-    }
-}
-
 impl PartialEq<str> for Shared {
     fn eq(&self, other: &str) -> bool {
         &*self.0 == other
@@ -128,12 +116,6 @@ impl PartialEq<String> for Shared {
 }
 
 impl PartialEq<Shared> for String {
-    fn eq(&self, other: &Shared) -> bool {
-        **self == *other.0
-    }
-}
-
-impl PartialEq<Shared> for &str {
     fn eq(&self, other: &Shared) -> bool {
         **self == *other.0
     }

@@ -509,7 +509,7 @@ mod tests {
         assert_eq!(out.observed_generation, 7);
         out.pod_states
             .into_iter()
-            .map(|(k, v)| (k, v.node_name.map(String::from)))
+            .map(|(k, v)| (k, v.node_name.map(|n| n.to_string())))
             .collect()
     }
 
