@@ -79,6 +79,13 @@ impl std::fmt::Display for Shared {
     }
 }
 
+impl From<Arc<str>> for Shared {
+    /// A string already shared (from [`intern`], as the pod cache's are): taken as it is.
+    fn from(s: Arc<str>) -> Self {
+        Self(s)
+    }
+}
+
 impl From<&str> for Shared {
     fn from(s: &str) -> Self {
         Self(intern(s))
