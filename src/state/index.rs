@@ -189,9 +189,16 @@ pub struct NodesByLabel {
 }
 
 impl NodesByLabel {
-    /// Names of the nodes that carry every `key=value` of `labels` (every node for no labels
-    /// is not answered: `None`).
-    pub fn with_all(&self, labels: &BTreeMap<String, String>) -> Option<Vec<&str>> {
+    /// Names of the nodes that carry every `key=value` of `labels`, in name order, found as
+    /// they are asked for (a caller that stops at the first does not pay for the rest); every
+    /// node for no labels is not answered: `None`.
+    pub fn with_all<'a>(
+        &'a self,
+        labels: &BTreeMap<String, String>,
+    ) -> Option<impl Iterator<Item = &'a str> + 'a> {
+        if labels.is_empty() {
+            return None;
+        }
         let mut candidates: Vec<&BTreeSet<String>> = Vec::with_capacity(labels.len());
         for (k, v) in labels {
             match self
@@ -200,23 +207,30 @@ impl NodesByLabel {
                 .and_then(|values| values.get(v.as_str()))
             {
                 Some(nodes) => candidates.push(nodes),
-                None => return Some(Vec::new()),
+                None => {
+                    candidates.clear();
+                    break;
+                }
             }
         }
+        // The smallest set is walked; each of its names is looked up in the others.
         candidates.sort_by_key(|c| c.len());
-        let (smallest, rest) = candidates.split_first()?;
+        let mut sets = candidates.into_iter();
+        let smallest = sets.next();
+        let rest: Vec<&BTreeSet<String>> = sets.collect();
         Some(
             smallest
-                .iter()
-                .filter(|n| rest.iter().all(|c| c.contains(*n)))
-                .map(String::as_str)
-                .collect(),
+                .into_iter()
+                .flatten()
+                .filter(move |n| rest.iter().all(|c| c.contains(*n)))
+                .map(String::as_str),
         )
     }
 
     /// Whether some node carries every `key=value` of `labels` (true for no labels).
     pub fn any_with(&self, labels: &BTreeMap<String, String>) -> bool {
-        self.with_all(labels).is_none_or(|nodes| !nodes.is_empty())
+        self.with_all(labels)
+            .is_none_or(|mut nodes| nodes.next().is_some())
     }
 
     fn forget(&mut self, node: &str) -> bool {
@@ -297,7 +311,10 @@ mod tests {
         assert!(!any(&[("zone", "a"), ("host", "n2")]), "both on one node");
         assert!(any(&[]));
         assert_eq!(
-            index.read().with_all(&labels(&[("zone", "b")])),
+            index
+                .read()
+                .with_all(&labels(&[("zone", "b")]))
+                .map(Iterator::collect::<Vec<_>>),
             Some(vec!["n2"])
         );
         assert!(apply(node("n1", &[("zone", "c"), ("host", "n1")])));

@@ -484,10 +484,7 @@ impl Nodes for Caches {
     ) -> bool {
         let index = self.node_labels.read();
         match index.with_all(labels) {
-            Some(names) => names
-                .into_iter()
-                .filter_map(|name| self.node(name))
-                .any(|n| visit(&n)),
+            Some(names) => names.filter_map(|name| self.node(name)).any(|n| visit(&n)),
             None => self.nodes.state().iter().any(|n| visit(n)),
         }
     }

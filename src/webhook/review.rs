@@ -10,6 +10,7 @@
 //! Answers are written here too: the AdmissionReview response with its patch base64-encoded (as
 //! the API documents), and the ConversionReview response.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +20,7 @@ use axum::extract::{FromRequest, Request};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
-use serde::de::DeserializeOwned;
+use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
@@ -35,26 +36,122 @@ use std::collections::BTreeMap;
 /// The AdmissionReview versions answered (the request's is echoed).
 const ADMISSION_VERSIONS: [&str; 2] = ["admission.k8s.io/v1", "admission.k8s.io/v1beta1"];
 
-/// Reads a field leniently: what does not fit `T` reads as absent. The field is taken as raw
-/// text (borrowed from the body, never built into a tree) and `T` is read from it: a tree of
-/// any size where a string belongs fails at its first byte.
-fn lenient<'de, D: Deserializer<'de>, T: DeserializeOwned>(d: D) -> Result<Option<T>, D::Error> {
-    let raw = Option::<&'de RawValue>::deserialize(d)?;
-    Ok(raw.and_then(|r| serde_json::from_str(r.get()).ok()))
+/// Reads a field leniently: a value of another JSON type than `T` takes reads as absent, and is
+/// skipped without being built (a tree of any size where a string belongs is walked once).
+fn lenient<'de, D: Deserializer<'de>, T: Lenient>(d: D) -> Result<Option<T>, D::Error> {
+    Loose::<T>::deserialize(d).map(|loose| loose.0)
+}
+
+/// A value that reads leniently ([`lenient`]): from the JSON types it takes, and as absent
+/// from any other.
+trait Lenient: Sized {
+    /// From a JSON string.
+    fn from_text(_: &str) -> Option<Self> {
+        None
+    }
+    /// From a JSON boolean.
+    fn from_bool(_: bool) -> Option<Self> {
+        None
+    }
+    /// From a JSON object (skipped by default).
+    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Option<Self>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+}
+
+impl Lenient for String {
+    fn from_text(text: &str) -> Option<Self> {
+        Some(text.to_owned())
+    }
+}
+
+impl Lenient for bool {
+    fn from_bool(value: bool) -> Option<Self> {
+        Some(value)
+    }
+}
+
+/// `T` read leniently: absent when the JSON value is not of a type `T` takes.
+struct Loose<T>(Option<T>);
+
+impl<'de, T: Lenient> Deserialize<'de> for Loose<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Any<T>(PhantomData<T>);
+        impl<'de, T: Lenient> Visitor<'de> for Any<T> {
+            type Value = Option<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(T::from_text(v))
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(T::from_bool(v))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(None)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                T::from_map(map)
+            }
+        }
+        d.deserialize_any(Any(PhantomData)).map(Loose)
+    }
 }
 
 /// A group, version and kind, as a review names them (each part lenient).
-#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Gvk {
     /// API group (empty for core).
-    #[serde(default, deserialize_with = "lenient")]
     pub group: Option<String>,
     /// Version.
-    #[serde(default, deserialize_with = "lenient")]
     pub version: Option<String>,
     /// Kind.
-    #[serde(default, deserialize_with = "lenient")]
     pub kind: Option<String>,
+}
+
+impl Lenient for Gvk {
+    /// Each part leniently; other fields skipped; a repeated field's last value is kept (as the
+    /// API server's own JSON reader does).
+    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Option<Self>, A::Error> {
+        #[derive(Deserialize)]
+        #[serde(field_identifier, rename_all = "lowercase")]
+        enum Field {
+            Group,
+            Version,
+            Kind,
+            #[serde(other)]
+            Other,
+        }
+        let mut gvk = Gvk::default();
+        while let Some(field) = map.next_key::<Field>()? {
+            let part = match field {
+                Field::Group => &mut gvk.group,
+                Field::Version => &mut gvk.version,
+                Field::Kind => &mut gvk.kind,
+                Field::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+            };
+            *part = map.next_value::<Loose<String>>()?.0;
+        }
+        Ok(Some(gvk))
+    }
 }
 
 impl Gvk {
@@ -123,8 +220,9 @@ pub struct AdmissionRequest {
     body: Bytes,
     object: Option<std::ops::Range<usize>>,
     old_object: Option<std::ops::Range<usize>>,
-    /// The object, when it was decoded as a pod in the review's own pass ([`parse_pod`]).
-    pod: Option<Pod>,
+    /// The object, when it was decoded as a pod in the review's own pass ([`parse_pod`]); boxed,
+    /// as a `Pod` is over 2 KB and the request is moved through the extractor and handler.
+    pod: Option<Box<Pod>>,
 }
 
 impl AdmissionRequest {
@@ -141,7 +239,7 @@ impl AdmissionRequest {
     /// The object decoded as a pod in the review's pass ([`parse_pod`]); otherwise absent, and
     /// [`Self::object`] holds it raw.
     pub fn pod(&self) -> Option<&Pod> {
-        self.pod.as_ref()
+        self.pod.as_deref()
     }
 
     /// The old object as sent (absent when missing or null), as JSON text.
@@ -296,7 +394,7 @@ pub fn parse_pod(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
         return parse(body);
     };
     let (mut request, api_version) = checked(review)?;
-    let pod = request.object.take().map(ReadPod::into_pod);
+    let pod = request.object.take().map(|p| Box::new(p.into_pod()));
     let old_object = range_in(&body, request.old_object);
     Ok(AdmissionRequest {
         old_object,
@@ -726,6 +824,51 @@ mod tests {
         assert_eq!(parsed.name, "");
         assert!(!parsed.dry_run);
         assert!(parsed.object().is_none());
+    }
+
+    #[test]
+    fn each_field_reads_as_absent_unless_of_its_type_and_is_skipped_whole() {
+        let odd = [
+            json!(null),
+            json!(7),
+            json!(-1.5),
+            json!(true),
+            json!([["deep", {"a": [1, 2]}], "x"]),
+            json!({"group": "", "kind": "Pod"}),
+        ];
+        for value in odd.iter().chain([&json!("text")]) {
+            let field = |name: &str| {
+                let mut request =
+                    json!({"uid": "u", "name": value, "dryRun": value, "kind": value});
+                request[name] = value.clone();
+                serde_json::to_vec(&json!({"request": request})).expect("json")
+            };
+            let parsed = parse(field("name").into()).expect("parses");
+            assert_eq!(
+                (parsed.uid.as_str(), parsed.name.as_str()),
+                ("u", value.as_str().unwrap_or_default()),
+                "{value}"
+            );
+            assert_eq!(parsed.dry_run, value.as_bool().unwrap_or(false), "{value}");
+            let is_pod = value.get("kind").is_some();
+            assert_eq!(parsed.kind.is("", "Pod"), is_pod, "{value}");
+        }
+        let kind = |text: &str| {
+            let body = format!(r#"{{"request":{{"uid":"u","kind":{text}}}}}"#);
+            parse(body.into_bytes().into()).expect("parses").kind
+        };
+        let gvk = |group: Option<&str>, version: Option<&str>, kind: Option<&str>| Gvk {
+            group: group.map(str::to_owned),
+            version: version.map(str::to_owned),
+            kind: kind.map(str::to_owned),
+        };
+        assert_eq!(
+            kind(r#"{"group":5,"version":"v1","kind":"Node","kind":"Pod","extra":{"x":[1]}}"#),
+            gvk(None, Some("v1"), Some("Pod")),
+            "parts lenient, others skipped, the last repeat kept"
+        );
+        assert_eq!(kind(r#"{"kind":"\u0050od"}"#), gvk(None, None, Some("Pod")));
+        assert_eq!(kind(r#"["Pod"]"#), Gvk::default());
     }
 
     #[test]
