@@ -21,8 +21,8 @@ struct Interner {
 
 /// The shared copy of `s`. Strings nothing holds any more are dropped whenever the table has
 /// doubled since it was last pruned, so it stays within about twice what is in use.
-pub fn intern(s: &str) -> Arc<str> {
-    crate::sync::lock(&INTERNED).get(s)
+pub fn intern(s: &str) -> Shared {
+    Shared(crate::sync::lock(&INTERNED).get(s))
 }
 
 impl Interner {
@@ -44,7 +44,7 @@ impl Interner {
 /// A string read once and held through [`intern`]: a field repeated across many cached objects
 /// (a recorded state's node and its topology keys and values) costs a pointer each, not a copy.
 /// Serialized, compared, ordered and hashed as the plain string.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Shared(Arc<str>);
 
 impl Shared {
@@ -79,28 +79,21 @@ impl std::fmt::Display for Shared {
     }
 }
 
-impl From<Arc<str>> for Shared {
-    /// A string already shared (from [`intern`], as the pod cache's are): taken as it is.
-    fn from(s: Arc<str>) -> Self {
-        Self(s)
-    }
-}
-
 impl From<&str> for Shared {
     fn from(s: &str) -> Self {
-        Self(intern(s))
+        intern(s)
     }
 }
 
 impl From<String> for Shared {
     fn from(s: String) -> Self {
-        Self(intern(&s))
+        intern(&s)
     }
 }
 
 impl From<&String> for Shared {
     fn from(s: &String) -> Self {
-        Self(intern(s))
+        intern(s)
     }
 }
 

@@ -95,7 +95,7 @@ pub fn pod_state(
         })
         .collect();
     Some(PodState {
-        node_name: Some(Shared::from(node.clone())),
+        node_name: Some(node.clone()),
         node_topology_labels,
         annotations,
         pod_ips: pod.ips.iter().map(|ip| ip.to_string()).collect(),

@@ -5,9 +5,8 @@
 //! list costs its bytes, not the full objects.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use crate::shared::intern;
+use crate::shared::{Shared, intern};
 
 use k8s_openapi::api::core::v1::{
     Node, NodeCondition, NodeSpec, NodeStatus, Pod, PodCondition, PodIP, PodSpec, PodStatus,
@@ -97,7 +96,7 @@ pub struct CachedPod {
     /// Its name.
     pub name: Box<str>,
     /// Its namespace.
-    pub namespace: Arc<str>,
+    pub namespace: Shared,
     /// Its uid.
     pub uid: Option<Box<str>>,
     /// Its resourceVersion.
@@ -109,7 +108,7 @@ pub struct CachedPod {
     /// Its controlling owner reference.
     pub controller: Option<Box<Owner>>,
     /// The node it is bound to.
-    pub node_name: Option<Arc<str>>,
+    pub node_name: Option<Shared>,
     /// Whether it has finished (phase Succeeded or Failed): it holds no IP any more.
     pub finished: bool,
     /// Whether its Ready condition is True.
@@ -122,11 +121,11 @@ pub struct CachedPod {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Owner {
     /// Its apiVersion.
-    pub api_version: Arc<str>,
+    pub api_version: Shared,
     /// Its kind.
-    pub kind: Arc<str>,
+    pub kind: Shared,
     /// Its name.
-    pub name: Arc<str>,
+    pub name: Shared,
     /// Its uid.
     pub uid: Box<str>,
 }
@@ -462,14 +461,14 @@ mod tests {
             "namespace": "ns"}, "spec": {"nodeName": "n1"}}))
         .expect("pod");
         assert!(
-            Arc::ptr_eq(&watched.pod.namespace, &other.namespace),
+            std::ptr::eq(watched.pod.namespace.as_str(), other.namespace.as_str()),
             "interned"
         );
         let (a, b) = (
             watched.pod.node_name.expect("node"),
             other.node_name.expect("node"),
         );
-        assert!(Arc::ptr_eq(&a, &b), "interned");
+        assert!(std::ptr::eq(a.as_str(), b.as_str()), "interned");
         let node_object = json!({"metadata": {"name": "n1", "resourceVersion": "3",
                 "labels": {"topology.kubernetes.io/zone": "z1"}, "annotations": {"a": "b"},
                 "managedFields": [{"manager": "m"}]},
