@@ -215,14 +215,15 @@ impl NodesByLabel {
         }
         // The smallest set is walked; each of its names is looked up in the others.
         candidates.sort_by_key(|c| c.len());
-        let mut sets = candidates.into_iter();
-        let smallest = sets.next();
-        let rest: Vec<&BTreeSet<String>> = sets.collect();
+        let smallest = candidates.first().copied();
         Some(
             smallest
                 .into_iter()
                 .flatten()
-                .filter(move |n| rest.iter().all(|c| c.contains(*n)))
+                .filter(move |n| {
+                    let others = candidates.get(1..).unwrap_or_default();
+                    others.iter().all(|c| c.contains(*n))
+                })
                 .map(String::as_str),
         )
     }
