@@ -70,16 +70,24 @@ pub fn observed_only(pps: &PersistentPodState, observe_all: bool) -> bool {
             .is_some_and(|m| m == "observe")
 }
 
-/// The value of [`INJECTED_REQUIRED_ANNOTATION`] for `values`.
-pub fn encode_required(values: &BTreeMap<String, String>) -> String {
-    let mut out = String::with_capacity(values.iter().map(|(k, v)| k.len() + v.len() + 2).sum());
+/// The value of [`INJECTED_REQUIRED_ANNOTATION`] for `values` (key, value pairs in key order,
+/// as a map gives them); empty for none.
+pub fn encode_required<K: AsRef<str>, V: AsRef<str>>(
+    values: impl IntoIterator<Item = (K, V), IntoIter: Clone>,
+) -> String {
+    let values = values.into_iter();
+    let size = values
+        .clone()
+        .map(|(k, v)| k.as_ref().len() + v.as_ref().len() + 2)
+        .sum();
+    let mut out = String::with_capacity(size);
     for (k, v) in values {
         if !out.is_empty() {
             out.push(',');
         }
-        out.push_str(k);
+        out.push_str(k.as_ref());
         out.push('=');
-        out.push_str(v);
+        out.push_str(v.as_ref());
     }
     out
 }

@@ -483,6 +483,22 @@ async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
         &got,
         Want::Error(403),
     );
+    // Refused before its body is read as a review: an unauthenticated client learns nothing
+    // from what it sends (not even that it was malformed, or of the wrong type).
+    for path in [endpoints::MUTATE_POD, endpoints::VALIDATE_PPS] {
+        for (content_type, sent) in [
+            ("application/json", &b"{not json"[..]),
+            ("text/plain", &body[..]),
+        ] {
+            let got = anonymous.post(path, content_type, sent).await;
+            check(
+                path,
+                "no client certificate, bad body",
+                &got,
+                Want::Error(403),
+            );
+        }
+    }
     let conversion = serde_json::to_vec(&json!({"request": {"uid": "c", "desiredAPIVersion": "apps.kruise.io/v1beta1", "objects": []}}))
         .expect("json");
     let got = anonymous

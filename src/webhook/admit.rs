@@ -295,39 +295,42 @@ impl Decision {
 pub fn decide(pod: &Pod, namespace: &str, lookup: &dyn Lookup) -> Decision {
     let name = pod.metadata.name.clone().unwrap_or_default();
     let workload = pod_workload(pod, namespace);
-    let mut decision = Decision {
+    let (pps, verdict) = match &workload {
+        None => (None, Verdict::Skip(SkipReason::NoController)),
+        Some(workload) => judge(pod, namespace, &name, workload, lookup),
+    };
+    Decision {
         namespace: namespace.to_owned(),
         pod: name,
-        workload: workload.clone(),
-        pps: None,
-        verdict: Verdict::Skip(SkipReason::NoController),
-    };
-    let Some(workload) = workload else {
-        return decision;
-    };
-    if !lookup.handles(&workload.kind) {
-        decision.verdict = Verdict::Skip(SkipReason::NotStatefulSet);
-        return decision;
+        workload,
+        pps,
+        verdict,
     }
-    let Some(pps) = lookup.pps_for(&workload) else {
-        decision.verdict = Verdict::Skip(SkipReason::NoPersistentPodState);
-        return decision;
+}
+
+/// The PersistentPodState in force for pod `name`, controlled by `workload`, and what it gets.
+fn judge(
+    pod: &Pod,
+    namespace: &str,
+    name: &str,
+    workload: &WorkloadRef,
+    lookup: &dyn Lookup,
+) -> (Option<Arc<PersistentPodState>>, Verdict) {
+    if !lookup.handles(&workload.kind) {
+        return (None, Verdict::Skip(SkipReason::NotStatefulSet));
+    }
+    let Some(pps) = lookup.pps_for(workload) else {
+        return (None, Verdict::Skip(SkipReason::NoPersistentPodState));
     };
-    decision.pps = Some(pps.clone());
-    let Some(state) = pps
-        .status
-        .as_ref()
-        .and_then(|s| s.pod_states.get(&decision.pod))
-    else {
-        decision.verdict = Verdict::Skip(SkipReason::NoState);
-        return decision;
+    let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(name)) else {
+        return (Some(pps), Verdict::Skip(SkipReason::NoState));
     };
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
     let (demands, health) = (PodDemands::of(pod), lookup.health());
     let place = |recorded: &BTreeMap<String, String>| {
         placement::required(recorded, &demands, lookup.nodes(), &health)
     };
-    let holder = |ip: &str| lookup.ip_holder(ip, namespace, &decision.pod);
+    let holder = |ip: &str| lookup.ip_holder(ip, namespace, name);
     let ip = ip_request::decide(
         pps.annotations()
             .get(IP_REQUEST_ANNOTATION)
@@ -341,11 +344,11 @@ pub fn decide(pod: &Pod, namespace: &str, lookup: &dyn Lookup) -> Decision {
         _ => None,
     };
     let injection = injection_for(pod, pps_name, &pps.spec, state, &place, request);
-    decision.verdict = Verdict::Inject {
+    let verdict = Verdict::Inject {
         injection: Box::new(injection),
         ip,
     };
-    decision
+    (Some(pps), verdict)
 }
 
 #[cfg(test)]

@@ -161,15 +161,11 @@ pub fn injection_for(
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     out.required = injected.len();
-    let ours: BTreeMap<String, String> = placed
-        .kept
-        .iter()
-        .filter(|(key, value)| {
-            set_by_pod(key).is_none()
-                || (set_by_pod(key) == Some(*value) && added_before.get(*key) == Some(*value))
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    // In key order (`kept` is sorted), as the annotation is written.
+    let ours = placed.kept.iter().filter(|(key, value)| {
+        set_by_pod(key).is_none()
+            || (set_by_pod(key) == Some(*value) && added_before.get(*key) == Some(*value))
+    });
     match &pod_spec.node_selector {
         None if !injected.is_empty() => patch.add(&["spec", "nodeSelector"], &injected),
         None => {}
@@ -255,7 +251,7 @@ pub fn injection_for(
     }
     // The webhook's own annotations say exactly what it did: which PersistentPodState, and
     // which required values it added (none: the annotation is not there).
-    let required_text = (!ours.is_empty()).then(|| encode_required(&ours));
+    let required_text = Some(encode_required(ours)).filter(|text| !text.is_empty());
     let own = [
         (INJECTED_ANNOTATION, Some(pps_name)),
         (INJECTED_REQUIRED_ANNOTATION, required_text.as_deref()),

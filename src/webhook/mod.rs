@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::StatusCode;
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::Response;
 use axum::routing::post;
 
@@ -99,42 +99,41 @@ impl WebhookState {
     }
 }
 
-/// Guards the routes that answer from the caches, in one layer: 403 to an admission request
-/// without a verified client certificate when `--client-ca` is set (checked first: an
-/// unauthenticated client learns nothing, not even whether we synced), then 503 until the
-/// caches have synced, so the API server's failurePolicy decides rather than a silent
-/// "allowed" from empty caches.
-async fn guard(State(state): State<Arc<WebhookState>>, request: Request, next: Next) -> Response {
-    if state.client_auth
+/// Whether a request to a route that answers from the caches may be answered: 403 to an
+/// admission request without a verified client certificate when `--client-ca` is set (checked
+/// first: an unauthenticated client learns nothing, not even whether we synced), then 503 until
+/// the caches have synced, so the API server's failurePolicy decides rather than a silent
+/// "allowed" from empty caches. Checked by the review extractor ([`review::Review`]) before the
+/// body is read as a review.
+pub(crate) fn refusal(state: &WebhookState, request: &Request) -> Option<Response> {
+    let (status, result, message) = if state.client_auth
         && !request
             .extensions()
             .get::<ClientCertificate>()
             .is_some_and(|c| c.verified)
     {
-        state
-            .metrics
-            .refused(request.uri().path(), AdmissionResult::Forbidden);
-        return error_response(
+        (
             StatusCode::FORBIDDEN,
+            AdmissionResult::Forbidden,
             "a client certificate signed by the configured CA is required",
-        );
-    }
-    if !state.caches.is_synced() {
-        state
-            .metrics
-            .refused(request.uri().path(), AdmissionResult::Unavailable);
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "caches are not synced yet");
-    }
-    next.run(request).await
+        )
+    } else if !state.caches.is_synced() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            AdmissionResult::Unavailable,
+            "caches are not synced yet",
+        )
+    } else {
+        return None;
+    };
+    state.metrics.refused(request.uri().path(), result);
+    Some(error_response(status, message))
 }
 
 /// The admission routes. Conversion needs no cache, so it is served from the first moment (the
-/// API server needs it to read v1alpha1 objects at all); the others wait for the caches.
+/// API server needs it to read v1alpha1 objects at all); the others read their review with
+/// [`review::Review`], which waits for the caches ([`refusal`]).
 pub fn router(state: Arc<WebhookState>) -> Router {
-    let from_caches = Router::new()
-        .route(endpoints::MUTATE_POD, post(mutate_pod::mutate_pod))
-        .route(endpoints::VALIDATE_PPS, post(validate_pps::validate_pps))
-        .route_layer(middleware::from_fn_with_state(state.clone(), guard));
     let limit = RequestLimit::new(
         OTHER_BUDGET,
         REQUEST_TIMEOUT,
@@ -145,7 +144,8 @@ pub fn router(state: Arc<WebhookState>) -> Router {
     .endpoint(endpoints::VALIDATE_PPS, VALIDATE_BUDGET)
     .endpoint(endpoints::CONVERT, CONVERT_BUDGET);
     Router::new()
-        .merge(from_caches)
+        .route(endpoints::MUTATE_POD, post(mutate_pod::mutate_pod))
+        .route(endpoints::VALIDATE_PPS, post(validate_pps::validate_pps))
         .route(endpoints::CONVERT, post(convert::convert_objects))
         .fallback(|| async { error_response(StatusCode::NOT_FOUND, "no such path") })
         .method_not_allowed_fallback(|| async {

@@ -698,7 +698,9 @@ fn bad_request(
     error_response(StatusCode::BAD_REQUEST, &e.to_string())
 }
 
-/// Extracts a parsed AdmissionReview (its uid readable), or answers a JSON 4xx.
+/// Extracts a parsed AdmissionReview (its uid readable), or answers a JSON 4xx; first, a request
+/// the caches may not answer yet, or from a client without the required certificate, is
+/// answered 503 or 403 without its body being read as a review ([`super::refusal`]).
 pub struct Review {
     /// The parsed request.
     pub request: AdmissionRequest,
@@ -710,6 +712,9 @@ impl FromRequest<Arc<WebhookState>> for Review {
     type Rejection = Response;
 
     async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
+        if let Some(refused) = super::refusal(state, &req) {
+            return Err(refused);
+        }
         let received = Instant::now();
         let too_complex = req.extensions().get::<TooComplex>().copied();
         let (body, path) = body(req, state).await?;

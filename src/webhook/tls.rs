@@ -145,7 +145,7 @@ impl ResolvesServerCert for ReloadingCert {
 /// A rustls server configuration (ring provider, TLS 1.2 and 1.3, h2 and http/1.1) serving the
 /// reloading certificate at `cert`/`key` (its expiry kept in `expiry`). With `client_ca`, a client certificate is verified
 /// against its CAs: a connection presenting an invalid one is refused; one presenting none is
-/// accepted, and the admission routes then answer 403 (see `webhook::guard`),
+/// accepted, and the admission routes then answer 403 (see `webhook::refusal`),
 /// while `/convert` stays open (the API server presents admission client certificates from its
 /// AdmissionConfiguration, but none for CRD conversion).
 pub fn server_config(
