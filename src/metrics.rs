@@ -389,6 +389,53 @@ pub struct Metrics {
     pub cached_persistent_pod_states: Gauge,
     /// When the serving certificate in use expires (Unix seconds).
     pub serving_certificate_expiry: Gauge,
+    /// The series an admission counts in, resolved once.
+    series: AdmissionSeries,
+}
+
+/// The series of the admission families, resolved once for every label set they expose (all
+/// made at start): counting a review then neither hashes its labels nor takes the families'
+/// locks.
+#[derive(Default)]
+struct AdmissionSeries {
+    /// Per served endpoint: the request counter per result (in [`AdmissionResult::ALL`]'s
+    /// order), and the latency histogram.
+    endpoints: Vec<(&'static str, Vec<Counter>, Histogram)>,
+    /// The injection counter per kind (in [`InjectionKind::ALL`]'s order).
+    injections: Vec<Counter>,
+}
+
+impl AdmissionSeries {
+    fn of(m: &Metrics) -> Self {
+        Self {
+            endpoints: endpoints::ALL
+                .into_iter()
+                .map(|endpoint| {
+                    let requests = AdmissionResult::ALL
+                        .iter()
+                        .map(|&result| {
+                            m.admission_requests
+                                .get_or_create(&AdmissionLabels { endpoint, result })
+                                .clone()
+                        })
+                        .collect();
+                    let duration = m
+                        .admission_duration
+                        .get_or_create(&EndpointLabels { endpoint })
+                        .clone();
+                    (endpoint, requests, duration)
+                })
+                .collect(),
+            injections: InjectionKind::ALL
+                .iter()
+                .map(|&kind| {
+                    m.injections
+                        .get_or_create(&InjectionLabels { kind })
+                        .clone()
+                })
+                .collect(),
+        }
+    }
 }
 
 fn latency_histogram() -> Histogram {
@@ -434,6 +481,7 @@ impl Metrics {
             cached_workloads: Gauge::default(),
             watched_workload_kinds: Gauge::default(),
             serving_certificate_expiry: Gauge::default(),
+            series: AdmissionSeries::default(),
         };
         registry.register(
             "admission_requests",
@@ -577,6 +625,7 @@ impl Metrics {
         m.expose_every_label_set();
         Self {
             registry: root,
+            series: AdmissionSeries::of(&m),
             ..m
         }
     }
@@ -645,12 +694,45 @@ impl Metrics {
 
     /// Counts one admission request and its latency since `start`.
     pub fn admission(&self, endpoint: &'static str, result: AdmissionResult, start: Instant) {
-        self.admission_requests
-            .get_or_create(&AdmissionLabels { endpoint, result })
-            .inc();
-        self.admission_duration
-            .get_or_create(&EndpointLabels { endpoint })
-            .observe(start.elapsed().as_secs_f64());
+        let elapsed = start.elapsed().as_secs_f64();
+        let resolved = self
+            .series
+            .endpoints
+            .iter()
+            .find(|(e, _, _)| *e == endpoint)
+            .and_then(|(_, requests, duration)| {
+                let at = AdmissionResult::ALL.iter().position(|r| *r == result)?;
+                Some((requests.get(at)?, duration))
+            });
+        match resolved {
+            Some((requests, duration)) => {
+                requests.inc();
+                duration.observe(elapsed);
+            }
+            None => {
+                self.admission_requests
+                    .get_or_create(&AdmissionLabels { endpoint, result })
+                    .inc();
+                self.admission_duration
+                    .get_or_create(&EndpointLabels { endpoint })
+                    .observe(elapsed);
+            }
+        }
+    }
+
+    /// Counts `n` items of `kind` injected.
+    pub fn injected(&self, kind: InjectionKind, n: u64) {
+        match InjectionKind::ALL
+            .iter()
+            .position(|k| *k == kind)
+            .and_then(|at| self.series.injections.get(at))
+        {
+            Some(counter) => counter.inc_by(n),
+            None => self
+                .injections
+                .get_or_create(&InjectionLabels { kind })
+                .inc_by(n),
+        };
     }
 
     /// Times one reconcile of `controller` until the timer is dropped.
@@ -714,6 +796,43 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn every_resolved_series_counts_in_its_own_exposed_label_set() {
+        let m = Metrics::new();
+        let paths = endpoints::ALL.into_iter().chain(["other"]);
+        let mut n = 0;
+        let mut want = Vec::new();
+        for endpoint in paths {
+            for &result in AdmissionResult::ALL {
+                n += 1;
+                for _ in 0..n {
+                    m.admission(endpoint, result, Instant::now());
+                }
+                want.push(format!(
+                    r#"pps_admission_requests_total{{endpoint="{endpoint}",result="{}"}} {n}"#,
+                    result.as_str()
+                ));
+            }
+            let per_endpoint =
+                AdmissionResult::ALL.len() * (2 * n + 1 - AdmissionResult::ALL.len()) / 2;
+            want.push(format!(
+                r#"pps_admission_duration_seconds_count{{endpoint="{endpoint}"}} {per_endpoint}"#
+            ));
+        }
+        for (i, &kind) in InjectionKind::ALL.iter().enumerate() {
+            m.injected(kind, i as u64 + 2);
+            want.push(format!(
+                r#"pps_injections_total{{kind="{}"}} {}"#,
+                kind.as_str(),
+                i + 2
+            ));
+        }
+        let text = m.encode();
+        for line in want {
+            assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+        }
     }
 
     #[test]

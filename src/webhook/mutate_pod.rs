@@ -304,9 +304,7 @@ fn report(
         (InjectionKind::Annotations, injection.annotations),
     ] {
         if n > 0 {
-            m.injections
-                .get_or_create(&InjectionLabels { kind })
-                .inc_by(n as u64);
+            m.injected(kind, n as u64);
         }
     }
     if let Some(dropped) = &injection.dropped {
