@@ -300,7 +300,8 @@ fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<Strin
         return None;
     }
     let pinned = encode_required(&values);
-    if let Some(dropped) = placement::required(&values, &PodDemands::none(), nodes, health).dropped
+    if let Some(dropped) =
+        placement::required(values.clone(), &PodDemands::none(), nodes, health).dropped
     {
         return Some(format!(
             "pinned by the webhook to {pinned}: released now ({})",

@@ -334,7 +334,7 @@ pub struct Required {
 /// the largest subset some such node has (ties: the subset more nodes have, then key order),
 /// so a lost hostname degrades to its zone. What is left out is reported with its reason.
 pub fn required(
-    recorded: &BTreeMap<String, String>,
+    recorded: BTreeMap<String, String>,
     demands: &PodDemands<'_>,
     nodes: &dyn Nodes,
     health: &Health,
@@ -345,7 +345,7 @@ pub fn required(
     let usable = |n: &Node| !health.is_lost(n) && demands.admit(n);
     // The usual case: a carrier of every recorded value is usable (stops at the first).
     let (mut carriers, mut alive) = (0usize, false);
-    let found = nodes.visit_with_labels(recorded, &mut |n| {
+    let found = nodes.visit_with_labels(&recorded, &mut |n| {
         carriers += 1;
         let not_lost = !health.is_lost(n);
         alive |= not_lost;
@@ -353,7 +353,7 @@ pub fn required(
     });
     if found {
         return Required {
-            kept: recorded.clone(),
+            kept: recorded,
             dropped: None,
         };
     }
@@ -389,13 +389,13 @@ pub fn required(
         .unwrap_or_default();
     let mut kept = BTreeMap::new();
     let mut left = BTreeMap::new();
-    for (i, (k, v)) in pairs.into_iter().enumerate() {
+    for (i, (k, v)) in recorded.into_iter().enumerate() {
         let target = if best.get(i).copied().unwrap_or(false) {
             &mut kept
         } else {
             &mut left
         };
-        target.insert(k.clone(), v.clone());
+        target.insert(k, v);
     }
     Required {
         kept,
@@ -750,7 +750,7 @@ mod tests {
             json!([{"matchExpressions": [expr(ZONE, "NotIn", &["a"])]}]),
         ));
         let choose = |pairs: &[(&str, &str)], p: &Pod| {
-            required(&recorded(pairs), &PodDemands::of(p), &fleet, &h)
+            required(recorded(pairs), &PodDemands::of(p), &fleet, &h)
         };
         let dropped = |pairs: &[(&str, &str)], reason| {
             Some(Dropped {

@@ -228,7 +228,7 @@ pub async fn status(
     let health = Health::now(lost_after);
     let demands = PodDemands::none();
     let place = |recorded: &BTreeMap<String, String>| {
-        placement::required(recorded, &demands, caches.as_ref(), &health)
+        placement::required(recorded.clone(), &demands, caches.as_ref(), &health)
     };
     Ok(list
         .items

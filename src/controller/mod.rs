@@ -73,7 +73,12 @@ impl Context {
                 return placed.clone();
             }
         }
-        let placed = placement::required(values, &PodDemands::none(), self.caches.as_ref(), health);
+        let placed = placement::required(
+            values.clone(),
+            &PodDemands::none(),
+            self.caches.as_ref(),
+            health,
+        );
         let mut memo = crate::sync::lock(&self.placements);
         if memo.nodes_changed == nodes_changed {
             if memo.by_values.len() >= MAX_PLACEMENTS {

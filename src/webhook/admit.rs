@@ -327,7 +327,7 @@ fn judge(
     };
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
     let (demands, health) = (PodDemands::of(pod), lookup.health());
-    let place = |recorded: &BTreeMap<String, String>| {
+    let place = |recorded: BTreeMap<String, String>| {
         placement::required(recorded, &demands, lookup.nodes(), &health)
     };
     let holder = |ip: &str| lookup.ip_holder(ip, namespace, name);

@@ -118,7 +118,7 @@ pub fn injection_for(
     pps_name: &str,
     spec: &PersistentPodStateSpec,
     state: &PodState,
-    place: &dyn Fn(&BTreeMap<String, String>) -> Required,
+    place: &dyn Fn(BTreeMap<String, String>) -> Required,
     ip_request: Option<(&str, &str)>,
 ) -> Injection {
     let mut out = Injection::default();
@@ -143,7 +143,7 @@ pub fn injection_for(
             _ => true,
         });
     }
-    let placed = place(&required);
+    let placed = place(required);
     out.dropped = placed.dropped;
     // What this webhook adds (not what the pod sets itself): what it may later release the
     // pod from. A value it added before (a reinvocation with its own result) stays its own.
@@ -346,9 +346,9 @@ mod tests {
         (serde_json::from_value(v.clone()).expect("valid pod"), v)
     }
 
-    fn anywhere(recorded: &BTreeMap<String, String>) -> Required {
+    fn anywhere(recorded: BTreeMap<String, String>) -> Required {
         Required {
-            kept: recorded.clone(),
+            kept: recorded,
             dropped: None,
         }
     }
@@ -602,10 +602,10 @@ mod tests {
     fn upstream_bug_10_required_values_left_out_are_not_injected_but_preferred_still_is() {
         let (p, raw) = bare_pod();
         let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
-        let gone = |recorded: &BTreeMap<String, String>| Required {
+        let gone = |recorded: BTreeMap<String, String>| Required {
             kept: BTreeMap::new(),
             dropped: Some(Dropped {
-                values: recorded.clone(),
+                values: recorded,
                 reason: DropReason::NodeGone,
             }),
         };
@@ -639,9 +639,9 @@ mod tests {
             "containers": [{"name": "c"}], "nodeSelector": {"disk": "ssd", "rack": "own"}}}));
         let s = spec(&[ZONE, HOST, "rack"], &[], &[]);
         let seen = std::cell::RefCell::new(BTreeMap::new());
-        let keep_zone = |recorded: &BTreeMap<String, String>| {
+        let keep_zone = |recorded: BTreeMap<String, String>| {
             *seen.borrow_mut() = recorded.clone();
-            let mut kept = recorded.clone();
+            let mut kept = recorded;
             let host = kept.remove(HOST);
             Required {
                 kept,

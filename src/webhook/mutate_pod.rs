@@ -564,8 +564,8 @@ mod tests {
             json!({"metadata": {"name": "web-0", "ownerReferences": owner}}),
             json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"affinity": {}}}),
         ];
-        let keep = |recorded: &BTreeMap<String, String>| placement::Required {
-            kept: recorded.clone(),
+        let keep = |recorded: BTreeMap<String, String>| placement::Required {
+            kept: recorded,
             dropped: None,
         };
         for object in pods {
