@@ -99,12 +99,12 @@ impl WebhookState {
     }
 }
 
-/// Whether a request to a route that answers from the caches may be answered: 403 to an
-/// admission request without a verified client certificate when `--client-ca` is set (checked
-/// first: an unauthenticated client learns nothing, not even whether we synced), then 503 until
-/// the caches have synced, so the API server's failurePolicy decides rather than a silent
-/// "allowed" from empty caches. Checked by the review extractor ([`review::Review`]) before the
-/// body is read as a review.
+/// The answer refusing a request to a route that answers from the caches, if it is refused:
+/// 403 to an admission request without a verified client certificate when `--client-ca` is set
+/// (checked first: an unauthenticated client learns nothing, not even whether we synced), then
+/// 503 until the caches have synced, so the API server's failurePolicy decides rather than a
+/// silent "allowed" from empty caches. Checked by the review extractor ([`review::Review`])
+/// before the body is read as a review.
 pub(crate) fn refusal(state: &WebhookState, request: &Request) -> Option<Response> {
     let (status, result, message) = if state.client_auth
         && !request
