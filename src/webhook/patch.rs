@@ -41,8 +41,8 @@ impl PodPatch {
         self.text.extend_from_slice(b"{\"op\":\"");
         self.text.extend_from_slice(op.as_bytes());
         self.text.extend_from_slice(b"\",\"path\":");
-        let written = self.write_pointer(path).and_then(|()| {
-            let Some(value) = value else { return Ok(()) };
+        self.write_pointer(path);
+        let written = value.map_or(Ok(()), |value| {
             self.text.extend_from_slice(b",\"value\":");
             serde_json::to_writer(&mut self.text, value)
         });
@@ -58,23 +58,31 @@ impl PodPatch {
         }
     }
 
-    /// Writes the JSON string of the pointer of `tokens`: as they are when no token needs
-    /// escaping (as a rule: field names and label keys without `/`), else escaped.
-    fn write_pointer(&mut self, tokens: &[&str]) -> serde_json::Result<()> {
-        let plain = |t: &&str| {
-            !t.bytes()
-                .any(|b| matches!(b, b'~' | b'/' | b'"' | b'\\') || b < 0x20)
-        };
-        if tokens.iter().all(plain) {
-            self.text.push(b'"');
-            for token in tokens {
-                self.text.push(b'/');
-                self.text.extend_from_slice(token.as_bytes());
+    /// Writes the JSON string of the pointer of `tokens` in one pass: each token prefixed with
+    /// `/`, its `~` and `/` escaped as a pointer's (`~0`, `~1`) and its `"`, `\\` and control
+    /// characters as JSON's; runs of other bytes (as a rule, whole tokens) are copied as they are.
+    fn write_pointer(&mut self, tokens: &[&str]) {
+        self.text.push(b'"');
+        for token in tokens {
+            self.text.push(b'/');
+            let bytes = token.as_bytes();
+            let mut plain = 0;
+            for (i, &b) in bytes.iter().enumerate() {
+                let escaped: &[u8] = match b {
+                    b'~' => b"~0",
+                    b'/' => b"~1",
+                    b'"' => b"\\\"",
+                    b'\\' => b"\\\\",
+                    0..0x20 => &CONTROL[usize::from(b)],
+                    _ => continue,
+                };
+                self.text.extend_from_slice(&bytes[plain..i]);
+                self.text.extend_from_slice(escaped);
+                plain = i + 1;
             }
-            self.text.push(b'"');
-            return Ok(());
+            self.text.extend_from_slice(&bytes[plain..]);
         }
-        serde_json::to_writer(&mut self.text, &pointer(tokens))
+        self.text.push(b'"');
     }
 
     /// Whether the patch has no operation.
@@ -121,22 +129,18 @@ impl std::fmt::Debug for PodPatch {
     }
 }
 
-/// The JSON Pointer (RFC 6901) of `tokens`: each prefixed with `/`, `~` written `~0` and `/`
-/// written `~1`.
-fn pointer(tokens: &[&str]) -> String {
-    let mut out = String::with_capacity(tokens.iter().map(|t| t.len() + 1).sum());
-    for token in tokens {
-        out.push('/');
-        for c in token.chars() {
-            match c {
-                '~' => out.push_str("~0"),
-                '/' => out.push_str("~1"),
-                c => out.push(c),
-            }
-        }
+/// The JSON escapes of the control characters (U+0000 to U+001F), by code.
+const CONTROL: [[u8; 6]; 0x20] = {
+    let mut table = [*b"\\u0000"; 0x20];
+    let hex = b"0123456789abcdef";
+    let mut c = 0;
+    while c < 0x20 {
+        table[c][4] = hex[c >> 4];
+        table[c][5] = hex[c & 0xf];
+        c += 1;
     }
-    out
-}
+    table
+};
 
 #[cfg(test)]
 mod tests {
@@ -186,6 +190,25 @@ mod tests {
             serde_json::from_slice(&patch.to_bytes().expect("written")).expect("a JSON patch");
         json_patch::patch(&mut doc, &ops).expect("applies");
         assert_eq!(doc["metadata"]["annotations"], json!({"x/y~z": "new"}));
+    }
+
+    proptest::proptest! {
+        /// Any tokens (any characters JSON or a pointer escapes) are written as the JSON string
+        /// of their RFC 6901 pointer.
+        #[test]
+        fn any_tokens_are_written_as_the_json_string_of_their_pointer(
+            tokens in proptest::collection::vec(".*", 0..4)
+        ) {
+            let mut patch = PodPatch::default();
+            let refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
+            patch.write_pointer(&refs);
+            let written: String = serde_json::from_slice(&patch.text).expect("a JSON string");
+            let expected: String = tokens
+                .iter()
+                .map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1")))
+                .collect();
+            proptest::prop_assert_eq!(written, expected);
+        }
     }
 
     #[test]
