@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -122,35 +122,87 @@ impl TooComplex {
     }
 }
 
+/// Units of one budget (an endpoint's slots or bytes) free now. Requests never wait for them
+/// (they are refused at once), so a count taken and given back with atomics is all it takes.
+struct Free(AtomicUsize);
+
+impl Free {
+    /// `n` units, if free now.
+    fn take(&self, n: usize) -> Option<Taken<'_>> {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
+                free.checked_sub(n)
+            })
+            .ok()
+            .map(|_| Taken { free: self, n })
+    }
+}
+
+/// Units taken from a [`Free`] count, given back when dropped.
+struct Taken<'a> {
+    free: &'a Free,
+    n: usize,
+}
+
+impl Taken<'_> {
+    /// `n` more units, if free now (else none, and what is held stays held).
+    fn more(&mut self, n: usize) -> bool {
+        match self.free.take(n) {
+            Some(more) => {
+                self.n += more.n;
+                std::mem::forget(more);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        self.free.0.fetch_add(self.n, Ordering::AcqRel);
+    }
+}
+
 /// One endpoint's share: its slots and its bytes.
 struct Share {
-    slots: Arc<Semaphore>,
-    bytes: Arc<Semaphore>,
+    slots: Free,
+    bytes: Free,
     budget: Budget,
 }
 
 impl Share {
-    fn new(budget: Budget) -> Arc<Self> {
-        Arc::new(Self {
-            slots: Arc::new(Semaphore::new(budget.in_flight)),
-            bytes: Arc::new(Semaphore::new(budget.bytes.min(Semaphore::MAX_PERMITS))),
+    fn new(budget: Budget) -> Self {
+        Self {
+            slots: Free(AtomicUsize::new(budget.in_flight)),
+            bytes: Free(AtomicUsize::new(budget.bytes)),
             budget,
-        })
+        }
     }
 
-    /// `n` bytes of this share, if free now.
-    fn bytes(&self, n: usize) -> Option<OwnedSemaphorePermit> {
-        let n = u32::try_from(n).ok()?;
-        self.bytes.clone().try_acquire_many_owned(n).ok()
+    /// `n` more bytes of this share into `held`, if free now.
+    fn bytes<'a>(&'a self, held: &mut Option<Taken<'a>>, n: usize) -> bool {
+        match held {
+            Some(held) => held.more(n),
+            None => {
+                *held = self.bytes.take(n);
+                held.is_some()
+            }
+        }
     }
 }
 
 /// Requests in flight per endpoint, the bytes they hold, and how long reading and handling one
-/// may take. Slow or heavy requests to one endpoint never take another's share.
+/// may take. Slow or heavy requests to one endpoint never take another's share. Cloned per
+/// request (one reference count).
 #[derive(Clone)]
-pub struct RequestLimit {
-    shares: Arc<HashMap<String, Arc<Share>>>,
-    other: Arc<Share>,
+pub struct RequestLimit(Arc<LimitState>);
+
+/// What a [`RequestLimit`] holds.
+struct LimitState {
+    /// The endpoints with a share of their own (a few: looked up in order).
+    shares: Vec<(String, Share)>,
+    other: Share,
     timeout: Duration,
     body_timeout: Duration,
     max_body: usize,
@@ -168,26 +220,43 @@ impl RequestLimit {
         max_body: usize,
         metrics: Option<Arc<Metrics>>,
     ) -> Self {
-        Self {
-            shares: Arc::default(),
+        Self(Arc::new(LimitState {
+            shares: Vec::new(),
             other: Share::new(other),
             timeout,
             body_timeout: timeout,
             max_body,
             metrics,
-        }
+        }))
     }
 
-    /// `path` gets a share of its own.
-    pub fn endpoint(mut self, path: &str, budget: Budget) -> Self {
-        let mut shares = (*self.shares).clone();
-        shares.insert(path.to_owned(), Share::new(budget));
-        self.shares = Arc::new(shares);
-        self
+    /// `path` gets a share of its own (the limit is built anew, every count free: called as it
+    /// is set up, before it serves).
+    pub fn endpoint(self, path: &str, budget: Budget) -> Self {
+        let old = &self.0;
+        let mut shares: Vec<(String, Share)> = old
+            .shares
+            .iter()
+            .map(|(p, s)| (p.clone(), Share::new(s.budget)))
+            .collect();
+        shares.push((path.to_owned(), Share::new(budget)));
+        Self(Arc::new(LimitState {
+            shares,
+            other: Share::new(old.other.budget),
+            timeout: old.timeout,
+            body_timeout: old.body_timeout,
+            max_body: old.max_body,
+            metrics: old.metrics.clone(),
+        }))
     }
+}
 
-    fn share(&self, path: &str) -> &Arc<Share> {
-        self.shares.get(path).unwrap_or(&self.other)
+impl LimitState {
+    fn share(&self, path: &str) -> &Share {
+        self.shares
+            .iter()
+            .find(|(p, _)| p == path)
+            .map_or(&self.other, |(_, s)| s)
     }
 
     fn refused(&self, path: &str, result: AdmissionResult) {
@@ -249,13 +318,15 @@ pub async fn limit_requests(
     request: Request,
     next: Next,
 ) -> Response {
-    let path = request.uri().path().to_owned();
-    let share = limit.share(&path).clone();
+    let limit = &*limit.0;
+    // Refusals are counted by the endpoint's label (no copy of the path is kept).
+    let path = crate::webhook::endpoints::label(request.uri().path());
+    let share = limit.share(request.uri().path());
     let (parts, body) = request.into_parts();
     let mut chunks = body.into_data_stream();
     // Most bodies arrive as one chunk: kept as it came, copied only when a second one follows.
     let mut bytes = Chunks::default();
-    let mut held: Option<OwnedSemaphorePermit> = None;
+    let mut held: Option<Taken<'_>> = None;
     let read = tokio::time::timeout(limit.body_timeout, async {
         while let Some(chunk) = chunks.next().await {
             let Ok(chunk) = chunk else {
@@ -270,15 +341,11 @@ pub async fn limit_requests(
                     format!("the request body is larger than {} bytes", limit.max_body),
                 ));
             }
-            let Some(permit) = share.bytes(chunk.len()) else {
+            if !share.bytes(&mut held, chunk.len()) {
                 return Err((
                     StatusCode::SERVICE_UNAVAILABLE,
                     "too many bytes in flight; retry".to_owned(),
                 ));
-            };
-            match held.as_mut() {
-                Some(h) => h.merge(permit),
-                None => held = Some(permit),
             }
             bytes.push(chunk);
         }
@@ -300,7 +367,7 @@ pub async fn limit_requests(
         } else {
             AdmissionResult::BadRequest
         };
-        limit.refused(&path, result);
+        limit.refused(path, result);
         // What is still coming is read and dropped, so the client gets the answer.
         discard_body(chunks, limit.max_body, limit.body_timeout).await;
         return error_response(status, &message);
@@ -310,7 +377,7 @@ pub async fn limit_requests(
     // what the share has free, it is taken as it is, without counting the values.
     let bound = bytes.len().saturating_mul(VALUE_COST);
     let quick = bound.saturating_add(bytes.len()) <= share.budget.bytes
-        && share.bytes.available_permits() >= bound.saturating_mul(QUICK_SLACK);
+        && share.bytes.0.load(Ordering::Acquire) >= bound.saturating_mul(QUICK_SLACK);
     let (values, cost) = if quick {
         (bytes.len(), bound)
     } else {
@@ -320,21 +387,15 @@ pub async fn limit_requests(
     let mut too_complex = None;
     if cost.saturating_add(bytes.len()) > share.budget.bytes {
         too_complex = Some(TooComplex { values });
-    } else if cost > 0 {
-        let Some(permit) = share.bytes(cost) else {
-            limit.refused(&path, AdmissionResult::Overloaded);
-            return error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many bytes in flight; retry",
-            );
-        };
-        match held.as_mut() {
-            Some(h) => h.merge(permit),
-            None => held = Some(permit),
-        }
+    } else if cost > 0 && !share.bytes(&mut held, cost) {
+        limit.refused(path, AdmissionResult::Overloaded);
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many bytes in flight; retry",
+        );
     }
-    let Ok(_slot) = share.slots.clone().try_acquire_owned() else {
-        limit.refused(&path, AdmissionResult::Overloaded);
+    let Some(_slot) = share.slots.take(1) else {
+        limit.refused(path, AdmissionResult::Overloaded);
         return error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "too many requests in flight; retry",
@@ -349,7 +410,7 @@ pub async fn limit_requests(
     match answered {
         Ok(response) => response,
         Err(_) => {
-            limit.refused(&path, AdmissionResult::TimedOut);
+            limit.refused(path, AdmissionResult::TimedOut);
             error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
         }
     }
@@ -713,6 +774,28 @@ async fn run_http<IO>(
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn a_share_takes_only_what_is_free_and_gets_it_back_when_dropped() {
+        let share = Share::new(Budget {
+            in_flight: 1,
+            bytes: 100,
+        });
+        let free = |f: &Free| f.0.load(Ordering::Acquire);
+        let mut held = None;
+        assert!(share.bytes(&mut held, 60));
+        assert!(!share.bytes(&mut held, 50), "over the budget: refused");
+        assert_eq!(free(&share.bytes), 40, "a refusal takes nothing");
+        assert!(share.bytes(&mut held, 40));
+        assert_eq!(free(&share.bytes), 0);
+        drop(held);
+        assert_eq!(free(&share.bytes), 100, "all given back at once");
+        let slot = share.slots.take(1);
+        assert!(slot.is_some());
+        assert!(share.slots.take(1).is_none(), "the only slot is held");
+        drop(slot);
+        assert!(share.slots.take(1).is_some(), "given back");
+    }
 
     #[tokio::test]
     async fn a_watched_socket_writes_vectored_and_counts_it_as_activity() {

@@ -643,6 +643,9 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
     // The first is answered when its time is up.
     let timed_out = first.await.expect("task").expect("infallible");
     unavailable_saying(timed_out, "timed out").await;
+    // Its slot was given back: the next request is handled (and times out in turn).
+    let next = app.clone().oneshot(request()).await.expect("infallible");
+    unavailable_saying(next, "timed out").await;
 }
 
 /// Checks that `response` is a 503 whose JSON `error` mentions `what`.
