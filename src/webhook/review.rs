@@ -17,7 +17,7 @@ use std::time::Instant;
 use crate::serving::{TooComplex, error_response};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -549,18 +549,21 @@ impl Admission {
         out.extend_from_slice(b"}}");
         (
             StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/json")],
+            [(header::CONTENT_TYPE, JSON)],
             out,
         )
             .into_response()
     }
 }
 
+/// The answers' content type (static: not copied per answer).
+const JSON: HeaderValue = HeaderValue::from_static("application/json");
+
 /// `body` as a JSON response; `size` is the room to start with (the body's usual length).
 fn json_response(status: StatusCode, body: &impl Serialize, size: usize) -> Response {
     let mut bytes = Vec::with_capacity(size);
     match serde_json::to_writer(&mut bytes, body) {
-        Ok(()) => (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
+        Ok(()) => (status, [(header::CONTENT_TYPE, JSON)], bytes).into_response(),
         Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     }
 }
