@@ -547,12 +547,7 @@ impl Admission {
             out.push(b'"');
         }
         out.extend_from_slice(b"}}");
-        (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, JSON)],
-            out,
-        )
-            .into_response()
+        (StatusCode::OK, [(header::CONTENT_TYPE, JSON)], out).into_response()
     }
 }
 
