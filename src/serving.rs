@@ -252,11 +252,12 @@ impl RequestLimit {
 }
 
 impl LimitState {
-    fn share(&self, path: &str) -> &Share {
+    /// The share of `path`, and the path it is kept under (`other` for the rest).
+    fn share(&self, path: &str) -> (&str, &Share) {
         self.shares
             .iter()
             .find(|(p, _)| p == path)
-            .map_or(&self.other, |(_, s)| s)
+            .map_or(("other", &self.other), |(p, s)| (p, s))
     }
 
     fn refused(&self, path: &str, result: AdmissionResult) {
@@ -319,9 +320,8 @@ pub async fn limit_requests(
     next: Next,
 ) -> Response {
     let limit = &*limit.0;
-    // Refusals are counted by the endpoint's label (no copy of the path is kept).
-    let path = crate::webhook::endpoints::label(request.uri().path());
-    let share = limit.share(request.uri().path());
+    // Refusals are counted under the share's own path (no copy of the request's is kept).
+    let (path, share) = limit.share(request.uri().path());
     let (parts, body) = request.into_parts();
     let mut chunks = body.into_data_stream();
     // Most bodies arrive as one chunk: kept as it came, copied only when a second one follows.
@@ -774,6 +774,34 @@ async fn run_http<IO>(
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn refusals_are_counted_under_the_endpoint_or_other() {
+        use tower::ServiceExt;
+        let metrics = Arc::new(Metrics::new());
+        let none = Budget {
+            in_flight: 0,
+            bytes: 1 << 20,
+        };
+        let limit = RequestLimit::new(none, Duration::from_secs(1), 1 << 20, Some(metrics.clone()))
+            .endpoint("/mutate-pod", none);
+        let app = Router::new()
+            .route("/mutate-pod", axum::routing::post(|| async { "" }))
+            .route("/elsewhere", axum::routing::post(|| async { "" }))
+            .route_layer(axum::middleware::from_fn_with_state(limit, limit_requests));
+        for path in ["/mutate-pod", "/elsewhere"] {
+            let request = Request::post(path).body(Body::empty()).expect("request");
+            let response = app.clone().oneshot(request).await.expect("infallible");
+            assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{path}");
+        }
+        let text = metrics.encode();
+        for endpoint in ["/mutate-pod", "other"] {
+            let series = format!(
+                "pps_admission_requests_total{{endpoint=\"{endpoint}\",result=\"overloaded\"}} 1"
+            );
+            assert!(text.contains(&series), "{series} in {text}");
+        }
+    }
 
     #[test]
     fn a_share_takes_only_what_is_free_and_gets_it_back_when_dropped() {
