@@ -127,14 +127,23 @@ impl TooComplex {
 struct Free(AtomicUsize);
 
 impl Free {
-    /// `n` units, if free now.
-    fn take(&self, n: usize) -> Option<Taken<'_>> {
+    /// Takes `n` units if they are free now.
+    fn sub(&self, n: usize) -> bool {
         self.0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
                 free.checked_sub(n)
             })
-            .ok()
-            .map(|_| Taken { free: self, n })
+            .is_ok()
+    }
+
+    /// `n` units, if free now.
+    fn take(&self, n: usize) -> Option<Taken<'_>> {
+        self.sub(n).then_some(Taken { free: self, n })
+    }
+
+    /// The units free now.
+    fn available(&self) -> usize {
+        self.0.load(Ordering::Acquire)
     }
 }
 
@@ -147,14 +156,11 @@ struct Taken<'a> {
 impl Taken<'_> {
     /// `n` more units, if free now (else none, and what is held stays held).
     fn more(&mut self, n: usize) -> bool {
-        match self.free.take(n) {
-            Some(more) => {
-                self.n += more.n;
-                std::mem::forget(more);
-                true
-            }
-            None => false,
+        let taken = self.free.sub(n);
+        if taken {
+            self.n += n;
         }
+        taken
     }
 }
 
@@ -377,7 +383,7 @@ pub async fn limit_requests(
     // what the share has free, it is taken as it is, without counting the values.
     let bound = bytes.len().saturating_mul(VALUE_COST);
     let quick = bound.saturating_add(bytes.len()) <= share.budget.bytes
-        && share.bytes.0.load(Ordering::Acquire) >= bound.saturating_mul(QUICK_SLACK);
+        && share.bytes.available() >= bound.saturating_mul(QUICK_SLACK);
     let (values, cost) = if quick {
         (bytes.len(), bound)
     } else {
@@ -809,7 +815,7 @@ mod tests {
             in_flight: 1,
             bytes: 100,
         });
-        let free = |f: &Free| f.0.load(Ordering::Acquire);
+        let free = Free::available;
         let mut held = None;
         assert!(share.bytes(&mut held, 60));
         assert!(!share.bytes(&mut held, 50), "over the budget: refused");
