@@ -475,12 +475,11 @@ async fn discard_body(mut chunks: axum::body::BodyDataStream, max: usize, within
     .await;
 }
 
-/// Whether a connection's client presented a verified certificate (HTTPS connections only).
+/// Marks the requests of a connection whose client presented a certificate verified against
+/// `--client-ca` (HTTPS connections only; other connections' requests carry no mark, so they
+/// pay for no extension).
 #[derive(Clone, Copy, Debug)]
-pub struct ClientCertificate {
-    /// Presented and verified against `--client-ca`.
-    pub verified: bool,
-}
+pub struct VerifiedClient;
 
 /// When a connection last read or wrote a byte.
 #[derive(Clone)]
@@ -718,10 +717,13 @@ async fn serve_connection(
         Some(acceptor) => {
             match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => {
-                    // Whether the client presented a certificate the configured CA verified
-                    // (rustls refused the handshake if it presented a bad one).
-                    let verified = stream.get_ref().1.peer_certificates().is_some();
-                    let app = app.layer(axum::Extension(ClientCertificate { verified }));
+                    // A client that presented a certificate the configured CA verified (rustls
+                    // refused the handshake if it presented a bad one) has its requests marked.
+                    let app = if stream.get_ref().1.peer_certificates().is_some() {
+                        app.layer(axum::Extension(VerifiedClient))
+                    } else {
+                        app
+                    };
                     run_http(stream, peer, app, limits, activity, shutdown).await
                 }
                 Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),

@@ -23,7 +23,7 @@ use axum::routing::post;
 
 use crate::events::Events;
 use crate::metrics::{AdmissionResult, Metrics};
-use crate::serving::{Budget, ClientCertificate, RequestLimit, error_response, limit_requests};
+use crate::serving::{Budget, RequestLimit, VerifiedClient, error_response, limit_requests};
 use crate::state::Caches;
 use crate::workload::CustomKinds;
 use admit::IpReservations;
@@ -106,26 +106,22 @@ impl WebhookState {
 /// silent "allowed" from empty caches. Checked by the review extractor ([`review::Review`])
 /// before the body is read as a review.
 pub(crate) fn refusal(state: &WebhookState, request: &Request) -> Option<Response> {
-    let (status, result, message) = if state.client_auth
-        && !request
-            .extensions()
-            .get::<ClientCertificate>()
-            .is_some_and(|c| c.verified)
-    {
-        (
-            StatusCode::FORBIDDEN,
-            AdmissionResult::Forbidden,
-            "a client certificate signed by the configured CA is required",
-        )
-    } else if !state.caches.is_synced() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            AdmissionResult::Unavailable,
-            "caches are not synced yet",
-        )
-    } else {
-        return None;
-    };
+    let (status, result, message) =
+        if state.client_auth && request.extensions().get::<VerifiedClient>().is_none() {
+            (
+                StatusCode::FORBIDDEN,
+                AdmissionResult::Forbidden,
+                "a client certificate signed by the configured CA is required",
+            )
+        } else if !state.caches.is_synced() {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                AdmissionResult::Unavailable,
+                "caches are not synced yet",
+            )
+        } else {
+            return None;
+        };
     state.metrics.refused(request.uri().path(), result);
     Some(error_response(status, message))
 }
