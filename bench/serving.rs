@@ -13,7 +13,8 @@
 //!
 //! Figures: maximum throughput (closed loop, `--connections` keep-alive HTTP/1.1 connections,
 //! as the API server calls webhooks); server CPU per review (user + system, from
-//! `/proc/PID/stat`, over the answered reviews); p99 latency at half the floor's median maximum
+//! `/proc/PID/stat`, over the answered reviews; in the layer table also apart, with the
+//! context switches of the server's threads per review, from `/proc/PID/task/*/status`); p99 latency at half the floor's median maximum
 //! (open loop, oha's `-q` with `--latency-correction`: a request's latency counts from when it
 //! was due). Medians over the runs, with min and max.
 
@@ -22,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use persistent_pod_state::benchkit::{cpu_seconds, flag, median};
+use persistent_pod_state::benchkit::{context_switches, cpu_times, flag, median};
 use persistent_pod_state::synthetic;
 use serde_json::Value;
 
@@ -84,7 +85,12 @@ impl Server {
 struct Outcome {
     throughput: f64,
     p99_us: f64,
+    /// CPU per review, user plus system.
     cpu_us: f64,
+    /// User CPU per review.
+    user_us: f64,
+    /// Context switches of the server's threads per review.
+    switches: f64,
 }
 
 struct Load<'a> {
@@ -139,9 +145,9 @@ impl Load<'_> {
         if let Some(rate) = rate {
             cmd.args(["-q", &format!("{rate:.0}"), "--latency-correction"]);
         }
-        let before = cpu_seconds(server.pid)?;
+        let (before, switched) = (cpu_times(server.pid)?, context_switches(server.pid)?);
         let out = cmd.output().context("running oha")?;
-        let after = cpu_seconds(server.pid)?;
+        let (after, switches) = (cpu_times(server.pid)?, context_switches(server.pid)?);
         anyhow::ensure!(
             out.status.success(),
             "oha failed: {}",
@@ -170,7 +176,9 @@ impl Load<'_> {
                 .as_f64()
                 .context("p99")?
                 * 1e6,
-            cpu_us: (after - before) / ok * 1e6,
+            cpu_us: (after.0 + after.1 - before.0 - before.1) / ok * 1e6,
+            user_us: (after.0 - before.0) / ok * 1e6,
+            switches: switches.saturating_sub(switched) as f64 / ok,
         })
     }
 }
@@ -355,20 +363,26 @@ fn main() -> anyhow::Result<()> {
         "Where the CPU goes: the floor with the webhook's layers added one at a time (at max, medians):"
     );
     println!();
-    println!("| server | req/s | CPU per review (µs) | added by the layer (µs) | over the floor |");
-    println!("|---|---|---|---|---|");
-    let base = median(&ladder_runs[0].iter().map(|o| o.cpu_us).collect::<Vec<_>>());
+    println!(
+        "| server | req/s | CPU per review (µs) | added by the layer (µs) | over the floor | user, system (µs) | context switches per review |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let med = |outcomes: &[Outcome], f: fn(&Outcome) -> f64| {
+        figure(median(&outcomes.iter().map(f).collect::<Vec<_>>()))
+    };
+    let base = med(&ladder_runs[0], |o| o.cpu_us)?;
     let mut previous = base;
     for (server, outcomes) in all.iter().zip(&ladder_runs) {
-        let cpu = figure(median(
-            &outcomes.iter().map(|o| o.cpu_us).collect::<Vec<_>>(),
-        ))?;
-        let throughput = median(&outcomes.iter().map(|o| o.throughput).collect::<Vec<_>>());
+        let cpu = med(outcomes, |o| o.cpu_us)?;
+        let user = med(outcomes, |o| o.user_us)?;
+        let system = med(outcomes, |o| o.cpu_us - o.user_us)?;
         println!(
-            "| {} | {throughput:.0} | {cpu:.1} | {:+.1} | {:.2} |",
+            "| {} | {:.0} | {cpu:.1} | {:+.1} | {:.2} | {user:.1}, {system:.1} | {:.2} |",
             server.name,
+            med(outcomes, |o| o.throughput)?,
             cpu - previous,
-            cpu / base
+            cpu / base,
+            med(outcomes, |o| o.switches)?,
         );
         previous = cpu;
     }

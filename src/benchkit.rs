@@ -25,15 +25,42 @@ pub fn quantile(values: &[f64], q: f64) -> f64 {
 
 /// User plus system CPU seconds process `pid` has spent (from `/proc/PID/stat`).
 pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    cpu_times(pid).map(|(user, system)| user + system)
+}
+
+/// User and system CPU seconds process `pid` has spent, apart (from `/proc/PID/stat`).
+pub fn cpu_times(pid: u32) -> anyhow::Result<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let rest = stat
         .get(stat.rfind(')').context("/proc/PID/stat")? + 2..)
         .context("/proc/PID/stat")?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = fields.get(11).context("utime")?.parse::<f64>()?
-        + fields.get(12).context("stime")?.parse::<f64>()?;
     // USER_HZ is 100 on Linux.
-    Ok(ticks / 100.0)
+    let seconds = |i: usize, what: &str| -> anyhow::Result<f64> {
+        Ok(fields.get(i).context(what.to_owned())?.parse::<f64>()? / 100.0)
+    };
+    Ok((seconds(11, "utime")?, seconds(12, "stime")?))
+}
+
+/// Context switches (voluntary and not) of the threads of process `pid` alive now, summed
+/// (from `/proc/PID/task/*/status`; a thread that has exited no longer counts).
+pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        // A thread may exit between the listing and the read.
+        let Ok(status) = std::fs::read_to_string(task?.path().join("status")) else {
+            continue;
+        };
+        for line in status.lines() {
+            if let Some(n) = line
+                .strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                total += n.trim().parse::<u64>().context("ctxt_switches")?;
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// The median of `values` (mean of the middle two for an even count); NaN when there are none.
