@@ -14,9 +14,10 @@
 //! Figures: maximum throughput (closed loop, `--connections` keep-alive HTTP/1.1 connections,
 //! as the API server calls webhooks); server CPU per review (user + system, from
 //! `/proc/PID/stat`, over the answered reviews; in the layer table also apart, with the
-//! context switches of the server's threads per review, from `/proc/PID/task/*/status`); p99 latency at half the floor's median maximum
-//! (open loop, oha's `-q` with `--latency-correction`: a request's latency counts from when it
-//! was due). Medians over the runs, with min and max.
+//! context switches of the server's threads per review, from `/proc/PID/task/*/status`); p99
+//! latency at half the floor's median maximum (open loop, oha's `-q` with
+//! `--latency-correction`: a request's latency counts from when it was due). Medians over the
+//! runs, with min and max.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
