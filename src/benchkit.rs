@@ -28,18 +28,12 @@ pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     cpu_times(pid).map(|(user, system)| user + system)
 }
 
-/// User and system CPU seconds process `pid` has spent, apart (from `/proc/PID/stat`).
+/// User and system CPU seconds process `pid` has spent, apart (from `/proc/PID/stat`, read as
+/// the process metrics read it).
 pub fn cpu_times(pid: u32) -> anyhow::Result<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat
-        .get(stat.rfind(')').context("/proc/PID/stat")? + 2..)
-        .context("/proc/PID/stat")?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // USER_HZ is 100 on Linux.
-    let seconds = |i: usize, what: &str| -> anyhow::Result<f64> {
-        Ok(fields.get(i).context(what.to_owned())?.parse::<f64>()? / 100.0)
-    };
-    Ok((seconds(11, "utime")?, seconds(12, "stime")?))
+    let parsed = crate::metrics::parse_proc_stat(&stat).context("/proc/PID/stat")?;
+    Ok((parsed.user_seconds, parsed.system_seconds))
 }
 
 /// Context switches (voluntary and not) of the threads of process `pid` alive now, summed

@@ -230,6 +230,10 @@ pub struct ProcessMetrics {
 pub struct ProcStat {
     /// User plus system CPU seconds.
     pub cpu_seconds: f64,
+    /// User CPU seconds.
+    pub user_seconds: f64,
+    /// System CPU seconds.
+    pub system_seconds: f64,
     /// Number of threads.
     pub threads: i64,
     /// Start time in seconds after boot.
@@ -247,8 +251,11 @@ pub fn parse_proc_stat(text: &str) -> Option<ProcStat> {
     let f: Vec<&str> = rest.split_whitespace().collect();
     // `rest` starts at field 3 (state): field n is f[n - 3].
     let num = |n: usize| f.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+    let (user, system) = (num(14)? / TICKS, num(15)? / TICKS);
     Some(ProcStat {
-        cpu_seconds: (num(14)? + num(15)?) / TICKS,
+        cpu_seconds: user + system,
+        user_seconds: user,
+        system_seconds: system,
         threads: num(20)? as i64,
         start_after_boot_seconds: num(22)? / TICKS,
         virtual_bytes: num(23)? as i64,
@@ -840,6 +847,7 @@ mod tests {
         let line = "4242 (persistent (pod) state) S 1 2 3 4 5 6 7 8 9 10 250 150 0 0 20 0 12 0 5000 104857600 2560 rest";
         let s = parse_proc_stat(line).expect("parses");
         assert_eq!(s.cpu_seconds, 4.0);
+        assert_eq!((s.user_seconds, s.system_seconds), (2.5, 1.5));
         assert_eq!(s.threads, 12);
         assert_eq!(s.start_after_boot_seconds, 50.0);
         assert_eq!((s.virtual_bytes, s.resident_pages), (104_857_600, 2560));
