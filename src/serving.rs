@@ -3,14 +3,17 @@
 //! gracefully.
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
-//! is closed to make room; a new one is refused only if none frees in time); a deadline for the TLS handshake; a deadline for request headers (HTTP/1); an idle
+//! is closed to make room; a new one is refused only if none frees in time); a deadline for
+//! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from when the
+//! connection is set up or the previous answer is ready; HTTP/2: the first request's); an idle
 //! timeout (no byte read or written for that long closes the connection: a stalled HTTP/2
 //! preface, a body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound
-//! on HTTP/2 streams per connection. Requests are bounded by [`limit_requests`], per endpoint:
-//! a body is read within a deadline and a size limit before the request counts as in flight,
-//! its bytes and what decoding it may build ([`json_values`]) are taken from the endpoint's
-//! byte share, then one of its slots (a refused request's body is read and dropped, so its
-//! client gets the answer).
+//! on HTTP/2 streams per connection; a maximum age. The idle, header and age bounds share one
+//! timer per connection. Requests are bounded by [`limit_requests`], per endpoint: a body is
+//! read within a deadline and a size limit before the request counts as in flight, its bytes
+//! and what decoding it may build ([`json_values`]) are taken from the endpoint's byte share,
+//! then one of its slots (a refused request's body is read and dropped, so its client gets the
+//! answer).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -50,7 +53,9 @@ pub struct Limits {
     pub max_connections: usize,
     /// Deadline of the TLS handshake.
     pub handshake_timeout: Duration,
-    /// Deadline for a request's headers to arrive (HTTP/1).
+    /// Deadline for a request's headers to arrive, from when the connection is set up or (HTTP/1)
+    /// the previous request is answered: an HTTP/1 keep-alive connection is closed after this
+    /// long without a request, an HTTP/2 one only if its first request is late.
     pub header_timeout: Duration,
     /// A connection with no byte read or written for this long is closed.
     pub idle_timeout: Duration,
@@ -481,41 +486,178 @@ async fn discard_body(mut chunks: axum::body::BodyDataStream, max: usize, within
 #[derive(Clone, Copy, Debug)]
 pub struct VerifiedClient;
 
-/// When a connection last read or wrote a byte.
+/// When a connection last read or wrote a byte, and since when it has waited for a request's
+/// headers.
 #[derive(Clone)]
-struct Activity {
+struct Activity(Arc<ActivityState>);
+
+struct ActivityState {
     base: Instant,
-    last_micros: Arc<AtomicU64>,
+    /// When a byte last moved, in µs since `base`.
+    last_micros: AtomicU64,
+    /// Since when (µs since `base`) the connection has waited for a request's headers, or
+    /// [`HANDLING`], or [`NO_HEADER_DEADLINE`].
+    waiting_micros: AtomicU64,
 }
 
+/// A request is being handled: no headers are due.
+const HANDLING: u64 = u64::MAX;
+/// An HTTP/2 connection: its requests' headers have no deadline of their own (its streams and
+/// idle bound hold it).
+const NO_HEADER_DEADLINE: u64 = u64::MAX - 1;
+
 impl Activity {
+    /// A connection starting now, waiting for its first request's headers.
     fn new() -> Self {
-        Self {
+        Self(Arc::new(ActivityState {
             base: Instant::now(),
-            last_micros: Arc::default(),
-        }
+            last_micros: AtomicU64::new(0),
+            waiting_micros: AtomicU64::new(0),
+        }))
+    }
+
+    /// µs since the connection started.
+    fn now_micros(&self) -> u64 {
+        u64::try_from(self.0.base.elapsed().as_micros()).unwrap_or(NO_HEADER_DEADLINE - 1)
     }
 
     /// When a byte last moved (the connection's start if none has).
     fn last(&self) -> Instant {
-        self.base + Duration::from_micros(self.last_micros.load(Ordering::Relaxed))
+        self.0.base + Duration::from_micros(self.0.last_micros.load(Ordering::Relaxed))
     }
 
     fn touch(&self) {
-        let now = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX);
-        self.last_micros.store(now, Ordering::Relaxed);
+        self.0
+            .last_micros
+            .store(self.now_micros(), Ordering::Relaxed);
     }
 
     /// Resolves once no byte has moved for `idle`.
     async fn idle_for(&self, idle: Duration) {
         loop {
-            let last = Duration::from_micros(self.last_micros.load(Ordering::Relaxed));
-            let quiet = self.base.elapsed().saturating_sub(last);
+            let last = Duration::from_micros(self.0.last_micros.load(Ordering::Relaxed));
+            let quiet = self.0.base.elapsed().saturating_sub(last);
             if quiet >= idle {
                 return;
             }
             tokio::time::sleep(idle - quiet).await;
         }
+    }
+
+    /// The connection waits for the next request's headers from now (an HTTP/1 request was
+    /// answered), or starts to (it has just been set up).
+    fn wait_for_headers(&self) {
+        self.0
+            .waiting_micros
+            .store(self.now_micros(), Ordering::Relaxed);
+    }
+
+    /// A request's headers arrived: it is handled, and no headers are due until it is
+    /// answered (HTTP/1); an HTTP/2 request's connection has no header deadline from then on.
+    fn headers_arrived(&self, version: axum::http::Version) {
+        let state = if version == axum::http::Version::HTTP_2 {
+            NO_HEADER_DEADLINE
+        } else {
+            HANDLING
+        };
+        self.0.waiting_micros.store(state, Ordering::Relaxed);
+    }
+
+    /// Resolves, with its reason, once the connection is past one of its bounds: no byte
+    /// moved for `limits.idle_timeout`, a request's headers waited for `limits.header_timeout`
+    /// (never while a request is handled, nor after an HTTP/2 request), or `limits.max_age`
+    /// reached. One timer per connection, reset only when it fires (hyper's own header deadline
+    /// arms and drops a timer for every request).
+    async fn past_bound(&self, limits: &Limits) -> Bound {
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        loop {
+            let last = self.0.last_micros.load(Ordering::Relaxed);
+            let mut due = (
+                Bound::Idle,
+                last.saturating_add(micros(limits.idle_timeout)),
+            );
+            if let since @ 0..NO_HEADER_DEADLINE = self.0.waiting_micros.load(Ordering::Relaxed) {
+                let late = since.saturating_add(micros(limits.header_timeout));
+                if late < due.1 {
+                    due = (Bound::HeadersLate, late);
+                }
+            }
+            let old = micros(limits.max_age);
+            if old < due.1 {
+                due = (Bound::MaxAge, old);
+            }
+            let now = self.now_micros();
+            if now >= due.1 {
+                return due.0;
+            }
+            tokio::time::sleep(Duration::from_micros(due.1 - now)).await;
+        }
+    }
+}
+
+/// Why a connection is closed by its bounds ([`Activity::past_bound`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bound {
+    /// No byte moved for the idle timeout.
+    Idle,
+    /// A request's headers did not arrive in time.
+    HeadersLate,
+    /// At its maximum age.
+    MaxAge,
+}
+
+/// The app of one connection: each request marks the connection's header deadline as met when
+/// it arrives, and as running again once it is answered.
+#[derive(Clone)]
+struct Marked<S> {
+    inner: S,
+    activity: Activity,
+}
+
+impl<S, B> tower_service::Service<axum::http::Request<B>> for Marked<S>
+where
+    S: tower_service::Service<axum::http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Answering<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
+        let version = request.version();
+        self.activity.headers_arrived(version);
+        Answering {
+            answer: self.inner.call(request),
+            activity: (version != axum::http::Version::HTTP_2).then(|| self.activity.clone()),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request's answer: once it is ready, its HTTP/1 connection waits for the next
+    /// request's headers.
+    struct Answering<F> {
+        #[pin]
+        answer: F,
+        activity: Option<Activity>,
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for Answering<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let polled = this.answer.poll(cx);
+        if polled.is_ready()
+            && let Some(activity) = this.activity.take()
+        {
+            activity.wait_for_headers();
+        }
+        polled
     }
 }
 
@@ -744,14 +886,17 @@ async fn run_http<IO>(
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
+    // The header deadline is this loop's own ([`Activity::headers_late`]), not hyper's.
+    builder.http1().header_read_timeout(None);
     builder
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.max_streams);
+    activity.wait_for_headers();
+    let app = Marked {
+        inner: app,
+        activity: activity.clone(),
+    };
     let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
     tokio::pin!(conn);
     let why = tokio::select! {
@@ -761,8 +906,16 @@ async fn run_http<IO>(
             }
             return;
         }
-        () = activity.idle_for(limits.idle_timeout) => "idle",
-        () = tokio::time::sleep(limits.max_age) => "at its maximum age",
+        bound = activity.past_bound(&limits) => match bound {
+            Bound::Idle => "idle",
+            Bound::MaxAge => "at its maximum age",
+            Bound::HeadersLate => {
+                // No request is in flight: closed at once, as hyper closes one late with its
+                // headers.
+                tracing::debug!(%peer, "closing the connection: a request's headers are late");
+                return;
+            }
+        },
         () = shutdown.cancelled() => "shutting down",
     };
     tracing::debug!(%peer, why, "closing the connection");
@@ -834,6 +987,36 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn headers_are_due_only_while_an_http1_connection_waits_for_a_request() {
+        let limits = Limits {
+            header_timeout: Duration::from_millis(20),
+            idle_timeout: Duration::from_millis(200),
+            max_age: Duration::from_secs(60),
+            ..Limits::WEBHOOK
+        };
+        let activity = Activity::new();
+        activity.wait_for_headers();
+        assert_eq!(activity.past_bound(&limits).await, Bound::HeadersLate);
+        // A request is handled: its connection is bound by being idle, not by headers.
+        activity.headers_arrived(axum::http::Version::HTTP_11);
+        activity.touch();
+        assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
+        // Answered: the next request's headers are due again.
+        activity.wait_for_headers();
+        activity.touch();
+        assert_eq!(activity.past_bound(&limits).await, Bound::HeadersLate);
+        // An HTTP/2 connection has no header deadline once its first request arrived.
+        activity.headers_arrived(axum::http::Version::HTTP_2);
+        activity.touch();
+        assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
+        let old = Limits {
+            max_age: Duration::from_millis(1),
+            ..limits
+        };
+        assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
+    }
+
+    #[tokio::test]
     async fn a_watched_socket_writes_vectored_and_counts_it_as_activity() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let tcp = TcpStream::connect(listener.local_addr().expect("addr"))
@@ -841,12 +1024,13 @@ mod tests {
             .expect("connect");
         let (mut peer, _) = listener.accept().await.expect("accept");
         // Started a second ago and never touched: a touch now stores about 1000 ms (in µs).
-        let activity = Activity {
+        let activity = Activity(Arc::new(ActivityState {
             base: Instant::now()
                 .checked_sub(Duration::from_secs(1))
                 .expect("a second of uptime"),
-            last_micros: Arc::default(),
-        };
+            last_micros: AtomicU64::new(0),
+            waiting_micros: AtomicU64::new(0),
+        }));
         let mut watched = Watched {
             inner: tcp,
             activity: activity.clone(),
@@ -859,7 +1043,7 @@ mod tests {
         let written = watched.write_vectored(&slices).await.expect("write");
         assert_eq!(written, 11, "both slices in one call");
         assert!(
-            activity.last_micros.load(Ordering::Relaxed) >= 1_000_000,
+            activity.0.last_micros.load(Ordering::Relaxed) >= 1_000_000,
             "counted as activity"
         );
         let mut got = [0u8; 11];
