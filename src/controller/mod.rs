@@ -104,10 +104,9 @@ impl Context {
             .flat_map(|c| c.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .collect();
         let health = Health::now(self.node_lost_after);
-        let concerned: Vec<_> = self
-            .caches
-            .pps
-            .state()
+        let all = self.caches.pps.state();
+        let mut placed = report::Placed::default();
+        let concerned: Vec<_> = all
             .iter()
             .filter(|pps| {
                 let Some(status) = pps.status.as_ref() else {
@@ -135,7 +134,7 @@ impl Context {
                 };
                 on_nodes()
                     || waiting()
-                    || (carried() && report::unplaceable_changed(self, pps, &health))
+                    || (carried() && report::unplaceable_changed(self, pps, &health, &mut placed))
             })
             .map(|pps| ObjectRef::from_obj(pps.as_ref()))
             .collect();

@@ -1,8 +1,8 @@
 //! What the controllers report: Events on PersistentPodStates and workloads, and the metrics
 //! that follow what was written or found.
 
-use std::collections::BTreeMap;
 use std::collections::BTreeSet;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
 use kube::ResourceExt;
@@ -182,30 +182,67 @@ fn unplaceable_now(
     record::unplaceable_states(&pps.spec, status, &place)
         .into_iter()
         .map(|(pod, dropped)| {
-            let mut hasher = std::hash::DefaultHasher::new();
-            dropped.hash(&mut hasher);
-            (pod, (dropped, hasher.finish()))
+            let print = print_of(&dropped);
+            (pod, (dropped, print))
         })
         .collect()
 }
 
+/// What each distinct set of required values leaves out now, as the print [`unplaceable_now`]
+/// reports it (none when placeable): asked once per set across the PersistentPodStates one
+/// node change concerns, keyed by values borrowed from their states.
+pub(super) type Placed<'a> = HashMap<Vec<(&'a str, &'a str)>, Option<u64>>;
+
+/// The print of what a state leaves out, as reported.
+fn print_of(dropped: &Dropped) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    dropped.hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Whether what `pps`'s recorded states leave out now differs from what its last reconcile
-/// reported.
-pub(super) fn unplaceable_changed(
+/// reported. Compared state by state, without building the report: a node change asks this of
+/// every PersistentPodState with a state in its zone, so the placements are shared in `placed`.
+pub(super) fn unplaceable_changed<'a>(
     ctx: &Context,
-    pps: &PersistentPodState,
+    pps: &'a PersistentPodState,
     health: &Health,
+    placed: &mut Placed<'a>,
 ) -> bool {
     let Some(status) = pps.status.as_ref() else {
         return false;
     };
-    let now = unplaceable_now(ctx, pps, status, health);
+    let keys = pps.spec.required_keys();
+    let now: Vec<(&str, u64)> = status
+        .pod_states
+        .iter()
+        .filter_map(|(pod, state)| {
+            let values: Vec<(&str, &str)> = keys
+                .iter()
+                .filter_map(|k| {
+                    let v = state.node_topology_labels.get(k.as_str())?;
+                    Some((k.as_str(), v.as_str()))
+                })
+                .collect();
+            let print = *placed.entry(values).or_insert_with_key(|values| {
+                let owned = values
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect();
+                ctx.place_required(&owned, health)
+                    .dropped
+                    .as_ref()
+                    .map(print_of)
+            });
+            Some((pod.as_str(), print?))
+        })
+        .collect();
     let (reported, _) = ctx.reported_unplaceable.lock(&ctx.caches);
     let before = reported.by_pps.get(&ObjectRef::from_obj(pps));
     before.map_or(0, BTreeMap::len) != now.len()
         || now
             .iter()
-            .any(|(pod, (_, print))| before.and_then(|b| b.get(pod)) != Some(print))
+            .any(|(pod, print)| before.and_then(|b| b.get(*pod)) != Some(print))
 }
 
 /// Publishes a Warning Event for each state that newly became unplaceable (its required node or
