@@ -516,7 +516,8 @@ impl Activity {
         }))
     }
 
-    /// µs since the connection started.
+    /// µs since the connection started (kept under the sentinels [`HANDLING`] and
+    /// [`NO_HEADER_DEADLINE`], which it could reach only after half a million years).
     fn now_micros(&self) -> u64 {
         u64::try_from(self.0.base.elapsed().as_micros()).unwrap_or(NO_HEADER_DEADLINE - 1)
     }
