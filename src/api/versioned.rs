@@ -169,15 +169,21 @@ macro_rules! versioned_types {
             /// The recorded values of the required keys in `state`: what a re-created pod must
             /// match (keys without a recorded value are left out).
             pub fn required_values(&self, state: &PodState) -> BTreeMap<String, String> {
-                self.required_keys()
-                    .iter()
-                    .filter_map(|k| {
-                        state
-                            .node_topology_labels
-                            .get(k.as_str())
-                            .map(|v| (k.clone(), v.to_string()))
-                    })
+                self.required_pairs(state)
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
                     .collect()
+            }
+
+            /// [`Self::required_values`], borrowed from the spec and `state`, in the keys'
+            /// order.
+            pub fn required_pairs<'a>(
+                &'a self,
+                state: &'a PodState,
+            ) -> impl Iterator<Item = (&'a str, &'a str)> {
+                self.required_keys().iter().filter_map(|k| {
+                    let v = state.node_topology_labels.get(k.as_str())?;
+                    Some((k.as_str(), v.as_str()))
+                })
             }
         }
     };

@@ -212,18 +212,11 @@ pub(super) fn unplaceable_changed<'a>(
     let Some(status) = pps.status.as_ref() else {
         return false;
     };
-    let keys = pps.spec.required_keys();
     let now: Vec<(&str, u64)> = status
         .pod_states
         .iter()
         .filter_map(|(pod, state)| {
-            let values: Vec<(&str, &str)> = keys
-                .iter()
-                .filter_map(|k| {
-                    let v = state.node_topology_labels.get(k.as_str())?;
-                    Some((k.as_str(), v.as_str()))
-                })
-                .collect();
+            let values: Vec<(&str, &str)> = pps.spec.required_pairs(state).collect();
             let print = *placed.entry(values).or_insert_with_key(|values| {
                 let owned = values
                     .iter()
