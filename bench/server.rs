@@ -1,9 +1,10 @@
 //! bench-server: the webhook's HTTPS serving path (the same router, serving loop, TLS and
 //! decision as `serve`) over caches filled with a synthetic cluster, without a cluster.
 //!
-//! `bench-server --listen ADDR --cert-dir DIR [--pps N] [--states N] [--nodes N] [--kruise]`
-//! writes a certificate for 127.0.0.1 into DIR (ca.crt for clients) and serves until
-//! SIGTERM/SIGINT; with `--kruise` the PersistentPodStates target Advanced StatefulSets.
+//! `bench-server --listen ADDR --cert-dir DIR [--pps N] [--states N] [--nodes N] [--kruise]
+//! [--admission-threads N]` writes a certificate for 127.0.0.1 into DIR (ca.crt for clients)
+//! and serves until SIGTERM/SIGINT; with `--kruise` the PersistentPodStates target Advanced
+//! StatefulSets. It serves on a runtime of its own of N threads (1), as `serve` does.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::serving::{Limits, serve};
+use persistent_pod_state::serving::{Limits, OwnRuntime, serve};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use tokio_util::sync::CancellationToken;
@@ -81,7 +82,10 @@ async fn main() -> anyhow::Result<()> {
         pps * per_pps
     );
     let shutdown = CancellationToken::new();
-    let server = tokio::spawn(serve(
+    // As `serve` runs it: on a runtime of its own, of one thread (`--admission-threads`).
+    let admission = OwnRuntime::new("pps-admission", number("--admission-threads", 1)?)?;
+    let listener = admission.adopt(listener)?;
+    let server = admission.spawn(serve(
         listener,
         Some(tokio_rustls::TlsAcceptor::from(tls)),
         router(state),

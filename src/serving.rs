@@ -727,6 +727,55 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
     }
 }
 
+/// A tokio runtime of a server's own (`serve --admission-threads`): what runs on it is never
+/// held up by the tasks of the process's main runtime (the controllers' reconciles, the caches'
+/// relists), and a server on one thread hands no connection between threads. Shut down in the
+/// background when dropped: a runtime may not be dropped within async code, where `serve` holds
+/// it, and what it still runs then (Events being published) is let go.
+pub struct OwnRuntime {
+    runtime: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+}
+
+impl OwnRuntime {
+    /// A runtime of `threads` worker threads (at least one), named `name`.
+    pub fn new(name: &str, threads: usize) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name(name)
+            .enable_all()
+            .build()?;
+        Ok(Self {
+            handle: runtime.handle().clone(),
+            runtime: Some(runtime),
+        })
+    }
+
+    /// `listener`, bound on another runtime, moved to this one (whose threads then wait on it).
+    pub fn adopt(&self, listener: TcpListener) -> std::io::Result<TcpListener> {
+        let listener = listener.into_std()?;
+        let _entered = self.handle.enter();
+        TcpListener::from_std(listener)
+    }
+
+    /// Runs `task` on this runtime; its handle may be awaited from any runtime.
+    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.handle.spawn(task)
+    }
+}
+
+impl Drop for OwnRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` (over TLS when `tls` is given), then drains
 /// connections for at most `drain`.
 pub async fn serve(
@@ -963,6 +1012,48 @@ mod tests {
             );
             assert!(text.contains(&series), "{series} in {text}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_server_on_its_own_runtime_answers_from_that_runtime_and_stops_with_it() {
+        let own = OwnRuntime::new("pps-test-own", 1).expect("runtime");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let listener = own.adopt(listener).expect("adopt");
+        // The handler says which thread runs it.
+        let app = Router::new().route(
+            "/",
+            axum::routing::get(|| async {
+                std::thread::current().name().unwrap_or_default().to_owned()
+            }),
+        );
+        let shutdown = CancellationToken::new();
+        let server = own.spawn(serve(
+            listener,
+            None,
+            app,
+            Limits::PROBES,
+            shutdown.clone(),
+            Duration::from_secs(1),
+        ));
+        let mut tcp = TcpStream::connect(addr).await.expect("connect");
+        tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut answer = String::new();
+        tcp.read_to_string(&mut answer).await.expect("read");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(
+            answer.ends_with("pps-test-own"),
+            "answered on the server's own runtime, not the caller's: {answer}"
+        );
+        // Awaited from the caller's runtime; the runtime is then dropped within async code.
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("stopped in time")
+            .expect("not failed");
+        drop(own);
     }
 
     #[test]

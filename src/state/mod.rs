@@ -397,9 +397,11 @@ impl Caches {
     /// validation, or in a race), the oldest by creation time, then by name. The webhook and
     /// the controller both use this one; the others record nothing.
     pub fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
-        let names = self.pps_names_for(workload);
-        names
-            .iter()
+        // Read in place under the index's lock (no list of names copied per review); the
+        // writer takes the store's lock and the index's one after the other, never both.
+        self.pps_by_target
+            .read()
+            .get(workload)
             .filter_map(|name| {
                 self.pps
                     .get(&ObjectRef::new(name).within(&workload.namespace))
