@@ -4,7 +4,7 @@
 //! `bench-server --listen ADDR --cert-dir DIR [--pps N] [--states N] [--nodes N] [--kruise]
 //! [--admission-threads N]` writes a certificate for 127.0.0.1 into DIR (ca.crt for clients)
 //! and serves until SIGTERM/SIGINT; with `--kruise` the PersistentPodStates target Advanced
-//! StatefulSets. It serves on a runtime of its own of N threads (1), as `serve` does.
+//! StatefulSets. It serves on N threads of its own (2), as `serve` does.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::serving::{Limits, OwnRuntime, serve};
+use persistent_pod_state::serving::{Limits, ServerThreads};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use tokio_util::sync::CancellationToken;
@@ -82,17 +82,16 @@ async fn main() -> anyhow::Result<()> {
         pps * per_pps
     );
     let shutdown = CancellationToken::new();
-    // As `serve` runs it: on a runtime of its own, of one thread (`--admission-threads`).
-    let admission = OwnRuntime::new("pps-admission", number("--admission-threads", 1)?)?;
-    let listener = admission.adopt(listener)?;
-    let server = admission.spawn(serve(
+    // As `serve` runs it: on threads of its own (`--admission-threads`, 2 as `serve`'s default).
+    let admission = ServerThreads::new("pps-admission", number("--admission-threads", 2)?)?;
+    let server = admission.serve(
         listener,
         Some(tokio_rustls::TlsAcceptor::from(tls)),
         router(state),
         Limits::WEBHOOK,
         shutdown.clone(),
         Duration::from_secs(2),
-    ));
+    )?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => {}

@@ -173,10 +173,11 @@ pub struct ServeArgs {
     /// Seconds to keep serving after SIGTERM with readiness failing, before refusing connections.
     #[arg(long, env = "PPS_SHUTDOWN_DELAY_SECONDS", default_value_t = 3)]
     pub shutdown_delay_seconds: u64,
-    /// Threads that serve the admission webhooks, on a runtime of their own: the controllers
-    /// and caches never hold them up. One answers tens of thousands of reviews a second
-    /// (BENCHMARKS.md); more let a review too large to decode at once not delay the others.
-    #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = 1,
+    /// Threads that serve the admission webhooks, apart from the controllers' (which never
+    /// hold them up), each serving the connections it accepted. One answers tens of thousands
+    /// of reviews a second (BENCHMARKS.md); a second keeps answering while the kernel preempts
+    /// the first or it decodes a review of megabytes.
+    #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = 2,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub admission_threads: u16,
     /// Seconds to let requests in flight finish once no longer accepting.

@@ -19,7 +19,7 @@ use crate::events::Events;
 use crate::leader::{self, Ended, Fence, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
-use crate::serving::{self, Limits, OwnRuntime};
+use crate::serving::{self, Limits, ServerThreads};
 use crate::state::Caches;
 use crate::supervise;
 use crate::webhook::{self, WebhookState};
@@ -123,19 +123,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }));
     // The admission server on threads of its own (never behind a reconcile or a relist); the
     // probe server stays here, so readiness answers even while admission is busy.
-    let admission = OwnRuntime::new("pps-admission", usize::from(args.admission_threads))
-        .context("starting the admission runtime")?;
-    let webhook_listener = admission
-        .adopt(webhook_listener)
-        .context("moving the webhook listener to the admission runtime")?;
-    let mut webhook_server = admission.spawn(serving::serve(
-        webhook_listener,
-        Some(tokio_rustls::TlsAcceptor::from(tls)),
-        webhook_app,
-        Limits::WEBHOOK,
-        shutdown.clone(),
-        drain,
-    ));
+    let admission = ServerThreads::new("pps-admission", usize::from(args.admission_threads))
+        .context("starting the admission threads")?;
+    let mut webhook_server = admission
+        .serve(
+            webhook_listener,
+            Some(tokio_rustls::TlsAcceptor::from(tls)),
+            webhook_app,
+            Limits::WEBHOOK,
+            shutdown.clone(),
+            drain,
+        )
+        .context("serving the webhook on the admission threads")?;
     // The probe server outlives the webhook drain, so /readyz answers 503 throughout it.
     let probes_stop = CancellationToken::new();
     let mut probe_server = tokio::spawn(serving::serve(

@@ -727,50 +727,79 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
     }
 }
 
-/// A tokio runtime of a server's own (`serve --admission-threads`): what runs on it is never
-/// held up by the tasks of the process's main runtime (the controllers' reconciles, the caches'
-/// relists), and a server on one thread hands no connection between threads. Shut down in the
-/// background when dropped: a runtime may not be dropped within async code, where `serve` holds
-/// it, and what it still runs then (Events being published) is let go.
-pub struct OwnRuntime {
-    runtime: Option<tokio::runtime::Runtime>,
-    handle: tokio::runtime::Handle,
-}
+/// The threads of a server of its own (`serve --admission-threads N`): N runtimes of one thread
+/// each, all accepting on the one listening socket, each serving the connections it accepted
+/// to their end. What runs on them is never held up by the process's main runtime (the
+/// controllers' reconciles, the caches' relists); no connection is handed between threads
+/// (with one runtime of N threads, handing them cost a quarter more CPU per review,
+/// BENCHMARKS.md); and a thread the kernel preempts holds up only its own connections. Shut
+/// down in the background when dropped (a runtime may not be dropped within async code, where
+/// `serve` holds them); what they still run then (Events being published) is let go.
+pub struct ServerThreads(Vec<tokio::runtime::Runtime>);
 
-impl OwnRuntime {
-    /// A runtime of `threads` worker threads (at least one), named `name`.
+impl ServerThreads {
+    /// `threads` runtimes (at least one) of one thread each, named `name`.
     pub fn new(name: &str, threads: usize) -> std::io::Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads.max(1))
-            .thread_name(name)
-            .enable_all()
-            .build()?;
-        Ok(Self {
-            handle: runtime.handle().clone(),
-            runtime: Some(runtime),
-        })
+        (0..threads.max(1))
+            .map(|_| {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name(name)
+                    .enable_all()
+                    .build()
+            })
+            .collect::<std::io::Result<_>>()
+            .map(Self)
     }
 
-    /// `listener`, bound on another runtime, moved to this one (whose threads then wait on it).
-    pub fn adopt(&self, listener: TcpListener) -> std::io::Result<TcpListener> {
+    /// Serves `app` on `listener` (bound on the caller's runtime) from every thread, as
+    /// [`serve`] does; `limits`' connection cap is shared out between them. The task returned
+    /// (on the caller's runtime) ends when a thread's server ends before `shutdown` (with its
+    /// outcome), or once every one has drained after it.
+    pub fn serve(
+        &self,
+        listener: TcpListener,
+        tls: Option<TlsAcceptor>,
+        app: Router,
+        limits: Limits,
+        shutdown: CancellationToken,
+        drain: Duration,
+    ) -> std::io::Result<tokio::task::JoinHandle<Result<(), tokio::task::JoinError>>> {
         let listener = listener.into_std()?;
-        let _entered = self.handle.enter();
-        TcpListener::from_std(listener)
-    }
-
-    /// Runs `task` on this runtime; its handle may be awaited from any runtime.
-    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
-    where
-        F: std::future::Future + Send + 'static,
-        F::Output: Send + 'static,
-    {
-        self.handle.spawn(task)
+        let limits = Limits {
+            max_connections: limits.max_connections.div_ceil(self.0.len()),
+            ..limits
+        };
+        let mut servers = futures::stream::FuturesUnordered::new();
+        for runtime in &self.0 {
+            // Each thread waits on a handle of its own to the one socket.
+            let listener = {
+                let _entered = runtime.enter();
+                TcpListener::from_std(listener.try_clone()?)?
+            };
+            servers.push(runtime.spawn(serve(
+                listener,
+                tls.clone(),
+                app.clone(),
+                limits,
+                shutdown.clone(),
+                drain,
+            )));
+        }
+        Ok(tokio::spawn(async move {
+            while let Some(ended) = servers.next().await {
+                if ended.is_err() || !shutdown.is_cancelled() {
+                    return ended;
+                }
+            }
+            Ok(())
+        }))
     }
 }
 
-impl Drop for OwnRuntime {
+impl Drop for ServerThreads {
     fn drop(&mut self) {
-        if let Some(runtime) = self.runtime.take() {
+        for runtime in self.0.drain(..) {
             runtime.shutdown_background();
         }
     }
@@ -1015,11 +1044,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_server_on_its_own_runtime_answers_from_that_runtime_and_stops_with_it() {
-        let own = OwnRuntime::new("pps-test-own", 1).expect("runtime");
+    async fn a_server_on_threads_of_its_own_answers_from_them_and_stops_with_them() {
+        let threads = ServerThreads::new("pps-test-own", 2).expect("runtimes");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let listener = own.adopt(listener).expect("adopt");
         // The handler says which thread runs it.
         let app = Router::new().route(
             "/",
@@ -1028,32 +1056,38 @@ mod tests {
             }),
         );
         let shutdown = CancellationToken::new();
-        let server = own.spawn(serve(
-            listener,
-            None,
-            app,
-            Limits::PROBES,
-            shutdown.clone(),
-            Duration::from_secs(1),
-        ));
-        let mut tcp = TcpStream::connect(addr).await.expect("connect");
-        tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            .await
-            .expect("write");
-        let mut answer = String::new();
-        tcp.read_to_string(&mut answer).await.expect("read");
-        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        assert!(
-            answer.ends_with("pps-test-own"),
-            "answered on the server's own runtime, not the caller's: {answer}"
-        );
-        // Awaited from the caller's runtime; the runtime is then dropped within async code.
+        let server = threads
+            .serve(
+                listener,
+                None,
+                app,
+                Limits::PROBES,
+                shutdown.clone(),
+                Duration::from_secs(1),
+            )
+            .expect("serving");
+        for _ in 0..4 {
+            let mut tcp = TcpStream::connect(addr).await.expect("connect");
+            tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .await
+                .expect("write");
+            let mut answer = String::new();
+            tcp.read_to_string(&mut answer).await.expect("read");
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            assert!(
+                answer.ends_with("pps-test-own"),
+                "answered on the server's own threads, not the caller's: {answer}"
+            );
+        }
+        assert!(!server.is_finished(), "serving until shut down");
+        // Awaited from the caller's runtime; the runtimes are then dropped within async code.
         shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(10), server)
             .await
             .expect("stopped in time")
-            .expect("not failed");
-        drop(own);
+            .expect("the task ended")
+            .expect("no thread's server failed");
+        drop(threads);
     }
 
     #[test]
