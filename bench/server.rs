@@ -4,7 +4,7 @@
 //! `bench-server --listen ADDR --cert-dir DIR [--pps N] [--states N] [--nodes N] [--kruise]
 //! [--admission-threads N]` writes a certificate for 127.0.0.1 into DIR (ca.crt for clients)
 //! and serves until SIGTERM/SIGINT; with `--kruise` the PersistentPodStates target Advanced
-//! StatefulSets. It serves on N threads of its own (2), as `serve` does.
+//! StatefulSets. It serves on N threads of its own (`serve`'s default), as `serve` does.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::serving::{Limits, ServerThreads};
+use persistent_pod_state::serving::{ADMISSION_THREADS, Limits, ServerThreads};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use tokio_util::sync::CancellationToken;
@@ -82,8 +82,9 @@ async fn main() -> anyhow::Result<()> {
         pps * per_pps
     );
     let shutdown = CancellationToken::new();
-    // As `serve` runs it: on threads of its own (`--admission-threads`, 2 as `serve`'s default).
-    let admission = ServerThreads::new("pps-admission", number("--admission-threads", 2)?)?;
+    // As `serve` runs it: on threads of its own (`--admission-threads`, `serve`'s default).
+    let threads = number("--admission-threads", usize::from(ADMISSION_THREADS))?;
+    let admission = ServerThreads::new("pps-admission", threads)?;
     let server = admission.serve(
         listener,
         Some(tokio_rustls::TlsAcceptor::from(tls)),

@@ -177,7 +177,7 @@ pub struct ServeArgs {
     /// hold them up), each serving the connections it accepted. One answers tens of thousands
     /// of reviews a second (BENCHMARKS.md); a second keeps answering while the kernel preempts
     /// the first or it decodes a review of megabytes.
-    #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = 2,
+    #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = crate::serving::ADMISSION_THREADS,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub admission_threads: u16,
     /// Seconds to let requests in flight finish once no longer accepting.

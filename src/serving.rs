@@ -737,6 +737,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
 /// `serve` holds them); what they still run then (Events being published) is let go.
 pub struct ServerThreads(Vec<tokio::runtime::Runtime>);
 
+/// How many threads serve admission unless told otherwise (`serve --admission-threads`).
+pub const ADMISSION_THREADS: u16 = 2;
+
 impl ServerThreads {
     /// `threads` runtimes (at least one) of one thread each, named `name`.
     pub fn new(name: &str, threads: usize) -> std::io::Result<Self> {
