@@ -16,8 +16,10 @@
 //! `/proc/PID/stat`, over the answered reviews; in the layer table also apart, with the
 //! context switches of the server's threads per review, from `/proc/PID/task/*/status`); p99
 //! latency at half the floor's median maximum (open loop, oha's `-q` with
-//! `--latency-correction`: a request's latency counts from when it was due). Medians over the
-//! runs, with min and max.
+//! `--latency-correction`: a request's latency counts from when it was due), over the requests
+//! sent after a warm-up of 1 s (a quarter of a shorter run: oha sets up every connection at
+//! the start while requests fall due) and over the whole run. Medians over the runs, with min
+//! and max.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -85,7 +87,12 @@ impl Server {
 #[derive(Clone, Copy, Debug)]
 struct Outcome {
     throughput: f64,
+    /// p99 latency over the whole run (at a fixed rate: counted from when each was due).
     p99_us: f64,
+    /// At a fixed rate: p99 latency of the requests sent after the warm-up (NaN otherwise).
+    p99_steady_us: f64,
+    /// At a fixed rate: the requests answered (all of them 200).
+    answered: f64,
     /// CPU per review, user plus system.
     cpu_us: f64,
     /// User CPU per review.
@@ -137,8 +144,10 @@ impl Load<'_> {
     /// One run against `server`, closed loop or at `rate` requests per second.
     fn run(&self, server: &Server, rate: Option<f64>) -> anyhow::Result<Outcome> {
         let mut cmd = Command::new(self.oha);
-        // `-w`: requests in flight at the deadline are answered and counted, not aborted.
-        cmd.args(["--output-format", "json", "-w", "-c"])
+        // `-w`: requests in flight at the deadline are answered and counted, not aborted. At a
+        // fixed rate every request is reported (CSV), so that the warm-up can be told apart.
+        let format = if rate.is_some() { "csv" } else { "json" };
+        cmd.args(["--output-format", format, "-w", "-c"])
             .arg(self.connections.to_string())
             .arg("-z")
             .arg(format!("{}ms", (self.seconds * 1000.0) as u64))
@@ -154,34 +163,96 @@ impl Load<'_> {
             "oha failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let report: Value = serde_json::from_slice(&out.stdout).context("oha's JSON report")?;
-        let codes = report["statusCodeDistribution"]
-            .as_object()
-            .context("status codes")?;
-        let ok = codes.get("200").and_then(Value::as_f64).unwrap_or(0.0);
-        let all: f64 = codes.values().filter_map(Value::as_f64).sum();
-        let errors = report["errorDistribution"]
-            .as_object()
-            .map_or(0, |e| e.len());
-        anyhow::ensure!(
-            ok > 0.0 && ok == all && errors == 0,
-            "{}: not every request was answered 200: {codes:?}, errors {}",
-            server.name,
-            report["errorDistribution"]
-        );
+        let (ok, throughput, p99_us, p99_steady_us) = if rate.is_some() {
+            let requests = fixed_rate_requests(&out.stdout, &server.name)?;
+            let ok = requests.len() as f64;
+            let warm_up = (self.seconds / 4.0).min(WARM_UP_SECONDS);
+            let steady: Vec<f64> = requests
+                .iter()
+                .filter(|(sent, _)| *sent >= warm_up)
+                .map(|(_, latency)| *latency)
+                .collect();
+            let all: Vec<f64> = requests.iter().map(|(_, latency)| *latency).collect();
+            (
+                ok,
+                ok / self.seconds,
+                percentile(all, 0.99) * 1e6,
+                percentile(steady, 0.99) * 1e6,
+            )
+        } else {
+            let report: Value = serde_json::from_slice(&out.stdout).context("oha's JSON report")?;
+            let codes = report["statusCodeDistribution"]
+                .as_object()
+                .context("status codes")?;
+            let ok = codes.get("200").and_then(Value::as_f64).unwrap_or(0.0);
+            let all: f64 = codes.values().filter_map(Value::as_f64).sum();
+            let errors = report["errorDistribution"]
+                .as_object()
+                .map_or(0, |e| e.len());
+            anyhow::ensure!(
+                ok > 0.0 && ok == all && errors == 0,
+                "{}: not every request was answered 200: {codes:?}, errors {}",
+                server.name,
+                report["errorDistribution"]
+            );
+            let p99 = report["latencyPercentiles"]["p99"]
+                .as_f64()
+                .context("p99")?;
+            (
+                ok,
+                report["summary"]["requestsPerSec"]
+                    .as_f64()
+                    .context("requestsPerSec")?,
+                p99 * 1e6,
+                f64::NAN,
+            )
+        };
         Ok(Outcome {
-            throughput: report["summary"]["requestsPerSec"]
-                .as_f64()
-                .context("requestsPerSec")?,
-            p99_us: report["latencyPercentiles"]["p99"]
-                .as_f64()
-                .context("p99")?
-                * 1e6,
+            throughput,
+            p99_us,
+            p99_steady_us,
+            answered: ok,
             cpu_us: (after.0 + after.1 - before.0 - before.1) / ok * 1e6,
             user_us: (after.0 - before.0) / ok * 1e6,
             switches: switches.saturating_sub(switched) as f64 / ok,
         })
     }
+}
+
+/// How long a fixed-rate run warms up before its steady-state latency counts: oha sets up its
+/// connections (every TLS handshake at once) while requests fall due, and their latency counts
+/// from when they were due; 1 s covers that and the backlog it leaves.
+const WARM_UP_SECONDS: f64 = 1.0;
+
+/// Each request of oha's CSV report (every one answered 200): when it was sent (seconds from
+/// the start) and its latency (counted from when it was due).
+fn fixed_rate_requests(csv: &[u8], server: &str) -> anyhow::Result<Vec<(f64, f64)>> {
+    let text = std::str::from_utf8(csv).context("oha's CSV report")?;
+    let mut lines = text.lines();
+    anyhow::ensure!(
+        lines.next()
+            == Some("request-start,DNS,DNS+dialup,Response-delay,request-duration,bytes,status"),
+        "oha's CSV report starts with an unexpected header"
+    );
+    let requests = lines
+        .map(|line| {
+            let fields: Vec<&str> = line.split(',').collect();
+            anyhow::ensure!(
+                fields.len() == 7 && fields[6] == "200",
+                "{server}: a request not answered 200: {line}"
+            );
+            Ok((fields[0].parse()?, fields[4].parse()?))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    anyhow::ensure!(!requests.is_empty(), "{server}: no request answered");
+    Ok(requests)
+}
+
+/// The `q` quantile of `values` (NaN when there are none).
+fn percentile(mut values: Vec<f64>, q: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let at = ((values.len() as f64 * q) as usize).min(values.len().saturating_sub(1));
+    values.get(at).copied().unwrap_or(f64::NAN)
 }
 
 /// Min, median and max of one figure over the runs.
@@ -339,10 +410,25 @@ fn main() -> anyhow::Result<()> {
             "<= 1.5",
         ),
         (
-            &*format!("p99 at {half} req/s (µs)"),
+            &*format!("p99 at {half} req/s, after the warm-up (µs)"),
+            spread(&fixed[0], |o| o.p99_steady_us),
+            spread(&fixed[1], |o| o.p99_steady_us),
+            "<= 1.5",
+        ),
+        (
+            &*format!("p99 at {half} req/s, the whole run (µs)"),
             spread(&fixed[0], |o| o.p99_us),
             spread(&fixed[1], |o| o.p99_us),
-            "<= 1.5",
+            "",
+        ),
+        (
+            &*format!(
+                "reviews answered at {half} req/s ({:.0} due)",
+                half * load.seconds
+            ),
+            spread(&fixed[0], |o| o.answered),
+            spread(&fixed[1], |o| o.answered),
+            "",
         ),
         (
             &*format!("CPU per review at {half} req/s (µs)"),

@@ -174,9 +174,9 @@ pub struct ServeArgs {
     #[arg(long, env = "PPS_SHUTDOWN_DELAY_SECONDS", default_value_t = 3)]
     pub shutdown_delay_seconds: u64,
     /// Threads that serve the admission webhooks, apart from the controllers' (which never
-    /// hold them up), each serving the connections it accepted. One answers tens of thousands
-    /// of reviews a second (BENCHMARKS.md); a second keeps answering while the kernel preempts
-    /// the first or it decodes a review of megabytes.
+    /// hold them up); each new connection goes to the one serving the fewest, which serves it
+    /// to its end. One answers tens of thousands of reviews a second (BENCHMARKS.md); a second
+    /// keeps answering while the kernel preempts the first or it decodes a review of megabytes.
     #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = crate::serving::ADMISSION_THREADS,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub admission_threads: u16,

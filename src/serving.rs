@@ -728,13 +728,14 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
 }
 
 /// The threads of a server of its own (`serve --admission-threads N`): N runtimes of one thread
-/// each, all accepting on the one listening socket, each serving the connections it accepted
-/// to their end. What runs on them is never held up by the process's main runtime (the
-/// controllers' reconciles, the caches' relists); no connection is handed between threads
-/// (with one runtime of N threads, handing them cost a quarter more CPU per review,
-/// BENCHMARKS.md); and a thread the kernel preempts holds up only its own connections. Shut
-/// down in the background when dropped (a runtime may not be dropped within async code, where
-/// `serve` holds them); what they still run then (Events being published) is let go.
+/// each. The first one accepts, and hands each new connection to the thread serving the fewest
+/// (connections are spread evenly, whichever thread the kernel wakes), which serves it to its
+/// end. What runs on them is never held up by the process's main runtime (the controllers'
+/// reconciles, the caches' relists); no connection moves between threads once served (with one
+/// runtime of N threads, moving them cost a quarter more CPU per review, BENCHMARKS.md); and a
+/// thread the kernel preempts holds up only its own connections. Shut down in the background
+/// when dropped (a runtime may not be dropped within async code, where `serve` holds them);
+/// what they still run then (Events being published) is let go.
 pub struct ServerThreads(Vec<tokio::runtime::Runtime>);
 
 /// How many threads serve admission unless told otherwise (`serve --admission-threads`).
@@ -755,10 +756,9 @@ impl ServerThreads {
             .map(Self)
     }
 
-    /// Serves `app` on `listener` (bound on the caller's runtime) from every thread, as
-    /// [`serve`] does; `limits`' connection cap is shared out between them. The task returned
-    /// (on the caller's runtime) ends when a thread's server ends before `shutdown` (with its
-    /// outcome), or once every one has drained after it.
+    /// Serves `app` on `listener` (bound on the caller's runtime) from these threads, as
+    /// [`serve`] does (one connection cap over them all). The task returned ends once the
+    /// server has drained after `shutdown`.
     pub fn serve(
         &self,
         listener: TcpListener,
@@ -767,36 +767,22 @@ impl ServerThreads {
         limits: Limits,
         shutdown: CancellationToken,
         drain: Duration,
-    ) -> std::io::Result<tokio::task::JoinHandle<Result<(), tokio::task::JoinError>>> {
-        let listener = listener.into_std()?;
-        let limits = Limits {
-            max_connections: limits.max_connections.div_ceil(self.0.len()),
-            ..limits
+    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        let first = self
+            .0
+            .first()
+            .ok_or_else(|| std::io::Error::other("no server threads"))?;
+        let listener = {
+            let _entered = first.enter();
+            TcpListener::from_std(listener.into_std()?)?
         };
-        let mut servers = futures::stream::FuturesUnordered::new();
-        for runtime in &self.0 {
-            // Each thread waits on a handle of its own to the one socket.
-            let listener = {
-                let _entered = runtime.enter();
-                TcpListener::from_std(listener.try_clone()?)?
-            };
-            servers.push(runtime.spawn(serve(
-                listener,
-                tls.clone(),
-                app.clone(),
-                limits,
-                shutdown.clone(),
-                drain,
-            )));
-        }
-        Ok(tokio::spawn(async move {
-            while let Some(ended) = servers.next().await {
-                if ended.is_err() || !shutdown.is_cancelled() {
-                    return ended;
-                }
-            }
-            Ok(())
-        }))
+        let threads = Spread(
+            self.0
+                .iter()
+                .map(|runtime| (runtime.handle().clone(), Arc::default()))
+                .collect(),
+        );
+        Ok(first.spawn(accept(listener, tls, app, limits, shutdown, drain, threads)))
     }
 }
 
@@ -805,6 +791,35 @@ impl Drop for ServerThreads {
         for runtime in self.0.drain(..) {
             runtime.shutdown_background();
         }
+    }
+}
+
+/// The threads a server's connections are spread over, each with how many it serves now;
+/// none: the accepting task's own runtime serves them.
+struct Spread(Vec<(tokio::runtime::Handle, Arc<AtomicUsize>)>);
+
+impl Spread {
+    /// The thread serving the fewest connections (the first of those tied), and its count.
+    fn least_loaded(&self) -> Option<&(tokio::runtime::Handle, Arc<AtomicUsize>)> {
+        self.0
+            .iter()
+            .min_by_key(|(_, serving)| serving.load(Ordering::Relaxed))
+    }
+}
+
+/// One connection counted on its thread until dropped.
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn new(serving: &Arc<AtomicUsize>) -> Self {
+        serving.fetch_add(1, Ordering::Relaxed);
+        Self(serving.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -817,6 +832,27 @@ pub async fn serve(
     limits: Limits,
     shutdown: CancellationToken,
     drain: Duration,
+) {
+    accept(
+        listener,
+        tls,
+        app,
+        limits,
+        shutdown,
+        drain,
+        Spread(Vec::new()),
+    )
+    .await;
+}
+
+async fn accept(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+    drain: Duration,
+    threads: Spread,
 ) {
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
@@ -857,10 +893,30 @@ pub async fn serve(
         };
         let (tls, app) = (tls.clone(), app.clone());
         let entry = live.enter(&shutdown);
-        connections.spawn(async move {
-            let _slot = slot;
-            serve_connection(tls, tcp, peer, app, limits, entry).await;
-        });
+        let Some((thread, serving)) = threads.least_loaded() else {
+            connections.spawn(async move {
+                let _slot = slot;
+                serve_connection(tls, tcp, peer, app, limits, entry).await;
+            });
+            continue;
+        };
+        // Moved to the chosen thread's reactor: taken off this one's here, put on that one's
+        // there.
+        let tcp = match tcp.into_std() {
+            Ok(tcp) => tcp,
+            Err(error) => {
+                tracing::debug!(%error, %peer, "could not hand the connection to a thread");
+                continue;
+            }
+        };
+        let counted = Counted::new(serving);
+        thread.spawn(connections.track_future(async move {
+            let (_slot, _counted) = (slot, counted);
+            match TcpStream::from_std(tcp) {
+                Ok(tcp) => serve_connection(tls, tcp, peer, app, limits, entry).await,
+                Err(error) => tracing::debug!(%error, %peer, "could not serve the connection"),
+            }
+        }));
     }
     drop(listener);
     connections.close();
@@ -1047,7 +1103,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_server_on_threads_of_its_own_answers_from_them_and_stops_with_them() {
+    async fn a_server_on_threads_of_its_own_spreads_connections_over_them_and_stops_with_them() {
         let threads = ServerThreads::new("pps-test-own", 2).expect("runtimes");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
@@ -1055,7 +1111,8 @@ mod tests {
         let app = Router::new().route(
             "/",
             axum::routing::get(|| async {
-                std::thread::current().name().unwrap_or_default().to_owned()
+                let thread = std::thread::current();
+                format!("{:?} {}", thread.id(), thread.name().unwrap_or_default())
             }),
         );
         let shutdown = CancellationToken::new();
@@ -1069,28 +1126,74 @@ mod tests {
                 Duration::from_secs(1),
             )
             .expect("serving");
-        for _ in 0..4 {
+        // Eight connections held open, one after the other: each goes to the thread serving
+        // fewer, so they alternate (whichever thread the kernel would have woken to accept).
+        let mut held = Vec::new();
+        let mut served_on = Vec::new();
+        for _ in 0..8 {
             let mut tcp = TcpStream::connect(addr).await.expect("connect");
-            tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
                 .await
                 .expect("write");
-            let mut answer = String::new();
-            tcp.read_to_string(&mut answer).await.expect("read");
+            let mut answer = Vec::new();
+            let mut buf = [0u8; 512];
+            while !answer.ends_with(b"pps-test-own") {
+                let n = tcp.read(&mut buf).await.expect("read");
+                assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&answer));
+                answer.extend_from_slice(&buf[..n]);
+            }
+            let answer = String::from_utf8(answer).expect("text");
             assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-            assert!(
-                answer.ends_with("pps-test-own"),
-                "answered on the server's own threads, not the caller's: {answer}"
-            );
+            let thread = answer.rsplit("\r\n").next().unwrap_or_default().to_owned();
+            served_on.push(thread);
+            held.push(tcp);
+        }
+        let (first, second) = (&served_on[0], &served_on[1]);
+        assert_ne!(first, second, "two threads serve: {served_on:?}");
+        for (k, thread) in served_on.iter().enumerate() {
+            let expected = if k % 2 == 0 { first } else { second };
+            assert_eq!(thread, expected, "alternating: {served_on:?}");
         }
         assert!(!server.is_finished(), "serving until shut down");
         // Awaited from the caller's runtime; the runtimes are then dropped within async code.
+        drop(held);
         shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(10), server)
             .await
             .expect("stopped in time")
-            .expect("the task ended")
-            .expect("no thread's server failed");
+            .expect("the server ended without a panic");
         drop(threads);
+    }
+
+    #[test]
+    fn the_least_loaded_thread_is_the_first_of_those_serving_fewest() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let spread = Spread(
+            [3, 1, 1]
+                .into_iter()
+                .map(|n| (runtime.handle().clone(), Arc::new(AtomicUsize::new(n))))
+                .collect(),
+        );
+        let least = |spread: &Spread| {
+            let (_, serving) = spread.least_loaded().expect("a thread");
+            spread
+                .0
+                .iter()
+                .position(|(_, s)| Arc::ptr_eq(s, serving))
+                .expect("one of them")
+        };
+        assert_eq!(least(&spread), 1);
+        let counted = Counted::new(&spread.0[1].1);
+        assert_eq!(
+            least(&spread),
+            2,
+            "one more on the second: the third serves fewest"
+        );
+        drop(counted);
+        assert_eq!(least(&spread), 1, "counted off when dropped");
+        assert!(Spread(Vec::new()).least_loaded().is_none());
     }
 
     #[test]
