@@ -143,11 +143,13 @@ async fn main() -> anyhow::Result<()> {
     if has("loop") {
         serving::serve(
             listener,
-            Some(acceptor),
-            app,
-            serving::Limits::WEBHOOK,
-            tokio_util::sync::CancellationToken::new(),
-            std::time::Duration::from_secs(1),
+            serving::Server {
+                tls: Some(acceptor),
+                app,
+                limits: serving::Limits::WEBHOOK,
+                shutdown: tokio_util::sync::CancellationToken::new(),
+                drain: std::time::Duration::from_secs(1),
+            },
         )
         .await;
         return Ok(());

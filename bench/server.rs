@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::serving::{ADMISSION_THREADS, Limits, ServerThreads};
+use persistent_pod_state::serving::{ADMISSION_THREADS, Limits, Server, ServerThreads};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use tokio_util::sync::CancellationToken;
@@ -87,11 +87,13 @@ async fn main() -> anyhow::Result<()> {
     let admission = ServerThreads::new("pps-admission", threads)?;
     let server = admission.serve(
         listener,
-        Some(tokio_rustls::TlsAcceptor::from(tls)),
-        router(state),
-        Limits::WEBHOOK,
-        shutdown.clone(),
-        Duration::from_secs(2),
+        Server {
+            tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
+            app: router(state),
+            limits: Limits::WEBHOOK,
+            shutdown: shutdown.clone(),
+            drain: Duration::from_secs(2),
+        },
     )?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {

@@ -19,7 +19,7 @@ use crate::events::Events;
 use crate::leader::{self, Ended, Fence, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
-use crate::serving::{self, Limits, ServerThreads};
+use crate::serving::{self, Limits, Server, ServerThreads};
 use crate::state::Caches;
 use crate::supervise;
 use crate::webhook::{self, WebhookState};
@@ -128,22 +128,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut webhook_server = admission
         .serve(
             webhook_listener,
-            Some(tokio_rustls::TlsAcceptor::from(tls)),
-            webhook_app,
-            Limits::WEBHOOK,
-            shutdown.clone(),
-            drain,
+            Server {
+                tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
+                app: webhook_app,
+                limits: Limits::WEBHOOK,
+                shutdown: shutdown.clone(),
+                drain,
+            },
         )
         .context("serving the webhook on the admission threads")?;
     // The probe server outlives the webhook drain, so /readyz answers 503 throughout it.
     let probes_stop = CancellationToken::new();
     let mut probe_server = tokio::spawn(serving::serve(
         probe_listener,
-        None,
-        probes::router(health.clone()),
-        Limits::PROBES,
-        probes_stop.clone(),
-        drain,
+        Server {
+            tls: None,
+            app: probes::router(health.clone()),
+            limits: Limits::PROBES,
+            shutdown: probes_stop.clone(),
+            drain,
+        },
     ));
 
     let lease = LeaseConfig::from_args(&args.lease)?;

@@ -756,17 +756,13 @@ impl ServerThreads {
             .map(Self)
     }
 
-    /// Serves `app` on `listener` (bound on the caller's runtime) from these threads, as
+    /// Runs `server` on `listener` (bound on the caller's runtime) from these threads, as
     /// [`serve`] does (one connection cap over them all). The task returned ends once the
-    /// server has drained after `shutdown`.
+    /// server has drained after its shutdown.
     pub fn serve(
         &self,
         listener: TcpListener,
-        tls: Option<TlsAcceptor>,
-        app: Router,
-        limits: Limits,
-        shutdown: CancellationToken,
-        drain: Duration,
+        server: Server,
     ) -> std::io::Result<tokio::task::JoinHandle<()>> {
         let first = self
             .0
@@ -782,7 +778,7 @@ impl ServerThreads {
                 .map(|runtime| (runtime.handle().clone(), Arc::default()))
                 .collect(),
         );
-        Ok(first.spawn(accept(listener, tls, app, limits, shutdown, drain, threads)))
+        Ok(first.spawn(accept(listener, server, threads)))
     }
 }
 
@@ -823,37 +819,34 @@ impl Drop for Counted {
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` (over TLS when `tls` is given), then drains
-/// connections for at most `drain`.
-pub async fn serve(
-    listener: TcpListener,
-    tls: Option<TlsAcceptor>,
-    app: Router,
-    limits: Limits,
-    shutdown: CancellationToken,
-    drain: Duration,
-) {
-    accept(
-        listener,
+/// A server: the app it serves, over TLS when `tls` is given, within `limits`, until
+/// `shutdown`; then it drains connections for at most `drain`.
+pub struct Server {
+    /// The TLS acceptor; none: plain HTTP.
+    pub tls: Option<TlsAcceptor>,
+    /// What it answers.
+    pub app: Router,
+    /// What a connection and a request may take.
+    pub limits: Limits,
+    /// Stops accepting when cancelled.
+    pub shutdown: CancellationToken,
+    /// How long connections may take to finish after the shutdown.
+    pub drain: Duration,
+}
+
+/// Runs `server` on `listener`, on the caller's runtime.
+pub async fn serve(listener: TcpListener, server: Server) {
+    accept(listener, server, Spread(Vec::new())).await;
+}
+
+async fn accept(listener: TcpListener, server: Server, threads: Spread) {
+    let Server {
         tls,
         app,
         limits,
         shutdown,
         drain,
-        Spread(Vec::new()),
-    )
-    .await;
-}
-
-async fn accept(
-    listener: TcpListener,
-    tls: Option<TlsAcceptor>,
-    app: Router,
-    limits: Limits,
-    shutdown: CancellationToken,
-    drain: Duration,
-    threads: Spread,
-) {
+    } = server;
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let live = Live::default();
@@ -1119,11 +1112,13 @@ mod tests {
         let server = threads
             .serve(
                 listener,
-                None,
-                app,
-                Limits::PROBES,
-                shutdown.clone(),
-                Duration::from_secs(1),
+                Server {
+                    tls: None,
+                    app,
+                    limits: Limits::PROBES,
+                    shutdown: shutdown.clone(),
+                    drain: Duration::from_secs(1),
+                },
             )
             .expect("serving");
         // Eight connections held open, one after the other: each goes to the thread serving

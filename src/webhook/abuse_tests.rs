@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::testing::state;
 use super::{MAX_BODY, endpoints, router};
 use crate::certs;
-use crate::serving::{Limits, serve};
+use crate::serving::{self, Limits, serve};
 
 const TEST_LIMITS: Limits = Limits {
     max_connections: 64,
@@ -97,11 +97,13 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>) -> Server {
     let stop = CancellationToken::new();
     tokio::spawn(serve(
         listener,
-        Some(tokio_rustls::TlsAcceptor::from(tls)),
-        router(state),
-        TEST_LIMITS,
-        stop.clone(),
-        Duration::from_secs(1),
+        serving::Server {
+            tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
+            app: router(state),
+            limits: TEST_LIMITS,
+            shutdown: stop.clone(),
+            drain: Duration::from_secs(1),
+        },
     ));
     let mut roots = rustls::RootCertStore::empty();
     for cert in rustls::pki_types::CertificateDer::pem_slice_iter(bundle.ca_cert.as_bytes()) {
@@ -523,11 +525,13 @@ async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
     let app = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
     tokio::spawn(serve(
         listener,
-        None,
-        app,
-        limits,
-        stop.clone(),
-        Duration::from_secs(1),
+        serving::Server {
+            tls: None,
+            app,
+            limits,
+            shutdown: stop.clone(),
+            drain: Duration::from_secs(1),
+        },
     ));
     let get = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n";
 
