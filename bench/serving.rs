@@ -26,7 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use persistent_pod_state::benchkit::{context_switches, cpu_times, flag, median};
+use persistent_pod_state::benchkit::{context_switches, cpu_times, flag, median, quantile};
 use persistent_pod_state::synthetic;
 use serde_json::Value;
 
@@ -183,8 +183,8 @@ impl Load<'_> {
             (
                 ok,
                 ok / self.seconds,
-                percentile(all, 0.99) * 1e6,
-                percentile(steady, 0.99) * 1e6,
+                quantile(&all, 0.99) * 1e6,
+                quantile(&steady, 0.99) * 1e6,
             )
         } else {
             let report: Value = serde_json::from_slice(&out.stdout).context("oha's JSON report")?;
@@ -245,7 +245,7 @@ fn fixed_rate_requests(csv: &[u8], server: &str) -> anyhow::Result<Vec<(f64, f64
             == Some("request-start,DNS,DNS+dialup,Response-delay,request-duration,bytes,status"),
         "oha's CSV report starts with an unexpected header"
     );
-    let requests = lines
+    lines
         .map(|line| {
             let fields: Vec<&str> = line.split(',').collect();
             anyhow::ensure!(
@@ -254,16 +254,7 @@ fn fixed_rate_requests(csv: &[u8], server: &str) -> anyhow::Result<Vec<(f64, f64
             );
             Ok((fields[0].parse()?, fields[4].parse()?))
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    anyhow::ensure!(!requests.is_empty(), "{server}: no request answered");
-    Ok(requests)
-}
-
-/// The `q` quantile of `values` (NaN when there are none).
-fn percentile(mut values: Vec<f64>, q: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let at = ((values.len() as f64 * q) as usize).min(values.len().saturating_sub(1));
-    values.get(at).copied().unwrap_or(f64::NAN)
+        .collect()
 }
 
 /// Min, median and max of one figure over the runs.
