@@ -36,6 +36,22 @@ pub fn cpu_times(pid: u32) -> anyhow::Result<(f64, f64)> {
     Ok((parsed.user_seconds, parsed.system_seconds))
 }
 
+/// User plus system CPU seconds each process alive now has spent, by pid (from
+/// `/proc/PID/stat`; a process that exits meanwhile is left out).
+pub fn cpu_by_process() -> anyhow::Result<std::collections::HashMap<u32, f64>> {
+    let mut spent = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        if let Ok(seconds) = cpu_seconds(pid) {
+            spent.insert(pid, seconds);
+        }
+    }
+    Ok(spent)
+}
+
 /// Context switches (voluntary and not) of the threads of process `pid` alive now, summed
 /// (from `/proc/PID/task/*/status`; a thread that has exited no longer counts).
 pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
