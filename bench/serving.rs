@@ -3,7 +3,8 @@
 //! driven by an external load generator (oha, pinned, installed by `bench/run.sh`) with the same
 //! review, alternated in one run; then the floor with the webhook's own layers swapped in one at
 //! a time, and `bench-server` (the webhook's router over synthetic caches, without logging),
-//! so that the table says what each layer costs.
+//! so that the table says what each layer costs; `bench-server` also runs at the fixed rate,
+//! which tells the webhook's own code from the process around it in `serve`'s p99.
 //!
 //! `bench-serving --oha PATH --serve-addr HOST:PORT --serve-pid PID [--short] [--runs N]
 //! [--seconds S] [--connections C] [--perf FILE]`. Every request sends the same AdmissionReview:
@@ -403,7 +404,9 @@ fn main() -> anyhow::Result<()> {
     let (max, retried_max) = alternate(&load, &[&serve, &floor], runs, None)?;
     let floor_max = median(&max[1].iter().map(|o| o.throughput).collect::<Vec<_>>());
     let half = (floor_max / 2.0).round();
-    let (fixed, retried_fixed) = alternate(&load, &[&serve, &floor], runs, Some(half))?;
+    // `bench-server` at the same rate too: the webhook's own code without the process around it
+    // (controllers, watches, logging), to tell which the p99 follows.
+    let (fixed, retried_fixed) = alternate(&load, &[&serve, &floor, &router], runs, Some(half))?;
     let mut all: Vec<&Server> = vec![&floor];
     all.extend(layers.iter());
     all.push(&router);
@@ -516,6 +519,22 @@ fn main() -> anyhow::Result<()> {
             show(floor),
         );
     }
+    let (router_p99, floor_p99) = (
+        spread(&fixed[2], |o| o.p99_steady_us),
+        spread(&fixed[1], |o| o.p99_steady_us),
+    );
+    println!();
+    println!(
+        "At {half} req/s, bench-server (the webhook's router over synthetic caches, without serve's controllers, watches and logging): p99 after the warm-up {} µs, {:.2} x the floor's; CPU per review {} µs, {:.2} x the floor's.",
+        show(router_p99),
+        figure(router_p99.1)? / figure(floor_p99.1)?,
+        show(spread(&fixed[2], |o| o.cpu_us)),
+        figure(median(
+            &fixed[2].iter().map(|o| o.cpu_us).collect::<Vec<_>>()
+        ))? / figure(median(
+            &fixed[1].iter().map(|o| o.cpu_us).collect::<Vec<_>>()
+        ))?,
+    );
     println!();
     println!(
         "Runs tried again because the rest of the machine used more than {ELSEWHERE_AT_MOST} of a core (at most {TRIES} tries a run; the quietest counts): {retried_max} at max, {retried_fixed} at {half} req/s, {retried_ladder} in the layer table."
