@@ -21,7 +21,7 @@
 //! sent after a warm-up of 1 s (a quarter of a shorter run: oha sets up every connection at
 //! the start while requests fall due) and over the whole run. Medians over the runs, with min
 //! and max. The CPU the rest of the machine used during each run is measured too (all but the
-//! server, oha and this benchmark, from `/proc/stat`); a run during which it used more than
+//! server, oha and this benchmark, from `/proc/*/stat`); a run during which it used more than
 //! 0.3 of a core (the control plane's periodic work) is tried again, up to three tries, the
 //! quietest counting, and the number of such tries is printed.
 
@@ -459,24 +459,28 @@ fn main() -> anyhow::Result<()> {
             spread(&max[0], |o| o.throughput),
             spread(&max[1], |o| o.throughput),
             ">= 0.65",
+            true,
         ),
         (
             "CPU per review at max (µs)",
             spread(&max[0], |o| o.cpu_us),
             spread(&max[1], |o| o.cpu_us),
             "<= 1.5",
+            true,
         ),
         (
             &*format!("p99 at {half} req/s, after the warm-up (µs)"),
             spread(&fixed[0], |o| o.p99_steady_us),
             spread(&fixed[1], |o| o.p99_steady_us),
             "<= 1.5",
+            true,
         ),
         (
             &*format!("p99 at {half} req/s, the whole run (µs)"),
             spread(&fixed[0], |o| o.p99_us),
             spread(&fixed[1], |o| o.p99_us),
             "",
+            true,
         ),
         (
             &*format!(
@@ -486,32 +490,37 @@ fn main() -> anyhow::Result<()> {
             spread(&fixed[0], |o| o.answered),
             spread(&fixed[1], |o| o.answered),
             "",
+            true,
         ),
         (
             &*format!("CPU per review at {half} req/s (µs)"),
             spread(&fixed[0], |o| o.cpu_us),
             spread(&fixed[1], |o| o.cpu_us),
             "",
+            true,
         ),
         (
             "the rest of the machine at max (cores)",
             spread(&max[0], |o| o.elsewhere),
             spread(&max[1], |o| o.elsewhere),
             "",
+            false,
         ),
         (
             &*format!("the rest of the machine at {half} req/s (cores)"),
             spread(&fixed[0], |o| o.elsewhere),
             spread(&fixed[1], |o| o.elsewhere),
             "",
+            false,
         ),
     ];
-    for (what, ours, floor, target) in rows {
-        // The rest of the machine is a condition of the runs, not a figure of the servers.
-        let ratio = if what.starts_with("the rest") {
-            "-".to_owned()
-        } else {
+    // The last element: whether the ratio means anything (the rest of the machine is a
+    // condition of the runs, not a figure of the servers).
+    for (what, ours, floor, target, compared) in rows {
+        let ratio = if compared {
             format!("{:.2}", figure(ours.1)? / figure(floor.1)?)
+        } else {
+            "-".to_owned()
         };
         println!(
             "| {what} | {} | {} | {ratio} | {target} |",
