@@ -453,70 +453,65 @@ fn main() -> anyhow::Result<()> {
         let places = if max < 10.0 { 2 } else { 1 };
         format!("{med:.places$} ({min:.places$}-{max:.places$})")
     };
+    // Each figure for `serve` and the floor (the first two servers of `runs`).
+    let pair =
+        |runs: &[Vec<Outcome>], f: fn(&Outcome) -> f64| (spread(&runs[0], f), spread(&runs[1], f));
     let rows = [
         (
-            "max throughput (req/s)",
-            spread(&max[0], |o| o.throughput),
-            spread(&max[1], |o| o.throughput),
+            "max throughput (req/s)".to_owned(),
+            pair(&max, |o| o.throughput),
             ">= 0.65",
             true,
         ),
         (
-            "CPU per review at max (µs)",
-            spread(&max[0], |o| o.cpu_us),
-            spread(&max[1], |o| o.cpu_us),
+            "CPU per review at max (µs)".to_owned(),
+            pair(&max, |o| o.cpu_us),
             "<= 1.5",
             true,
         ),
         (
-            &*format!("p99 at {half} req/s, after the warm-up (µs)"),
-            spread(&fixed[0], |o| o.p99_steady_us),
-            spread(&fixed[1], |o| o.p99_steady_us),
+            format!("p99 at {half} req/s, after the warm-up (µs)"),
+            pair(&fixed, |o| o.p99_steady_us),
             "<= 1.5",
             true,
         ),
         (
-            &*format!("p99 at {half} req/s, the whole run (µs)"),
-            spread(&fixed[0], |o| o.p99_us),
-            spread(&fixed[1], |o| o.p99_us),
+            format!("p99 at {half} req/s, the whole run (µs)"),
+            pair(&fixed, |o| o.p99_us),
             "",
             true,
         ),
         (
-            &*format!(
+            format!(
                 "reviews answered at {half} req/s ({:.0} due)",
                 half * load.seconds
             ),
-            spread(&fixed[0], |o| o.answered),
-            spread(&fixed[1], |o| o.answered),
+            pair(&fixed, |o| o.answered),
             "",
             true,
         ),
         (
-            &*format!("CPU per review at {half} req/s (µs)"),
-            spread(&fixed[0], |o| o.cpu_us),
-            spread(&fixed[1], |o| o.cpu_us),
+            format!("CPU per review at {half} req/s (µs)"),
+            pair(&fixed, |o| o.cpu_us),
             "",
             true,
         ),
         (
-            "the rest of the machine at max (cores)",
-            spread(&max[0], |o| o.elsewhere),
-            spread(&max[1], |o| o.elsewhere),
+            "the rest of the machine at max (cores)".to_owned(),
+            pair(&max, |o| o.elsewhere),
             "",
             false,
         ),
         (
-            &*format!("the rest of the machine at {half} req/s (cores)"),
-            spread(&fixed[0], |o| o.elsewhere),
-            spread(&fixed[1], |o| o.elsewhere),
+            format!("the rest of the machine at {half} req/s (cores)"),
+            pair(&fixed, |o| o.elsewhere),
             "",
             false,
         ),
     ];
     // The last element: whether the ratio means anything (the rest of the machine is a
     // condition of the runs, not a figure of the servers).
-    for (what, ours, floor, target, compared) in rows {
+    for (what, (ours, floor), target, compared) in rows {
         let ratio = if compared {
             format!("{:.2}", figure(ours.1)? / figure(floor.1)?)
         } else {
