@@ -527,17 +527,17 @@ fn main() -> anyhow::Result<()> {
         spread(&fixed[2], |o| o.p99_steady_us),
         spread(&fixed[1], |o| o.p99_steady_us),
     );
+    let (router_cpu, floor_cpu) = (
+        spread(&fixed[2], |o| o.cpu_us),
+        spread(&fixed[1], |o| o.cpu_us),
+    );
     println!();
     println!(
         "At {half} req/s, bench-server (the webhook's router over synthetic caches, without serve's controllers, watches and logging): p99 after the warm-up {} µs, {:.2} x the floor's; CPU per review {} µs, {:.2} x the floor's.",
         show(router_p99),
         figure(router_p99.1)? / figure(floor_p99.1)?,
-        show(spread(&fixed[2], |o| o.cpu_us)),
-        figure(median(
-            &fixed[2].iter().map(|o| o.cpu_us).collect::<Vec<_>>()
-        ))? / figure(median(
-            &fixed[1].iter().map(|o| o.cpu_us).collect::<Vec<_>>()
-        ))?,
+        show(router_cpu),
+        figure(router_cpu.1)? / figure(floor_cpu.1)?,
     );
     println!();
     println!(
