@@ -180,6 +180,12 @@ pub struct ServeArgs {
     #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = crate::serving::ADMISSION_THREADS,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub admission_threads: u16,
+    /// Steps of `nice` below the process's own priority that everything but admission runs at
+    /// (the controllers, the caches' watches, leader election, probes), so that a review waits
+    /// less behind them when both want the CPU. 0: the same priority.
+    #[arg(long, env = "PPS_BACKGROUND_NICE", default_value_t = crate::serving::BACKGROUND_NICE,
+          value_parser = clap::value_parser!(u8).range(0..=19))]
+    pub background_nice: u8,
     /// Seconds to let requests in flight finish once no longer accepting.
     #[arg(long, env = "PPS_DRAIN_SECONDS", default_value_t = 20)]
     pub drain_seconds: u64,

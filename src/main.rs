@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use persistent_pod_state::cli::{Cli, Command, LogFormat, OutputFormat};
-use persistent_pod_state::{api, certs, explain, plugin, release, serve, unregister};
+use persistent_pod_state::{api, certs, explain, plugin, release, serve, serving, unregister};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -22,8 +22,7 @@ fn init_logging(format: LogFormat) {
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     persistent_pod_state::alloc::purge_at_once();
     // One crypto provider for the whole process (ring), before any TLS is set up.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -35,11 +34,21 @@ async fn main() -> anyhow::Result<()> {
     if invoked_as.as_deref() == Some(plugin::PLUGIN_NAME) {
         let cli = plugin::PluginCli::parse();
         init_logging(LogFormat::Plain);
-        return plugin::run(cli).await;
+        return serving::main_runtime(0)?.block_on(plugin::run(cli));
     }
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    match cli.command {
+    // `serve` runs its controllers below admission's priority (`--background-nice`).
+    let nice = match &cli.command {
+        Command::Serve(args) => args.background_nice,
+        _ => 0,
+    };
+    serving::main_runtime(nice)?.block_on(run(cli.command))
+}
+
+/// Runs a command of the binary (apart from the kubectl plugin).
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Serve(args) => serve::run(*args).await,
         Command::Crd(args) => {
             let endpoint = match args.conversion_url {

@@ -790,6 +790,38 @@ impl Drop for ServerThreads {
     }
 }
 
+/// How many steps of `nice` below the process's own priority its main runtime runs unless told
+/// otherwise (`serve --background-nice`).
+pub const BACKGROUND_NICE: u8 = 5;
+
+/// The process's main runtime (the controllers, the caches' watches, leader election, the
+/// probe server): threads named `pps-background`, each run `nice` steps below the priority of
+/// the thread that builds it (Linux's nice, at most 19; 0: unchanged). Only the threads are
+/// lowered, never that thread, so [`ServerThreads`] built from it later, within `block_on`,
+/// keep the process's priority: when both want the CPU, a review waits less behind a relist
+/// or a reconcile (nice 5 is about a third of the weight). A thread the kernel refuses to
+/// lower (some sandboxes) keeps its priority, with a warning.
+pub fn main_runtime(nice: u8) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all().thread_name("pps-background");
+    if nice > 0 {
+        let own = rustix::process::getpriority_process(Some(rustix::thread::gettid()))?;
+        // Set as a value, not a step: a thread spawned by one already lowered starts lowered.
+        let lowered = own.saturating_add(i32::from(nice)).min(19);
+        builder.on_thread_start(move || {
+            let tid = Some(rustix::thread::gettid());
+            if let Err(e) = rustix::process::setpriority_process(tid, lowered) {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(error = %e, nice = lowered,
+                        "the main runtime's threads keep the process's priority");
+                });
+            }
+        });
+    }
+    builder.build()
+}
+
 /// The threads a server's connections are spread over, each with how many it serves now;
 /// none: the accepting task's own runtime serves them.
 struct Spread(Vec<(tokio::runtime::Handle, Arc<AtomicUsize>)>);
@@ -1093,6 +1125,36 @@ mod tests {
             );
             assert!(text.contains(&series), "{series} in {text}");
         }
+    }
+
+    /// This thread's nice value.
+    fn nice() -> i32 {
+        rustix::process::getpriority_process(Some(rustix::thread::gettid())).expect("nice")
+    }
+
+    #[test]
+    fn the_main_runtime_runs_below_its_builder_and_server_threads_built_after_it_do_not() {
+        let own = nice();
+        let runtime = main_runtime(3).expect("runtime");
+        let expected = (own + 3).min(19);
+        let worker = runtime.block_on(async { tokio::spawn(async { nice() }).await });
+        assert_eq!(worker.expect("task"), expected, "a worker");
+        // A blocking thread spawned by a worker (already lowered) is not lowered twice.
+        let nested = runtime.block_on(async {
+            tokio::spawn(async { tokio::task::spawn_blocking(nice).await }).await
+        });
+        assert_eq!(
+            nested.expect("task").expect("task"),
+            expected,
+            "a blocking thread"
+        );
+        assert_eq!(nice(), own, "the thread that built and entered it");
+        let servers = ServerThreads::new("pps-test-nice", 1).expect("runtimes");
+        let server = servers.0[0].block_on(async { tokio::spawn(async { nice() }).await });
+        assert_eq!(server.expect("task"), own, "a server thread");
+        let unchanged = main_runtime(0).expect("runtime");
+        let worker = unchanged.block_on(async { tokio::spawn(async { nice() }).await });
+        assert_eq!(worker.expect("task"), own, "nice 0: unchanged");
     }
 
     #[tokio::test]
