@@ -122,7 +122,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         client: Some(client.clone()),
     }));
     // The admission server on threads of its own (never behind a reconcile or a relist); the
-    // probe server stays here, so readiness answers even while admission is busy.
+    // probe server stays here, so readiness answers even while admission is busy. Built here,
+    // on the thread that entered the main runtime (not in a task of it), so the threads keep
+    // the process's priority rather than the main runtime's lowered one (`--background-nice`).
     let admission = ServerThreads::new("pps-admission", usize::from(args.admission_threads))
         .context("starting the admission threads")?;
     let mut webhook_server = admission

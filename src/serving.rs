@@ -742,7 +742,8 @@ pub struct ServerThreads(Vec<tokio::runtime::Runtime>);
 pub const ADMISSION_THREADS: u16 = 2;
 
 impl ServerThreads {
-    /// `threads` runtimes (at least one) of one thread each, named `name`.
+    /// `threads` runtimes (at least one) of one thread each, named `name`, at the priority of
+    /// the calling thread (new threads inherit it).
     pub fn new(name: &str, threads: usize) -> std::io::Result<Self> {
         (0..threads.max(1))
             .map(|_| {
