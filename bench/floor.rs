@@ -19,66 +19,29 @@ use std::sync::Arc;
 use anyhow::Context;
 use axum::Router;
 use axum::body::Bytes;
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
-use base64::Engine as _;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
-use persistent_pod_state::benchkit::flag;
+use persistent_pod_state::benchkit::{flag, floor};
 use persistent_pod_state::serving;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use serde::Deserialize;
 
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[derive(Deserialize)]
-struct Review {
-    request: Request,
-}
-
-#[derive(Deserialize)]
-struct Request {
-    uid: String,
-}
-
 /// What `--with` may swap in, in the order a benchmark adds them.
 const LAYERS: [&str; 4] = ["loop", "tls", "limits", "review"];
-
-/// The fixed patch, base64 as the API documents it: set once at the start.
-static PATCH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-/// The patch answered without `--patch-file`.
-const ONE_LABEL: &[u8] =
-    br#"[{"op":"add","path":"/metadata/labels/bench-floor","value":"answered"}]"#;
-
-async fn answer(body: Bytes) -> axum::response::Response {
-    let Ok(review) = serde_json::from_slice::<Review>(&body) else {
-        return (StatusCode::BAD_REQUEST, "{}").into_response();
-    };
-    fixed(&review.request.uid)
-}
 
 /// The `review` layer: the body read as the webhook reads a review.
 async fn answer_review(body: Bytes) -> axum::response::Response {
     match persistent_pod_state::webhook::review::parse(body) {
-        Ok(request) => fixed(&request.uid),
+        Ok(request) => floor::fixed(&request.uid),
         Err(_) => (StatusCode::BAD_REQUEST, "{}").into_response(),
     }
-}
-
-/// The fixed answer, for review `uid`.
-fn fixed(uid: &str) -> axum::response::Response {
-    let answer = serde_json::json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "response": {"uid": uid, "allowed": true, "patchType": "JSONPatch", "patch": PATCH.get()}});
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        serde_json::to_vec(&answer).unwrap_or_default(),
-    )
-        .into_response()
 }
 
 #[tokio::main]
@@ -105,9 +68,9 @@ async fn main() -> anyhow::Result<()> {
             anyhow::ensure!(!ops.is_empty(), "{file}: an empty patch");
             text
         }
-        None => ONE_LABEL.to_vec(),
+        None => floor::ONE_LABEL.to_vec(),
     };
-    let _ = PATCH.set(base64::engine::general_purpose::STANDARD.encode(patch));
+    floor::set_patch(&patch);
     let has = |layer: &str| with.iter().any(|w| w == layer);
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let tls = if has("tls") {
@@ -127,7 +90,7 @@ async fn main() -> anyhow::Result<()> {
     let mut app = if has("review") {
         Router::new().route("/mutate-pod", post(answer_review))
     } else {
-        Router::new().route("/mutate-pod", post(answer))
+        Router::new().route("/mutate-pod", post(floor::answer))
     };
     if has("limits") {
         use persistent_pod_state::webhook::{MAX_BODY, POD_BUDGET, REQUEST_TIMEOUT};

@@ -2,8 +2,11 @@
 //! microseconds per pod for reading the review (one pass over the body), decoding the fields of
 //! the pod the decision reads (beside, for comparison, decoding the whole Pod, as before), and
 //! the whole decision with its patch; and, for comparison, upstream's way of finding the
-//! PersistentPodState (listing the namespace's and scanning for the target, bug 11). Prints a
-//! table; asserts nothing about time (machines vary).
+//! PersistentPodState (listing the namespace's and scanning for the target, bug 11). Then the
+//! webhook's whole router against the floor's handler (`bench-floor`'s, issue 22.1), both in
+//! process, warm and with the CPU's caches flushed between reviews: over HTTPS a review runs
+//! between the kernel's and TLS's work, which evicts what the review left in the caches.
+//! Prints tables; asserts nothing about time (machines vary).
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -13,17 +16,110 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use persistent_pod_state::api::PersistentPodState;
+use persistent_pod_state::benchkit::{floor, median};
 use persistent_pod_state::placement::{Health, Nodes};
 use persistent_pod_state::state::{Caches, pps_target};
 use persistent_pod_state::synthetic;
-use persistent_pod_state::webhook::WebhookState;
 use persistent_pod_state::webhook::admit::{CacheLookup, Lookup, Verdict};
 use persistent_pod_state::webhook::mutate_pod::{Outcome, admit, decode_pod};
 use persistent_pod_state::webhook::review::{Admission, parse};
+use persistent_pod_state::webhook::{WebhookState, router};
 use persistent_pod_state::workload::{GroupKind, WorkloadRef, pod_workload};
 
 const NODES: usize = 100;
 const BODIES: usize = 256;
+/// What a flush passes over between reviews: more than a core's own caches hold.
+const FLUSH: usize = 4 << 20;
+
+/// Each of `bodies` POSTed through `app` in process, one at a time on `runtime`, for about
+/// `budget`: nanoseconds per review, timed around the call alone. With `flush`, a pass over
+/// that many bytes between reviews evicts what each left in the CPU's caches.
+fn routed(
+    runtime: &tokio::runtime::Runtime,
+    app: &axum::Router,
+    bodies: &[axum::body::Bytes],
+    budget: Duration,
+    flush: usize,
+) -> f64 {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let mut junk = vec![0u8; flush];
+    let (mut spent, mut n) = (Duration::ZERO, 0u32);
+    let start = Instant::now();
+    runtime.block_on(async {
+        while start.elapsed() < budget {
+            for body in bodies {
+                let request = axum::http::Request::post("/mutate-pod")
+                    .header("content-type", "application/json")
+                    .body(axum::body::Body::from(body.clone()))
+                    .expect("request");
+                let at = Instant::now();
+                let response = app.clone().oneshot(request).await.expect("infallible");
+                let answer = response.into_body().collect().await.expect("body");
+                spent += at.elapsed();
+                black_box(answer);
+                for i in (0..junk.len()).step_by(64) {
+                    junk[i] = junk[i].wrapping_add(1);
+                }
+                n += 1;
+            }
+        }
+    });
+    black_box(&junk);
+    spent.as_nanos() as f64 / f64::from(n.max(1))
+}
+
+/// The webhook's router (over `state`) against the floor's handler, each review of `bodies`
+/// in process, warm and flushed ([`FLUSH`]): a table, medians of 3 alternated rounds.
+fn against_the_floor(state: Arc<WebhookState>, bodies: &[axum::body::Bytes], budget: Duration) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    floor::set_patch(floor::ONE_LABEL);
+    let floor_app = axum::Router::new().route("/mutate-pod", axum::routing::post(floor::answer));
+    let ours = router(state);
+    // Every answer of ours carries a patch, or the comparison says nothing.
+    runtime.block_on(async {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+        for body in bodies {
+            let request = axum::http::Request::post("/mutate-pod")
+                .header("content-type", "application/json")
+                .body(axum::body::Body::from(body.clone()))
+                .expect("request");
+            let response = ours.clone().oneshot(request).await.expect("infallible");
+            assert_eq!(response.status(), 200);
+            let answer = response
+                .into_body()
+                .collect()
+                .await
+                .expect("body")
+                .to_bytes();
+            let answer: serde_json::Value = serde_json::from_slice(&answer).expect("JSON");
+            assert!(answer["response"]["patch"].is_string(), "{answer}");
+        }
+    });
+    println!();
+    println!(
+        "| caches between reviews | the floor's handler (µs) | the webhook's router (µs) | router over floor |"
+    );
+    println!("|---|---|---|---|");
+    for (label, flush) in [("warm", 0), ("flushed (4 MiB pass)", FLUSH)] {
+        let (mut floors, mut ours_) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            floors.push(routed(&runtime, &floor_app, bodies, budget, flush));
+            ours_.push(routed(&runtime, &ours, bodies, budget, flush));
+        }
+        let (f, o) = (median(&floors), median(&ours_));
+        println!(
+            "| {label} | {:.1} | {:.1} | {:.2} |",
+            f / 1e3,
+            o / 1e3,
+            o / f
+        );
+    }
+}
 
 /// Runs `f` over the bodies for about `budget`; nanoseconds per call.
 fn per_call(budget: Duration, mut f: impl FnMut(usize)) -> f64 {
@@ -83,6 +179,7 @@ fn main() {
         "| PPS | read review (µs) | decode pod, read fields (µs) | decode whole Pod (µs, not done) | decision + patch, all in (µs) | upstream's namespace scan, all in (µs) |"
     );
     println!("|---|---|---|---|---|---|");
+    let mut compared = None;
     for &total in sizes {
         let caches = Caches::new();
         caches.apply_pps(watcher::Event::Init);
@@ -97,12 +194,18 @@ fn main() {
             caches.apply_pps(watcher::Event::InitApply(pps));
         }
         caches.apply_pps(watcher::Event::InitDone);
+        caches.apply_node(watcher::Event::Init);
         for j in 0..NODES {
-            caches.apply_node(watcher::Event::Apply(
+            caches.apply_node(watcher::Event::InitApply(
                 serde_json::from_value(synthetic::node(j)).expect("node"),
             ));
         }
-        let state = WebhookState::over(caches);
+        // Every store synced, as the server's are once it answers reviews.
+        caches.apply_node(watcher::Event::InitDone);
+        caches.apply_pod(watcher::Event::InitDone);
+        caches.apply_workload(&GroupKind::native_statefulset(), watcher::Event::InitDone);
+        assert!(caches.is_synced(), "the caches are synced");
+        let state = Arc::new(WebhookState::over(caches));
         let bodies: Vec<axum::body::Bytes> = (0..BODIES)
             .map(|k| synthetic::review((k * 7919) % total).into())
             .collect();
@@ -147,5 +250,11 @@ fn main() {
             indexed / 1e3,
             scanned / 1e3
         );
+        if total == 1_000 {
+            compared = Some((state, bodies));
+        }
+    }
+    if let Some((state, bodies)) = compared {
+        against_the_floor(state, &bodies, budget);
     }
 }

@@ -112,3 +112,58 @@ pub fn metric(exposition: &str, name: &str) -> Option<f64> {
         value.split_whitespace().next()?.parse().ok()
     })
 }
+
+/// The floor's handler (issue 22.1), as `bench-floor` serves it and `cargo bench --bench
+/// admission` calls it in process: it deserializes only `request.uid` (serde skips the rest
+/// without building it) and answers a fixed review carrying [`FLOOR_PATCH`].
+pub mod floor {
+    use std::sync::OnceLock;
+
+    use axum::body::Bytes;
+    use axum::http::{StatusCode, header};
+    use axum::response::{IntoResponse, Response};
+    use base64::Engine as _;
+    use serde::Deserialize;
+
+    /// The patch the floor answers, base64 as the API documents it: set once at the start
+    /// ([`set_patch`]).
+    static PATCH: OnceLock<String> = OnceLock::new();
+
+    /// The patch answered unless another is set: one label.
+    pub const ONE_LABEL: &[u8] =
+        br#"[{"op":"add","path":"/metadata/labels/bench-floor","value":"answered"}]"#;
+
+    /// Sets the JSON patch every answer carries (the first call wins).
+    pub fn set_patch(patch: &[u8]) {
+        let _ = PATCH.set(base64::engine::general_purpose::STANDARD.encode(patch));
+    }
+
+    #[derive(Deserialize)]
+    struct Review {
+        request: Request,
+    }
+
+    #[derive(Deserialize)]
+    struct Request {
+        uid: String,
+    }
+
+    /// Answers a review body: its uid read, the rest skipped.
+    pub async fn answer(body: Bytes) -> Response {
+        let Ok(review) = serde_json::from_slice::<Review>(&body) else {
+            return (StatusCode::BAD_REQUEST, "{}").into_response();
+        };
+        fixed(&review.request.uid)
+    }
+
+    /// The fixed answer, for review `uid`.
+    pub fn fixed(uid: &str) -> Response {
+        let answer = serde_json::json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "response": {"uid": uid, "allowed": true, "patchType": "JSONPatch", "patch": PATCH.get()}});
+        (
+            [(header::CONTENT_TYPE, "application/json")],
+            serde_json::to_vec(&answer).unwrap_or_default(),
+        )
+            .into_response()
+    }
+}
