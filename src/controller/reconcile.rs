@@ -302,8 +302,10 @@ async fn release_stranded(
 /// Deletes the waiting pod `name` (`uid`), conditionally on `resource_version` (the pod as the
 /// decision saw it). When that version is stale (the scheduler writes an unschedulable pod's
 /// conditions, say), reads the pod once more and deletes it at its current version if it is
-/// still that pod, unscheduled and not being deleted.
-async fn delete_waiting_pod(
+/// still that pod, unscheduled and not being deleted. That pod gone meanwhile (another of its
+/// name now, or it is being deleted: the StatefulSet controller deletes a pod whose claim is
+/// being deleted, to create both again) is [`Deleted::Already`]; scheduled, [`Deleted::Kept`].
+pub(super) async fn delete_waiting_pod(
     api: &Api<Pod>,
     name: &str,
     uid: &str,
@@ -333,16 +335,21 @@ async fn delete_waiting_pod(
     let Some(pod) = api.get_opt(name).await? else {
         return Ok(Deleted::Already);
     };
-    let still_waiting = pod.uid().as_deref() == Some(uid)
-        && pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .spec
-            .as_ref()
-            .is_none_or(|s| s.node_name.as_deref().is_none_or(str::is_empty));
-    if !still_waiting {
+    if pod.uid().as_deref() != Some(uid) || pod.metadata.deletion_timestamp.is_some() {
         tracing::info!(
             pod = name,
-            "the pod no longer waits (scheduled, re-created or being deleted); not released"
+            "the waiting pod was deleted by another meanwhile (re-created or being deleted)"
+        );
+        return Ok(Deleted::Already);
+    }
+    if pod
+        .spec
+        .as_ref()
+        .is_some_and(|s| s.node_name.as_deref().is_some_and(|n| !n.is_empty()))
+    {
+        tracing::info!(
+            pod = name,
+            "the pod no longer waits (scheduled); not released"
         );
         return Ok(Deleted::Kept);
     }
@@ -357,7 +364,7 @@ async fn delete_waiting_pod(
 
 /// What became of a waiting pod to be released.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Deleted {
+pub(super) enum Deleted {
     /// Deleted by this call.
     Now,
     /// Gone before it (deleted by another).

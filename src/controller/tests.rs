@@ -1117,3 +1117,90 @@ async fn a_node_health_change_reconciles_only_the_pps_it_concerns() {
     );
     assert_eq!(lose("b1", "zb"), ["on-b1", "waiting"]);
 }
+
+mod waiting_pod_deletes {
+    //! What deleting a waiting pod makes of a pod that changed since it was seen.
+
+    use super::*;
+    use crate::controller::reconcile::{Deleted, delete_waiting_pod};
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::Api;
+
+    /// A JSON response with `status`.
+    fn answer(status: u16, body: &Value) -> Response<Body> {
+        Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .body(Body::from(serde_json::to_vec(body).expect("json")))
+            .expect("response")
+    }
+
+    /// Deletes `web-0` (uid `old`, at resourceVersion 1) against a mock that refuses the delete
+    /// with a conflict and then shows `now` under that name (and accepts a second delete):
+    /// what it made of it, and the methods of the requests sent.
+    async fn delete_after_a_conflict(now: Value) -> (Deleted, Vec<Method>) {
+        let (client, mut handle) = mock_client();
+        let api: Api<Pod> = Api::namespaced(client, "ns");
+        let delete = delete_waiting_pod(&api, "web-0", "old", Some("1".into()));
+        tokio::pin!(delete);
+        let mut methods = Vec::new();
+        loop {
+            tokio::select! {
+                result = &mut delete => return (result.expect("no API error"), methods),
+                request = handle.next_request() => {
+                    let (request, respond) = request.expect("the client is alive");
+                    let method = request.method().clone();
+                    let first_delete = method == Method::DELETE && !methods.contains(&Method::DELETE);
+                    let response = if first_delete {
+                        answer(409, &json!({"kind": "Status", "apiVersion": "v1",
+                            "status": "Failure", "reason": "Conflict", "code": 409,
+                            "message": "Precondition failed"}))
+                    } else {
+                        answer(200, &now)
+                    };
+                    methods.push(method);
+                    respond.send_response(response);
+                }
+            }
+        }
+    }
+
+    fn pod(uid: &str, extra: Value) -> Value {
+        let mut pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0",
+            "namespace": "ns", "uid": uid, "resourceVersion": "2"}, "spec": {"containers": []}});
+        json_patch::merge(&mut pod, &extra);
+        pod
+    }
+
+    #[tokio::test]
+    async fn a_pod_re_created_meanwhile_counts_as_deleted_by_another_and_is_not_deleted() {
+        // The StatefulSet controller deletes a pod whose claim is being deleted and creates
+        // both again: the waiting pod is gone, released all the same.
+        let (deleted, methods) = delete_after_a_conflict(pod("new", json!({}))).await;
+        assert_eq!(deleted, Deleted::Already);
+        assert_eq!(
+            methods,
+            [Method::DELETE, Method::GET],
+            "the new pod is left alone"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pod_being_deleted_meanwhile_counts_as_deleted_by_another() {
+        let being_deleted = json!({"metadata": {"deletionTimestamp": "2026-11-27T00:00:00Z"}});
+        let (deleted, methods) = delete_after_a_conflict(pod("old", being_deleted)).await;
+        assert_eq!(deleted, Deleted::Already);
+        assert_eq!(methods, [Method::DELETE, Method::GET]);
+    }
+
+    #[tokio::test]
+    async fn a_pod_scheduled_meanwhile_is_kept_and_one_still_waiting_is_deleted_at_its_version() {
+        let scheduled = json!({"spec": {"nodeName": "node-a"}});
+        let (deleted, methods) = delete_after_a_conflict(pod("old", scheduled)).await;
+        assert_eq!(deleted, Deleted::Kept);
+        assert_eq!(methods, [Method::DELETE, Method::GET]);
+        let (deleted, methods) = delete_after_a_conflict(pod("old", json!({}))).await;
+        assert_eq!(deleted, Deleted::Now);
+        assert_eq!(methods, [Method::DELETE, Method::GET, Method::DELETE]);
+    }
+}
