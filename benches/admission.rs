@@ -31,6 +31,14 @@ const BODIES: usize = 256;
 /// What a flush passes over between reviews: more than a core's own caches hold.
 const FLUSH: usize = 4 << 20;
 
+/// The pod webhook's request carrying the review `body`.
+fn review_request(body: &axum::body::Bytes) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::post("/mutate-pod")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.clone()))
+        .expect("request")
+}
+
 /// Each of `bodies` POSTed through `app` in process, one at a time on `runtime`, for about
 /// `budget`: nanoseconds per review, timed around the call alone. With `flush`, a pass over
 /// that many bytes between reviews evicts what each left in the CPU's caches.
@@ -49,10 +57,7 @@ fn routed(
     runtime.block_on(async {
         while start.elapsed() < budget {
             for body in bodies {
-                let request = axum::http::Request::post("/mutate-pod")
-                    .header("content-type", "application/json")
-                    .body(axum::body::Body::from(body.clone()))
-                    .expect("request");
+                let request = review_request(body);
                 let at = Instant::now();
                 let response = app.clone().oneshot(request).await.expect("infallible");
                 let answer = response.into_body().collect().await.expect("body");
@@ -84,11 +89,11 @@ fn against_the_floor(state: Arc<WebhookState>, bodies: &[axum::body::Bytes], bud
         use http_body_util::BodyExt;
         use tower::ServiceExt;
         for body in bodies {
-            let request = axum::http::Request::post("/mutate-pod")
-                .header("content-type", "application/json")
-                .body(axum::body::Body::from(body.clone()))
-                .expect("request");
-            let response = ours.clone().oneshot(request).await.expect("infallible");
+            let response = ours
+                .clone()
+                .oneshot(review_request(body))
+                .await
+                .expect("infallible");
             assert_eq!(response.status(), 200);
             let answer = response
                 .into_body()
