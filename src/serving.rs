@@ -9,7 +9,7 @@
 //! timeout (no byte read or written for that long closes the connection: a stalled HTTP/2
 //! preface, a body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound
 //! on HTTP/2 streams per connection; a maximum age. The idle, header and age bounds share one
-//! timer per connection. Requests are bounded by [`limit_requests`], per endpoint: a body is
+//! timer per connection. Requests are bounded by [`RequestLimit::run`], per endpoint: a body is
 //! read within a deadline and a size limit before the request counts as in flight, its bytes
 //! and what decoding it may build ([`json_values`]) are taken from the endpoint's byte share,
 //! then one of its slots (a refused request's body is read and dropped, so its client gets the
@@ -24,7 +24,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
@@ -319,110 +319,128 @@ pub fn json_values(body: &[u8]) -> usize {
     values
 }
 
-/// Middleware: reads the body first (within the timeout, at most the body limit, its bytes
-/// taken from the endpoint's share as they arrive), then takes the bytes its decoding may build
-/// and one of the endpoint's slots; without them it is answered 503 with a JSON message at
-/// once (never queued), so slow or heavy uploads to one endpoint never shed another's
-/// requests. A body whose decoding could never fit its share is handled as [`TooComplex`]. A
-/// request handled longer than the timeout gets 503.
+/// Middleware: [`RequestLimit::run`] around the rest of the app (the request's body handed on
+/// whole, a [`TooComplex`] mark in its extensions).
 pub async fn limit_requests(
     State(limit): State<RequestLimit>,
     request: Request,
     next: Next,
 ) -> Response {
-    let limit = &*limit.0;
-    // Refusals are counted under the share's own path (no copy of the request's is kept).
-    let (path, share) = limit.share(request.uri().path());
-    let (parts, body) = request.into_parts();
-    let mut chunks = body.into_data_stream();
-    // Most bodies arrive as one chunk: kept as it came, copied only when a second one follows.
-    let mut bytes = Chunks::default();
-    let mut held: Option<Taken<'_>> = None;
-    let read = tokio::time::timeout(limit.body_timeout, async {
-        while let Some(chunk) = chunks.next().await {
-            let Ok(chunk) = chunk else {
-                return Err((
-                    StatusCode::BAD_REQUEST,
-                    "the request body could not be read".to_owned(),
-                ));
-            };
-            if bytes.len() + chunk.len() > limit.max_body {
-                return Err((
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!("the request body is larger than {} bytes", limit.max_body),
-                ));
+    limit
+        .run(request, |request, too_complex| {
+            let mut request = request.map(Body::from);
+            if let Some(t) = too_complex {
+                request.extensions_mut().insert(t);
             }
-            if !share.bytes(&mut held, chunk.len()) {
-                return Err((
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "too many bytes in flight; retry".to_owned(),
-                ));
+            next.run(request)
+        })
+        .await
+}
+
+impl RequestLimit {
+    /// Reads the body first (within the timeout, at most the body limit, its bytes taken from
+    /// the endpoint's share as they arrive), then takes the bytes its decoding may build and one
+    /// of the endpoint's slots; without them it is answered 503 with a JSON message at once
+    /// (never queued), so slow or heavy uploads to one endpoint never shed another's requests.
+    /// Then `handler` answers, given the body whole and, for a body whose decoding could never
+    /// fit its share, a [`TooComplex`]; taking longer than the timeout, it is answered 503.
+    pub async fn run<F, Fut>(&self, request: Request, handler: F) -> Response
+    where
+        F: FnOnce(axum::http::Request<Bytes>, Option<TooComplex>) -> Fut,
+        Fut: Future<Output = Response>,
+    {
+        let limit = &*self.0;
+        // Refusals are counted under the share's own path (no copy of the request's is kept).
+        let (path, share) = limit.share(request.uri().path());
+        let (parts, body) = request.into_parts();
+        let mut chunks = body.into_data_stream();
+        // Most bodies arrive as one chunk: kept as it came, copied only when a second one
+        // follows.
+        let mut bytes = Chunks::default();
+        let mut held: Option<Taken<'_>> = None;
+        let read = tokio::time::timeout(limit.body_timeout, async {
+            while let Some(chunk) = chunks.next().await {
+                let Ok(chunk) = chunk else {
+                    return Err((
+                        StatusCode::BAD_REQUEST,
+                        "the request body could not be read".to_owned(),
+                    ));
+                };
+                if bytes.len() + chunk.len() > limit.max_body {
+                    return Err((
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("the request body is larger than {} bytes", limit.max_body),
+                    ));
+                }
+                if !share.bytes(&mut held, chunk.len()) {
+                    return Err((
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "too many bytes in flight; retry".to_owned(),
+                    ));
+                }
+                bytes.push(chunk);
             }
-            bytes.push(chunk);
-        }
-        Ok(())
-    })
-    .await;
-    let refusal = match read {
-        Ok(Ok(())) => None,
-        Ok(Err(refusal)) => Some(refusal),
-        Err(_) => Some((
-            StatusCode::REQUEST_TIMEOUT,
-            "the request body did not arrive in time".to_owned(),
-        )),
-    };
-    if let Some((status, message)) = refusal {
-        drop(held);
-        let result = if status == StatusCode::SERVICE_UNAVAILABLE {
-            AdmissionResult::Overloaded
-        } else {
-            AdmissionResult::BadRequest
+            Ok(())
+        })
+        .await;
+        let refusal = match read {
+            Ok(Ok(())) => None,
+            Ok(Err(refusal)) => Some(refusal),
+            Err(_) => Some((
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive in time".to_owned(),
+            )),
         };
-        limit.refused(path, result);
-        // What is still coming is read and dropped, so the client gets the answer.
-        discard_body(chunks, limit.max_body, limit.body_timeout).await;
-        return error_response(status, &message);
-    }
-    let bytes = bytes.into_bytes();
-    // What decoding may build is bounded by one value per byte: when that bound is small beside
-    // what the share has free, it is taken as it is, without counting the values.
-    let bound = bytes.len().saturating_mul(VALUE_COST);
-    let quick = bound.saturating_add(bytes.len()) <= share.budget.bytes
-        && share.bytes.available() >= bound.saturating_mul(QUICK_SLACK);
-    let (values, cost) = if quick {
-        (bytes.len(), bound)
-    } else {
-        let values = json_values(&bytes);
-        (values, values.saturating_mul(VALUE_COST))
-    };
-    let mut too_complex = None;
-    if cost.saturating_add(bytes.len()) > share.budget.bytes {
-        too_complex = Some(TooComplex { values });
-    } else if cost > 0 && !share.bytes(&mut held, cost) {
-        limit.refused(path, AdmissionResult::Overloaded);
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many bytes in flight; retry",
-        );
-    }
-    let Some(_slot) = share.slots.take(1) else {
-        limit.refused(path, AdmissionResult::Overloaded);
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many requests in flight; retry",
-        );
-    };
-    let mut request = Request::from_parts(parts, Body::from(bytes));
-    if let Some(t) = too_complex {
-        request.extensions_mut().insert(t);
-    }
-    let answered = tokio::time::timeout(limit.timeout, next.run(request)).await;
-    drop(held);
-    match answered {
-        Ok(response) => response,
-        Err(_) => {
-            limit.refused(path, AdmissionResult::TimedOut);
-            error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
+        if let Some((status, message)) = refusal {
+            drop(held);
+            let result = if status == StatusCode::SERVICE_UNAVAILABLE {
+                AdmissionResult::Overloaded
+            } else {
+                AdmissionResult::BadRequest
+            };
+            limit.refused(path, result);
+            // What is still coming is read and dropped, so the client gets the answer.
+            discard_body(chunks, limit.max_body, limit.body_timeout).await;
+            return error_response(status, &message);
+        }
+        let bytes = bytes.into_bytes();
+        // What decoding may build is bounded by one value per byte: when that bound is small
+        // beside what the share has free, it is taken as it is, without counting the values.
+        let bound = bytes.len().saturating_mul(VALUE_COST);
+        let quick = bound.saturating_add(bytes.len()) <= share.budget.bytes
+            && share.bytes.available() >= bound.saturating_mul(QUICK_SLACK);
+        let (values, cost) = if quick {
+            (bytes.len(), bound)
+        } else {
+            let values = json_values(&bytes);
+            (values, values.saturating_mul(VALUE_COST))
+        };
+        let mut too_complex = None;
+        if cost.saturating_add(bytes.len()) > share.budget.bytes {
+            too_complex = Some(TooComplex { values });
+        } else if cost > 0 && !share.bytes(&mut held, cost) {
+            limit.refused(path, AdmissionResult::Overloaded);
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many bytes in flight; retry",
+            );
+        }
+        let Some(_slot) = share.slots.take(1) else {
+            limit.refused(path, AdmissionResult::Overloaded);
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many requests in flight; retry",
+            );
+        };
+        let request = axum::http::Request::from_parts(parts, bytes);
+        let answered = tokio::time::timeout(limit.timeout, handler(request, too_complex)).await;
+        drop(held);
+        match answered {
+            Ok(response) => response,
+            Err(_) => {
+                limit.refused(path, AdmissionResult::TimedOut);
+                error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
+            }
         }
     }
 }
@@ -434,7 +452,7 @@ const QUICK_SLACK: usize = 4;
 /// A body's chunks as they arrived: one kept as is, several joined.
 #[derive(Default)]
 struct Chunks {
-    first: Option<axum::body::Bytes>,
+    first: Option<Bytes>,
     rest: Vec<u8>,
 }
 
@@ -443,7 +461,7 @@ impl Chunks {
         self.first.as_ref().map_or(0, |f| f.len()) + self.rest.len()
     }
 
-    fn push(&mut self, chunk: axum::body::Bytes) {
+    fn push(&mut self, chunk: Bytes) {
         match &self.first {
             None if self.rest.is_empty() => self.first = Some(chunk),
             _ => {
@@ -455,7 +473,7 @@ impl Chunks {
         }
     }
 
-    fn into_bytes(self) -> axum::body::Bytes {
+    fn into_bytes(self) -> Bytes {
         match self.first {
             Some(first) => first,
             None => self.rest.into(),

@@ -1,9 +1,6 @@
 //! `POST /convert`: the CRD conversion webhook between v1alpha1 and v1beta1. The conversion
 //! itself is the pure [`crate::api::conversion::convert`].
 
-use std::sync::Arc;
-
-use axum::extract::State;
 use axum::response::Response;
 
 use super::review::{Conversion, conversion_response};
@@ -13,10 +10,7 @@ use crate::metrics::AdmissionResult;
 
 /// Answers one ConversionReview. Conversion does not need the caches, so it is served from the
 /// first moment (the API server needs it to read v1alpha1 objects at all).
-pub async fn convert_objects(
-    State(state): State<Arc<WebhookState>>,
-    conversion: Conversion,
-) -> Response {
+pub fn convert_objects(state: &WebhookState, conversion: Conversion) -> Response {
     let Conversion {
         request,
         received: start,

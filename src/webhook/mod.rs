@@ -15,15 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::Request;
-use axum::http::StatusCode;
-use axum::middleware;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{Request, StatusCode};
 use axum::response::Response;
-use axum::routing::post;
+use axum::routing::{MethodRouter, post};
 
 use crate::events::Events;
 use crate::metrics::{AdmissionResult, Metrics};
-use crate::serving::{Budget, RequestLimit, VerifiedClient, error_response, limit_requests};
+use crate::serving::{Budget, RequestLimit, TooComplex, VerifiedClient, error_response};
 use crate::state::Caches;
 use crate::workload::CustomKinds;
 use admit::IpReservations;
@@ -103,9 +103,9 @@ impl WebhookState {
 /// 403 to an admission request without a verified client certificate when `--client-ca` is set
 /// (checked first: an unauthenticated client learns nothing, not even whether we synced), then
 /// 503 until the caches have synced, so the API server's failurePolicy decides rather than a
-/// silent "allowed" from empty caches. Checked by the review extractor ([`review::Review`])
+/// silent "allowed" from empty caches. Checked by [`review::Review::read`]
 /// before the body is read as a review.
-pub(crate) fn refusal(state: &WebhookState, request: &Request) -> Option<Response> {
+pub(crate) fn refusal<B>(state: &WebhookState, request: &Request<B>) -> Option<Response> {
     let (status, result, message) =
         if state.client_auth && request.extensions().get::<VerifiedClient>().is_none() {
             (
@@ -128,7 +128,9 @@ pub(crate) fn refusal(state: &WebhookState, request: &Request) -> Option<Respons
 
 /// The admission routes. Conversion needs no cache, so it is served from the first moment (the
 /// API server needs it to read v1alpha1 objects at all); the others read their review with
-/// [`review::Review`], which waits for the caches ([`refusal`]).
+/// [`review::Review::read`], which waits for the caches ([`refusal`]). Each route's requests go
+/// through its endpoint's [`RequestLimit`] share first, called by the route's handler itself
+/// (not as a layer: a review runs no more code than it needs).
 pub fn router(state: Arc<WebhookState>) -> Router {
     let limit = RequestLimit::new(
         OTHER_BUDGET,
@@ -140,15 +142,64 @@ pub fn router(state: Arc<WebhookState>) -> Router {
     .endpoint(endpoints::VALIDATE_PPS, VALIDATE_BUDGET)
     .endpoint(endpoints::CONVERT, CONVERT_BUDGET);
     Router::new()
-        .route(endpoints::MUTATE_POD, post(mutate_pod::mutate_pod))
-        .route(endpoints::VALIDATE_PPS, post(validate_pps::validate_pps))
-        .route(endpoints::CONVERT, post(convert::convert_objects))
+        .route(
+            endpoints::MUTATE_POD,
+            limited(&limit, |state, request, too_complex| async move {
+                match review::Review::read(request, too_complex, &state) {
+                    Ok(review) => mutate_pod::mutate_pod(&state, review),
+                    Err(refused) => *refused,
+                }
+            }),
+        )
+        .route(
+            endpoints::VALIDATE_PPS,
+            limited(&limit, |state, request, too_complex| async move {
+                match review::Review::read(request, too_complex, &state) {
+                    Ok(review) => validate_pps::validate_pps(&state, review).await,
+                    Err(refused) => *refused,
+                }
+            }),
+        )
+        .route(
+            endpoints::CONVERT,
+            limited(&limit, |state, request, too_complex| async move {
+                match review::Conversion::read(request, too_complex, &state) {
+                    Ok(conversion) => convert::convert_objects(&state, conversion),
+                    Err(refused) => *refused,
+                }
+            }),
+        )
         .fallback(|| async { error_response(StatusCode::NOT_FOUND, "no such path") })
         .method_not_allowed_fallback(|| async {
             error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")
         })
-        .route_layer(middleware::from_fn_with_state(limit, limit_requests))
         .with_state(state)
+}
+
+/// A POST route whose requests `limit` bounds ([`RequestLimit::run`]) before `handler` answers
+/// them, given the body whole.
+fn limited<F, Fut>(limit: &RequestLimit, handler: F) -> MethodRouter<Arc<WebhookState>>
+where
+    F: Fn(Arc<WebhookState>, Request<Bytes>, Option<TooComplex>) -> Fut
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    Fut: Future<Output = Response> + Send,
+{
+    let limit = limit.clone();
+    post(
+        move |State(state): State<Arc<WebhookState>>, request: axum::extract::Request| {
+            let (limit, handler) = (limit.clone(), handler.clone());
+            async move {
+                limit
+                    .run(request, |request, too_complex| {
+                        handler(state, request, too_complex)
+                    })
+                    .await
+            }
+        },
+    )
 }
 
 #[cfg(test)]

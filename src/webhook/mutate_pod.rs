@@ -6,9 +6,7 @@
 //! exactly the answer a real one would, but publishes nothing.
 
 use std::borrow::Cow;
-use std::sync::Arc;
 
-use axum::extract::State;
 use axum::response::Response;
 use kube::runtime::events::EventType;
 
@@ -84,7 +82,7 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
 }
 
 /// Answers one pod AdmissionReview.
-pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
+pub fn mutate_pod(state: &WebhookState, review: Review) -> Response {
     let Review { request, received } = review;
     // At debug only: an info span costs every review its fields' formatting; the few events
     // above debug on this path name the review themselves.
@@ -104,7 +102,7 @@ pub async fn mutate_pod(State(state): State<Arc<WebhookState>>, review: Review) 
     {
         outcome = admit(&request, &lookup);
     }
-    let (answer, result) = respond(&state, &request, outcome);
+    let (answer, result) = respond(state, &request, outcome);
     state
         .metrics
         .admission(endpoints::MUTATE_POD, result, received);

@@ -11,12 +11,11 @@
 //! the API documents), and the ConversionReview response.
 
 use std::marker::PhantomData;
-use std::sync::Arc;
 use std::time::Instant;
 
 use crate::serving::{TooComplex, error_response};
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::http::Request;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -221,7 +220,7 @@ pub struct AdmissionRequest {
     object: Option<std::ops::Range<usize>>,
     old_object: Option<std::ops::Range<usize>>,
     /// The object, when it was decoded as a pod in the review's own pass ([`parse_pod`]); boxed,
-    /// as a `Pod` is over 2 KB and the request is moved through the extractor and handler.
+    /// as a `Pod` is over 2 KB and the request is moved through the handler.
     pod: Option<Box<Pod>>,
 }
 
@@ -648,39 +647,29 @@ pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Res
     )
 }
 
-/// Reads the body (at most [`super::MAX_BODY`] bytes: the serving limits answered a larger one
-/// 413 before); a body that cannot be read is answered 400 with a JSON message.
-async fn body(req: Request, state: &Arc<WebhookState>) -> Result<(Bytes, &'static str), Response> {
-    let path = endpoints::label(req.uri().path());
-    let start = Instant::now();
-    let json = req
+/// The 415 answer (counted) to a request that does not say its body is JSON.
+fn not_json(
+    request: &Request<Bytes>,
+    state: &WebhookState,
+    path: &'static str,
+    received: Instant,
+) -> Option<Response> {
+    let json = request
         .headers()
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-    if !json {
-        state
-            .metrics
-            .admission(path, AdmissionResult::BadRequest, start);
-        return Err(error_response(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "reviews are sent as Content-Type: application/json",
-        ));
+    if json {
+        return None;
     }
-    // The serving limits read the body already (at most MAX_BODY bytes): this takes it whole.
-    axum::body::to_bytes(req.into_body(), super::MAX_BODY)
-        .await
-        .map(|b| (b, path))
-        .map_err(|_| {
-            state
-                .metrics
-                .admission(path, AdmissionResult::BadRequest, start);
-            error_response(
-                StatusCode::BAD_REQUEST,
-                "the request body could not be read whole",
-            )
-        })
+    state
+        .metrics
+        .admission(path, AdmissionResult::BadRequest, received);
+    Some(error_response(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "reviews are sent as Content-Type: application/json",
+    ))
 }
 
 fn bad_request(
@@ -696,9 +685,7 @@ fn bad_request(
     error_response(StatusCode::BAD_REQUEST, &e.to_string())
 }
 
-/// Extracts a parsed AdmissionReview (its uid readable), or answers a JSON 4xx; first, a request
-/// the caches may not answer yet, or from a client without the required certificate, is
-/// answered 503 or 403 without its body being read as a review ([`super::refusal`]).
+/// A parsed AdmissionReview (its uid readable), and when it arrived.
 pub struct Review {
     /// The parsed request.
     pub request: AdmissionRequest,
@@ -706,17 +693,26 @@ pub struct Review {
     pub received: Instant,
 }
 
-impl FromRequest<Arc<WebhookState>> for Review {
-    type Rejection = Response;
-
-    async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
-        if let Some(refused) = super::refusal(state, &req) {
-            return Err(refused);
+impl Review {
+    /// Reads `request` (its body whole, within the serving limits) as an AdmissionReview, or
+    /// gives the JSON 4xx answering it (boxed: the rare path); first, a request the caches may not answer yet, or from a client
+    /// without the required certificate, is answered 503 or 403 without its body being read as
+    /// a review ([`super::refusal`]). A pod review's object is decoded in the same pass, unless
+    /// it is `too_complex` (then it is kept raw, and answered without being decoded).
+    pub fn read(
+        request: Request<Bytes>,
+        too_complex: Option<TooComplex>,
+        state: &WebhookState,
+    ) -> Result<Self, Box<Response>> {
+        if let Some(refused) = super::refusal(state, &request) {
+            return Err(Box::new(refused));
         }
         let received = Instant::now();
-        let too_complex = req.extensions().get::<TooComplex>().copied();
-        let (body, path) = body(req, state).await?;
-        // A pod review too complex to decode is kept raw (and answered without decoding).
+        let path = endpoints::label(request.uri().path());
+        if let Some(refused) = not_json(&request, state, path, received) {
+            return Err(Box::new(refused));
+        }
+        let body = request.into_body();
         let parsed = if path == endpoints::MUTATE_POD && too_complex.is_none() {
             parse_pod(body)
         } else {
@@ -727,12 +723,12 @@ impl FromRequest<Arc<WebhookState>> for Review {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
             }
-            Err(e) => Err(bad_request(state, path, received, &e)),
+            Err(e) => Err(Box::new(bad_request(state, path, received, &e))),
         }
     }
 }
 
-/// Extracts a parsed ConversionReview, or answers a JSON 4xx.
+/// A parsed ConversionReview, and when it arrived.
 pub struct Conversion {
     /// The parsed request.
     pub request: ConversionRequest,
@@ -740,19 +736,25 @@ pub struct Conversion {
     pub received: Instant,
 }
 
-impl FromRequest<Arc<WebhookState>> for Conversion {
-    type Rejection = Response;
-
-    async fn from_request(req: Request, state: &Arc<WebhookState>) -> Result<Self, Response> {
+impl Conversion {
+    /// Reads `request` (its body whole, within the serving limits) as a ConversionReview, or
+    /// gives the JSON 4xx answering it (boxed: the rare path).
+    pub fn read(
+        request: Request<Bytes>,
+        too_complex: Option<TooComplex>,
+        state: &WebhookState,
+    ) -> Result<Self, Box<Response>> {
         let received = Instant::now();
-        let too_complex = req.extensions().get::<TooComplex>().copied();
-        let (bytes, path) = body(req, state).await?;
-        match parse_conversion(bytes) {
+        let path = endpoints::label(request.uri().path());
+        if let Some(refused) = not_json(&request, state, path, received) {
+            return Err(Box::new(refused));
+        }
+        match parse_conversion(request.into_body()) {
             Ok(mut request) => {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
             }
-            Err(e) => Err(bad_request(state, path, received, &e)),
+            Err(e) => Err(Box::new(bad_request(state, path, received, &e))),
         }
     }
 }

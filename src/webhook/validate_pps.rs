@@ -1,10 +1,8 @@
 //! `POST /validate-persistentpodstate`: admission of PersistentPodState CREATE and UPDATE in
 //! either version. The rules are the pure [`crate::api::validation`].
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
 use axum::response::Response;
 use kube::Resource;
 use kube::api::{ListParams, ObjectList};
@@ -25,7 +23,7 @@ const LIVE_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Answers one PersistentPodState AdmissionReview. Uniqueness is checked live on CREATE, else
 /// against the cache, so this route waits for the caches to sync.
-pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review) -> Response {
+pub async fn validate_pps(state: &WebhookState, review: Review) -> Response {
     let Review {
         request: req,
         received: start,
@@ -34,7 +32,7 @@ pub async fn validate_pps(State(state): State<Arc<WebhookState>>, review: Review
     let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
     // Attached to the future, not entered: a guard held across the await would stay entered on
     // the worker thread while this review waits, and wrap whatever else runs there.
-    let (answer, result) = decide(&state, &req).instrument(span).await;
+    let (answer, result) = decide(state, &req).instrument(span).await;
     metrics.admission(endpoints::VALIDATE_PPS, result, start);
     answer.into_response(&req)
 }
