@@ -27,8 +27,9 @@ deny:
 		cargo install --locked cargo-deny --version $(CARGO_DENY_VERSION)
 	cargo deny check licenses bans sources
 
+# The unit tests, the benchmark harness's own included (feature `bench`).
 unit:
-	cargo test --locked
+	cargo test --locked --features bench
 
 # The Helm chart: lint and template with every example values file, the schema's refusals, and
 # manifests/base equal to the chart's rendering (helm built at its pinned version).

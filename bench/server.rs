@@ -12,7 +12,9 @@ use std::time::Duration;
 use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
-use persistent_pod_state::serving::{ADMISSION_THREADS, Limits, Server, ServerThreads};
+use persistent_pod_state::serving::{
+    ADMISSION_THREAD, ADMISSION_THREADS, Limits, Server, ServerThreads,
+};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
 use tokio_util::sync::CancellationToken;
@@ -84,7 +86,7 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     // As `serve` runs it: on threads of its own (`--admission-threads`, `serve`'s default).
     let threads = number("--admission-threads", usize::from(ADMISSION_THREADS))?;
-    let admission = ServerThreads::new("pps-admission", threads)?;
+    let admission = ServerThreads::new(ADMISSION_THREAD, threads)?;
     let server = admission.serve(
         listener,
         Server {

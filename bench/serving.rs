@@ -15,7 +15,8 @@
 //! Figures: maximum throughput (closed loop, `--connections` keep-alive HTTP/1.1 connections,
 //! as the API server calls webhooks); server CPU per review (user + system, from
 //! `/proc/PID/stat`, over the answered reviews; in the layer table also apart, with the
-//! context switches of the server's threads per review, from `/proc/PID/task/*/status`); p99
+//! context switches of the server's threads per review, from `/proc/PID/task/*/status`; and
+//! that of its admission threads apart from its other threads, from `/proc/PID/task/*/stat`); p99
 //! latency at half the floor's median maximum (open loop, oha's `-q` with
 //! `--latency-correction`: a request's latency counts from when it was due), over the requests
 //! sent after a warm-up of 1 s (a quarter of a shorter run: oha sets up every connection at
@@ -31,8 +32,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use persistent_pod_state::benchkit::{
-    context_switches, cpu_by_process, cpu_times, flag, median, quantile,
+    context_switches, cpu_by_process, cpu_times, flag, median, quantile, thread_cpu_seconds,
 };
+use persistent_pod_state::serving::ADMISSION_THREAD;
 use persistent_pod_state::synthetic;
 use serde_json::Value;
 
@@ -103,6 +105,9 @@ struct Outcome {
     cpu_us: f64,
     /// User CPU per review.
     user_us: f64,
+    /// CPU per review of the server's admission threads (named [`ADMISSION_THREAD`]; none in
+    /// the floor's servers): the rest of its CPU is what its other threads did meanwhile.
+    admission_us: f64,
     /// Context switches of the server's threads per review.
     switches: f64,
     /// The CPU the rest of the machine used meanwhile (cores): all but the server, oha and
@@ -165,6 +170,7 @@ impl Load<'_> {
             cmd.args(["-q", &format!("{rate:.0}"), "--latency-correction"]);
         }
         let (before, switched) = (cpu_times(server.pid)?, context_switches(server.pid)?);
+        let admitted = thread_cpu_seconds(server.pid, ADMISSION_THREAD)?;
         let (others, started) = (cpu_by_process()?, Instant::now());
         let oha = cmd
             .stdout(Stdio::piped())
@@ -176,6 +182,7 @@ impl Load<'_> {
         let mine = [server.pid, oha.id(), std::process::id()];
         let out = oha.wait_with_output()?;
         let (after, switches) = (cpu_times(server.pid)?, context_switches(server.pid)?);
+        let admission = thread_cpu_seconds(server.pid, ADMISSION_THREAD)? - admitted;
         let elsewhere = cpu_by_process()?
             .into_iter()
             .filter(|(pid, _)| !mine.contains(pid))
@@ -246,6 +253,7 @@ impl Load<'_> {
             answered: ok,
             cpu_us: served / ok * 1e6,
             user_us: (after.0 - before.0) / ok * 1e6,
+            admission_us: admission / ok * 1e6,
             switches: switches.saturating_sub(switched) as f64 / ok,
             elsewhere,
         })
@@ -539,6 +547,22 @@ fn main() -> anyhow::Result<()> {
         show(router_cpu),
         figure(router_cpu.1)? / figure(floor_cpu.1)?,
     );
+    // Where a server's CPU per review went: its admission threads, and its other threads
+    // (for `serve`: the controllers, the watches and what the cluster's events made them do
+    // while the run lasted), medians of each run's split.
+    let split = |outcomes: &[Outcome]| {
+        (
+            spread(outcomes, |o| o.admission_us).1,
+            spread(outcomes, |o| o.cpu_us - o.admission_us).1,
+        )
+    };
+    let ((serve_max, serve_rest_max), (serve_half, serve_rest_half)) =
+        (split(&max[0]), split(&fixed[0]));
+    let (router_half, router_rest_half) = split(&fixed[2]);
+    println!();
+    println!(
+        "Of the CPU per review: serve's admission threads {serve_max:.1} µs at max and {serve_half:.1} µs at {half} req/s, its other threads (controllers, watches, and what the cluster's events made them do meanwhile) {serve_rest_max:.1} and {serve_rest_half:.1} µs; bench-server's admission threads {router_half:.1} µs at {half} req/s, its other threads {router_rest_half:.1} µs."
+    );
     println!();
     println!(
         "Runs tried again because the rest of the machine used more than {ELSEWHERE_AT_MOST} of a core (at most {TRIES} tries a run; the quietest counts): {retried_max} at max, {retried_fixed} at {half} req/s, {retried_ladder} in the layer table."
@@ -549,9 +573,9 @@ fn main() -> anyhow::Result<()> {
     );
     println!();
     println!(
-        "| server | req/s | CPU per review (µs) | added by the layer (µs) | over the floor | user, system (µs) | context switches per review |"
+        "| server | req/s | CPU per review (µs) | added by the layer (µs) | over the floor | user, system (µs) | of it, admission threads (µs) | context switches per review |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let med = |outcomes: &[Outcome], f: fn(&Outcome) -> f64| {
         figure(median(&outcomes.iter().map(f).collect::<Vec<_>>()))
     };
@@ -561,8 +585,15 @@ fn main() -> anyhow::Result<()> {
         let cpu = med(outcomes, |o| o.cpu_us)?;
         let user = med(outcomes, |o| o.user_us)?;
         let system = med(outcomes, |o| o.cpu_us - o.user_us)?;
+        // The floor's servers name no thread so: none to show.
+        let admission = median(&outcomes.iter().map(|o| o.admission_us).collect::<Vec<_>>());
+        let admission = if admission > 0.0 {
+            format!("{admission:.1}")
+        } else {
+            "-".to_owned()
+        };
         println!(
-            "| {} | {:.0} | {cpu:.1} | {:+.1} | {:.2} | {user:.1}, {system:.1} | {:.2} |",
+            "| {} | {:.0} | {cpu:.1} | {:+.1} | {:.2} | {user:.1}, {system:.1} | {admission} | {:.2} |",
             server.name,
             med(outcomes, |o| o.throughput)?,
             cpu - previous,

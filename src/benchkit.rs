@@ -36,6 +36,31 @@ pub fn cpu_times(pid: u32) -> anyhow::Result<(f64, f64)> {
     Ok((parsed.user_seconds, parsed.system_seconds))
 }
 
+/// User plus system CPU seconds the threads of process `pid` named `name` (as
+/// `/proc/PID/task/TID/comm` gives it) alive now have spent (from `/proc/PID/task/*/stat`; a
+/// thread that exits meanwhile no longer counts: meant for threads that live as long as the
+/// process, such as a server's admission threads).
+pub fn thread_cpu_seconds(pid: u32, name: &str) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        // A thread may exit between the listing and the reads.
+        let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
+            continue;
+        };
+        if comm.trim_end() != name {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(task.join("stat")) else {
+            continue;
+        };
+        total += crate::metrics::parse_proc_stat(&stat)
+            .context("/proc/PID/task/TID/stat")?
+            .cpu_seconds;
+    }
+    Ok(total)
+}
+
 /// User plus system CPU seconds each process alive now has spent, by pid (from
 /// `/proc/PID/stat`; a process that exits meanwhile is left out).
 pub fn cpu_by_process() -> anyhow::Result<std::collections::HashMap<u32, f64>> {
@@ -165,5 +190,41 @@ pub mod floor {
             serde_json::to_vec(&answer).unwrap_or_default(),
         )
             .into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_named_threads_cpu_is_counted_and_no_other_threads() {
+        const NAME: &str = "cpu-counted";
+        let pid = std::process::id();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spinning = stop.clone();
+        let worker = std::thread::Builder::new()
+            .name(NAME.into())
+            .spawn(move || {
+                let mut x = 0u64;
+                while !spinning.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            })
+            .expect("thread");
+        // Polled until the kernel's tick accounting shows the spinning thread's CPU.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut counted = 0.0;
+        while counted == 0.0 && std::time::Instant::now() < deadline {
+            counted = thread_cpu_seconds(pid, NAME).expect("read");
+            std::thread::yield_now();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        worker.join().expect("joined");
+        assert!(counted > 0.0, "the named thread's CPU was never counted");
+        // No thread of this name: nothing, however busy the others.
+        assert_eq!(thread_cpu_seconds(pid, "no-such-thread").expect("read"), 0.0);
+        // The named thread's CPU is part of the process's.
+        assert!(cpu_seconds(pid).expect("read") >= counted);
     }
 }

@@ -125,8 +125,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // probe server stays here, so readiness answers even while admission is busy. Built here,
     // on the thread that entered the main runtime (not in a task of it), so the threads keep
     // the process's priority rather than the main runtime's lowered one (`--background-nice`).
-    let admission = ServerThreads::new("pps-admission", usize::from(args.admission_threads))
-        .context("starting the admission threads")?;
+    let admission = ServerThreads::new(
+        serving::ADMISSION_THREAD,
+        usize::from(args.admission_threads),
+    )
+    .context("starting the admission threads")?;
     let mut webhook_server = admission
         .serve(
             webhook_listener,

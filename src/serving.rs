@@ -759,6 +759,9 @@ pub struct ServerThreads(Vec<tokio::runtime::Runtime>);
 /// How many threads serve admission unless told otherwise (`serve --admission-threads`).
 pub const ADMISSION_THREADS: u16 = 2;
 
+/// The name of the admission threads (what `ps -L` and `/proc/PID/task/*/comm` show).
+pub const ADMISSION_THREAD: &str = "pps-admission";
+
 impl ServerThreads {
     /// `threads` runtimes (at least one) of one thread each, named `name`, at the priority of
     /// the calling thread (new threads inherit it).
