@@ -223,7 +223,10 @@ mod tests {
         worker.join().expect("joined");
         assert!(counted > 0.0, "the named thread's CPU was never counted");
         // No thread of this name: nothing, however busy the others.
-        assert_eq!(thread_cpu_seconds(pid, "no-such-thread").expect("read"), 0.0);
+        assert_eq!(
+            thread_cpu_seconds(pid, "no-such-thread").expect("read"),
+            0.0
+        );
         // The named thread's CPU is part of the process's.
         assert!(cpu_seconds(pid).expect("read") >= counted);
     }
