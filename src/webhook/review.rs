@@ -695,10 +695,11 @@ pub struct Review {
 
 impl Review {
     /// Reads `request` (its body whole, within the serving limits) as an AdmissionReview, or
-    /// gives the JSON 4xx answering it (boxed: the rare path); first, a request the caches may not answer yet, or from a client
-    /// without the required certificate, is answered 503 or 403 without its body being read as
-    /// a review ([`super::refusal`]). A pod review's object is decoded in the same pass, unless
-    /// it is `too_complex` (then it is kept raw, and answered without being decoded).
+    /// gives the JSON 4xx answering it (boxed: the rare path). First, a request the caches may
+    /// not answer yet, or from a client without the required certificate, is answered 503 or
+    /// 403 without its body being read as a review ([`super::refusal`]). A pod review's object
+    /// is decoded in the same pass, unless it is `too_complex` (then it is kept raw, and
+    /// answered without being decoded).
     pub fn read(
         request: Request<Bytes>,
         too_complex: Option<TooComplex>,

@@ -1,5 +1,5 @@
 //! In-process tests of the admission routes: each request goes through the real router
-//! (extractors, the sync layer, the handlers) with `Router::oneshot`, over caches fed by hand.
+//! (the request limits, the review read, the sync refusal, the handlers) with `Router::oneshot`, over caches fed by hand.
 
 use axum::http::StatusCode;
 use kube::runtime::watcher;
