@@ -1,5 +1,6 @@
-//! In-process tests of the admission routes: each request goes through the real router
-//! (the request limits, the review read, the sync refusal, the handlers) with `Router::oneshot`, over caches fed by hand.
+//! In-process tests of the admission routes: each request goes through the real router (the
+//! request limits, the review read, the sync refusal, the handlers) with `Router::oneshot`,
+//! over caches fed by hand.
 
 use axum::http::StatusCode;
 use kube::runtime::watcher;
