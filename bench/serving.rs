@@ -586,7 +586,7 @@ fn main() -> anyhow::Result<()> {
         let user = med(outcomes, |o| o.user_us)?;
         let system = med(outcomes, |o| o.cpu_us - o.user_us)?;
         // The floor's servers name no thread so: none to show.
-        let admission = median(&outcomes.iter().map(|o| o.admission_us).collect::<Vec<_>>());
+        let admission = med(outcomes, |o| o.admission_us)?;
         let admission = if admission > 0.0 {
             format!("{admission:.1}")
         } else {
