@@ -33,7 +33,7 @@ use index::{ByWorkload, NodesByLabel, Shared};
 use pods::PodTable;
 use triggers::NodeTrigger;
 pub use triggers::{NodeHealthChange, Triggers};
-use trim::{CachedPod, Read};
+use trim::{CachedPod, Read, ReadPps};
 
 use crate::api::PersistentPodState;
 use crate::placement::{Nodes, health_fields};
@@ -171,13 +171,12 @@ impl Caches {
     pub fn start(client: &Client) -> Arc<Self> {
         let caches = Self::build(Some(client.clone()));
         let c = caches.clone();
-        // Read as plain objects and decoded one by one, so one unreadable object (stored by an
-        // older schema, say) is skipped instead of failing every list of the kind.
-        let ar = ApiResource::erase::<PersistentPodState>(&());
+        // Decoded one by one, so one unreadable object (stored by an older schema, say) is
+        // skipped instead of failing every list of the kind.
         let watches = caches.watches.clone();
         spawn_watch(
             "PersistentPodState",
-            Api::<DynamicObject>::all_with(client.clone(), &ar),
+            Api::<ReadPps>::all(client.clone()),
             move |ev| {
                 if let Some(ev) = decode_pps(ev) {
                     c.apply_pps(ev);
@@ -505,39 +504,36 @@ fn same_but_version(a: &Node, b: &Node) -> bool {
     a.spec == b.spec && a.status == b.status && unversioned(a) == unversioned(b)
 }
 
-/// A PersistentPodState watch event decoded from a plain object. An object that does not decode
-/// is logged and treated as absent (an `Apply` of it removes what was cached under its name).
-fn decode_pps(event: watcher::Event<DynamicObject>) -> Option<watcher::Event<PersistentPodState>> {
-    let decode = |obj: DynamicObject| {
-        let (namespace, name) = (obj.namespace(), obj.name_any());
-        serde_json::to_value(obj)
-            .and_then(serde_json::from_value::<PersistentPodState>)
-            .map_err(|error| {
-                let error = crate::api::json_error_summary(&error);
-                tracing::warn!(namespace = namespace.unwrap_or_default(), %name, %error,
-                    "PersistentPodState cannot be read; ignored until it changes");
-            })
-            .ok()
-    };
-    // What stands for an unreadable object when it has to be removed from the cache.
-    let unreadable = |metadata| PersistentPodState {
-        metadata,
-        spec: Default::default(),
-        status: None,
+/// A PersistentPodState watch event as the caches take it. An object that does not decode is
+/// logged and treated as absent (an `Apply` of it removes what was cached under its name).
+fn decode_pps(event: watcher::Event<ReadPps>) -> Option<watcher::Event<PersistentPodState>> {
+    // The object, and whether it read: one that did not stands for itself with its metadata
+    // alone (when it has to be removed from the cache).
+    let read = |obj: ReadPps| match obj {
+        ReadPps::Readable(pps) => (pps, true),
+        ReadPps::Unreadable(metadata, error) => {
+            let (namespace, name) = (metadata.namespace.as_deref(), metadata.name.as_deref());
+            tracing::warn!(namespace = namespace.unwrap_or_default(),
+                name = name.unwrap_or_default(), %error,
+                "PersistentPodState cannot be read; ignored until it changes");
+            let unreadable = PersistentPodState {
+                metadata,
+                spec: Default::default(),
+                status: None,
+            };
+            (unreadable, false)
+        }
     };
     Some(match event {
-        watcher::Event::Apply(obj) => {
-            let meta = obj.metadata.clone();
-            match decode(obj) {
-                Some(pps) => watcher::Event::Apply(pps),
-                None => watcher::Event::Delete(unreadable(meta)),
-            }
-        }
-        watcher::Event::Delete(obj) => {
-            let meta = obj.metadata.clone();
-            watcher::Event::Delete(decode(obj).unwrap_or_else(|| unreadable(meta)))
-        }
-        watcher::Event::InitApply(obj) => watcher::Event::InitApply(decode(obj)?),
+        watcher::Event::Apply(obj) => match read(obj) {
+            (pps, true) => watcher::Event::Apply(pps),
+            (unreadable, false) => watcher::Event::Delete(unreadable),
+        },
+        watcher::Event::Delete(obj) => watcher::Event::Delete(read(obj).0),
+        watcher::Event::InitApply(obj) => match read(obj) {
+            (pps, true) => watcher::Event::InitApply(pps),
+            (_, false) => return None,
+        },
         watcher::Event::Init => watcher::Event::Init,
         watcher::Event::InitDone => watcher::Event::InitDone,
     })
@@ -1185,12 +1181,13 @@ mod tests {
 
     #[test]
     fn an_unreadable_pps_is_skipped_and_the_others_kept() {
-        let object = |name: &str, spec: serde_json::Value| -> DynamicObject {
-            serde_json::from_value(json!({
+        // Read from its text, as a list or watch event hands it over.
+        let object = |name: &str, spec: serde_json::Value| -> ReadPps {
+            let text = json!({
                 "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
                 "metadata": {"name": name, "namespace": "ns"}, "spec": spec
-            }))
-            .expect("object")
+            });
+            serde_json::from_str(&text.to_string()).expect("object")
         };
         let good = || {
             object(
@@ -1216,6 +1213,45 @@ mod tests {
         let bad = object("good", json!({"targetRef": 5}));
         caches.apply_pps(decode_pps(watcher::Event::Apply(bad)).expect("an event"));
         assert!(get("good").is_none());
+    }
+
+    #[test]
+    fn pps_are_read_from_lists_and_events_as_from_a_plain_object_and_bad_ones_kept_apart() {
+        use kube::core::{ObjectList, WatchEvent};
+        let good = crate::synthetic::pps(3, 10, 20);
+        let bad = json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "bad", "namespace": "ns-1", "resourceVersion": "7"},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "secret-value"},
+                     "requiredPersistentTopology": {"nodeTopologyKeys": "not-a-list"}}});
+        // As it was read before: a plain object, then decoded from a JSON tree.
+        let plain: DynamicObject = serde_json::from_value(good.clone()).expect("object");
+        let before: PersistentPodState =
+            serde_json::from_value(serde_json::to_value(plain).expect("tree")).expect("pps");
+        let list = json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodStateList",
+            "metadata": {"resourceVersion": "9"}, "items": [good, bad]});
+        let list: ObjectList<ReadPps> =
+            serde_json::from_str(&list.to_string()).expect("one bad item does not fail the list");
+        let [ReadPps::Readable(read), ReadPps::Unreadable(metadata, why)] = &list.items[..] else {
+            panic!("{:?}", list.items);
+        };
+        let tree = |p: &PersistentPodState| serde_json::to_value(p).expect("tree");
+        assert_eq!(tree(read), tree(&before));
+        assert_eq!(metadata.name.as_deref(), Some("bad"));
+        assert_eq!(list.items[1].resource_version().as_deref(), Some("7"));
+        assert!(why.contains("not of the expected shape"), "{why}");
+        assert!(
+            !why.contains("not-a-list"),
+            "the reason quotes no value: {why}"
+        );
+        // A watch event (whichever of its fields comes first).
+        let event = json!({"object": tree(&before), "type": "MODIFIED"});
+        let event: WatchEvent<ReadPps> = serde_json::from_str(&event.to_string()).expect("event");
+        let WatchEvent::Modified(ReadPps::Readable(read)) = event else {
+            panic!("{event:?}");
+        };
+        assert_eq!(tree(&read), tree(&before));
+        // Not even metadata: the object cannot be told apart, an error.
+        assert!(serde_json::from_str::<ReadPps>(r#"{"metadata": 5}"#).is_err());
     }
 
     #[test]
