@@ -6,7 +6,9 @@
 //! webhook's whole router against the floor's handler (`bench-floor`'s, issue 22.1), both in
 //! process, warm and with the CPU's caches flushed between reviews: over HTTPS a review runs
 //! between the kernel's and TLS's work, which evicts what the review left in the caches.
-//! Prints tables; asserts nothing about time (machines vary).
+//! Prints tables; asserts nothing about time (machines vary). With `--route floor|router N`,
+//! only N flushed reviews through one of the two, nothing printed: the run a cache simulator
+//! counts (`valgrind --tool=callgrind --cache-sim=yes`, BENCHMARKS.md part 1).
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -39,14 +41,14 @@ fn review_request(body: &axum::body::Bytes) -> axum::http::Request<axum::body::B
         .expect("request")
 }
 
-/// Each of `bodies` POSTed through `app` in process, one at a time on `runtime`, for about
-/// `budget`: nanoseconds per review, timed around the call alone. With `flush`, a pass over
-/// that many bytes between reviews evicts what each left in the CPU's caches.
+/// Each of `bodies` POSTed through `app` in process, one at a time on `runtime`, until
+/// `enough(reviews, time)`: nanoseconds per review, timed around the call alone. With `flush`, a
+/// pass over that many bytes between reviews evicts what each left in the CPU's caches.
 fn routed(
     runtime: &tokio::runtime::Runtime,
     app: &axum::Router,
     bodies: &[axum::body::Bytes],
-    budget: Duration,
+    enough: &dyn Fn(u32, Duration) -> bool,
     flush: usize,
 ) -> f64 {
     use http_body_util::BodyExt;
@@ -55,28 +57,58 @@ fn routed(
     let (mut spent, mut n) = (Duration::ZERO, 0u32);
     let start = Instant::now();
     runtime.block_on(async {
-        while start.elapsed() < budget {
-            for body in bodies {
-                let request = review_request(body);
-                let at = Instant::now();
-                let response = app.clone().oneshot(request).await.expect("infallible");
-                let answer = response.into_body().collect().await.expect("body");
-                spent += at.elapsed();
-                black_box(answer);
-                for i in (0..junk.len()).step_by(64) {
-                    junk[i] = junk[i].wrapping_add(1);
-                }
-                n += 1;
+        for body in bodies.iter().cycle() {
+            if enough(n, start.elapsed()) {
+                break;
             }
+            let request = review_request(body);
+            let at = Instant::now();
+            let response = app.clone().oneshot(request).await.expect("infallible");
+            let answer = response.into_body().collect().await.expect("body");
+            spent += at.elapsed();
+            black_box(answer);
+            for i in (0..junk.len()).step_by(64) {
+                junk[i] = junk[i].wrapping_add(1);
+            }
+            n += 1;
         }
     });
     black_box(&junk);
     spent.as_nanos() as f64 / f64::from(n.max(1))
 }
 
+/// Which handler `--route` sends reviews through.
+#[derive(Clone, Copy)]
+enum Route {
+    Floor,
+    Router,
+}
+
+/// `--route floor|router N`: N reviews through the floor's handler or the webhook's router,
+/// each after a flush, and nothing else run or printed: what a cache simulator counts
+/// (BENCHMARKS.md, part 1).
+fn route_arg() -> Option<(Route, u32)> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "--route")?;
+    let usage = "--route floor|router N";
+    let which = match args.get(at + 1).map(String::as_str) {
+        Some("floor") => Route::Floor,
+        Some("router") => Route::Router,
+        _ => panic!("{usage}"),
+    };
+    let n = args.get(at + 2).and_then(|n| n.parse().ok()).expect(usage);
+    Some((which, n))
+}
+
 /// The webhook's router (over `state`) against the floor's handler, each review of `bodies`
-/// in process, warm and flushed ([`FLUSH`]): a table, medians of 3 alternated rounds.
-fn against_the_floor(state: Arc<WebhookState>, bodies: &[axum::body::Bytes], budget: Duration) {
+/// in process, warm and flushed ([`FLUSH`]): a table, medians of 3 alternated rounds; with
+/// `route`, only that many reviews through one of them.
+fn against_the_floor(
+    state: Arc<WebhookState>,
+    bodies: &[axum::body::Bytes],
+    budget: Duration,
+    route: Option<(Route, u32)>,
+) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -84,6 +116,16 @@ fn against_the_floor(state: Arc<WebhookState>, bodies: &[axum::body::Bytes], bud
     floor::set_patch(floor::ONE_LABEL);
     let floor_app = axum::Router::new().route("/mutate-pod", axum::routing::post(floor::answer));
     let ours = router(state);
+    // Before anything else runs, so that a cache simulator counts these reviews alone (the
+    // table's run checks that each of these bodies is answered with a patch).
+    if let Some((which, n)) = route {
+        let app = match which {
+            Route::Floor => &floor_app,
+            Route::Router => &ours,
+        };
+        routed(&runtime, app, bodies, &|done, _| done >= n, FLUSH);
+        return;
+    }
     // Every answer of ours carries a patch, or the comparison says nothing.
     runtime.block_on(async {
         use http_body_util::BodyExt;
@@ -113,8 +155,9 @@ fn against_the_floor(state: Arc<WebhookState>, bodies: &[axum::body::Bytes], bud
     for (label, flush) in [("warm", 0), ("flushed (4 MiB pass)", FLUSH)] {
         let (mut floors, mut ours_) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            floors.push(routed(&runtime, &floor_app, bodies, budget, flush));
-            ours_.push(routed(&runtime, &ours, bodies, budget, flush));
+            let enough = |_: u32, spent: Duration| spent >= budget;
+            floors.push(routed(&runtime, &floor_app, bodies, &enough, flush));
+            ours_.push(routed(&runtime, &ours, bodies, &enough, flush));
         }
         let (f, o) = (median(&floors), median(&ours_));
         println!(
@@ -171,95 +214,123 @@ impl Lookup for Scan<'_> {
     }
 }
 
+/// The server's state over `total` PersistentPodStates (one recorded state each) and the
+/// bench's nodes, synced; and the PersistentPodStates by namespace, for upstream's scan.
+fn server_state(
+    total: usize,
+) -> (
+    Arc<WebhookState>,
+    BTreeMap<String, Vec<Arc<PersistentPodState>>>,
+) {
+    let caches = Caches::new();
+    caches.apply_pps(watcher::Event::Init);
+    let mut by_namespace: BTreeMap<String, Vec<Arc<PersistentPodState>>> = BTreeMap::new();
+    for i in 0..total {
+        let pps: PersistentPodState =
+            serde_json::from_value(synthetic::pps(i, 1, NODES)).expect("pps");
+        by_namespace
+            .entry(pps.metadata.namespace.clone().unwrap_or_default())
+            .or_default()
+            .push(Arc::new(pps.clone()));
+        caches.apply_pps(watcher::Event::InitApply(pps));
+    }
+    caches.apply_pps(watcher::Event::InitDone);
+    caches.apply_node(watcher::Event::Init);
+    for j in 0..NODES {
+        caches.apply_node(watcher::Event::InitApply(
+            serde_json::from_value(synthetic::node(j)).expect("node"),
+        ));
+    }
+    // Every store synced, as the server's are once it answers reviews.
+    caches.apply_node(watcher::Event::InitDone);
+    caches.apply_pod(watcher::Event::InitDone);
+    caches.apply_workload(&GroupKind::native_statefulset(), watcher::Event::InitDone);
+    assert!(caches.is_synced(), "the caches are synced");
+    (Arc::new(WebhookState::over(caches)), by_namespace)
+}
+
+/// One row of the decision's table: `total` PersistentPodStates, each figure for `budget`.
+fn decision_row(
+    total: usize,
+    state: &WebhookState,
+    by_namespace: &BTreeMap<String, Vec<Arc<PersistentPodState>>>,
+    bodies: &[axum::body::Bytes],
+    budget: Duration,
+) {
+    let read = per_call(budget, |k| {
+        black_box(parse(bodies[k].clone()).expect("review"));
+    });
+    let requests: Vec<_> = bodies
+        .iter()
+        .map(|b| parse(b.clone()).expect("review"))
+        .collect();
+    let decode = per_call(budget, |k| {
+        let pod: Pod = decode_pod(requests[k].object().expect("object")).expect("pod");
+        black_box(pod_workload(&pod, "ns"));
+    });
+    let full_decode = per_call(budget, |k| {
+        let pod: Pod = serde_json::from_str(requests[k].object().expect("object")).expect("pod");
+        black_box(pod_workload(&pod, "ns"));
+    });
+    let whole = |lookup: &dyn Lookup| {
+        per_call(budget, |k| {
+            let request = parse(bodies[k].clone()).expect("review");
+            let Outcome::Decided(decision) = admit(&request, lookup) else {
+                panic!("the synthetic review is a pod CREATE")
+            };
+            let Verdict::Inject { injection, .. } = &decision.verdict else {
+                panic!("the synthetic pod gets a patch")
+            };
+            black_box(Admission::patch(&injection.patch).expect("patch"));
+        })
+    };
+    let indexed = whole(&state.lookup());
+    let scanned = whole(&Scan {
+        server: state.lookup(),
+        by_namespace,
+    });
+    println!(
+        "| {total} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+        read / 1e3,
+        decode / 1e3,
+        full_decode / 1e3,
+        indexed / 1e3,
+        scanned / 1e3
+    );
+}
+
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let short = std::env::args().any(|a| a == "--short");
+    let route = route_arg();
     let budget = Duration::from_millis(if short { 100 } else { 1000 });
-    let sizes: &[usize] = if short {
+    let sizes: &[usize] = if route.is_some() {
+        &[1_000]
+    } else if short {
         &[1, 1_000]
     } else {
         &[1, 1_000, 100_000]
     };
-    println!(
-        "| PPS | read review (µs) | decode pod, read fields (µs) | decode whole Pod (µs, not done) | decision + patch, all in (µs) | upstream's namespace scan, all in (µs) |"
-    );
-    println!("|---|---|---|---|---|---|");
+    if route.is_none() {
+        println!(
+            "| PPS | read review (µs) | decode pod, read fields (µs) | decode whole Pod (µs, not done) | decision + patch, all in (µs) | upstream's namespace scan, all in (µs) |"
+        );
+        println!("|---|---|---|---|---|---|");
+    }
     let mut compared = None;
     for &total in sizes {
-        let caches = Caches::new();
-        caches.apply_pps(watcher::Event::Init);
-        let mut by_namespace: BTreeMap<String, Vec<Arc<PersistentPodState>>> = BTreeMap::new();
-        for i in 0..total {
-            let pps: PersistentPodState =
-                serde_json::from_value(synthetic::pps(i, 1, NODES)).expect("pps");
-            by_namespace
-                .entry(pps.metadata.namespace.clone().unwrap_or_default())
-                .or_default()
-                .push(Arc::new(pps.clone()));
-            caches.apply_pps(watcher::Event::InitApply(pps));
-        }
-        caches.apply_pps(watcher::Event::InitDone);
-        caches.apply_node(watcher::Event::Init);
-        for j in 0..NODES {
-            caches.apply_node(watcher::Event::InitApply(
-                serde_json::from_value(synthetic::node(j)).expect("node"),
-            ));
-        }
-        // Every store synced, as the server's are once it answers reviews.
-        caches.apply_node(watcher::Event::InitDone);
-        caches.apply_pod(watcher::Event::InitDone);
-        caches.apply_workload(&GroupKind::native_statefulset(), watcher::Event::InitDone);
-        assert!(caches.is_synced(), "the caches are synced");
-        let state = Arc::new(WebhookState::over(caches));
+        let (state, by_namespace) = server_state(total);
         let bodies: Vec<axum::body::Bytes> = (0..BODIES)
             .map(|k| synthetic::review((k * 7919) % total).into())
             .collect();
-        let read = per_call(budget, |k| {
-            black_box(parse(bodies[k].clone()).expect("review"));
-        });
-        let requests: Vec<_> = bodies
-            .iter()
-            .map(|b| parse(b.clone()).expect("review"))
-            .collect();
-        let decode = per_call(budget, |k| {
-            let pod: Pod = decode_pod(requests[k].object().expect("object")).expect("pod");
-            black_box(pod_workload(&pod, "ns"));
-        });
-        let full_decode = per_call(budget, |k| {
-            let pod: Pod =
-                serde_json::from_str(requests[k].object().expect("object")).expect("pod");
-            black_box(pod_workload(&pod, "ns"));
-        });
-        let whole = |lookup: &dyn Lookup| {
-            per_call(budget, |k| {
-                let request = parse(bodies[k].clone()).expect("review");
-                let Outcome::Decided(decision) = admit(&request, lookup) else {
-                    panic!("the synthetic review is a pod CREATE")
-                };
-                let Verdict::Inject { injection, .. } = &decision.verdict else {
-                    panic!("the synthetic pod gets a patch")
-                };
-                black_box(Admission::patch(&injection.patch).expect("patch"));
-            })
-        };
-        let indexed = whole(&state.lookup());
-        let scanned = whole(&Scan {
-            server: state.lookup(),
-            by_namespace: &by_namespace,
-        });
-        println!(
-            "| {total} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
-            read / 1e3,
-            decode / 1e3,
-            full_decode / 1e3,
-            indexed / 1e3,
-            scanned / 1e3
-        );
+        if route.is_none() {
+            decision_row(total, &state, &by_namespace, &bodies, budget);
+        }
         if total == 1_000 {
             compared = Some((state, bodies));
         }
     }
     if let Some((state, bodies)) = compared {
-        against_the_floor(state, &bodies, budget);
+        against_the_floor(state, &bodies, budget, route);
     }
 }
