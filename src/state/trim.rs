@@ -390,8 +390,8 @@ pub fn workload(obj: &mut DynamicObject) {
 }
 
 /// A PersistentPodState as its watch reads it: decoded from the JSON tree of the list's item or
-/// the event's object, once (about half the CPU of reading it as a `DynamicObject` and decoding
-/// that again). One that does not decode (stored by an older schema, say) keeps its metadata
+/// the event's object, once (about 40 % less CPU than reading it as a `DynamicObject` and
+/// decoding that again, BENCHMARKS.md part 5). One that does not decode (stored by an older schema, say) keeps its metadata
 /// and why, so that it is skipped rather than failing every list of the kind.
 #[derive(Clone, Debug)]
 pub enum ReadPps {
