@@ -8,10 +8,8 @@
 
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::ResourceExt;
-
 use crate::api::ip_request::{ANTREA_POOLS_ANNOTATION, IpRequest};
+use crate::workload::PodView;
 
 /// Why no IP request was made.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -77,9 +75,9 @@ fn skip(reason: IpSkipReason, detail: impl Into<String>) -> IpDecision {
 /// Decides the IP request for `pod`, re-created with the `recorded` IPs, when its
 /// PersistentPodState's request annotation is `request`. `holder` names the live pod (other
 /// than this one) that holds an IP, if any: any namespace, a pod being deleted included.
-pub fn decide(
+pub fn decide<'a>(
     request: Option<&str>,
-    pod: &Pod,
+    pod: impl Into<PodView<'a>>,
     recorded: &[String],
     holder: &dyn Fn(&str) -> Option<String>,
 ) -> IpDecision {
@@ -108,16 +106,16 @@ pub fn decide(
     }
     let annotation = request.annotation().to_owned();
     let value = request.encode(&ips);
-    let annotations = pod.annotations();
-    if let Some(own) = annotations.get(&annotation) {
-        return if *own == value {
+    let pod = pod.into();
+    if let Some(own) = pod.annotation(&annotation) {
+        return if own == value {
             IpDecision::AlreadyRequested
         } else {
             // The key only: annotation values never reach logs or Events.
             skip(IpSkipReason::PodRequestsOwn, annotation)
         };
     }
-    if request == IpRequest::Antrea && !annotations.contains_key(ANTREA_POOLS_ANNOTATION) {
+    if request == IpRequest::Antrea && pod.annotation(ANTREA_POOLS_ANNOTATION).is_none() {
         return skip(IpSkipReason::AntreaNoPool, "");
     }
     for ip in &ips {
@@ -132,6 +130,7 @@ pub fn decide(
 mod tests {
     use super::*;
     use crate::api::ip_request::*;
+    use k8s_openapi::api::core::v1::Pod;
     use serde_json::json;
 
     fn pod(annotations: serde_json::Value) -> Pod {

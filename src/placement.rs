@@ -21,10 +21,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration,
+    Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Taint, Toleration,
 };
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
+
+use crate::workload::PodView;
 
 /// The label every node carries with its own name.
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
@@ -155,20 +157,15 @@ pub struct PodDemands<'a> {
 
 impl<'a> PodDemands<'a> {
     /// The demands of `pod` as it is created.
-    pub fn of(pod: &'a Pod) -> Self {
-        let spec = pod.spec.as_ref();
+    pub fn of(pod: impl Into<PodView<'a>>) -> Self {
+        let spec = pod.into().spec.unwrap_or_default();
         Self {
-            node_selector: spec.and_then(|s| s.node_selector.as_ref()),
-            required: spec
-                .and_then(|s| s.affinity.as_ref())
-                .and_then(|a| a.node_affinity.as_ref())
-                .and_then(|na| {
-                    na.required_during_scheduling_ignored_during_execution
-                        .as_ref()
-                }),
-            tolerations: spec
-                .and_then(|s| s.tolerations.as_deref())
-                .unwrap_or_default(),
+            node_selector: spec.node_selector,
+            required: spec.node_affinity.and_then(|na| {
+                na.required_during_scheduling_ignored_during_execution
+                    .as_ref()
+            }),
+            tolerations: spec.tolerations,
             any_taint: false,
         }
     }
@@ -409,6 +406,7 @@ pub fn required(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
 
     const HOST: &str = "kubernetes.io/hostname";

@@ -1,9 +1,9 @@
 //! StatefulSet-like workloads: which kinds are handled, how a pod names its workload, and which
 //! ordinals of a workload are live. Pure functions over API objects.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{NodeAffinity, Pod, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
@@ -95,6 +95,73 @@ pub struct WorkloadRef {
     pub kind: GroupKind,
     /// Name.
     pub name: String,
+}
+
+/// What the admission decision reads of a pod, by reference: taken from a whole `Pod` (the
+/// controller's, `explain`'s) or from the webhook's own reading of a review, which decodes only
+/// these fields and never builds a `Pod` (a `Pod` is over 2 KB, most of it absent fields that
+/// are written, checked and dropped per review).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PodView<'a> {
+    /// The pod's name (for a pod created with `generateName` only, the request's).
+    pub name: Option<&'a str>,
+    /// The namespace the object names.
+    pub namespace: Option<&'a str>,
+    /// Its annotations.
+    pub annotations: Option<&'a BTreeMap<String, String>>,
+    /// Its owner references.
+    pub owner_references: &'a [OwnerReference],
+    /// What its spec demands of a node; absent without a spec.
+    pub spec: Option<SpecView<'a>>,
+}
+
+/// The spec fields the decision reads: what the pod demands of a node.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SpecView<'a> {
+    /// `spec.nodeSelector`.
+    pub node_selector: Option<&'a BTreeMap<String, String>>,
+    /// Whether `spec.affinity` is set (of any kind).
+    pub has_affinity: bool,
+    /// `spec.affinity.nodeAffinity`.
+    pub node_affinity: Option<&'a NodeAffinity>,
+    /// `spec.tolerations`.
+    pub tolerations: &'a [Toleration],
+}
+
+impl<'a> From<&'a Pod> for PodView<'a> {
+    fn from(pod: &'a Pod) -> Self {
+        let meta = &pod.metadata;
+        Self {
+            name: meta.name.as_deref(),
+            namespace: meta.namespace.as_deref(),
+            annotations: meta.annotations.as_ref(),
+            owner_references: meta.owner_references.as_deref().unwrap_or_default(),
+            spec: pod.spec.as_ref().map(|s| SpecView {
+                node_selector: s.node_selector.as_ref(),
+                has_affinity: s.affinity.is_some(),
+                node_affinity: s.affinity.as_ref().and_then(|a| a.node_affinity.as_ref()),
+                tolerations: s.tolerations.as_deref().unwrap_or_default(),
+            }),
+        }
+    }
+}
+
+impl<'a> PodView<'a> {
+    /// The annotation `key`, if the pod has it.
+    pub fn annotation(&self, key: &str) -> Option<&'a str> {
+        self.annotations?.get(key).map(String::as_str)
+    }
+
+    /// The StatefulSet-like workload that controls the pod (in `namespace`), if any.
+    pub fn workload(&self, namespace: &str) -> Option<WorkloadRef> {
+        let owner = controller_owner(self.owner_references)?;
+        Some(owner_workload(
+            namespace,
+            &owner.api_version,
+            &owner.kind,
+            &owner.name,
+        ))
+    }
 }
 
 /// The controller ownerReference of an object, if any.

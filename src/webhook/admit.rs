@@ -10,7 +10,6 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use serde::Serialize;
 
@@ -20,7 +19,7 @@ use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::ip_request::{self, IpDecision, IpSkipReason};
 use crate::placement::{self, Dropped, Health, Nodes, PodDemands};
 use crate::state::Caches;
-use crate::workload::{CustomKinds, GroupKind, WorkloadRef, pod_workload};
+use crate::workload::{CustomKinds, GroupKind, PodView, WorkloadRef};
 
 /// Why a pod was let through without a patch.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -292,9 +291,13 @@ impl Decision {
 
 /// Decides what happens to `pod`, being created in `namespace` (its name set, from the request
 /// when the pod has only a `generateName`).
-pub fn decide(pod: &Pod, namespace: &str, lookup: &dyn Lookup) -> Decision {
-    let name = pod.metadata.name.clone().unwrap_or_default();
-    let workload = pod_workload(pod, namespace);
+pub fn decide<'a>(pod: impl Into<PodView<'a>>, namespace: &str, lookup: &dyn Lookup) -> Decision {
+    decide_view(pod.into(), namespace, lookup)
+}
+
+fn decide_view(pod: PodView<'_>, namespace: &str, lookup: &dyn Lookup) -> Decision {
+    let name = pod.name.unwrap_or_default().to_owned();
+    let workload = pod.workload(namespace);
     let (pps, verdict) = match &workload {
         None => (None, Verdict::Skip(SkipReason::NoController)),
         Some(workload) => judge(pod, namespace, &name, workload, lookup),
@@ -310,7 +313,7 @@ pub fn decide(pod: &Pod, namespace: &str, lookup: &dyn Lookup) -> Decision {
 
 /// The PersistentPodState in force for pod `name`, controlled by `workload`, and what it gets.
 fn judge(
-    pod: &Pod,
+    pod: PodView<'_>,
     namespace: &str,
     name: &str,
     workload: &WorkloadRef,
@@ -354,7 +357,7 @@ fn judge(
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::core::v1::{Node, Pod};
     use serde_json::{Value, json};
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Pod, PreferredSchedulingTerm};
+use k8s_openapi::api::core::v1::PreferredSchedulingTerm;
 use serde::Serialize;
 
 use super::patch::PodPatch;
@@ -12,6 +12,7 @@ use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PodState, decode_required, encode_required,
 };
 use crate::placement::{Dropped, Required};
+use crate::workload::PodView;
 
 const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
 
@@ -113,8 +114,19 @@ struct WithNodeAffinity<T> {
 /// the pod sets itself are never overridden. Of the recorded required values, only those that
 /// `place` keeps are injected (see [`crate::placement::required`]), so a pod is never pinned to
 /// nowhere; the preferred part is injected whatever happens to the required one.
-pub fn injection_for(
-    pod: &Pod,
+pub fn injection_for<'a>(
+    pod: impl Into<PodView<'a>>,
+    pps_name: &str,
+    spec: &PersistentPodStateSpec,
+    state: &PodState,
+    place: &dyn Fn(BTreeMap<String, String>) -> Required,
+    ip_request: Option<(&str, &str)>,
+) -> Injection {
+    injection_of(pod.into(), pps_name, spec, state, place, ip_request)
+}
+
+fn injection_of(
+    pod: PodView<'_>,
     pps_name: &str,
     spec: &PersistentPodStateSpec,
     state: &PodState,
@@ -122,7 +134,7 @@ pub fn injection_for(
     ip_request: Option<(&str, &str)>,
 ) -> Injection {
     let mut out = Injection::default();
-    let Some(pod_spec) = pod.spec.as_ref() else {
+    let Some(pod_spec) = pod.spec else {
         return out;
     };
     let mut patch = PodPatch::default();
@@ -130,7 +142,7 @@ pub fn injection_for(
     // a. required keys -> spec.nodeSelector
     let mut required = spec.required_values(state);
     // A key the pod sets itself to another value keeps the pod's value.
-    if let Some(own) = &pod_spec.node_selector {
+    if let Some(own) = pod_spec.node_selector {
         required.retain(|key, value| match own.get(key) {
             Some(v) if v != value => {
                 out.conflicts.push(Conflict {
@@ -147,13 +159,13 @@ pub fn injection_for(
     out.dropped = placed.dropped;
     // What this webhook adds (not what the pod sets itself): what it may later release the
     // pod from. A value it added before (a reinvocation with its own result) stays its own.
-    let pod_annotations = pod.metadata.annotations.as_ref();
+    let pod_annotations = pod.annotations;
     let added_before = pod_annotations
         .filter(|a| a.get(INJECTED_ANNOTATION).map(String::as_str) == Some(pps_name))
         .and_then(|a| a.get(INJECTED_REQUIRED_ANNOTATION))
         .and_then(|text| decode_required(text))
         .unwrap_or_default();
-    let set_by_pod = |key: &str| pod_spec.node_selector.as_ref().and_then(|own| own.get(key));
+    let set_by_pod = |key: &str| pod_spec.node_selector.and_then(|own| own.get(key));
     let injected: BTreeMap<&str, &str> = placed
         .kept
         .iter()
@@ -166,7 +178,7 @@ pub fn injection_for(
         set_by_pod(key).is_none()
             || (set_by_pod(key) == Some(*value) && added_before.get(*key) == Some(*value))
     });
-    match &pod_spec.node_selector {
+    match pod_spec.node_selector {
         None if !injected.is_empty() => patch.add(&["spec", "nodeSelector"], &injected),
         None => {}
         Some(_) => {
@@ -177,10 +189,7 @@ pub fn injection_for(
     }
 
     // b. preferred terms -> appended preferred node affinity
-    let node_affinity = pod_spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref());
+    let node_affinity = pod_spec.node_affinity;
     let existing_terms = node_affinity
         .and_then(|na| {
             na.preferred_during_scheduling_ignored_during_execution
@@ -216,7 +225,7 @@ pub fn injection_for(
     out.preferred = terms.len();
     if !terms.is_empty() {
         let preferred = Preferred { terms: &terms };
-        if pod_spec.affinity.is_none() {
+        if !pod_spec.has_affinity {
             let affinity = WithNodeAffinity {
                 node_affinity: preferred,
             };
@@ -293,6 +302,7 @@ mod tests {
     use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
     use crate::placement::DropReason;
+    use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
 
     const ZONE: &str = "topology.kubernetes.io/zone";

@@ -5,8 +5,6 @@
 //! The webhook publishes Events (its `sideEffects` is `NoneOnDryRun`): a dry-run request gets
 //! exactly the answer a real one would, but publishes nothing.
 
-use std::borrow::Cow;
-
 use axum::response::Response;
 use kube::runtime::events::EventType;
 
@@ -61,24 +59,29 @@ pub fn admit(request: &AdmissionRequest, lookup: &dyn Lookup) -> Outcome {
         return Outcome::Invalid(t.message());
     }
     // Decoded with the review as a rule (borrowed, not copied); else from the object's text.
-    let mut pod = match request.pod() {
-        Some(pod) => Cow::Borrowed(pod),
+    let decoded;
+    let read = match request.pod() {
+        Some(pod) => pod,
         None => match request.object().map(decode_pod) {
-            Some(Ok(pod)) => Cow::Owned(pod),
+            Some(Ok(pod)) => {
+                decoded = pod;
+                &decoded
+            }
             Some(Err(e)) => return Outcome::Invalid(json_error_summary(&e)),
             None => return Outcome::Invalid("the request carries no object".into()),
         },
     };
+    let mut pod = read.view();
     let namespace = request
         .namespace
-        .clone()
-        .or_else(|| pod.metadata.namespace.clone())
+        .as_deref()
+        .or(pod.namespace)
         .unwrap_or_default();
     // A pod created with generateName has no name in the object; the request may carry it.
-    if pod.metadata.name.as_deref().is_none_or(str::is_empty) {
-        pod.to_mut().metadata.name = Some(request.name.clone());
+    if pod.name.is_none_or(str::is_empty) {
+        pod.name = Some(&request.name);
     }
-    Outcome::Decided(Box::new(decide(&pod, &namespace, lookup)))
+    Outcome::Decided(Box::new(decide(pod, namespace, lookup)))
 }
 
 /// Answers one pod AdmissionReview.
@@ -395,7 +398,7 @@ mod tests {
     use super::super::review::parse;
     use super::*;
     use crate::placement::{self, PodDemands};
-    use crate::workload::pod_workload;
+    use crate::workload::{PodView, pod_workload};
     use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
     use std::collections::BTreeMap;
@@ -568,15 +571,16 @@ mod tests {
         };
         for object in pods {
             let full: Pod = serde_json::from_value(object.clone()).expect("full pod");
-            let partial = decode_pod(&object.to_string()).expect("partial pod");
-            assert_eq!(PodDemands::of(&full), PodDemands::of(&partial));
-            assert_eq!(pod_workload(&full, "ns"), pod_workload(&partial, "ns"));
+            let read = decode_pod(&object.to_string()).expect("partial pod");
+            let partial = read.view();
+            assert_eq!(PodDemands::of(&full), PodDemands::of(partial));
+            assert_eq!(pod_workload(&full, "ns"), partial.workload("ns"));
             let request = Some(("cni.projectcalico.org/ipAddrs", "[\"10.0.0.1\"]"));
-            let inject = |pod: &Pod| {
+            let inject = |pod: PodView<'_>| {
                 super::super::inject::injection_for(pod, "web", &pps.spec, &state, &keep, request)
                     .patch
             };
-            assert_eq!(inject(&full), inject(&partial), "{object}");
+            assert_eq!(inject((&full).into()), inject(partial), "{object}");
         }
     }
 }

@@ -28,8 +28,9 @@ use super::patch::PodPatch;
 use super::{WebhookState, endpoints};
 use crate::api::json_error_summary;
 use crate::metrics::AdmissionResult;
-use k8s_openapi::api::core::v1::{Affinity, NodeAffinity, Pod, PodSpec, Toleration};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use crate::workload::{PodView, SpecView};
+use k8s_openapi::api::core::v1::{NodeAffinity, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use std::collections::BTreeMap;
 
 /// The AdmissionReview versions answered (the request's is echoed).
@@ -219,9 +220,8 @@ pub struct AdmissionRequest {
     body: Bytes,
     object: Option<std::ops::Range<usize>>,
     old_object: Option<std::ops::Range<usize>>,
-    /// The object, when it was decoded as a pod in the review's own pass ([`parse_pod`]); boxed,
-    /// as a `Pod` is over 2 KB and the request is moved through the handler.
-    pod: Option<Box<Pod>>,
+    /// The object, when it was decoded as a pod in the review's own pass ([`parse_pod`]).
+    pod: Option<ReadPod>,
 }
 
 impl AdmissionRequest {
@@ -237,8 +237,8 @@ impl AdmissionRequest {
 
     /// The object decoded as a pod in the review's pass ([`parse_pod`]); otherwise absent, and
     /// [`Self::object`] holds it raw.
-    pub fn pod(&self) -> Option<&Pod> {
-        self.pod.as_deref()
+    pub fn pod(&self) -> Option<&ReadPod> {
+        self.pod.as_ref()
     }
 
     /// The old object as sent (absent when missing or null), as JSON text.
@@ -248,25 +248,24 @@ impl AdmissionRequest {
 }
 
 /// The metadata the decision reads.
-#[derive(Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReadMeta {
     name: Option<String>,
-    generate_name: Option<String>,
     namespace: Option<String>,
     annotations: Option<BTreeMap<String, String>>,
     owner_references: Option<Vec<OwnerReference>>,
 }
 
 /// The affinity the decision reads: node affinity (the rest is only noticed as present).
-#[derive(Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReadAffinity {
     node_affinity: Option<NodeAffinity>,
 }
 
 /// The spec fields the decision reads: what the pod demands of a node.
-#[derive(Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReadSpec {
     node_selector: Option<BTreeMap<String, String>>,
@@ -274,38 +273,31 @@ struct ReadSpec {
     tolerations: Option<Vec<Toleration>>,
 }
 
-/// What the decision reads of a pod, as decoded ([`decode_pod`], or in the review's own pass).
-#[derive(Deserialize)]
+/// What the decision reads of a pod, as decoded ([`decode_pod`], or in the review's own pass):
+/// the fields of a [`PodView`], owned, and nothing else (no `Pod` is built).
+#[derive(Clone, Debug, Deserialize)]
 pub struct ReadPod {
     metadata: Option<ReadMeta>,
     spec: Option<ReadSpec>,
 }
 
 impl ReadPod {
-    /// The pod with only the fields read.
-    pub fn into_pod(self) -> Pod {
-        let metadata = self
-            .metadata
-            .map_or_else(ObjectMeta::default, |m| ObjectMeta {
-                name: m.name,
-                generate_name: m.generate_name,
-                namespace: m.namespace,
-                annotations: m.annotations,
-                owner_references: m.owner_references,
-                ..ObjectMeta::default()
-            });
-        Pod {
-            metadata,
-            spec: self.spec.map(|s| PodSpec {
-                node_selector: s.node_selector,
-                affinity: s.affinity.map(|a| Affinity {
-                    node_affinity: a.node_affinity,
-                    ..Affinity::default()
-                }),
-                tolerations: s.tolerations,
-                ..PodSpec::default()
+    /// The decision's view of the pod read.
+    pub fn view(&self) -> PodView<'_> {
+        let meta = self.metadata.as_ref();
+        PodView {
+            name: meta.and_then(|m| m.name.as_deref()),
+            namespace: meta.and_then(|m| m.namespace.as_deref()),
+            annotations: meta.and_then(|m| m.annotations.as_ref()),
+            owner_references: meta
+                .and_then(|m| m.owner_references.as_deref())
+                .unwrap_or_default(),
+            spec: self.spec.as_ref().map(|s| SpecView {
+                node_selector: s.node_selector.as_ref(),
+                has_affinity: s.affinity.is_some(),
+                node_affinity: s.affinity.as_ref().and_then(|a| a.node_affinity.as_ref()),
+                tolerations: s.tolerations.as_deref().unwrap_or_default(),
             }),
-            status: None,
         }
     }
 }
@@ -314,8 +306,8 @@ impl ReadPod {
 /// annotations, and its node selector, node affinity and tolerations), skipping the rest of
 /// the object (containers, volumes, managed fields) without building it: the decode is most of
 /// an admission's cost. The patch only adds to what the pod has, so nothing skipped is lost.
-pub fn decode_pod(object: &str) -> Result<Pod, serde_json::Error> {
-    serde_json::from_str::<ReadPod>(object).map(ReadPod::into_pod)
+pub fn decode_pod(object: &str) -> Result<ReadPod, serde_json::Error> {
+    serde_json::from_str::<ReadPod>(object)
 }
 
 /// Why a body could not be read as a review (HTTP 400).
@@ -393,7 +385,7 @@ pub fn parse_pod(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
         return parse(body);
     };
     let (mut request, api_version) = checked(review)?;
-    let pod = request.object.take().map(|p| Box::new(p.into_pod()));
+    let pod = request.object.take();
     let old_object = range_in(&body, request.old_object);
     Ok(AdmissionRequest {
         old_object,
@@ -783,11 +775,11 @@ mod tests {
         let body = serde_json::to_vec(&review(pod)).expect("json");
         let parsed = parse_pod(body.into()).expect("parses");
         assert_eq!(parsed.uid, "u-1");
-        let decoded = parsed.pod().expect("decoded in the pass");
-        assert_eq!(decoded.metadata.name.as_deref(), Some("web-0"));
+        let decoded = parsed.pod().expect("decoded in the pass").view();
+        assert_eq!(decoded.name, Some("web-0"));
         assert_eq!(
-            decoded.spec.as_ref().and_then(|s| s.node_selector.clone()),
-            Some([("zone".to_owned(), "z1".to_owned())].into())
+            decoded.spec.and_then(|s| s.node_selector),
+            Some(&[("zone".to_owned(), "z1".to_owned())].into())
         );
         assert!(parsed.object().is_none(), "not kept raw as well");
         // An object that is not a pod: the review is still read (its uid answers), the object
