@@ -17,7 +17,7 @@ use crate::serving::{TooComplex, error_response};
 use axum::body::Bytes;
 use axum::http::Request;
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use base64::Engine as _;
 use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -538,8 +538,16 @@ impl Admission {
             out.push(b'"');
         }
         out.extend_from_slice(b"}}");
-        (StatusCode::OK, [(header::CONTENT_TYPE, JSON)], out).into_response()
+        json_bytes(StatusCode::OK, out)
     }
+}
+
+/// `bytes` as a JSON response, built directly (one header set, the body taken as it is).
+fn json_bytes(status: StatusCode, bytes: Vec<u8>) -> Response {
+    let mut response = Response::new(axum::body::Body::from(bytes));
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, JSON);
+    response
 }
 
 /// The answers' content type (static: not copied per answer).
@@ -549,7 +557,7 @@ const JSON: HeaderValue = HeaderValue::from_static("application/json");
 fn json_response(status: StatusCode, body: &impl Serialize, size: usize) -> Response {
     let mut bytes = Vec::with_capacity(size);
     match serde_json::to_writer(&mut bytes, body) {
-        Ok(()) => (status, [(header::CONTENT_TYPE, JSON)], bytes).into_response(),
+        Ok(()) => json_bytes(status, bytes),
         Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
     }
 }
