@@ -3,16 +3,14 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::PreferredSchedulingTerm;
-use serde::Serialize;
-
-use super::patch::PodPatch;
+use super::patch::{JsonValue, PodPatch};
 use crate::api::PersistentPodStateSpec;
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PodState, decode_required, encode_required,
 };
 use crate::placement::{Dropped, Required};
 use crate::workload::PodView;
+use k8s_openapi::api::core::v1::PreferredSchedulingTerm;
 
 const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
 
@@ -49,19 +47,18 @@ pub struct Injection {
 
 /// A preferred node affinity term as injected: each recorded value of its keys, `In`. Fields
 /// in the order a JSON map has them (as the patch always read).
-#[derive(Serialize, PartialEq)]
+#[derive(PartialEq)]
 struct Term<'a> {
     preference: Preference<'a>,
     weight: i32,
 }
 
-#[derive(Serialize, PartialEq)]
-#[serde(rename_all = "camelCase")]
+#[derive(PartialEq)]
 struct Preference<'a> {
     match_expressions: Vec<Expression<'a>>,
 }
 
-#[derive(Serialize, PartialEq)]
+#[derive(PartialEq)]
 struct Expression<'a> {
     key: &'a str,
     operator: &'static str,
@@ -92,18 +89,49 @@ impl Term<'_> {
     }
 }
 
-/// Preferred terms under their field name.
-#[derive(Serialize)]
-struct Preferred<'t, 'a> {
-    #[serde(rename = "preferredDuringSchedulingIgnoredDuringExecution")]
-    terms: &'t [Term<'a>],
+impl JsonValue for Term<'_> {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"{\"preference\":{\"matchExpressions\":");
+        self.preference.match_expressions.write_json(out);
+        out.extend_from_slice(b"},\"weight\":");
+        self.weight.write_json(out);
+        out.push(b'}');
+    }
 }
 
-/// A node affinity under its field name.
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct WithNodeAffinity<T> {
-    node_affinity: T,
+impl JsonValue for Expression<'_> {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"{\"key\":");
+        self.key.write_json(out);
+        out.extend_from_slice(b",\"operator\":");
+        self.operator.write_json(out);
+        out.extend_from_slice(b",\"values\":");
+        self.values[..].write_json(out);
+        out.push(b'}');
+    }
+}
+
+/// Preferred terms under their field name (a node affinity), and that under its own (an
+/// affinity) when `in_affinity`.
+struct Preferred<'t, 'a> {
+    terms: &'t [Term<'a>],
+    in_affinity: bool,
+}
+
+impl JsonValue for Preferred<'_, '_> {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        if self.in_affinity {
+            out.extend_from_slice(b"{\"nodeAffinity\":");
+        }
+        out.extend_from_slice(b"{\"");
+        out.extend_from_slice(PREFERRED.as_bytes());
+        out.extend_from_slice(b"\":");
+        self.terms.write_json(out);
+        out.push(b'}');
+        if self.in_affinity {
+            out.push(b'}');
+        }
+    }
 }
 
 /// Computes the patch that restores `state` onto `pod` as asked by `spec`, with the IP request
@@ -224,19 +252,19 @@ fn injection_of(
     }
     out.preferred = terms.len();
     if !terms.is_empty() {
-        let preferred = Preferred { terms: &terms };
+        let preferred = |in_affinity| Preferred {
+            terms: &terms,
+            in_affinity,
+        };
         if !pod_spec.has_affinity {
-            let affinity = WithNodeAffinity {
-                node_affinity: preferred,
-            };
-            patch.add(&["spec", "affinity"], &affinity);
+            patch.add(&["spec", "affinity"], &preferred(true));
         } else if node_affinity.is_none() {
-            patch.add(&["spec", "affinity", "nodeAffinity"], &preferred);
+            patch.add(&["spec", "affinity", "nodeAffinity"], &preferred(false));
         } else if node_affinity.is_some_and(|na| {
             na.preferred_during_scheduling_ignored_during_execution
                 .is_none()
         }) {
-            patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED], &terms);
+            patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED], &terms[..]);
         } else {
             for term in &terms {
                 patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED, "-"], term);
@@ -365,7 +393,7 @@ mod tests {
 
     /// The injection's patch, as the API server reads it.
     fn ops(inj: &Injection) -> json_patch::Patch {
-        let bytes = inj.patch.to_bytes().expect("the patch is written");
+        let bytes = inj.patch.to_bytes();
         serde_json::from_slice(&bytes).expect("a JSON patch")
     }
 

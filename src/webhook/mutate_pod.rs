@@ -184,23 +184,14 @@ fn respond(
     if injection.patch.is_empty() {
         return (Admission::allow(), AdmissionResult::Allowed);
     }
-    match Admission::patch(&injection.patch) {
-        Ok(patched) => {
-            tracing::debug!(
-                pps = pps.metadata.name.as_deref().unwrap_or_default(),
-                required = injection.required,
-                preferred = injection.preferred,
-                annotations = injection.annotations,
-                "injected persistent pod state"
-            );
-            (patched, AdmissionResult::Patched)
-        }
-        Err(error) => {
-            tracing::error!(uid = %request.uid, namespace = %decision.namespace, pod = %decision.pod,
-                %error, "could not serialize the patch; allowing without it");
-            (Admission::allow(), AdmissionResult::Allowed)
-        }
-    }
+    tracing::debug!(
+        pps = pps.metadata.name.as_deref().unwrap_or_default(),
+        required = injection.required,
+        preferred = injection.preferred,
+        annotations = injection.annotations,
+        "injected persistent pod state"
+    );
+    (Admission::patch(&injection.patch), AdmissionResult::Patched)
 }
 
 /// The longest `WouldInject` Event note (the API server takes 1 kB).

@@ -1,7 +1,70 @@
 //! The webhook's JSON patch (RFC 6902), written as JSON text while it is built: the answer
-//! carries it as bytes, so no tree of values is built, serialized and dropped per review.
+//! carries it as bytes, so no tree of values is built, serialized and dropped per review. Its
+//! values (strings, maps of strings, node affinity terms) write themselves ([`JsonValue`]):
+//! a few loops over one string escaper, where a serializer per value type would each be code
+//! a review fetches (BENCHMARKS.md, part 1).
 
-use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// A value a patch operation carries, written as JSON text.
+pub trait JsonValue {
+    /// Appends the value's JSON text to `out`.
+    fn write_json(&self, out: &mut Vec<u8>);
+}
+
+impl JsonValue for str {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.push(b'"');
+        escape(out, self, false);
+        out.push(b'"');
+    }
+}
+
+impl JsonValue for String {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        self.as_str().write_json(out);
+    }
+}
+
+impl<T: JsonValue + ?Sized> JsonValue for &T {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        (**self).write_json(out);
+    }
+}
+
+impl<T: JsonValue> JsonValue for [T] {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.push(b'[');
+        for (i, item) in self.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            item.write_json(out);
+        }
+        out.push(b']');
+    }
+}
+
+impl<K: AsRef<str>, V: AsRef<str>> JsonValue for BTreeMap<K, V> {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.push(b'{');
+        for (i, (key, value)) in self.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            key.as_ref().write_json(out);
+            out.push(b':');
+            value.as_ref().write_json(out);
+        }
+        out.push(b'}');
+    }
+}
+
+impl JsonValue for i32 {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(itoa::Buffer::new().format(*self).as_bytes());
+    }
+}
 
 /// A JSON patch as its operations' JSON text, built one operation at a time.
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -10,28 +73,25 @@ pub struct PodPatch {
     text: Vec<u8>,
     /// How many operations `text` holds.
     ops: usize,
-    /// Why a value could not be written, if one could not (the patch is then not answered).
-    failed: Option<String>,
 }
 
 impl PodPatch {
     /// Adds `value` at the JSON Pointer of `path`'s tokens (escaped here).
-    pub fn add(&mut self, path: &[&str], value: &(impl Serialize + ?Sized)) {
-        self.push("add", path, Some(value));
+    pub fn add(&mut self, path: &[&str], value: &(impl JsonValue + ?Sized)) {
+        self.push("add", path, Some(&value));
     }
 
     /// Replaces the value at `path` with `value`.
-    pub fn replace(&mut self, path: &[&str], value: &(impl Serialize + ?Sized)) {
-        self.push("replace", path, Some(value));
+    pub fn replace(&mut self, path: &[&str], value: &(impl JsonValue + ?Sized)) {
+        self.push("replace", path, Some(&value));
     }
 
     /// Removes the value at `path`.
     pub fn remove(&mut self, path: &[&str]) {
-        self.push::<()>("remove", path, None);
+        self.push("remove", path, None);
     }
 
-    fn push<V: Serialize + ?Sized>(&mut self, op: &str, path: &[&str], value: Option<&V>) {
-        let start = self.text.len();
+    fn push(&mut self, op: &str, path: &[&str], value: Option<&dyn JsonValue>) {
         if self.ops > 0 {
             self.text.push(b',');
         } else {
@@ -42,52 +102,28 @@ impl PodPatch {
         self.text.extend_from_slice(op.as_bytes());
         self.text.extend_from_slice(b"\",\"path\":");
         self.write_pointer(path);
-        let written = value.map_or(Ok(()), |value| {
+        if let Some(value) = value {
             self.text.extend_from_slice(b",\"value\":");
-            serde_json::to_writer(&mut self.text, value)
-        });
-        match written {
-            Ok(()) => {
-                self.text.push(b'}');
-                self.ops += 1;
-            }
-            Err(error) => {
-                self.text.truncate(start);
-                self.failed.get_or_insert_with(|| error.to_string());
-            }
+            value.write_json(&mut self.text);
         }
+        self.text.push(b'}');
+        self.ops += 1;
     }
 
-    /// Writes the JSON string of the pointer of `tokens` in one pass: each token prefixed with
-    /// `/`, its `~` and `/` escaped as a pointer's (`~0`, `~1`) and its `"`, `\\` and control
-    /// characters as JSON's; runs of other bytes (as a rule, whole tokens) are copied as they are.
+    /// Writes the JSON string of the pointer of `tokens`: each token prefixed with `/`, its `~`
+    /// and `/` escaped as a pointer's (`~0`, `~1`), then as a JSON string's.
     fn write_pointer(&mut self, tokens: &[&str]) {
         self.text.push(b'"');
         for token in tokens {
             self.text.push(b'/');
-            let bytes = token.as_bytes();
-            let mut plain = 0;
-            for (i, &b) in bytes.iter().enumerate() {
-                let escaped: &[u8] = match b {
-                    b'~' => b"~0",
-                    b'/' => b"~1",
-                    b'"' => b"\\\"",
-                    b'\\' => b"\\\\",
-                    0..0x20 => &CONTROL[usize::from(b)],
-                    _ => continue,
-                };
-                self.text.extend_from_slice(&bytes[plain..i]);
-                self.text.extend_from_slice(escaped);
-                plain = i + 1;
-            }
-            self.text.extend_from_slice(&bytes[plain..]);
+            escape(&mut self.text, token, true);
         }
         self.text.push(b'"');
     }
 
     /// Whether the patch has no operation.
     pub fn is_empty(&self) -> bool {
-        self.ops == 0 && self.failed.is_none()
+        self.ops == 0
     }
 
     /// The number of operations.
@@ -95,38 +131,47 @@ impl PodPatch {
         self.ops
     }
 
-    /// The patch as JSON text; an error if one of its values could not be written.
-    pub fn to_bytes(&self) -> Result<Vec<u8>, String> {
-        match &self.failed {
-            Some(failed) => Err(failed.clone()),
-            None => Ok(self.written()),
-        }
-    }
-
-    /// The patch as a JSON value (for `explain` and Event notes): the operations written so
-    /// far, whether or not one failed.
-    pub fn to_value(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.written()).unwrap_or_default()
-    }
-
-    /// The operations written, as a JSON array.
-    fn written(&self) -> Vec<u8> {
+    /// The patch as JSON text (a JSON array).
+    pub fn to_bytes(&self) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(self.text.len() + 2);
         bytes.push(b'[');
         bytes.extend_from_slice(&self.text);
         bytes.push(b']');
         bytes
     }
+
+    /// The patch as a JSON value (for `explain` and Event notes).
+    pub fn to_value(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.to_bytes()).unwrap_or_default()
+    }
 }
 
 impl std::fmt::Debug for PodPatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "[{}]", String::from_utf8_lossy(&self.text))?;
-        match &self.failed {
-            Some(failed) => write!(f, " (a value could not be written: {failed})"),
-            None => Ok(()),
-        }
+        write!(f, "[{}]", String::from_utf8_lossy(&self.text))
     }
+}
+
+/// Appends `text` escaped as within a JSON string (`"`, `\\` and control characters; with
+/// `pointer`, first `~` and `/` as a JSON Pointer's token, `~0` and `~1`), in one pass: runs of
+/// other bytes (as a rule, the whole text) are copied as they are.
+fn escape(out: &mut Vec<u8>, text: &str, pointer: bool) {
+    let bytes = text.as_bytes();
+    let mut plain = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match b {
+            b'~' if pointer => b"~0",
+            b'/' if pointer => b"~1",
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0..0x20 => &CONTROL[usize::from(b)],
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[plain..i]);
+        out.extend_from_slice(escaped);
+        plain = i + 1;
+    }
+    out.extend_from_slice(&bytes[plain..]);
 }
 
 /// The JSON escapes of the control characters (U+0000 to U+001F), by code.
@@ -146,25 +191,24 @@ const CONTROL: [[u8; 6]; 0x20] = {
 mod tests {
     use super::*;
     use serde_json::json;
-    use std::collections::BTreeMap;
 
     #[test]
     fn writes_the_operations_as_a_json_patch_with_escaped_pointers() {
         let mut patch = PodPatch::default();
         assert!(patch.is_empty());
-        assert_eq!(patch.to_bytes().as_deref(), Ok(&b"[]"[..]));
+        assert_eq!(patch.to_bytes(), b"[]");
         let map = BTreeMap::from([("a/b", "v\"1"), ("c~d", "v2")]);
         patch.add(&["spec", "nodeSelector"], &map);
         patch.replace(&["metadata", "annotations", "x/y~z"], "new");
         patch.remove(&["metadata", "annotations", "gone"]);
         patch.add(
             &["spec", "affinity", "nodeAffinity", "terms", "-"],
-            &json!({"w": 1}),
+            &[1, -20][..],
         );
         // Characters JSON escapes (not a pointer's): written escaped, read back as sent.
-        patch.add(&["metadata", "annotations", "q\"b\\s\u{1}é"], "odd");
+        patch.add(&["metadata", "annotations", "q\"b\\s\u{1}é"], "odd\n\u{1f}");
         assert_eq!(patch.len(), 5);
-        let bytes = patch.to_bytes().expect("written");
+        let bytes = patch.to_bytes();
         let parsed: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
         assert_eq!(
             serde_json::to_value(&parsed).expect("json"),
@@ -172,13 +216,18 @@ mod tests {
                 {"op": "add", "path": "/spec/nodeSelector", "value": {"a/b": "v\"1", "c~d": "v2"}},
                 {"op": "replace", "path": "/metadata/annotations/x~1y~0z", "value": "new"},
                 {"op": "remove", "path": "/metadata/annotations/gone"},
-                {"op": "add", "path": "/spec/affinity/nodeAffinity/terms/-", "value": {"w": 1}},
-                {"op": "add", "path": "/metadata/annotations/q\"b\\s\u{1}é", "value": "odd"},
+                {"op": "add", "path": "/spec/affinity/nodeAffinity/terms/-", "value": [1, -20]},
+                {"op": "add", "path": "/metadata/annotations/q\"b\\s\u{1}é", "value": "odd\n\u{1f}"},
             ])
         );
         assert_eq!(
             patch.to_value(),
             serde_json::from_slice::<serde_json::Value>(&bytes).expect("json")
+        );
+        assert_eq!(
+            format!("{patch:?}"),
+            String::from_utf8_lossy(&bytes),
+            "debug shows the text"
         );
         // Applied as the API server would: the escaped key is the key.
         let mut doc =
@@ -187,7 +236,7 @@ mod tests {
         patch.replace(&["metadata", "annotations", "x/y~z"], "new");
         patch.remove(&["metadata", "annotations", "gone"]);
         let ops: json_patch::Patch =
-            serde_json::from_slice(&patch.to_bytes().expect("written")).expect("a JSON patch");
+            serde_json::from_slice(&patch.to_bytes()).expect("a JSON patch");
         json_patch::patch(&mut doc, &ops).expect("applies");
         assert_eq!(doc["metadata"]["annotations"], json!({"x/y~z": "new"}));
     }
@@ -209,26 +258,21 @@ mod tests {
                 .collect();
             proptest::prop_assert_eq!(written, expected);
         }
-    }
 
-    #[test]
-    fn a_value_that_cannot_be_written_fails_the_patch_and_leaves_the_rest_whole() {
-        let mut patch = PodPatch::default();
-        patch.add(&["a"], "kept");
-        // A map with non-string keys is no JSON object.
-        patch.add(&["b"], &BTreeMap::from([((1, 2), "v")]));
-        assert_eq!(patch.len(), 1);
-        assert!(!patch.is_empty());
-        assert!(patch.to_bytes().is_err());
-        assert!(
-            format!("{patch:?}").starts_with(
-                r#"[{"op":"add","path":"/a","value":"kept"}] (a value could not be written"#
-            ),
-            "{patch:?}"
-        );
-        assert_eq!(
-            patch.to_value(),
-            json!([{"op": "add", "path": "/a", "value": "kept"}])
-        );
+        /// Any map of any strings is written as a JSON object that reads back as that map, and
+        /// any weight as serde_json writes it.
+        #[test]
+        fn any_map_of_strings_and_any_weight_read_back_as_written(
+            map in proptest::collection::btree_map(".*", ".*", 0..4),
+            weight in proptest::num::i32::ANY,
+        ) {
+            let mut out = Vec::new();
+            map.write_json(&mut out);
+            let read: BTreeMap<String, String> = serde_json::from_slice(&out).expect("a JSON object");
+            proptest::prop_assert_eq!(read, map);
+            let mut out = Vec::new();
+            [weight][..].write_json(&mut out);
+            proptest::prop_assert_eq!(out, serde_json::to_vec(&[weight]).expect("json"));
+        }
     }
 }

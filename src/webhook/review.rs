@@ -457,12 +457,11 @@ impl Admission {
     }
 
     /// Allowed with `patch` (left out when it holds no operation).
-    pub fn patch(patch: &PodPatch) -> Result<Self, String> {
-        let bytes = (!patch.is_empty()).then(|| patch.to_bytes()).transpose()?;
-        Ok(Self {
-            patch: bytes,
+    pub fn patch(patch: &PodPatch) -> Self {
+        Self {
+            patch: (!patch.is_empty()).then(|| patch.to_bytes()),
             ..Self::allow()
-        })
+        }
     }
 
     /// Denied with `code`, `reason` and `message`.
@@ -917,7 +916,7 @@ mod tests {
         assert_eq!(request.api_version, "admission.k8s.io/v1beta1");
         let mut patch = PodPatch::default();
         patch.add(&["a"], &1);
-        let admission = Admission::patch(&patch).expect("serializes");
+        let admission = Admission::patch(&patch);
         assert_eq!(
             base64::engine::general_purpose::STANDARD
                 .encode(admission.patch.as_deref().expect("patch")),
@@ -934,20 +933,20 @@ mod tests {
         .expect("parses");
         assert_eq!(request.uid, "u\"1\\\n");
         let mut patch = PodPatch::default();
-        patch.add(&["metadata", "labels"], &json!({"a": "b"}));
-        let bytes = patch.to_bytes().expect("written");
+        patch.add(&["metadata", "labels"], &BTreeMap::from([("a", "b")]));
+        let bytes = patch.to_bytes();
         let cases = [
             (
                 Admission::allow(),
                 json!({"uid": request.uid, "allowed": true}),
             ),
             (
-                Admission::patch(&patch).expect("patch"),
+                Admission::patch(&patch),
                 json!({"uid": request.uid, "allowed": true, "patchType": "JSONPatch",
                        "patch": base64::engine::general_purpose::STANDARD.encode(&bytes)}),
             ),
             (
-                Admission::patch(&PodPatch::default()).expect("no patch"),
+                Admission::patch(&PodPatch::default()),
                 json!({"uid": request.uid, "allowed": true}),
             ),
             (
