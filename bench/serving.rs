@@ -410,6 +410,17 @@ fn main() -> anyhow::Result<()> {
     );
 
     let (max, retried_max) = alternate(&load, &[&serve, &floor], runs, None)?;
+    // Logged at once: a later part that cannot be measured (a fixed rate that queues) ends the
+    // run before the tables are printed.
+    for (server, outcomes) in [&serve, &floor].into_iter().zip(&max) {
+        let med = |f: fn(&Outcome) -> f64| median(&outcomes.iter().map(f).collect::<Vec<_>>());
+        eprintln!(
+            "bench-serving: {} at max, medians of {runs}: {:.0} req/s, {:.1} µs of CPU per review",
+            server.name,
+            med(|o| o.throughput),
+            med(|o| o.cpu_us)
+        );
+    }
     let floor_max = median(&max[1].iter().map(|o| o.throughput).collect::<Vec<_>>());
     let half = (floor_max / 2.0).round();
     // `bench-server` at the same rate too: the webhook's own code without the process around it
