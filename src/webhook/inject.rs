@@ -150,17 +150,8 @@ pub fn injection_for<'a>(
     place: &dyn Fn(BTreeMap<String, String>) -> Required,
     ip_request: Option<(&str, &str)>,
 ) -> Injection {
-    injection_of(pod.into(), pps_name, spec, state, place, ip_request)
-}
-
-fn injection_of(
-    pod: PodView<'_>,
-    pps_name: &str,
-    spec: &PersistentPodStateSpec,
-    state: &PodState,
-    place: &dyn Fn(BTreeMap<String, String>) -> Required,
-    ip_request: Option<(&str, &str)>,
-) -> Injection {
+    // Generic in its caller's type only: the webhook's is always a `PodView`.
+    let pod: PodView<'_> = pod.into();
     let mut out = Injection::default();
     let Some(pod_spec) = pod.spec else {
         return out;
