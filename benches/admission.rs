@@ -26,7 +26,7 @@ use persistent_pod_state::webhook::admit::{CacheLookup, Lookup, Verdict};
 use persistent_pod_state::webhook::mutate_pod::{Outcome, admit, decode_pod};
 use persistent_pod_state::webhook::review::{Admission, parse};
 use persistent_pod_state::webhook::{WebhookState, router};
-use persistent_pod_state::workload::{GroupKind, WorkloadRef, pod_workload};
+use persistent_pod_state::workload::{GroupKind, PodView, WorkloadRef};
 
 // The allocator of the shipped binary and of the floor (src/main.rs, bench/floor.rs): what is
 // timed and counted here allocates as they do.
@@ -275,7 +275,7 @@ fn decision_row(
     });
     let full_decode = per_call(budget, |k| {
         let pod: Pod = serde_json::from_str(requests[k].object().expect("object")).expect("pod");
-        black_box(pod_workload(&pod, "ns"));
+        black_box(PodView::from(&pod).workload("ns"));
     });
     let whole = |lookup: &dyn Lookup| {
         per_call(budget, |k| {

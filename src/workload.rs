@@ -169,17 +169,6 @@ pub fn controller_owner(owners: &[OwnerReference]) -> Option<&OwnerReference> {
     owners.iter().find(|o| o.controller == Some(true))
 }
 
-/// The StatefulSet-like workload that controls `pod` (in `namespace`), if any.
-pub fn pod_workload<K: kube::Resource>(pod: &K, namespace: &str) -> Option<WorkloadRef> {
-    let owner = controller_owner(pod.owner_references())?;
-    Some(owner_workload(
-        namespace,
-        &owner.api_version,
-        &owner.kind,
-        &owner.name,
-    ))
-}
-
 /// The workload an owner reference (`apiVersion`, `kind`, `name`) in `namespace` names.
 pub fn owner_workload(namespace: &str, api_version: &str, kind: &str, name: &str) -> WorkloadRef {
     WorkloadRef {

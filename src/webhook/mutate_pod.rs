@@ -389,7 +389,7 @@ mod tests {
     use super::super::review::parse;
     use super::*;
     use crate::placement::{self, PodDemands};
-    use crate::workload::{PodView, pod_workload};
+    use crate::workload::PodView;
     use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
     use std::collections::BTreeMap;
@@ -565,7 +565,7 @@ mod tests {
             let read = decode_pod(&object.to_string()).expect("partial pod");
             let partial = read.view();
             assert_eq!(PodDemands::of(&full), PodDemands::of(partial));
-            assert_eq!(pod_workload(&full, "ns"), partial.workload("ns"));
+            assert_eq!(PodView::from(&full).workload("ns"), partial.workload("ns"));
             let request = Some(("cni.projectcalico.org/ipAddrs", "[\"10.0.0.1\"]"));
             let inject = |pod: PodView<'_>| {
                 super::super::inject::injection_for(pod, "web", &pps.spec, &state, &keep, request)
