@@ -256,14 +256,22 @@ impl Load<'_> {
 /// from when they were due; 1 s covers that and the backlog it leaves.
 const WARM_UP_SECONDS: f64 = 1.0;
 
+/// The share of a fixed-rate run's requests above its p99: as many may be missing from its
+/// report (a few due at the very end are not sent) before the p99 lies beyond the run.
+const TAIL: f64 = 0.01;
+
+/// How many of the `due` requests are not among those `answered`.
+fn missing(answered: &[(f64, f64)], due: f64) -> f64 {
+    (due - answered.len() as f64).max(0.0)
+}
+
 /// The p99 latency of a fixed-rate run over all its requests and over those sent after
 /// `warm_up` seconds, from the requests answered (when sent, latency; oha's CSV report lists
-/// no other). Those of the `due` not answered within the run (a queue: each is sent once a
-/// connection is free; or failed) count as answered after it, so a run that leaves more than
-/// 1 % unanswered has no p99 within it (infinite: "queued"), yet still a figure.
+/// no other). Those of the `due` not answered within the run (a queue's: failures are told
+/// apart first, [`missing_are_queued`]) count as answered after it, so a run that leaves more
+/// than [`TAIL`] of them unanswered has no p99 within it (infinite: "queued"), yet a figure.
 fn fixed_rate_p99(answered: &[(f64, f64)], due: f64, warm_up: f64) -> (f64, f64) {
-    let unanswered = (due - answered.len() as f64).round().max(0.0) as usize;
-    let beyond = std::iter::repeat_n(f64::INFINITY, unanswered);
+    let beyond = std::iter::repeat_n(f64::INFINITY, missing(answered, due).round() as usize);
     let latencies = |after: f64| -> Vec<f64> {
         answered
             .iter()
@@ -273,23 +281,23 @@ fn fixed_rate_p99(answered: &[(f64, f64)], due: f64, warm_up: f64) -> (f64, f64)
             .collect()
     };
     (
-        quantile(&latencies(f64::NEG_INFINITY), 0.99),
-        quantile(&latencies(warm_up), 0.99),
+        quantile(&latencies(f64::NEG_INFINITY), 1.0 - TAIL),
+        quantile(&latencies(warm_up), 1.0 - TAIL),
     )
 }
 
 /// Whether the requests due at `rate` but not among those `answered` (oha's CSV report lists
 /// no other) are a queue's, not failures: behind a queue the latest answered waited about as
 /// long as serving the rest would take, so the longest wait is at least half that; missing
-/// requests without such a wait failed. Up to 1 % may be missing either way (a few due at the
-/// very end are not sent), and none answered is a failure.
+/// requests without such a wait failed. Up to [`TAIL`] may be missing either way, and none
+/// answered is a failure.
 fn missing_are_queued(answered: &[(f64, f64)], due: f64, rate: f64) -> bool {
-    let missing = due - answered.len() as f64;
+    let missing = missing(answered, due);
     let waited = answered
         .iter()
         .map(|(_, latency)| *latency)
         .fold(0.0, f64::max);
-    !answered.is_empty() && (missing <= 0.01 * due || waited >= missing / rate / 2.0)
+    !answered.is_empty() && (missing <= TAIL * due || waited >= missing / rate / 2.0)
 }
 
 /// Each request of oha's CSV report (every one answered 200): when it was sent (seconds from
