@@ -441,6 +441,16 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         &patch_file,
         our_patch(ours_at.0, ours_at.1, ns, &defaulted).await?,
     )?;
+    // The pod and the bare webhook's own patch beside ours, for bench/run.sh's `patchcost`
+    // (the API server's steps on each answer, timed apart from any webhook).
+    std::fs::write(
+        opts.cluster_dir.join("pod-as-sent.json"),
+        serde_json::to_vec(&defaulted)?,
+    )?;
+    std::fs::write(
+        opts.cluster_dir.join("bare-patch.json"),
+        persistent_pod_state::benchkit::floor::ONE_LABEL,
+    )?;
     let patched_dir = opts.cluster_dir.join("floor-our-patch-certs");
     let _patched_floor = start_floor(&patched_dir, 29501, &patch_file).await?;
     let patched = pointed_at(

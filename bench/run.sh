@@ -92,6 +92,18 @@ register_webhook
   --cluster-dir "$CLUSTER_DIR" --baseline-addr 127.0.0.1:29500 \
   --baseline-ca "$CLUSTER_DIR/floor-certs/ca.crt"
 
+# Issue 22.2, apart from any webhook: the pinned kube-apiserver's own steps on the bare
+# webhook's answer and on ours once answered (e2e/control-plane/kubernetes/patchcost, built from
+# the control plane's pinned modules), on the pod the API part created.
+if [[ -f $CLUSTER_DIR/pod-as-sent.json ]]; then
+  bash e2e/build-control-plane.sh patchcost "$CLUSTER_DIR/patchcost" >/dev/null
+  patchcost_size=(-rounds 21 -calls 1000)
+  ((${#mode[@]} > 0)) && patchcost_size=(-rounds 5 -calls 200)
+  echo
+  "$CLUSTER_DIR/patchcost" "${patchcost_size[@]}" "$CLUSTER_DIR/pod-as-sent.json" \
+    "bare webhook=$CLUSTER_DIR/bare-patch.json" "bare webhook, our patch=$CLUSTER_DIR/our-patch.json"
+fi
+
 # The HTTPS part reviews pod web-1-0 of the memory part's PersistentPodState web-1: its state
 # is moved to a node with a kubelet (the memory part's nodes have none, so they count as lost,
 # and every review would take the rare path that leaves the pin out and logs a warning).

@@ -14,6 +14,10 @@
 #   build-control-plane.sh v1.20       the oldest supported version: v1.20.2 from Debian
 #                                      bookworm's source package with Debian's Go 1.19, kubectl
 #                                      and etcd of the current build.
+#   build-control-plane.sh patchcost OUT   the benchmark's `patchcost` (e2e/control-plane/
+#                                      kubernetes/patchcost: the API server's own steps on a
+#                                      webhook's patch) into OUT, from the current version's
+#                                      modules, with the same Go.
 #
 # A cached build is used only when every binary reports the wanted version.
 set -euo pipefail
@@ -218,8 +222,14 @@ case "$WHICH" in
     build_legacy
     echo "$LEGACY_BIN"
     ;;
+  patchcost)
+    GO=$(modern_go)
+    go_env
+    (cd "$HERE/control-plane/kubernetes" && "$GO" build -o "${2:?patchcost OUT}" ./patchcost)
+    echo "$2"
+    ;;
   *)
-    say "unknown version $WHICH (current or v1.20)"
+    say "unknown version $WHICH (current, v1.20 or patchcost OUT)"
     exit 2
     ;;
 esac

@@ -140,7 +140,8 @@ pub fn metric(exposition: &str, name: &str) -> Option<f64> {
 
 /// The floor's handler (issue 22.1), as `bench-floor` serves it and `cargo bench --bench
 /// admission` calls it in process: it deserializes only `request.uid` (serde skips the rest
-/// without building it) and answers a fixed review carrying [`FLOOR_PATCH`].
+/// without building it) and answers a fixed review carrying [`floor::ONE_LABEL`] (or the
+/// patch set instead).
 pub mod floor {
     use std::sync::OnceLock;
 
