@@ -156,16 +156,17 @@ func once(scheme *runtime.Scheme, serializer *json.Serializer, sent runtime.Obje
 	return nil
 }
 
-func median(values []float64) float64 {
+// spread is the median, min and max of values.
+func spread(values []float64) (median, least, most float64) {
 	sorted := append([]float64(nil), values...)
 	sort.Float64s(sorted)
-	return sorted[len(sorted)/2]
+	return sorted[len(sorted)/2], sorted[0], sorted[len(sorted)-1]
 }
 
 // report prints each step's median over the rounds (µs per call) for every patch, the total's
 // median, min and max, and each patch's total over the first patch's, paired by round.
 func report(patches []*patch, rounds, calls int) {
-	fmt.Printf("The API server's steps after a webhook answers (µs per call, medians of %d rounds of %d calls):\n\n", rounds, calls)
+	fmt.Printf("The API server's own steps on a webhook's answer (µs per call, medians of %d rounds of %d calls):\n\n", rounds, calls)
 	fmt.Printf("| step |")
 	for _, p := range patches {
 		fmt.Printf(" %s (%d bytes) |", p.name, len(p.text))
@@ -185,7 +186,8 @@ func report(patches []*patch, rounds, calls int) {
 	for i, step := range steps {
 		fmt.Printf("| %s |", step)
 		for _, p := range patches {
-			fmt.Printf(" %.1f |", median(column(p, func(c []float64) float64 { return c[i] })))
+			median, _, _ := spread(column(p, func(c []float64) float64 { return c[i] }))
+			fmt.Printf(" %.1f |", median)
 		}
 		fmt.Println()
 	}
@@ -198,10 +200,8 @@ func report(patches []*patch, rounds, calls int) {
 	}
 	fmt.Printf("| **all** (min-max) |")
 	for _, p := range patches {
-		t := column(p, total)
-		sorted := append([]float64(nil), t...)
-		sort.Float64s(sorted)
-		fmt.Printf(" **%.1f** (%.1f-%.1f) |", median(t), sorted[0], sorted[len(sorted)-1])
+		median, least, most := spread(column(p, total))
+		fmt.Printf(" **%.1f** (%.1f-%.1f) |", median, least, most)
 	}
 	fmt.Println()
 	first := column(patches[0], total)
@@ -211,9 +211,8 @@ func report(patches []*patch, rounds, calls int) {
 		for r := range t {
 			over[r] = t[r] - first[r]
 		}
-		sorted := append([]float64(nil), over...)
-		sort.Float64s(sorted)
-		fmt.Printf("\n%s over %s, paired by round: %.1f µs per call (min %.1f, max %.1f)", p.name, patches[0].name, median(over), sorted[0], sorted[len(sorted)-1])
+		median, least, most := spread(over)
+		fmt.Printf("\n%s over %s, paired by round: %.1f µs per call (min %.1f, max %.1f)", p.name, patches[0].name, median, least, most)
 	}
 	fmt.Println()
 }
