@@ -2,9 +2,9 @@
 // patch once the webhook has answered (k8s.io/apiserver's webhook/mutating/dispatcher.go, the
 // steps after the call, in its order), then the patched pod's conversion back to the internal
 // type and its create validation (the pod strategy's), for each patch given, alternated in
-// every round, on the pod as the API server sends it. It runs the pinned modules' own code: the core group's scheme
-// with its defaulters (as the API server installs it), gopkg.in/evanphx/json-patch.v4, the
-// apimachinery JSON serializer. Issue 22.2 (BENCHMARKS.md, part 3): what any webhook answering
+// every round, on the pod as the API server sends it. It runs the pinned modules' own code:
+// the core group's scheme with its defaulters (as the API server installs it),
+// gopkg.in/evanphx/json-patch.v4, the apimachinery JSON serializer. Issue 22.2 (BENCHMARKS.md, part 3): what any webhook answering
 // a given patch costs the API server, apart from the webhook.
 //
 //	patchcost [-rounds N] [-calls N] POD.json NAME=PATCH.json...
@@ -32,7 +32,7 @@ import (
 	"k8s.io/kubernetes/pkg/apis/core/validation"
 )
 
-// The steps timed, in the dispatcher's order.
+// The steps timed: the dispatcher's, in its order, then the create's on the patched pod.
 var steps = []string{"decode the patch", "encode the pod", "apply", "decode the result", "compare", "audit annotation", "default", "convert to internal", "validate the create"}
 
 type patch struct {
@@ -46,7 +46,7 @@ func main() {
 	rounds := flag.Int("rounds", 21, "rounds, each running every patch in turn")
 	calls := flag.Int("calls", 1000, "calls per patch per round")
 	flag.Parse()
-	if flag.NArg() < 2 {
+	if flag.NArg() < 2 || *rounds < 1 || *calls < 1 {
 		fmt.Fprintln(os.Stderr, "usage: patchcost [-rounds N] [-calls N] POD.json NAME=PATCH.json...")
 		os.Exit(2)
 	}
