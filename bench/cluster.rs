@@ -772,6 +772,9 @@ struct MemoryFigures {
     nodes: usize,
     synced: Synced,
     heap: Heap,
+    /// Seconds to create the PersistentPodStates (16 at a time, each through the validating
+    /// webhook, which reads the others of its target live) and write their statuses.
+    pps_seconds: f64,
 }
 
 /// Heap bytes the caches hold per object, counted in this process.
@@ -1021,6 +1024,7 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
     let statuses: Vec<Value> = (0..pps)
         .map(|i| synthetic::kruise_pps(i, states, nodes))
         .collect();
+    let pps_start = Instant::now();
     futures::stream::iter(statuses)
         .map(|mut object| {
             let resource = resource.clone();
@@ -1055,6 +1059,7 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
         .buffer_unordered(16)
         .try_for_each(|()| async { Ok(()) })
         .await?;
+    let pps_seconds = pps_start.elapsed().as_secs_f64();
 
     // Pod i is in namespace ns-(i % 10): created namespace by namespace.
     let per_namespace = pods / synthetic::NAMESPACES;
@@ -1085,6 +1090,7 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
         nodes,
         synced,
         heap: heap_per_object(pods, pps, states, nodes)?,
+        pps_seconds,
     })
 }
 
@@ -1412,6 +1418,11 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
     println!(
         "| heap per cached node (bytes) | {:.0} | |",
         figure(mem.heap.per_node)?
+    );
+    println!(
+        "| PersistentPodStates created, status written (per second; {} per namespace at the end) | {:.0} | |",
+        mem.pps / synthetic::NAMESPACES,
+        figure(mem.pps as f64 / mem.pps_seconds)?
     );
     if mem.pods < 100_000 {
         println!(

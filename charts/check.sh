@@ -53,6 +53,15 @@ for values in "$CHART"/ci/*-values.yaml; do
       ! grep -q 'matchConditions: true' "$values"; then
       fail "$name on Kubernetes $kube renders matchConditions"
     fi
+    # The CRD's selectable field: where the cluster knows it ("auto"), and nowhere else.
+    if grep -q 'kind: CustomResourceDefinition' <<<"$out" && ! grep -q 'selectableFields:' "$values"; then
+      if [[ $kube == 1.37.0 ]] && ! grep -q 'selectableFields:' <<<"$out"; then
+        fail "$name on Kubernetes $kube renders the CRD without selectableFields"
+      fi
+      if [[ $kube == 1.20.0 ]] && grep -q 'selectableFields:' <<<"$out"; then
+        fail "$name on Kubernetes $kube renders the CRD with selectableFields"
+      fi
+    fi
   done
   say "ok: $name"
 done

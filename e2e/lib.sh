@@ -206,10 +206,14 @@ nodes_up() {
     "[[ \$(kubectl get nodes -l '$CALICO_MARK=calico' -o jsonpath='{range .items[*]}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}' | grep -c '^True$') -eq ${#CALICO_NODES[@]} ]]"
 }
 
-# install_crd: the CRD, its conversion webhook pointing at WEBHOOK_HOST (needs webhook_certs).
+# install_crd: the CRD, its conversion webhook pointing at WEBHOOK_HOST (needs webhook_certs);
+# on v1.20 without its selectable field.
 install_crd() {
+  # v1.20 does not know the CRD's selectable field (its kubectl refuses it).
+  local older=()
+  if legacy; then older=(--without-selectable-fields); fi
   "$PPS_BIN" crd --conversion-url "https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/convert" \
-    --ca-bundle-file "$CLUSTER_DIR/webhook-certs/ca.crt" | kubectl apply -f - >/dev/null
+    --ca-bundle-file "$CLUSTER_DIR/webhook-certs/ca.crt" "${older[@]}" | kubectl apply -f - >/dev/null
   kubectl wait --for condition=established --timeout=60s crd/persistentpodstates.apps.kruise.io >/dev/null
 }
 

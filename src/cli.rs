@@ -243,6 +243,11 @@ pub struct CrdArgs {
     /// PEM CA bundle the API server trusts the webhook with (left out: injected by cert-manager).
     #[arg(long, env = "PPS_CA_BUNDLE_FILE")]
     pub ca_bundle_file: Option<PathBuf>,
+    /// Leave out `selectableFields` (`spec.targetRef.name`), for Kubernetes before 1.30, whose
+    /// API servers do not know it (strict clients refuse the CRD). Without it, validating a
+    /// PersistentPodState CREATE reads its namespace's whole list.
+    #[arg(long, env = "PPS_CRD_WITHOUT_SELECTABLE_FIELDS")]
+    pub without_selectable_fields: bool,
 }
 
 /// Flags of `certs`.

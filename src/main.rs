@@ -64,7 +64,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 ),
                 None => None,
             };
-            print!("{}", api::crd_yaml(&endpoint, ca.as_deref())?);
+            print!(
+                "{}",
+                api::crd_yaml(&endpoint, ca.as_deref(), !args.without_selectable_fields)?
+            );
             Ok(())
         }
         Command::Explain(args) => {

@@ -120,6 +120,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ip_reservations: Default::default(),
         observe_all: args.mode == Mode::Observe,
         client: Some(client.clone()),
+        target_field: Default::default(),
     }));
     // The admission server on threads of its own (never behind a reconcile or a relist); the
     // probe server stays here, so readiness answers even while admission is busy. Built here,

@@ -190,6 +190,75 @@ async fn invalid_pps_are_rejected_with_field_paths() {
     delete_namespace(c, &ns).await;
 }
 
+/// A PersistentPodState CREATE checks uniqueness against the API server, not the cache: a
+/// second one for a workload is refused the moment after the first is created, and accepted the
+/// moment after it is deleted. Where the API server selects by the CRD's `spec.targetRef.name`
+/// (>= 1.31) that read is narrowed to the workload's name; where it does not (v1.20, whose CRD
+/// is installed without the field) the webhook reads the namespace's list, with the same answers.
+#[tokio::test]
+async fn pps_uniqueness_is_read_live_and_narrowed_to_the_target_where_the_server_can() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-unique").await;
+    let host = json!({"weight": 100, "preference": {"keys": ["kubernetes.io/hostname"]}});
+    let spec = |api_version: &str, name: &str| {
+        json!({"targetRef": {"apiVersion": api_version, "kind": "StatefulSet", "name": name},
+               "preferredPersistentTopology": [host]})
+    };
+    let pps = api(c, &ns, "v1beta1");
+    let create = |name: &'static str, spec: Value| {
+        let pps = pps.clone();
+        async move {
+            pps.create(&PostParams::default(), &object("v1beta1", name, spec))
+                .await
+        }
+    };
+    create("db", spec("apps/v1", "db")).await.expect("db");
+    create("first", spec("apps/v1", "web"))
+        .await
+        .expect("first");
+    // The same name, another kind (an Advanced StatefulSet): not the same workload.
+    create("advanced", spec("apps.kruise.io/v1beta1", "web"))
+        .await
+        .expect("an Advanced StatefulSet of the same name is another workload");
+
+    // What the API server selects by the target's name.
+    let selected = pps
+        .list(&kube::api::ListParams::default().fields("spec.targetRef.name=web"))
+        .await;
+    if server_minor(c).await >= 31 {
+        let mut names: Vec<String> = selected
+            .expect("the CRD's selectable field")
+            .items
+            .into_iter()
+            .filter_map(|o| o.metadata.name)
+            .collect();
+        names.sort();
+        assert_eq!(names, ["advanced", "first"]);
+    } else {
+        match selected {
+            Err(kube::Error::Api(e)) => assert_eq!(e.code, 400, "{e:?}"),
+            other => panic!("this API server selects custom resources by spec fields: {other:?}"),
+        }
+    }
+
+    match create("second", spec("apps/v1", "web")).await {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.contains("spec.targetRef") && e.message.contains("\"first\""),
+            "{e:?}"
+        ),
+        other => panic!("a second PersistentPodState for web: {other:?}"),
+    }
+    pps.delete("first", &kube::api::DeleteParams::default())
+        .await
+        .expect("delete first");
+    // Gone from the API server (no finalizer): accepted at once, whatever the cache holds.
+    create("second", spec("apps/v1", "web"))
+        .await
+        .expect("the only PersistentPodState for web once first is deleted");
+    delete_namespace(c, &ns).await;
+}
+
 /// The pod cache reads pods as protobuf (src/state/proto.rs, its messages numbered by hand):
 /// every pod of a StatefulSet, listed streamed and in pages and then watched, is kept exactly
 /// as the same pod read as JSON from the same API server.

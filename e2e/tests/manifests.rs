@@ -211,6 +211,49 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
         );
     }
 
+    // The selectable-fields component (>= 1.31) on an overlay: the stored version selects by
+    // the target's name, and the API server takes the CRD so (it refuses the same field on
+    // both versions, kubernetes/kubernetes#140689).
+    let dir = "target/e2e-kustomize/selectable-fields";
+    std::fs::create_dir_all(repo().join(dir)).expect("kustomization directory");
+    std::fs::write(
+        repo().join(dir).join("kustomization.yaml"),
+        "resources: [../../../manifests/overlays/self-signed]\n\
+         components: [../../../manifests/components/selectable-fields]\n",
+    )
+    .expect("kustomization");
+    let objects = render(&env, dir).await;
+    let crd = find(
+        &objects,
+        "CustomResourceDefinition",
+        "persistentpodstates.apps.kruise.io",
+    );
+    let selecting: Vec<(&Value, &Value)> = crd["spec"]["versions"]
+        .as_array()
+        .expect("versions")
+        .iter()
+        .map(|v| (&v["name"], &v["selectableFields"]))
+        .collect();
+    assert_eq!(
+        selecting,
+        [
+            (
+                &json!("v1beta1"),
+                &json!([{"jsonPath": ".spec.targetRef.name"}])
+            ),
+            (&json!("v1alpha1"), &Value::Null)
+        ]
+    );
+    if minor >= 31 {
+        let (ok, out) = kubectl(
+            &env,
+            &["apply", "--dry-run=server", "-f", "-"],
+            Some(&crd.to_string()),
+        )
+        .await;
+        assert!(ok, "the CRD with its selectable field rejected: {out}");
+    }
+
     // The base's policy/v1 PodDisruptionBudget, applied for real: the disruption controller
     // takes it up (no pod of the service runs here, so none may be disrupted).
     if minor >= 21 {

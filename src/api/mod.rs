@@ -22,8 +22,8 @@ use std::collections::BTreeMap;
 use crate::shared::Shared;
 use k8s_openapi::ByteString;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    CustomResourceConversion, CustomResourceDefinition, ServiceReference, WebhookClientConfig,
-    WebhookConversion,
+    CustomResourceConversion, CustomResourceDefinition, SelectableField, ServiceReference,
+    WebhookClientConfig, WebhookConversion,
 };
 use kube::CustomResourceExt;
 use litemap::LiteMap;
@@ -288,8 +288,15 @@ impl Default for ConversionEndpoint {
 }
 
 /// The CustomResourceDefinition: v1alpha1 and v1beta1 served, v1beta1 stored, converted by the
-/// webhook at `endpoint` (trusted through `ca_bundle`, PEM, when given).
-pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomResourceDefinition {
+/// webhook at `endpoint` (trusted through `ca_bundle`, PEM, when given), v1beta1's
+/// `spec.targetRef.name` a selectable field (for the validating webhook's live read) unless
+/// `selectable_fields` is false (API servers before 1.30 do not know the field, and a strict
+/// client refuses it).
+pub fn crd(
+    endpoint: &ConversionEndpoint,
+    ca_bundle: Option<&[u8]>,
+    selectable_fields: bool,
+) -> CustomResourceDefinition {
     let mut crd = kube::core::crd::merge_crds(
         vec![
             v1alpha1::PersistentPodState::crd(),
@@ -307,6 +314,14 @@ pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomRes
         {
             root.required = None;
         }
+        // On the stored version only, which the webhook lists through: the API server refuses
+        // the same selectable fields on versions whose schemas differ (it hoists them alone to
+        // the CRD's top level, where they need a shared schema: kubernetes/kubernetes#140689).
+        version.selectable_fields = (selectable_fields && version.name == "v1beta1").then(|| {
+            vec![SelectableField {
+                json_path: format!(".{}", crate::webhook::validate_pps::TARGET_NAME_FIELD),
+            }]
+        });
     }
     let (url, service) = match endpoint {
         ConversionEndpoint::Url(url) => (Some(url.clone()), None),
@@ -334,13 +349,15 @@ pub fn crd(endpoint: &ConversionEndpoint, ca_bundle: Option<&[u8]>) -> CustomRes
     crd
 }
 
-/// The CustomResourceDefinition as YAML; with the default endpoint and no CA bundle it is what
-/// the chart's `files/crd.yaml` holds (the chart sets the endpoint and CA bundle per release).
+/// The CustomResourceDefinition as YAML; with the default endpoint, no CA bundle and the
+/// selectable fields it is what the chart's `files/crd.yaml` holds (the chart sets the endpoint
+/// and CA bundle per release, and leaves the selectable fields out on older clusters).
 pub fn crd_yaml(
     endpoint: &ConversionEndpoint,
     ca_bundle: Option<&[u8]>,
+    selectable_fields: bool,
 ) -> Result<String, serde_yaml_ng::Error> {
-    serde_yaml_ng::to_string(&crd(endpoint, ca_bundle))
+    serde_yaml_ng::to_string(&crd(endpoint, ca_bundle, selectable_fields))
 }
 
 /// What is wrong with JSON, without quoting it (a parse error may quote part of a pod spec,
@@ -362,7 +379,7 @@ mod tests {
     #[test]
     fn the_chart_holds_the_generated_crd() {
         let committed = include_str!("../../charts/persistent-pod-state/files/crd.yaml");
-        let generated = crd_yaml(&ConversionEndpoint::default(), None).expect("serializes");
+        let generated = crd_yaml(&ConversionEndpoint::default(), None, true).expect("serializes");
         assert!(
             committed == generated,
             "charts/persistent-pod-state/files/crd.yaml differs from `persistent-pod-state crd`; regenerate it with `make manifests`"
@@ -436,6 +453,7 @@ mod crd_tests {
         let crd = crd(
             &ConversionEndpoint::Url("https://127.0.0.1:9443/convert".into()),
             Some(b"PEM"),
+            true,
         );
         let mut versions: Vec<(&str, bool, bool)> = crd
             .spec
@@ -459,6 +477,41 @@ mod crd_tests {
             Some("https://127.0.0.1:9443/convert")
         );
         assert_eq!(client.ca_bundle.map(|b| b.0), Some(b"PEM".to_vec()));
+    }
+
+    /// v1beta1, through which the validating webhook lists, selects by the target's name;
+    /// v1alpha1 selects by nothing (the same fields on both would be refused, see `crd`);
+    /// neither when left out for older API servers.
+    #[test]
+    fn the_stored_version_selects_by_the_target_name_unless_left_out() {
+        let endpoint = ConversionEndpoint::default();
+        let mut selecting: Vec<(String, Vec<String>)> = crd(&endpoint, None, true)
+            .spec
+            .versions
+            .into_iter()
+            .map(|v| {
+                let paths = v.selectable_fields.into_iter().flatten();
+                (v.name, paths.map(|f| f.json_path).collect())
+            })
+            .collect();
+        selecting.sort();
+        assert_eq!(
+            selecting,
+            [
+                ("v1alpha1".to_owned(), vec![]),
+                (
+                    "v1beta1".to_owned(),
+                    vec![".spec.targetRef.name".to_owned()]
+                )
+            ]
+        );
+        assert!(
+            crd(&endpoint, None, false)
+                .spec
+                .versions
+                .iter()
+                .all(|v| v.selectable_fields.is_none())
+        );
     }
 }
 
@@ -493,7 +546,8 @@ mod upstream_schema_tests {
     /// a pattern) would be stricter.
     #[test]
     fn the_crd_schema_is_no_stricter_than_upstreams() {
-        let crd = serde_json::to_value(crd(&ConversionEndpoint::default(), None)).expect("json");
+        let crd =
+            serde_json::to_value(crd(&ConversionEndpoint::default(), None, true)).expect("json");
         for version in crd["spec"]["versions"].as_array().expect("versions") {
             let name = version["name"].as_str().expect("name");
             let keys = keys_field(name).expect("served");

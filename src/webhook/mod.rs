@@ -78,6 +78,8 @@ pub struct WebhookState {
     /// the others in its namespace (the cache may not hold one created or deleted a moment
     /// ago). Without it, the cache answers.
     pub client: Option<kube::Client>,
+    /// Whether that read can be narrowed to the workload's name by the API server.
+    pub target_field: validate_pps::TargetField,
 }
 
 impl WebhookState {
@@ -95,6 +97,7 @@ impl WebhookState {
             ip_reservations: IpReservations::default(),
             observe_all: false,
             client: None,
+            target_field: validate_pps::TargetField::default(),
         }
     }
 }

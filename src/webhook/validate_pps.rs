@@ -1,7 +1,8 @@
 //! `POST /validate-persistentpodstate`: admission of PersistentPodState CREATE and UPDATE in
 //! either version. The rules are the pure [`crate::api::validation`].
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use axum::response::Response;
 use kube::Resource;
@@ -50,16 +51,13 @@ async fn others_for(
 ) -> Vec<String> {
     let live = match (&state.client, create) {
         (Some(client), true) => {
-            match tokio::time::timeout(LIVE_READ_TIMEOUT, list_targets(client, &workload.namespace))
-                .await
+            match tokio::time::timeout(
+                LIVE_READ_TIMEOUT,
+                read_live(client, &state.target_field, workload),
+            )
+            .await
             {
-                Ok(Ok(list)) => Some(
-                    list.items
-                        .into_iter()
-                        .filter(|pps| pps.targets(workload))
-                        .filter_map(|pps| pps.metadata.name)
-                        .collect::<Vec<_>>(),
-                ),
+                Ok(Ok(names)) => Some(names),
                 Ok(Err(error)) => {
                     tracing::warn!(%error, "cannot list the namespace's PersistentPodStates; the cache answers");
                     None
@@ -83,9 +81,99 @@ async fn others_for(
     others
 }
 
+/// How long the namespace's whole list is read after the API server refused to filter by
+/// `spec.targetRef.name`, before the filter is asked for again (the CustomResourceDefinition or
+/// the API server may have been upgraded meanwhile).
+const FIELD_REFUSED_FOR: Duration = Duration::from_secs(600);
+
+/// Whether the API server filters PersistentPodStates by `spec.targetRef.name`, the
+/// CustomResourceDefinition's selectable field (Kubernetes >= 1.31, or 1.30 with the
+/// `CustomResourceFieldSelectors` gate on, and a CustomResourceDefinition that declares it).
+/// Where it does, a CREATE's live read returns the PersistentPodStates of the workload's name
+/// alone instead of the namespace's every one.
+#[derive(Debug, Default)]
+pub struct TargetField {
+    /// When the API server last refused the filter.
+    refused_at: Mutex<Option<Instant>>,
+}
+
+impl TargetField {
+    /// Whether to ask the API server for the filter now.
+    fn worth_asking(&self) -> bool {
+        let refused_at = *self
+            .refused_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        refused_at.is_none_or(|at| at.elapsed() >= FIELD_REFUSED_FOR)
+    }
+
+    /// Notes a refusal: the namespace's whole list is read for [`FIELD_REFUSED_FOR`].
+    fn refused(&self, message: &str) {
+        let mut refused_at = self
+            .refused_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if refused_at.is_none() {
+            tracing::info!(
+                reason = message,
+                "the API server does not filter PersistentPodStates by spec.targetRef.name \
+                 (Kubernetes before 1.31, or the CustomResourceDefinition without its selectable \
+                 field); a CREATE reads its namespace's whole list"
+            );
+        }
+        *refused_at = Some(Instant::now());
+    }
+}
+
+/// The names of the PersistentPodStates that target `workload`, read live: only those of the
+/// workload's name where the API server filters by it, else the namespace's whole list.
+async fn read_live(
+    client: &kube::Client,
+    field: &TargetField,
+    workload: &WorkloadRef,
+) -> Result<Vec<String>, kube::Error> {
+    let names = |list: ObjectList<Targeting>| {
+        list.items
+            .into_iter()
+            .filter(|pps| pps.targets(workload))
+            .filter_map(|pps| pps.metadata.name)
+            .collect()
+    };
+    if field.worth_asking() {
+        let selector = format!("{TARGET_NAME_FIELD}={}", escape_field_value(&workload.name));
+        let params = ListParams::default().fields(&selector);
+        match list_targets(client, &workload.namespace, &params).await {
+            Ok(list) => return Ok(names(list)),
+            // What an API server answers a field it does not select by.
+            Err(kube::Error::Api(refusal)) if refusal.code == 400 => {
+                field.refused(&refusal.message);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    list_targets(client, &workload.namespace, &ListParams::default())
+        .await
+        .map(names)
+}
+
+/// The CustomResourceDefinition's selectable field a CREATE's live read filters by.
+pub const TARGET_NAME_FIELD: &str = "spec.targetRef.name";
+
+/// `value` escaped for a field selector (as apimachinery's `fields.EscapeValue`: `\`, `,` and
+/// `=` are preceded by a backslash).
+fn escape_field_value(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        if matches!(c, '\\' | ',' | '=') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
 /// What the uniqueness check reads of a listed PersistentPodState: its name and target. The
-/// rest of each object (its status above all) is skipped while parsing, not decoded: the
-/// namespace's list is read on every CREATE.
+/// rest of each object (its status above all) is skipped while parsing, not decoded.
 #[derive(Clone, Debug, Deserialize)]
 struct Targeting {
     metadata: Named,
@@ -116,14 +204,15 @@ impl Targeting {
     }
 }
 
-/// The PersistentPodStates of `namespace`, read live, as [`Targeting`]s.
+/// The PersistentPodStates of `namespace` that `params` select, read live, as [`Targeting`]s.
 async fn list_targets(
     client: &kube::Client,
     namespace: &str,
+    params: &ListParams,
 ) -> Result<ObjectList<Targeting>, kube::Error> {
     let url = PersistentPodState::url_path(&(), Some(namespace));
     let request = kube::core::Request::new(url)
-        .list(&ListParams::default())
+        .list(params)
         .map_err(kube::Error::BuildRequest)?;
     client.request(request).await
 }
@@ -239,5 +328,100 @@ mod tests {
             .filter_map(|pps| pps.metadata.name.as_deref())
             .collect();
         assert_eq!(named, ["native"]);
+    }
+
+    #[test]
+    fn field_selector_values_are_escaped_as_apimachinery_does() {
+        assert_eq!(escape_field_value("web"), "web");
+        assert_eq!(escape_field_value(r"a,b=c\d"), r"a\,b\=c\\d");
+    }
+
+    /// The live read asks the API server for the workload's name alone; refused (an API server
+    /// or CRD without the selectable field), it reads the namespace's list, and keeps doing so
+    /// without asking again; either way only PersistentPodStates of the workload's kind count.
+    #[tokio::test]
+    async fn the_live_read_is_narrowed_by_the_target_field_or_falls_back_to_the_namespace() {
+        use http::{Request, Response};
+        use kube::client::Body;
+
+        let (service, mut api) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(service, "default");
+        let field = TargetField::default();
+        let web = WorkloadRef {
+            namespace: "ns".into(),
+            kind: GroupKind::native_statefulset(),
+            name: "web".into(),
+        };
+        let list = json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodStateList",
+            "metadata": {"resourceVersion": "9"},
+            "items": [
+                {"metadata": {"name": "native"},
+                 "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}},
+                {"metadata": {"name": "advanced"},
+                 "spec": {"targetRef": {"apiVersion": "apps.kruise.io/v1beta1", "kind": "StatefulSet", "name": "web"}}}
+            ]
+        });
+        let refusal = json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "BadRequest",
+            "code": 400, "message": "field label not supported: spec.targetRef.name"
+        });
+        let respond = |status: u16, body: &Value| {
+            Response::builder()
+                .status(status)
+                .body(Body::from(serde_json::to_vec(body).expect("json")))
+                .expect("response")
+        };
+        let path = "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates";
+
+        // Served: one request, with the field selector.
+        let read = tokio::spawn({
+            let (client, web) = (client.clone(), web.clone());
+            async move { read_live(&client, &TargetField::default(), &web).await }
+        });
+        let (request, send) = api.next_request().await.expect("a list");
+        assert_eq!(request.uri().path(), path);
+        assert_eq!(
+            request.uri().query(),
+            Some("&fieldSelector=spec.targetRef.name%3Dweb")
+        );
+        send.send_response(respond(200, &list));
+        let names = read.await.expect("joined").expect("read");
+        assert_eq!(names, ["native"]);
+
+        // Refused: the namespace's list, then no selector until the refusal has aged.
+        let answer = {
+            let (client, web) = (client.clone(), web.clone());
+            let read = async move {
+                let first = read_live(&client, &field, &web).await;
+                let second = read_live(&client, &field, &web).await;
+                (first, second)
+            };
+            let serve = async move {
+                let mut queries = Vec::new();
+                for status in [400, 200, 200] {
+                    let (request, send) = api.next_request().await.expect("a list");
+                    assert_eq!(request.uri().path(), path);
+                    queries.push(request.uri().query().map(str::to_owned));
+                    send.send_response(respond(
+                        status,
+                        if status == 400 { &refusal } else { &list },
+                    ));
+                }
+                queries
+            };
+            tokio::join!(read, serve)
+        };
+        let ((first, second), queries) = answer;
+        assert_eq!(first.expect("fell back"), ["native"]);
+        assert_eq!(second.expect("namespace list"), ["native"]);
+        assert_eq!(
+            queries,
+            [
+                Some("&fieldSelector=spec.targetRef.name%3Dweb".to_owned()),
+                Some(String::new()),
+                Some(String::new())
+            ]
+        );
     }
 }

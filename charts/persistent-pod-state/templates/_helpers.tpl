@@ -50,6 +50,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toJson $kinds -}}
 {{- end -}}
 
+{{/* Whether the CRD declares spec.targetRef.name a selectable field (Kubernetes >= 1.31). */}}
+{{- define "pps.selectableFields" -}}
+{{- $s := .Values.crd.selectableFields | toString -}}
+{{- if eq $s "auto" -}}
+{{- semverCompare ">=1.31.0-0" .Capabilities.KubeVersion.Version -}}
+{{- else -}}
+{{- eq $s "true" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Whether the pod webhook is registered with matchConditions (Kubernetes >= 1.28). */}}
 {{- define "pps.matchConditions" -}}
 {{- $m := .Values.webhook.matchConditions | toString -}}
