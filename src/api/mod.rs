@@ -287,6 +287,10 @@ impl Default for ConversionEndpoint {
     }
 }
 
+/// The stored version's selectable field: the validating webhook's live read on CREATE filters
+/// by it.
+pub const TARGET_NAME_FIELD: &str = "spec.targetRef.name";
+
 /// The CustomResourceDefinition: v1alpha1 and v1beta1 served, v1beta1 stored, converted by the
 /// webhook at `endpoint` (trusted through `ca_bundle`, PEM, when given), v1beta1's
 /// `spec.targetRef.name` a selectable field (for the validating webhook's live read) unless
@@ -319,7 +323,7 @@ pub fn crd(
         // the CRD's top level, where they need a shared schema: kubernetes/kubernetes#140689).
         version.selectable_fields = (selectable_fields && version.name == "v1beta1").then(|| {
             vec![SelectableField {
-                json_path: format!(".{}", crate::webhook::validate_pps::TARGET_NAME_FIELD),
+                json_path: format!(".{}", TARGET_NAME_FIELD),
             }]
         });
     }

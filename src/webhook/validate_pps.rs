@@ -14,7 +14,9 @@ use tracing::Instrument;
 use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
 use crate::api::validation::{Context, validate};
-use crate::api::{KRUISE_GROUP, PersistentPodState, TargetReference, api_group, keys_field};
+use crate::api::{
+    KRUISE_GROUP, PersistentPodState, TARGET_NAME_FIELD, TargetReference, api_group, keys_field,
+};
 use crate::metrics::AdmissionResult;
 use crate::workload::{GroupKind, WorkloadRef};
 
@@ -155,9 +157,6 @@ async fn read_live(
         .await
         .map(names)
 }
-
-/// The CustomResourceDefinition's selectable field a CREATE's live read filters by.
-pub const TARGET_NAME_FIELD: &str = "spec.targetRef.name";
 
 /// `value` escaped for a field selector (as apimachinery's `fields.EscapeValue`: `\`, `,` and
 /// `=` are preceded by a backslash).
