@@ -50,24 +50,25 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toJson $kinds -}}
 {{- end -}}
 
+{{/* Whether a setting of auto, true or false is on: auto where the cluster's version meets the
+constraint. Called with (list SETTING CONSTRAINT $). */}}
+{{- define "pps.onWhereSupported" -}}
+{{- $setting := index . 0 | toString -}}
+{{- if eq $setting "auto" -}}
+{{- semverCompare (index . 1) (index . 2).Capabilities.KubeVersion.Version -}}
+{{- else -}}
+{{- eq $setting "true" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Whether the CRD declares spec.targetRef.name a selectable field (Kubernetes >= 1.31). */}}
 {{- define "pps.selectableFields" -}}
-{{- $s := .Values.crd.selectableFields | toString -}}
-{{- if eq $s "auto" -}}
-{{- semverCompare ">=1.31.0-0" .Capabilities.KubeVersion.Version -}}
-{{- else -}}
-{{- eq $s "true" -}}
-{{- end -}}
+{{- include "pps.onWhereSupported" (list .Values.crd.selectableFields ">=1.31.0-0" .) -}}
 {{- end -}}
 
 {{/* Whether the pod webhook is registered with matchConditions (Kubernetes >= 1.28). */}}
 {{- define "pps.matchConditions" -}}
-{{- $m := .Values.webhook.matchConditions | toString -}}
-{{- if eq $m "auto" -}}
-{{- semverCompare ">=1.28.0-0" .Capabilities.KubeVersion.Version -}}
-{{- else -}}
-{{- eq $m "true" -}}
-{{- end -}}
+{{- include "pps.onWhereSupported" (list .Values.webhook.matchConditions ">=1.28.0-0" .) -}}
 {{- end -}}
 
 {{/*
