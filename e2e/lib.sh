@@ -207,9 +207,8 @@ nodes_up() {
 }
 
 # install_crd: the CRD, its conversion webhook pointing at WEBHOOK_HOST (needs webhook_certs);
-# on v1.20 without its selectable field.
+# on v1.20 without its selectable field (that version does not know it; its kubectl refuses it).
 install_crd() {
-  # v1.20 does not know the CRD's selectable field (its kubectl refuses it).
   local older=()
   if legacy; then older=(--without-selectable-fields); fi
   "$PPS_BIN" crd --conversion-url "https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/convert" \
