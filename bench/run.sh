@@ -59,7 +59,7 @@ source "$ROOT/e2e/lib.sh"
 on_exit() {
   local rc=$?
   if ((rc != 0)); then
-    for f in "$CLUSTER_DIR"/logs/persistent-pod-state-*.log "$CLUSTER_DIR"/logs/bench-memory-*.log; do
+    for f in "$CLUSTER_DIR"/logs/persistent-pod-state-*.log "$CLUSTER_DIR"/logs/bench-memory*.log; do
       [[ -f $f ]] && { echo "--- last lines of $f"; tail -n 30 "$f"; }
     done
   fi
