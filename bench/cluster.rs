@@ -1012,6 +1012,10 @@ struct Rest {
     cores: f64,
     /// Of which the API server.
     apiserver_cores: f64,
+    /// Of which the registered replica (the leader, its nodes lost one by one meanwhile).
+    leader_cores: f64,
+    /// The leader's cores over the whole wait.
+    leader_mean_cores: f64,
     /// False when the deadline passed first (the start is then measured anyway, and says so).
     settled: bool,
 }
@@ -1031,6 +1035,7 @@ async fn at_rest(opts: &Opts, pods: usize) -> anyhow::Result<Rest> {
         pids.push((name, pid));
     }
     pids.push(("registered replica", opts.serve_pid));
+    let leader_before = cpu_seconds(opts.serve_pid)?;
     loop {
         let before = pids
             .iter()
@@ -1060,6 +1065,9 @@ async fn at_rest(opts: &Opts, pods: usize) -> anyhow::Result<Rest> {
                 waited: start.elapsed().as_secs_f64(),
                 cores: total,
                 apiserver_cores: cores[0],
+                leader_cores: cores[CONTROL_PLANE.len()],
+                leader_mean_cores: (cpu_seconds(opts.serve_pid)? - leader_before)
+                    / start.elapsed().as_secs_f64(),
                 settled,
             });
         }
@@ -1509,6 +1517,11 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
         } else {
             " (**not at rest**: the deadline passed)"
         }
+    );
+    println!(
+        "| the registered replica meanwhile (the leader; the nodes lost one by one): cores in that window, over the whole wait | {:.2}, {:.2} | |",
+        figure(r.leader_cores)?,
+        figure(r.leader_mean_cores)?
     );
     let b = &mem.busy;
     println!(

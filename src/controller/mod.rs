@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt, stream};
+use kube::Client;
 use kube::api::DynamicObject;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::PersistentPodState;
@@ -126,10 +126,10 @@ impl Context {
                     })
                 };
                 let waiting = || {
-                    let name = pps.name_any();
+                    let name = pps.metadata.name.as_deref().unwrap_or_default();
                     pps_target(pps).is_some_and(|target| {
                         let pods = self.caches.pods_of(&target);
-                        pods.iter().any(|p| record::waits_steered(&name, p))
+                        pods.iter().any(|p| record::waits_steered(name, p))
                     })
                 };
                 on_nodes()
@@ -269,8 +269,33 @@ impl Context {
 /// unbounded concurrent requests to the API server.
 const CONCURRENCY: u16 = 4;
 
-/// Node health changes looked at together, at most (those queued meanwhile).
+/// Node health changes looked at together, at most.
 const NODE_CHANGES_AT_ONCE: usize = 256;
+
+/// How long the node health changes that follow a first one are gathered before the
+/// PersistentPodStates they concern are looked for: a pass looks at every PersistentPodState,
+/// and while the node lifecycle controller marks a lost zone's nodes one by one (several a
+/// second), a pass per change cost the leader most of a core at 10,000 PersistentPodStates.
+/// Small beside the node monitor's grace period (tens of seconds) before any node counts as
+/// lost.
+const NODE_CHANGES_GATHERED_FOR: Duration = Duration::from_secs(1);
+
+/// The node health changes of `changes` in batches: each one the first change to come and those
+/// that follow within [`NODE_CHANGES_GATHERED_FOR`], at most [`NODE_CHANGES_AT_ONCE`].
+fn gathered(
+    changes: futures::channel::mpsc::UnboundedReceiver<NodeHealthChange>,
+) -> impl futures::Stream<Item = Vec<NodeHealthChange>> {
+    stream::unfold(changes.peekable(), |mut changes| async move {
+        std::pin::Pin::new(&mut changes).peek().await?;
+        let window = tokio::time::sleep(NODE_CHANGES_GATHERED_FOR);
+        let batch: Vec<_> = std::pin::Pin::new(&mut changes)
+            .take_until(window)
+            .take(NODE_CHANGES_AT_ONCE)
+            .collect()
+            .await;
+        Some((batch, changes))
+    })
+}
 
 /// A failed reconcile; retried with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -292,11 +317,8 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let pps_requests = caches.triggers.subscribe_pps();
     let from_nodes = {
         let ctx = ctx.clone();
-        caches
-            .triggers
-            .subscribe_nodes()
-            .ready_chunks(NODE_CHANGES_AT_ONCE)
-            .flat_map(move |changes| stream::iter(ctx.concerned_by(&changes)))
+        let from_nodes = caches.triggers.subscribe_nodes();
+        gathered(from_nodes).flat_map(move |changes| stream::iter(ctx.concerned_by(&changes)))
     };
     let pps = Controller::for_stream(
         stream::empty::<Result<PersistentPodState, watcher::Error>>(),

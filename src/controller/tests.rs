@@ -1204,3 +1204,51 @@ mod waiting_pod_deletes {
         assert_eq!(methods, [Method::DELETE, Method::GET, Method::DELETE]);
     }
 }
+
+/// Node health changes arriving within the window after a first one are looked at in one pass
+/// (at most `NODE_CHANGES_AT_ONCE`), a later one in the next; the batches end with the channel.
+#[tokio::test(start_paused = true)]
+async fn node_health_changes_are_gathered_for_a_window_then_looked_at_together() {
+    use futures::StreamExt;
+
+    let change = |i: usize| crate::state::NodeHealthChange {
+        name: format!("node-{i}"),
+        labels: Default::default(),
+    };
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let mut batches = Box::pin(super::gathered(rx));
+    tx.unbounded_send(change(0)).expect("open");
+    let sender = {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(super::NODE_CHANGES_GATHERED_FOR / 2).await;
+            for i in 1..300 {
+                tx.unbounded_send(change(i)).expect("open");
+            }
+            tokio::time::sleep(super::NODE_CHANGES_GATHERED_FOR * 2).await;
+            tx.unbounded_send(change(300)).expect("open");
+        })
+    };
+    let started = tokio::time::Instant::now();
+    let first = batches.next().await.expect("a batch");
+    let names = |batch: &[crate::state::NodeHealthChange]| -> Vec<String> {
+        batch.iter().map(|c| c.name.clone()).collect()
+    };
+    assert_eq!(first.len(), super::NODE_CHANGES_AT_ONCE);
+    assert_eq!(
+        names(&first),
+        (0..super::NODE_CHANGES_AT_ONCE)
+            .map(|i| format!("node-{i}"))
+            .collect::<Vec<_>>()
+    );
+    // Full before the window ended: not held back until it does.
+    assert!(started.elapsed() < super::NODE_CHANGES_GATHERED_FOR);
+    let second = batches.next().await.expect("a batch");
+    assert_eq!(names(&second).first().map(String::as_str), Some("node-256"));
+    assert_eq!(second.len(), 300 - super::NODE_CHANGES_AT_ONCE);
+    let third = batches.next().await.expect("a batch");
+    assert_eq!(names(&third), vec!["node-300".to_owned()]);
+    sender.await.expect("sender");
+    drop(tx);
+    assert!(batches.next().await.is_none());
+}
