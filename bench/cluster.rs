@@ -1002,6 +1002,7 @@ const CONTROL_PLANE: [&str; 4] = [
 /// At rest: the control plane and the registered replica together under this many cores over
 /// one window of `REST_WINDOW`.
 const REST_CORES: f64 = 0.3;
+/// The window over which the control plane's cores are read.
 const REST_WINDOW: Duration = Duration::from_secs(5);
 
 /// How the control plane came to rest before the judged start.
