@@ -964,9 +964,7 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
         .spawn()?;
     let replica = Stopped(child);
     let pid = replica.0.id();
-    let apiserver: u32 = std::fs::read_to_string(dir.join("kube-apiserver.pid"))?
-        .trim()
-        .parse()?;
+    let apiserver = pid_file(dir, "kube-apiserver")?;
     let apiserver_before = cpu_seconds(apiserver)?;
     let start = Instant::now();
     until(
@@ -989,6 +987,15 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
         replica_cpu,
         apiserver_cpu,
     })
+}
+
+/// The pid of the control plane's process `name` (its pid file, written by `e2e/lib.sh`).
+fn pid_file(dir: &std::path::Path, name: &str) -> anyhow::Result<u32> {
+    std::fs::read_to_string(dir.join(format!("{name}.pid")))
+        .with_context(|| format!("{name}.pid"))?
+        .trim()
+        .parse()
+        .with_context(|| format!("{name}.pid"))
 }
 
 /// The control plane's processes whose CPU says whether it is at rest (pid files of
@@ -1029,11 +1036,7 @@ async fn at_rest(opts: &Opts, pods: usize) -> anyhow::Result<Rest> {
     let limit = Duration::from_secs(if opts.short { 120 } else { 600 });
     let mut pids = Vec::new();
     for name in CONTROL_PLANE {
-        let pid: u32 = std::fs::read_to_string(opts.cluster_dir.join(format!("{name}.pid")))?
-            .trim()
-            .parse()
-            .with_context(|| format!("{name}.pid"))?;
-        pids.push((name, pid));
+        pids.push((name, pid_file(&opts.cluster_dir, name)?));
     }
     pids.push(("registered replica", opts.serve_pid));
     let leader_before = cpu_seconds(opts.serve_pid)?;
