@@ -61,45 +61,14 @@ impl Health {
     /// When `node` is (or will be) lost: `None` while it is ready and untainted.
     pub fn lost_at(&self, node: &Node) -> Option<Timestamp> {
         let after = i64::try_from(self.lost_after.as_secs()).unwrap_or(i64::MAX);
-        let since = |t: Option<Timestamp>| match t {
-            Some(t) => Timestamp::from_second(t.as_second().saturating_add(after))
-                .unwrap_or(Timestamp::MAX),
-            // Not ready for an unknown time: lost now.
-            None => Timestamp::MIN,
-        };
-        let mut lost: Option<Timestamp> = None;
-        let mut earliest = |t: Timestamp| lost = Some(lost.map_or(t, |l| l.min(t)));
-        let ready = node
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
-        // Not ready since (`Some(None)`: not ready, since when unknown).
-        let not_ready_since = ready
-            .filter(|c| c.status != "True")
-            .map(|c| c.last_transition_time.as_ref().map(|t| t.0));
-        if let Some(t) = not_ready_since {
-            earliest(since(t));
-        }
-        let taints = taints(node);
-        for taint in taints {
-            if taint.key == OUT_OF_SERVICE_TAINT {
-                earliest(Timestamp::MIN);
+        unhealthy_since(node).map(|since| {
+            if since == Timestamp::MIN {
+                // Not ready for an unknown time, or out of service: lost now.
+                return Timestamp::MIN;
             }
-            if taint.key == UNREACHABLE_TAINT || taint.key == NOT_READY_TAINT {
-                let added = |t: &Taint| t.time_added.as_ref().map(|t| t.0);
-                let dated = added(taint)
-                    .or_else(|| {
-                        taints
-                            .iter()
-                            .filter(|twin| twin.key == taint.key)
-                            .find_map(added)
-                    })
-                    .or(not_ready_since.flatten());
-                earliest(since(dated));
-            }
-        }
-        lost
+            Timestamp::from_second(since.as_second().saturating_add(after))
+                .unwrap_or(Timestamp::MAX)
+        })
     }
 
     /// Whether `node` is lost: not ready, or tainted unreachable/not-ready, for longer than
@@ -109,33 +78,45 @@ impl Health {
     }
 }
 
-/// What node loss is judged from: the `Ready` condition and the health and cordon taints. A
-/// change in it may change which recorded states can be injected.
-pub fn health_fields(node: &Node) -> (Option<(&str, Option<Timestamp>)>, Vec<&Taint>) {
+/// Since when `node` has been unhealthy: not ready, or tainted unreachable or not-ready
+/// (`Timestamp::MIN` for an unknown time, and when tainted out-of-service); `None` while it is
+/// ready and untainted. Node loss is judged from this alone, so a change of a node's health
+/// fields that leaves it unchanged (the node lifecycle controller's taints, added after the
+/// `Ready` condition they follow) changes no judgement.
+pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
+    let mut since: Option<Timestamp> = None;
+    let mut earliest = |t: Timestamp| since = Some(since.map_or(t, |s| s.min(t)));
     let ready = node
         .status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
-        .map(|c| {
-            (
-                c.status.as_str(),
-                c.last_transition_time.as_ref().map(|t| t.0),
-            )
-        });
-    let lifecycle = taints(node)
-        .iter()
-        .filter(|t| {
-            [
-                UNREACHABLE_TAINT,
-                NOT_READY_TAINT,
-                UNSCHEDULABLE_TAINT,
-                OUT_OF_SERVICE_TAINT,
-            ]
-            .contains(&t.key.as_str())
-        })
-        .collect();
-    (ready, lifecycle)
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    // Not ready since (`Some(None)`: not ready, since when unknown).
+    let not_ready_since = ready
+        .filter(|c| c.status != "True")
+        .map(|c| c.last_transition_time.as_ref().map(|t| t.0));
+    if let Some(t) = not_ready_since {
+        earliest(t.unwrap_or(Timestamp::MIN));
+    }
+    let taints = taints(node);
+    for taint in taints {
+        if taint.key == OUT_OF_SERVICE_TAINT {
+            earliest(Timestamp::MIN);
+        }
+        if taint.key == UNREACHABLE_TAINT || taint.key == NOT_READY_TAINT {
+            let added = |t: &Taint| t.time_added.as_ref().map(|t| t.0);
+            let dated = added(taint)
+                .or_else(|| {
+                    taints
+                        .iter()
+                        .filter(|twin| twin.key == taint.key)
+                        .find_map(added)
+                })
+                .or(not_ready_since.flatten());
+            earliest(dated.unwrap_or(Timestamp::MIN));
+        }
+    }
+    since
 }
 
 fn taints(node: &Node) -> &[Taint] {

@@ -36,7 +36,7 @@ pub use triggers::{NodeHealthChange, Triggers};
 use trim::{CachedPod, Read, ReadPps};
 
 use crate::api::PersistentPodState;
-use crate::placement::{Nodes, health_fields};
+use crate::placement::{Nodes, unhealthy_since};
 use crate::sync::lock;
 use crate::workload::{GroupKind, WorkloadRef, native_statefulset_resource};
 
@@ -254,7 +254,7 @@ impl Caches {
         let trigger = match (&event, known) {
             (watcher::Event::Delete(node), _) => NodeTrigger::Health(health_change(node)),
             (watcher::Event::Apply(node), Some(old)) if !labels_changed => {
-                if health_fields(&old) == health_fields(node) {
+                if unhealthy_since(&old) == unhealthy_since(node) {
                     NodeTrigger::None
                 } else {
                     NodeTrigger::Health(health_change(node))

@@ -23,7 +23,8 @@ pub struct Triggers {
     workloads: Mutex<HashMap<GroupKind, UnboundedSender<ObjectRef<DynamicObject>>>>,
 }
 
-/// A known node whose health changed (readiness, lifecycle taints) or that was deleted, with
+/// A known node that became unhealthy, or healthy, or unhealthy since another time (what node
+/// loss is judged from: [`crate::placement::unhealthy_since`]) or that was deleted, with
 /// the labels it carries or carried: the controller reconciles only the PersistentPodStates
 /// this can change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -321,5 +322,88 @@ mod tests {
             Some(web),
             "with nobody to hand it to, a health change asks for every PPS"
         );
+    }
+
+    /// The node lifecycle controller marks a lost node in steps: the `Ready` condition
+    /// `Unknown`, then an unreachable NoSchedule taint, later its NoExecute twin. Loss is judged
+    /// from the earliest of them, so only the first step is a health change: at 10,000
+    /// PersistentPodStates each later step reconciled every one with a state on the node.
+    #[test]
+    fn only_a_change_of_since_when_a_node_is_unhealthy_is_a_health_change() {
+        let caches = Caches::new();
+        let mut nodes = caches.triggers.subscribe_nodes();
+        let node = |version: &str, ready: &str, taints: serde_json::Value| {
+            serde_json::from_value::<k8s_openapi::api::core::v1::Node>(json!({
+                "metadata": {"name": "n1", "resourceVersion": version},
+                "spec": {"taints": taints},
+                "status": {"conditions": [{"type": "Ready", "status": ready,
+                    "lastTransitionTime": "2026-11-28T10:00:00Z"}]}}))
+            .expect("node")
+        };
+        let unreachable = |effect: &str, added: &str| json!({"key": "node.kubernetes.io/unreachable", "effect": effect, "timeAdded": added});
+        let mut steps = vec![
+            ("ready", node("1", "True", json!([])), None),
+            ("unknown", node("2", "Unknown", json!([])), Some(true)),
+            (
+                "the NoSchedule taint, added after",
+                node(
+                    "3",
+                    "Unknown",
+                    json!([unreachable("NoSchedule", "2026-11-28T10:00:40Z")]),
+                ),
+                Some(false),
+            ),
+            (
+                "its NoExecute twin",
+                node(
+                    "4",
+                    "Unknown",
+                    json!([
+                        unreachable("NoSchedule", "2026-11-28T10:00:40Z"),
+                        unreachable("NoExecute", "2026-11-28T10:05:00Z")
+                    ]),
+                ),
+                Some(false),
+            ),
+            (
+                "cordoned too (loss is not judged from it)",
+                node(
+                    "5",
+                    "Unknown",
+                    json!([
+                        unreachable("NoSchedule", "2026-11-28T10:00:40Z"),
+                        unreachable("NoExecute", "2026-11-28T10:05:00Z"),
+                        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+                    ]),
+                ),
+                Some(false),
+            ),
+            (
+                "out of service: lost at once",
+                node(
+                    "6",
+                    "Unknown",
+                    json!([{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}]),
+                ),
+                Some(true),
+            ),
+            (
+                "ready again, its unreachable taint not removed yet",
+                node(
+                    "7",
+                    "True",
+                    json!([unreachable("NoSchedule", "2026-11-28T10:30:00Z")]),
+                ),
+                Some(true),
+            ),
+            ("ready, untainted", node("8", "True", json!([])), Some(true)),
+        ];
+        for (what, node, health_change) in steps.drain(..) {
+            caches.apply_node(watcher::Event::Apply(node));
+            if let Some(expected) = health_change {
+                assert_eq!(nodes.try_recv().is_ok(), expected, "{what}");
+            }
+            assert!(nodes.try_recv().is_err(), "{what}: one change at most");
+        }
     }
 }
