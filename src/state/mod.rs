@@ -14,7 +14,7 @@ pub mod proto;
 pub mod triggers;
 pub mod trim;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -253,7 +253,12 @@ impl Caches {
         self.listed_if_done(&event, &self.listed.nodes);
         let trigger = match (&event, known) {
             (watcher::Event::Delete(node), _) => NodeTrigger::Health(health_change(node)),
-            (watcher::Event::Apply(node), Some(old)) if !labels_changed => {
+            // Relabelled only in keys no PersistentPodState reads (the node lifecycle
+            // controller adds `beta.kubernetes.io/os` to a node without it, a labeller its
+            // own): as if not relabelled.
+            (watcher::Event::Apply(node), Some(old))
+                if !labels_changed || !self.pps_read_any(&changed_keys(&old, node)) =>
+            {
                 if unhealthy_since(&old) == unhealthy_since(node) {
                     NodeTrigger::None
                 } else {
@@ -455,6 +460,20 @@ impl Caches {
         self.pods.read().get(namespace, name).is_some()
     }
 
+    /// Whether a cached PersistentPodState reads any of the node label `keys` (its required and
+    /// preferred topology keys are all it records of a node, and all the controllers place
+    /// by).
+    fn pps_read_any(&self, keys: &BTreeSet<&str>) -> bool {
+        self.pps.state().iter().any(|pps| {
+            let preferred = pps.spec.preferred_terms().flat_map(|(_, keys)| keys.iter());
+            pps.spec
+                .required_keys()
+                .iter()
+                .chain(preferred)
+                .any(|k| keys.contains(k.as_str()))
+        })
+    }
+
     /// The cached node named `name`.
     pub fn node(&self, name: &str) -> Option<Arc<Node>> {
         self.nodes.get(&ObjectRef::new(name))
@@ -493,6 +512,17 @@ impl Nodes for Caches {
     fn all(&self) -> Vec<Arc<Node>> {
         self.nodes.state()
     }
+}
+
+/// The label keys whose values differ between two versions of a node (added, removed or
+/// changed).
+fn changed_keys<'a>(old: &'a Node, new: &'a Node) -> BTreeSet<&'a str> {
+    let (old, new) = (old.labels(), new.labels());
+    old.keys()
+        .chain(new.keys())
+        .filter(|k| old.get(*k) != new.get(*k))
+        .map(String::as_str)
+        .collect()
 }
 
 /// Whether two nodes as kept ([`trim::node`]) differ at most in their resource version.
