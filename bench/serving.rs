@@ -7,7 +7,7 @@
 //! which tells the webhook's own code from the process around it in `serve`'s p99.
 //!
 //! `bench-serving --oha PATH --serve-addr HOST:PORT --serve-pid PID [--short] [--runs N]
-//! [--seconds S] [--connections C] [--perf FILE]`. Every request sends the same AdmissionReview:
+//! [--fixed-runs N] [--seconds S] [--connections C] [--perf FILE]`. Every request sends the same AdmissionReview:
 //! of a re-created pod with a recorded state in the cluster (`bench-cluster`'s memory part made
 //! them), so every answer of ours carries a patch (checked before the runs). With `--perf FILE`, one more run of
 //! `serve` at the maximum is sampled by `perf record` into FILE.
@@ -23,7 +23,9 @@
 //! the start while requests fall due) and over the whole run; requests due but not answered
 //! within the run count as later than any answered, so a server that queues at that rate gets
 //! no p99 ("queued") rather than stopping the benchmark. Medians over the runs, with min
-//! and max. The CPU the rest of the machine used during each run is measured too (all but the
+//! and max; at the fixed rate `--fixed-runs` runs per server (11 in the full mode, where 5
+//! runs' median p99 of one server against a copy of itself ranged from 1.38 to 2.15 x), and
+//! the p99 also as the median of each run's ratio to the floor's run beside it. The CPU the rest of the machine used during each run is measured too (all but the
 //! server, oha and this benchmark, from `/proc/*/stat`); a run during which it used more than
 //! 0.3 of a core (the control plane's periodic work) is tried again, up to three tries, the
 //! quietest counting, and the number of such tries is printed.
@@ -94,7 +96,7 @@ impl Server {
 }
 
 /// What one run measured.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Outcome {
     throughput: f64,
     /// p99 latency over the whole run (at a fixed rate: counted from when each was due).
@@ -330,6 +332,22 @@ fn spread(runs: &[Outcome], f: impl Fn(&Outcome) -> f64) -> (f64, f64, f64) {
     (min, median(&values), max)
 }
 
+/// Each run's `f` of `ours` over that of the `floor`'s run of the same round (alternated with
+/// it): min, median and max. A run where ours queued counts as infinitely slower; a round
+/// where both queued, or the floor alone did, is left out (nothing to divide by).
+fn paired(ours: &[Outcome], floor: &[Outcome], f: impl Fn(&Outcome) -> f64) -> (f64, f64, f64) {
+    let ratios: Vec<f64> = ours
+        .iter()
+        .zip(floor)
+        .map(|(o, b)| (f(o), f(b)))
+        .filter(|(_, b)| b.is_finite() && *b > 0.0)
+        .map(|(o, b)| o / b)
+        .collect();
+    let min = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (min, median(&ratios), max)
+}
+
 fn figure(value: f64) -> anyhow::Result<f64> {
     anyhow::ensure!(value.is_finite(), "a figure was not produced");
     Ok(value)
@@ -393,6 +411,7 @@ fn main() -> anyhow::Result<()> {
         flag(&args, name).map_or(Ok(default), |v| v.parse().context(name.to_owned()))
     };
     let runs = number("--runs", if short { 2.0 } else { 5.0 })? as usize;
+    let fixed_runs = number("--fixed-runs", if short { 2.0 } else { 11.0 })? as usize;
     let oha = PathBuf::from(flag(&args, "--oha").context("--oha PATH")?);
     let dir = std::env::temp_dir().join(format!("bench-serving-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -466,7 +485,8 @@ fn main() -> anyhow::Result<()> {
     let half = (floor_max / 2.0).round();
     // `bench-server` at the same rate too: the webhook's own code without the process around it
     // (controllers, watches, logging), to tell which the p99 follows.
-    let (fixed, retried_fixed) = alternate(&load, &[&serve, &floor, &router], runs, Some(half))?;
+    let (fixed, retried_fixed) =
+        alternate(&load, &[&serve, &floor, &router], fixed_runs, Some(half))?;
     let mut all: Vec<&Server> = vec![&floor];
     all.extend(layers.iter());
     all.push(&router);
@@ -502,8 +522,8 @@ fn main() -> anyhow::Result<()> {
 
     println!();
     println!(
-        "Admission over HTTPS (issue 22.1): the shipped `serve` against the floor, oha 1.16, {} connections, {} run(s) of {} s each, alternated; medians (min-max):",
-        load.connections, runs, load.seconds
+        "Admission over HTTPS (issue 22.1): the shipped `serve` against the floor, oha 1.16, {} connections, {} run(s) of {} s each at max and {} at the fixed rate, alternated; medians (min-max):",
+        load.connections, runs, load.seconds, fixed_runs
     );
     println!();
     println!("| figure | serve | floor | ratio | target |");
@@ -605,6 +625,16 @@ fn main() -> anyhow::Result<()> {
         ratio(router_p99.1, floor_p99.1)?,
         show(router_cpu),
         figure(router_cpu.1)? / figure(floor_cpu.1)?,
+    );
+    let (serve_paired, router_paired) = (
+        paired(&fixed[0], &fixed[1], |o| o.p99_steady_us),
+        paired(&fixed[2], &fixed[1], |o| o.p99_steady_us),
+    );
+    println!();
+    println!(
+        "The p99 after the warm-up of each run at {half} req/s over that of the floor's run beside it, median (min-max) of {fixed_runs}: serve {}; bench-server {}.",
+        show(serve_paired),
+        show(router_paired),
     );
     // Where a server's CPU per review went: its admission threads, and its other threads
     // (for `serve`: the controllers, the watches and what the cluster's events made them do
@@ -722,6 +752,25 @@ mod tests {
             10_000.0
         ));
         assert!(!missing_are_queued(&[], 10_000.0, 10_000.0));
+    }
+
+    #[test]
+    fn the_paired_p99_divides_each_run_by_the_floor_run_of_its_round() {
+        let run = |p99: f64| Outcome {
+            p99_steady_us: p99,
+            ..Outcome::default()
+        };
+        let ours = [run(3.0), run(f64::INFINITY), run(2.0), run(f64::INFINITY)];
+        let floor = [run(2.0), run(1.0), run(f64::INFINITY), run(f64::INFINITY)];
+        // Rounds 3 and 4 have no floor to divide by; ours queued in round 2: not met there.
+        let (min, median, max) = paired(&ours, &floor, |o| o.p99_steady_us);
+        assert_eq!((min, max), (1.5, f64::INFINITY));
+        assert!(
+            median.is_infinite(),
+            "the median of 1.5 and a queue: {median}"
+        );
+        let (_, median, _) = paired(&ours[..1], &floor[..1], |o| o.p99_steady_us);
+        assert_eq!(median, 1.5);
     }
 
     #[test]
