@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark (issues 11 and 22), one command: `bash bench/run.sh` (full: about 25 minutes,
+# The benchmark (issues 11 and 22), one command: `bash bench/run.sh` (full: about 35 minutes,
 # see BENCHMARKS.md) or `bash bench/run.sh --short` (CI: every figure produced, at smaller sizes
 # and shorter; nothing is asserted about time). Prints one table per part:
 #   1. the decision in process at 1, 1,000 (and 100,000) PersistentPodStates (cargo bench)
