@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use persistent_pod_state::benchkit::{
     context_switches, cpu_by_process, cpu_times, flag, median, quantile, thread_cpu_seconds,
+    tlb_shootdowns,
 };
 use persistent_pod_state::serving::ADMISSION_THREAD;
 use persistent_pod_state::synthetic;
@@ -114,6 +115,8 @@ struct Outcome {
     admission_us: f64,
     /// Context switches of the server's threads per review.
     switches: f64,
+    /// TLB shootdowns of the whole machine per 1,000 reviews.
+    shootdowns: f64,
     /// The CPU the rest of the machine used meanwhile (cores): all but the server, oha and
     /// this benchmark; the control plane's own work, mostly.
     elsewhere: f64,
@@ -175,6 +178,7 @@ impl Load<'_> {
         }
         let (before, switched) = (cpu_times(server.pid)?, context_switches(server.pid)?);
         let admitted = thread_cpu_seconds(server.pid, ADMISSION_THREAD)?;
+        let shot = tlb_shootdowns()?;
         let (others, started) = (cpu_by_process()?, Instant::now());
         let oha = cmd
             .stdout(Stdio::piped())
@@ -187,6 +191,7 @@ impl Load<'_> {
         let out = oha.wait_with_output()?;
         let (after, switches) = (cpu_times(server.pid)?, context_switches(server.pid)?);
         let admission = thread_cpu_seconds(server.pid, ADMISSION_THREAD)? - admitted;
+        let shootdowns = tlb_shootdowns()?.saturating_sub(shot);
         let elsewhere = cpu_by_process()?
             .into_iter()
             .filter(|(pid, _)| !mine.contains(pid))
@@ -248,6 +253,7 @@ impl Load<'_> {
             user_us: (after.0 - before.0) / ok * 1e6,
             admission_us: admission / ok * 1e6,
             switches: switches.saturating_sub(switched) as f64 / ok,
+            shootdowns: shootdowns as f64 / ok * 1e3,
             elsewhere,
         })
     }
@@ -648,9 +654,13 @@ fn main() -> anyhow::Result<()> {
     let ((serve_max, serve_rest_max), (serve_half, serve_rest_half)) =
         (split(&max[0]), split(&fixed[0]));
     let (router_half, router_rest_half) = split(&fixed[2]);
+    let shootdowns = |k: usize| spread(&fixed[k], |o| o.shootdowns).1;
     println!();
     println!(
-        "Of the CPU per review: serve's admission threads {serve_max:.1} µs at max and {serve_half:.1} µs at {half} req/s, its other threads (controllers, watches, and what the cluster's events made them do meanwhile) {serve_rest_max:.1} and {serve_rest_half:.1} µs; bench-server's admission threads {router_half:.1} µs at {half} req/s, its other threads {router_rest_half:.1} µs."
+        "Of the CPU per review: serve's admission threads {serve_max:.1} µs at max and {serve_half:.1} µs at {half} req/s, its other threads (controllers, watches, and what the cluster's events made them do meanwhile) {serve_rest_max:.1} and {serve_rest_half:.1} µs; bench-server's admission threads {router_half:.1} µs at {half} req/s, its other threads {router_rest_half:.1} µs. TLB shootdowns of the whole machine per 1,000 reviews at {half} req/s (medians): serve {:.2}, the floor {:.2}, bench-server {:.2}.",
+        shootdowns(0),
+        shootdowns(1),
+        shootdowns(2),
     );
     println!();
     println!(

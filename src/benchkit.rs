@@ -98,6 +98,25 @@ pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
     Ok(total)
 }
 
+/// TLB shootdowns the whole machine has taken so far (the `TLB` row of `/proc/interrupts`,
+/// summed over the CPUs; x86 only, 0 where the row is absent). A process that returns memory
+/// to the kernel while its other threads run interrupts the cores they run on.
+pub fn tlb_shootdowns() -> anyhow::Result<u64> {
+    Ok(tlb_row(&std::fs::read_to_string("/proc/interrupts")?))
+}
+
+/// The `TLB` row of `/proc/interrupts` text, summed over its CPUs' columns.
+fn tlb_row(interrupts: &str) -> u64 {
+    interrupts
+        .lines()
+        .find_map(|line| line.trim_start().strip_prefix("TLB:"))
+        .map_or(0, |row| {
+            row.split_whitespace()
+                .map_while(|f| f.parse::<u64>().ok())
+                .sum()
+        })
+}
+
 /// The median of `values` (mean of the middle two for an even count); NaN when there are none.
 pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
@@ -197,6 +216,13 @@ pub mod floor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tlb_row_is_summed_over_its_cpus_and_absent_is_none() {
+        let interrupts = "           CPU0       CPU1\n LOC:   21988822   22569659   Local timer interrupts\n TLB:    3673044    3619177   TLB shootdowns\n";
+        assert_eq!(tlb_row(interrupts), 3_673_044 + 3_619_177);
+        assert_eq!(tlb_row(" LOC:   1   2   Local timer interrupts\n"), 0);
+    }
 
     #[test]
     fn a_named_threads_cpu_is_counted_and_no_other_threads() {
