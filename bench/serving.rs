@@ -25,7 +25,8 @@
 //! no p99 ("queued") rather than stopping the benchmark. Medians over the runs, with min
 //! and max; at the fixed rate `--fixed-runs` runs per server (11 in the full mode, where 5
 //! runs' median p99 of one server against a copy of itself ranged from 1.38 to 2.15 x), and
-//! the p99 also as the median of each run's ratio to the floor's run beside it. The CPU the rest of the machine used during each run is measured too (all but the
+//! the p99 also as the median of each run's ratio to the floor's run beside it, and the TLB
+//! shootdowns the whole machine took per 1,000 reviews (`/proc/interrupts`). The CPU the rest of the machine used during each run is measured too (all but the
 //! server, oha and this benchmark, from `/proc/*/stat`); a run during which it used more than
 //! 0.3 of a core (the control plane's periodic work) is tried again, up to three tries, the
 //! quietest counting, and the number of such tries is printed.
