@@ -7,29 +7,29 @@
 //! which tells the webhook's own code from the process around it in `serve`'s p99.
 //!
 //! `bench-serving --oha PATH --serve-addr HOST:PORT --serve-pid PID [--short] [--runs N]
-//! [--fixed-runs N] [--seconds S] [--connections C] [--perf FILE]`. Every request sends the same AdmissionReview:
-//! of a re-created pod with a recorded state in the cluster (`bench-cluster`'s memory part made
-//! them), so every answer of ours carries a patch (checked before the runs). With `--perf FILE`, one more run of
-//! `serve` at the maximum is sampled by `perf record` into FILE.
+//! [--fixed-runs N] [--seconds S] [--connections C] [--perf FILE]`. Every request sends the same
+//! AdmissionReview: of a re-created pod with a recorded state in the cluster (`bench-cluster`'s
+//! memory part made them), so every answer of ours carries a patch (checked before the runs). With
+//! `--perf FILE`, one more run of `serve` at the maximum is sampled by `perf record` into FILE.
 //!
-//! Figures: maximum throughput (closed loop, `--connections` keep-alive HTTP/1.1 connections,
-//! as the API server calls webhooks); server CPU per review (user + system, from
-//! `/proc/PID/stat`, over the answered reviews; in the layer table also apart, with the
-//! context switches of the server's threads per review, from `/proc/PID/task/*/status`; and
-//! that of its admission threads apart from its other threads, from `/proc/PID/task/*/stat`); p99
-//! latency at half the floor's median maximum (open loop, oha's `-q` with
-//! `--latency-correction`: a request's latency counts from when it was due), over the requests
-//! sent after a warm-up of 1 s (a quarter of a shorter run: oha sets up every connection at
-//! the start while requests fall due) and over the whole run; requests due but not answered
-//! within the run count as later than any answered, so a server that queues at that rate gets
-//! no p99 ("queued") rather than stopping the benchmark. Medians over the runs, with min
-//! and max; at the fixed rate `--fixed-runs` runs per server (11 in the full mode, where 5
-//! runs' median p99 of one server against a copy of itself ranged from 1.38 to 2.15 x), and
+//! Figures: maximum throughput (closed loop, `--connections` keep-alive HTTP/1.1 connections, as
+//! the API server calls webhooks); server CPU per review (user + system, from `/proc/PID/stat`,
+//! over the answered reviews; in the layer table also apart, with the context switches of the
+//! server's threads per review, from `/proc/PID/task/*/status`; and that of its admission threads
+//! apart from its other threads, from `/proc/PID/task/*/stat`); p99 latency at half the floor's
+//! median maximum (open loop, oha's `-q` with `--latency-correction`: a request's latency counts
+//! from when it was due), over the requests sent after a warm-up of 1 s (a quarter of a shorter
+//! run: oha sets up every connection at the start while requests fall due) and over the whole run;
+//! requests due but not answered within the run count as later than any answered, so a server that
+//! queues at that rate gets no p99 ("queued") rather than stopping the benchmark. Medians over the
+//! runs, with min and max; at the fixed rate `--fixed-runs` runs per server (11 in the full mode,
+//! where 5 runs' median p99 of one server against a copy of itself ranged from 1.38 to 2.15 x), and
 //! the p99 also as the median of each run's ratio to the floor's run beside it, and the TLB
-//! shootdowns the whole machine took per 1,000 reviews (`/proc/interrupts`). The CPU the rest of the machine used during each run is measured too (all but the
-//! server, oha and this benchmark, from `/proc/*/stat`); a run during which it used more than
-//! 0.3 of a core (the control plane's periodic work) is tried again, up to three tries, the
-//! quietest counting, and the number of such tries is printed.
+//! shootdowns the whole machine took per 1,000 reviews (`/proc/interrupts`). The CPU the rest of
+//! the machine used during each run is measured too (all but the server, oha and this benchmark,
+//! from `/proc/*/stat`); a run during which it used more than 0.3 of a core (the control plane's
+//! periodic work) is tried again, up to three tries, the quietest counting, and the number of such
+//! tries is printed.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
