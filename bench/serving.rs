@@ -333,10 +333,14 @@ fn fixed_rate_requests(csv: &[u8], server: &str) -> anyhow::Result<Vec<(f64, f64
 
 /// Min, median and max of one figure over the runs.
 fn spread(runs: &[Outcome], f: impl Fn(&Outcome) -> f64) -> (f64, f64, f64) {
-    let values: Vec<f64> = runs.iter().map(f).collect();
+    min_median_max(&runs.iter().map(f).collect::<Vec<_>>())
+}
+
+/// Min, median and max of `values`.
+fn min_median_max(values: &[f64]) -> (f64, f64, f64) {
     let min = values.iter().copied().fold(f64::INFINITY, f64::min);
     let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    (min, median(&values), max)
+    (min, median(values), max)
 }
 
 /// Each run's `f` of `ours` over that of the `floor`'s run of the same round (alternated with
@@ -350,9 +354,7 @@ fn paired(ours: &[Outcome], floor: &[Outcome], f: impl Fn(&Outcome) -> f64) -> (
         .filter(|(_, b)| b.is_finite() && *b > 0.0)
         .map(|(o, b)| o / b)
         .collect();
-    let min = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    (min, median(&ratios), max)
+    min_median_max(&ratios)
 }
 
 fn figure(value: f64) -> anyhow::Result<f64> {
