@@ -24,6 +24,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+mod compact;
+
 use super::patch::PodPatch;
 use super::{WebhookState, endpoints};
 use crate::api::json_error_summary;
@@ -194,6 +196,31 @@ struct RawReview<'a, O> {
     request: Option<RawRequest<'a, O>>,
 }
 
+impl<O> Default for RawRequest<'_, O> {
+    fn default() -> Self {
+        Self {
+            uid: None,
+            kind: None,
+            sub_resource: None,
+            name: None,
+            namespace: None,
+            operation: None,
+            dry_run: None,
+            object: None,
+            old_object: None,
+        }
+    }
+}
+
+impl<O> Default for RawReview<'_, O> {
+    fn default() -> Self {
+        Self {
+            api_version: None,
+            request: None,
+        }
+    }
+}
+
 /// An admission request: what the handlers read of it. The request body is kept, and the
 /// object and old object are ranges of it, so nothing is copied before a handler decodes them.
 #[derive(Clone, Debug, Default)]
@@ -248,7 +275,7 @@ impl AdmissionRequest {
 }
 
 /// The metadata the decision reads.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReadMeta {
     name: Option<String>,
@@ -258,14 +285,14 @@ struct ReadMeta {
 }
 
 /// The affinity the decision reads: node affinity (the rest is only noticed as present).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReadAffinity {
     node_affinity: Option<NodeAffinity>,
 }
 
 /// The spec fields the decision reads: what the pod demands of a node.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReadSpec {
     node_selector: Option<BTreeMap<String, String>>,
@@ -275,7 +302,7 @@ struct ReadSpec {
 
 /// What the decision reads of a pod, as decoded ([`decode_pod`], or in the review's own pass):
 /// the fields of a [`PodView`], owned, and nothing else (no `Pod` is built).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 pub struct ReadPod {
     metadata: Option<ReadMeta>,
     spec: Option<ReadSpec>,
@@ -378,10 +405,12 @@ pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
 }
 
 /// Parses a pod review in one pass, its object decoded straight into what the decision reads
-/// (never kept raw and read twice). A review whose object does not decode so is parsed by
+/// (never kept raw and read twice): by the compact reader ([`compact`]), or, for a body it gives
+/// up on, by the derived readers. A review whose object does not decode so is parsed by
 /// [`parse`] instead (the handler then says why the object is not a pod).
 pub fn parse_pod(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
-    let Ok(review) = from_body::<RawReview<'_, ReadPod>>(&body) else {
+    let compact = std::str::from_utf8(&body).ok().and_then(compact::read);
+    let Some(review) = compact.or_else(|| derived_pod_review(&body)) else {
         return parse(body);
     };
     let (mut request, api_version) = checked(review)?;
@@ -392,6 +421,14 @@ pub fn parse_pod(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
         pod,
         ..request_of(request, api_version, body.clone())?
     })
+}
+
+/// A pod review as the derived readers read it (the compact reader gave up on it: rare, so
+/// kept out of the way of the usual path's code).
+#[cold]
+#[inline(never)]
+fn derived_pod_review(body: &[u8]) -> Option<RawReview<'_, ReadPod>> {
+    from_body(body).ok()
 }
 
 const KIND: &str = "an AdmissionReview";
