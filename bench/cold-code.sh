@@ -10,7 +10,7 @@
 #
 # Unlike the timings of part 1, these counts do not move with the host's load: a change to the
 # review's path can be judged by them in one run. Not part of `make test`: it needs valgrind
-# (callgrind and callgrind_annotate on PATH) and takes about three minutes.
+# (callgrind and callgrind_annotate on PATH) and takes about a minute.
 #
 #   bash bench/cold-code.sh [N]      (N reviews per route, default 2000)
 set -euo pipefail
