@@ -11,25 +11,33 @@ use crate::api::validation::{Context, validate};
 
 /// Arbitrary JSON values, a few levels deep, with the field names the code looks for mixed in.
 fn json_value() -> impl Strategy<Value = Value> {
-    let names = prop_oneof![
-        Just("metadata".to_string()),
-        Just("spec".to_string()),
-        Just("name".to_string()),
-        Just("annotations".to_string()),
-        Just("ownerReferences".to_string()),
-        Just("nodeSelector".to_string()),
-        Just("affinity".to_string()),
-        Just("targetRef".to_string()),
-        Just("keys".to_string()),
-        Just("weight".to_string()),
-        Just("preferredPersistentTopology".to_string()),
-        Just("requiredPersistentTopology".to_string()),
-        "[a-z]{1,8}",
+    json_with_keys(&[
+        "metadata",
+        "spec",
+        "name",
+        "annotations",
+        "ownerReferences",
+        "nodeSelector",
+        "affinity",
+        "targetRef",
+        "keys",
+        "weight",
+        "preferredPersistentTopology",
+        "requiredPersistentTopology",
+    ])
+}
+
+/// Arbitrary JSON values, a few levels deep, their objects' keys mostly `names`.
+pub(super) fn json_with_keys(names: &'static [&'static str]) -> impl Strategy<Value = Value> {
+    let keys = prop_oneof![
+        12 => prop::sample::select(names).prop_map(str::to_string),
+        1 => "[a-z]{1,8}",
     ];
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
         any::<f64>()
             .prop_filter("finite", |f| f.is_finite())
             .prop_map(Value::from),
@@ -38,7 +46,7 @@ fn json_value() -> impl Strategy<Value = Value> {
     leaf.prop_recursive(4, 48, 6, move |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
-            prop::collection::btree_map(names.clone(), inner, 0..6)
+            prop::collection::btree_map(keys.clone(), inner, 0..6)
                 .prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
     })

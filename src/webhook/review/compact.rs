@@ -595,35 +595,17 @@ mod tests {
 
     /// Any JSON value, with the keys this reader looks for mixed in.
     fn any_json() -> impl Strategy<Value = Value> {
-        let keys = prop_oneof![
-            Just("uid".to_string()),
-            Just("name".to_string()),
-            Just("kind".to_string()),
-            Just("apiVersion".to_string()),
-            Just("metadata".to_string()),
-            Just("spec".to_string()),
-            Just("nodeAffinity".to_string()),
-            Just("key".to_string()),
-            Just("tolerationSeconds".to_string()),
-            "[a-z]{1,6}",
-        ];
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<u64>().prop_map(Value::from),
-            any::<f64>()
-                .prop_filter("finite", |f| f.is_finite())
-                .prop_map(Value::from),
-            ".{0,8}".prop_map(Value::from),
-        ];
-        leaf.prop_recursive(3, 24, 4, move |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
-                prop::collection::btree_map(keys.clone(), inner, 0..4)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
+        crate::webhook::property_tests::json_with_keys(&[
+            "uid",
+            "name",
+            "kind",
+            "apiVersion",
+            "metadata",
+            "spec",
+            "nodeAffinity",
+            "key",
+            "tolerationSeconds",
+        ])
     }
 
     proptest! {
