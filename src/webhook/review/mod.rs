@@ -164,7 +164,7 @@ impl Gvk {
 }
 
 /// A request as read: the object as `O` (raw, or decoded in the same pass).
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(rename_all = "camelCase", bound(deserialize = "O: Deserialize<'de>"))]
 struct RawRequest<'a, O> {
     #[serde(default, deserialize_with = "lenient")]
@@ -187,38 +187,13 @@ struct RawRequest<'a, O> {
     old_object: Option<&'a RawValue>,
 }
 
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(rename_all = "camelCase", bound(deserialize = "O: Deserialize<'de>"))]
 struct RawReview<'a, O> {
     #[serde(default, deserialize_with = "lenient")]
     api_version: Option<String>,
     #[serde(default, borrow)]
     request: Option<RawRequest<'a, O>>,
-}
-
-impl<O> Default for RawRequest<'_, O> {
-    fn default() -> Self {
-        Self {
-            uid: None,
-            kind: None,
-            sub_resource: None,
-            name: None,
-            namespace: None,
-            operation: None,
-            dry_run: None,
-            object: None,
-            old_object: None,
-        }
-    }
-}
-
-impl<O> Default for RawReview<'_, O> {
-    fn default() -> Self {
-        Self {
-            api_version: None,
-            request: None,
-        }
-    }
 }
 
 /// An admission request: what the handlers read of it. The request body is kept, and the
