@@ -322,6 +322,24 @@ async fn answering(pods: &Api<Pod>, probes: &[(Pod, Answered)]) -> anyhow::Resul
     .await
 }
 
+/// A dry-run create of `pod`, checked to have been answered by `column`: how long it took (ms).
+async fn timed_create(pods: &Api<Pod>, pod: &Pod, column: Answered) -> anyhow::Result<f64> {
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let start = Instant::now();
+    let created = pods.create(&dry_run, pod).await?;
+    let took = start.elapsed().as_secs_f64() * 1e3;
+    let by = answered_by(created)?;
+    anyhow::ensure!(
+        by == column,
+        "{} answered by {by:?}, not {column:?}",
+        pod.name_any()
+    );
+    Ok(took)
+}
+
 /// `registration` with each of its webhooks selecting only the pods of `column`.
 fn selecting(
     registration: &MutatingWebhookConfiguration,
@@ -559,15 +577,8 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
     for round in 0..rounds {
         for k in 0..per_round * modes.len() {
             let mode = modes[(k + round) % modes.len()];
-            let body = pod(k / modes.len(), mode)?;
-            let start = Instant::now();
-            let created = pods.create(&dry_run, &body).await?;
-            samples
-                .entry(mode.label())
-                .or_default()
-                .push(start.elapsed().as_secs_f64() * 1e3);
-            let by = answered_by(created)?;
-            anyhow::ensure!(by == mode, "create {k} answered by {by:?}, not {mode:?}");
+            let took = timed_create(&pods, &pod(k / modes.len(), mode)?, mode).await?;
+            samples.entry(mode.label()).or_default().push(took);
         }
     }
     // Where the time of a create goes, from the API server's metrics and ours: those are not
@@ -586,14 +597,8 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
     for mode in modes {
         let before = Spent::read(client, &webhook, &opts.probe).await?;
         for k in 0..per_round {
-            let start = Instant::now();
-            let created = pods.create(&dry_run, &pod(k, mode)?).await?;
-            timed
-                .entry(mode.label())
-                .or_default()
-                .push(start.elapsed().as_secs_f64() * 1e3);
-            let by = answered_by(created)?;
-            anyhow::ensure!(by == mode, "create {k} answered by {by:?}, not {mode:?}");
+            let took = timed_create(&pods, &pod(k, mode)?, mode).await?;
+            timed.entry(mode.label()).or_default().push(took);
         }
         Spent::read(client, &webhook, &opts.probe)
             .await?
