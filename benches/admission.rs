@@ -8,7 +8,7 @@
 //! between the kernel's and TLS's work, which evicts what the review left in the caches.
 //! Prints tables; asserts nothing about time (machines vary). With `--route floor|router N`,
 //! only N flushed reviews through one of the two, nothing printed: the run a cache simulator
-//! counts (`valgrind --tool=callgrind --cache-sim=yes`, BENCHMARKS.md part 1).
+//! counts (`valgrind --tool=callgrind --cache-sim=yes`, BENCHMARKS.md part 2).
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -91,7 +91,7 @@ enum Route {
 
 /// `--route floor|router N`: N reviews through the floor's handler or the webhook's router,
 /// each after a flush, and nothing else run or printed: what a cache simulator counts
-/// (BENCHMARKS.md, part 1).
+/// (BENCHMARKS.md, part 2).
 fn route_arg() -> Option<(Route, u32)> {
     let args: Vec<String> = std::env::args().collect();
     let at = args.iter().position(|a| a == "--route")?;

@@ -5,11 +5,11 @@
 //! On the admission path (many small short-lived allocations per review beside a large
 //! long-lived cache) mimalloc takes 10-25 % less CPU per review than glibc's malloc; by default
 //! it returns freed pages only after a delay (1 s), which left the initial sync's garbage in the RSS
-//! of an idle replica (95 MB where glibc had 72-89 MB, BENCHMARKS.md). Purging at once during
+//! of an idle replica (95 MB where glibc had 72-89 MB, bench/NOTEBOOK.md). Purging at once during
 //! the sync keeps the smallest RSS. While serving it does not pay: each page emptied by a review
 //! was returned at once (an `madvise`, and a TLB shootdown: an IPI to the other cores, which a
 //! virtual machine pays as an exit), and reviews then took 1.6 x the CPU in runs where the heap
-//! fell into that pattern (BENCHMARKS.md, part 1).
+//! fell into that pattern (bench/NOTEBOOK.md, part 1, "The allocator").
 
 /// `mi_option_purge_delay` in the vendored mimalloc 3 (libmimalloc-sys 0.1.49, pinned): its
 /// bindings name the options around it but not this one.

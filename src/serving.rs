@@ -750,7 +750,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
 /// (connections are spread evenly, whichever thread the kernel wakes), which serves it to its
 /// end. What runs on them is never held up by the process's main runtime (the controllers'
 /// reconciles, the caches' relists); no connection moves between threads once served (with one
-/// runtime of N threads, moving them cost a quarter more CPU per review, BENCHMARKS.md); and a
+/// runtime of N threads, moving them cost a quarter more CPU per review, bench/NOTEBOOK.md); and a
 /// thread the kernel preempts holds up only its own connections. Shut down in the background
 /// when dropped (a runtime may not be dropped within async code, where `serve` holds them);
 /// what they still run then (Events being published) is let go.

@@ -391,7 +391,7 @@ pub fn workload(obj: &mut DynamicObject) {
 
 /// A PersistentPodState as its watch reads it: decoded from the JSON tree of the list's item or
 /// the event's object, once (about 40 % less CPU than reading it as a `DynamicObject` and
-/// decoding that again, BENCHMARKS.md part 5). One that does not decode (stored by an older schema, say) keeps its metadata
+/// decoding that again, bench/NOTEBOOK.md part 5). One that does not decode (stored by an older schema, say) keeps its metadata
 /// and why, so that it is skipped rather than failing every list of the kind.
 #[derive(Clone, Debug)]
 pub enum ReadPps {

@@ -2,7 +2,7 @@
 //! carries it as bytes, so no tree of values is built, serialized and dropped per review. Its
 //! values (strings, maps of strings, node affinity terms) write themselves ([`JsonValue`]):
 //! a few loops over one string escaper, where a serializer per value type would each be code
-//! a review fetches (BENCHMARKS.md, part 1).
+//! a review fetches (BENCHMARKS.md, part 2).
 
 use std::collections::BTreeMap;
 
