@@ -300,13 +300,19 @@ async fn install(
     Ok(())
 }
 
+/// A server-side dry run (`?dryRun=All`): the create is admitted, but nothing is stored, so the
+/// same pod can be sent again.
+fn dry_run() -> PostParams {
+    PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    }
+}
+
 /// Waits until the API server has the registrations installed: a dry-run create of each
 /// `(probe, answered)` is answered as `answered` (it picks registrations up from its own watch).
 async fn answering(pods: &Api<Pod>, probes: &[(Pod, Answered)]) -> anyhow::Result<()> {
-    let dry_run = PostParams {
-        dry_run: true,
-        ..PostParams::default()
-    };
+    let dry_run = dry_run();
     until(
         "the API server to call the webhooks registered",
         Duration::from_secs(60),
@@ -324,10 +330,7 @@ async fn answering(pods: &Api<Pod>, probes: &[(Pod, Answered)]) -> anyhow::Resul
 
 /// A dry-run create of `pod`, checked to have been answered by `column`: how long it took (ms).
 async fn timed_create(pods: &Api<Pod>, pod: &Pod, column: Answered) -> anyhow::Result<f64> {
-    let dry_run = PostParams {
-        dry_run: true,
-        ..PostParams::default()
-    };
+    let dry_run = dry_run();
     let start = Instant::now();
     let created = pods.create(&dry_run, pod).await?;
     let took = start.elapsed().as_secs_f64() * 1e3;
@@ -482,10 +485,7 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
                      "containers": [{"name": "server", "image": "registry.example.com/server:1"}]}
         }))?)
     };
-    let dry_run = PostParams {
-        dry_run: true,
-        ..PostParams::default()
-    };
+    let dry_run = dry_run();
 
     // Ours as registered, and the same registration sending to the bare endpoint; each selects
     // the pods of its own column, so all are registered at once and the columns can alternate
