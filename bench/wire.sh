@@ -49,7 +49,7 @@ tcpdump -tt -n -r "$capture" 2>/dev/null | awk '
       due[src, dst] = 0
     }
   }' | sort -t $'\t' -k1,1 -k2,2n | awk -F '\t' '
-  function row(   i) {
+  function row() {
     if (count == 0) return
     printf "| %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f |\n", server, count, sum / count,
       v[int(count * 0.5) + 1], v[int(count * 0.9) + 1], v[int(count * 0.99) + 1],
