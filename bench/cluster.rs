@@ -16,7 +16,8 @@
 //! `bench-cluster [--short] [--only api|controller|memory] --probe HOST:PORT --serve-pid PID
 //! --serve-bin PATH --cluster-dir DIR --baseline-addr HOST:PORT --baseline-ca FILE`
 //! (`--probe` and `--serve-pid`: the registered replica; `--baseline-*`: a running
-//! `bench-floor`). Uses `$KUBECONFIG` (admin). Prints
+//! `bench-floor`, and the address the API server calls it at; the second bare webhook is called
+//! at the same host). Uses `$KUBECONFIG` (admin). Prints
 //! tables; fails if a figure is missing, never on a figure's value.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -413,10 +414,12 @@ async fn our_patch(url: &str, ca: &[u8], namespace: &str, pod: &Pod) -> anyhow::
     Ok(serde_json::to_vec(&ops)?)
 }
 
-/// Starts `bench-floor` (a sibling of this binary) on 127.0.0.1:`port`, answering with the
-/// patch in `patch_file`; waits until it listens.
+/// Starts `bench-floor` (a sibling of this binary) on 127.0.0.1:`port`, its certificate also
+/// naming `host` (the address the API server calls it at), answering with the patch in
+/// `patch_file`; waits until it listens.
 async fn start_floor(
     dir: &std::path::Path,
+    host: &str,
     port: u16,
     patch_file: &std::path::Path,
 ) -> anyhow::Result<Stopped> {
@@ -428,6 +431,7 @@ async fn start_floor(
     let child = std::process::Command::new(&exe)
         .args(["--listen", &addr, "--cert-dir"])
         .arg(dir)
+        .args(["--cert-host", host])
         .arg("--patch-file")
         .arg(patch_file)
         .stdout(std::process::Stdio::null())
@@ -544,12 +548,17 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         persistent_pod_state::benchkit::floor::ONE_LABEL,
     )?;
     let patched_dir = opts.cluster_dir.join("floor-our-patch-certs");
-    let _patched_floor = start_floor(&patched_dir, 29501, &patch_file).await?;
+    // Called at the same host as the first bare webhook (see `bench/run.sh` on the protocol).
+    let host = opts
+        .baseline_addr
+        .rsplit_once(':')
+        .map_or("127.0.0.1", |(host, _)| host);
+    let _patched_floor = start_floor(&patched_dir, host, 29501, &patch_file).await?;
     let patched = selecting(
         &pointed_at(
             &shipped,
             BARE_NAMES[1],
-            "https://127.0.0.1:29501/mutate-pod",
+            &format!("https://{host}:29501/mutate-pod"),
             std::fs::read(patched_dir.join("ca.crt"))?,
         ),
         Answered::BareOurPatch,

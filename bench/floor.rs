@@ -5,8 +5,9 @@
 //! the rest without building it) and answers a fixed review with a one-operation base64 patch.
 //! No limits, no logging, no metrics, no decision.
 //!
-//! `bench-floor --listen ADDR --cert-dir DIR [--with LAYER,...] [--patch-file FILE]` writes a
-//! certificate for 127.0.0.1 into DIR (`ca.crt` for clients) and serves until killed; with
+//! `bench-floor --listen ADDR --cert-dir DIR [--cert-host HOST] [--with LAYER,...] [--patch-file
+//! FILE]` writes a certificate for 127.0.0.1 (and HOST, the address a client calls it at, if
+//! another) into DIR (`ca.crt` for clients) and serves until killed; with
 //! `--patch-file`, it answers with the JSON patch in FILE instead of its one label. `--with` swaps in the
 //! webhook's own layers one at a time, so that a benchmark can say what each costs: `loop` (the
 //! serving loop of `serve`: connection cap, idle and age bounds, header deadline, activity
@@ -49,7 +50,9 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let listen = flag(&args, "--listen").context("--listen ADDR")?;
     let dir = std::path::PathBuf::from(flag(&args, "--cert-dir").context("--cert-dir DIR")?);
-    let bundle = persistent_pod_state::certs::generate(&["127.0.0.1".into()], None)?;
+    let mut hosts = vec!["127.0.0.1".to_owned()];
+    hosts.extend(flag(&args, "--cert-host").filter(|host| host != "127.0.0.1"));
+    let bundle = persistent_pod_state::certs::generate(&hosts, None)?;
     persistent_pod_state::certs::write(&bundle, &dir)?;
     let with: Vec<String> = flag(&args, "--with")
         .map(|w| w.split(',').map(str::to_owned).collect())

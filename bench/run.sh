@@ -72,7 +72,7 @@ trap on_exit EXIT
 cluster_up
 # The bare webhook of part 2 (what calling any webhook costs the API server): the floor.
 start_bg bench-floor "$ROOT/target/release/bench-floor" --listen 127.0.0.1:29500 \
-  --cert-dir "$CLUSTER_DIR/floor-certs"
+  --cert-dir "$CLUSTER_DIR/floor-certs" --cert-host "$WEBHOOK_HOST"
 mapfile -t bench_nodes < <(kubelet_args)
 # 8 nodes (880 pod slots); the full mode's 2,000 pods of part 3 need 20 (2,200 slots).
 node_names=(a1 a2 a3 a4 b1 b2 b3 b4)
@@ -89,7 +89,7 @@ register_webhook
 
 ./target/release/bench-cluster "${mode[@]}" "${only[@]}" --probe "127.0.0.1:$PROBE_PORT" \
   --serve-pid "$(cat "$CLUSTER_DIR/persistent-pod-state-a.pid")" --serve-bin "$PPS_BIN" \
-  --cluster-dir "$CLUSTER_DIR" --baseline-addr 127.0.0.1:29500 \
+  --cluster-dir "$CLUSTER_DIR" --baseline-addr "$WEBHOOK_HOST:29500" \
   --baseline-ca "$CLUSTER_DIR/floor-certs/ca.crt"
 
 # Issue 22.2, apart from any webhook: the pinned kube-apiserver's own steps on the bare

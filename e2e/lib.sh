@@ -7,7 +7,7 @@
 #   CLUSTER_DIR     state, logs, certificates and kubeconfig of this control plane
 #   ETCD_PORT       etcd client port (peer port is ETCD_PORT+1)
 #   APISERVER_PORT  kube-apiserver HTTPS port
-#   WEBHOOK_HOST    address the API server calls the webhook at (default 127.0.0.1)
+#   WEBHOOK_HOST    address the API server calls the webhook at (default 0.0.0.0, below)
 #   WEBHOOK_PORT    the port the API server calls the webhooks on
 #   NODE_LOST_AFTER for serve_up: the replicas' --node-lost-after (default 5m)
 #   REPLICAS        for serve_up: NAME=WEBHOOK_PORT:PROBE_PORT of each replica (behind a loopback
@@ -21,6 +21,13 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${PPS_CACHE:-$HOME/.cache/persistent-pod-state}"
 export PPS_KUBERNETES="${PPS_KUBERNETES:-current}"
 PPS_BIN="${PPS_BIN:-$ROOT/target/debug/persistent-pod-state}"
+# The API server calls a webhook whose URL is loopback (127.0.0.1, localhost) over HTTP/2, and
+# every other one, a Service's included, over HTTP/1.1 with keep-alive (`isLocalHost` in
+# k8s.io/apiserver/pkg/util/webhook/client.go; v1.20 calls every webhook over HTTP/1.1). The
+# webhooks listen on 127.0.0.1 and are registered at 0.0.0.0, which Linux connects to this
+# host's loopback and the API server does not count as loopback: it calls them as it calls the
+# webhook in a cluster. WEBHOOK_HOST=127.0.0.1: over HTTP/2.
+WEBHOOK_HOST="${WEBHOOK_HOST:-0.0.0.0}"
 KUBELET_BIN="${KUBELET_BIN:-$ROOT/target/debug/fake-kubelet}"
 LB_BIN="${LB_BIN:-$ROOT/target/debug/loopback-lb}"
 NODES=(node-a1=zone-a node-a2=zone-a node-b1=zone-b node-b2=zone-b)
@@ -211,7 +218,7 @@ nodes_up() {
 install_crd() {
   local older=()
   if legacy; then older=(--without-selectable-fields); fi
-  "$PPS_BIN" crd --conversion-url "https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT/convert" \
+  "$PPS_BIN" crd --conversion-url "https://$WEBHOOK_HOST:$WEBHOOK_PORT/convert" \
     --ca-bundle-file "$CLUSTER_DIR/webhook-certs/ca.crt" "${older[@]}" | kubectl apply -f - >/dev/null
   kubectl wait --for condition=established --timeout=60s crd/persistentpodstates.apps.kruise.io >/dev/null
 }
@@ -220,7 +227,9 @@ install_crd() {
 # and the serving pair laid out as Kubernetes mounts a Secret volume in $CLUSTER_DIR/webhook-tls
 # (tls.crt -> ..data/tls.crt, ..data -> ..<version>), so a rotation can swap ..data.
 webhook_certs() {
-  "$PPS_BIN" certs --out-dir "$CLUSTER_DIR/webhook-certs" --host "${WEBHOOK_HOST:-127.0.0.1}" --host localhost 2>/dev/null
+  local hosts=(--host "$WEBHOOK_HOST" --host localhost)
+  [[ $WEBHOOK_HOST == 127.0.0.1 ]] || hosts+=(--host 127.0.0.1)
+  "$PPS_BIN" certs --out-dir "$CLUSTER_DIR/webhook-certs" "${hosts[@]}" 2>/dev/null
   local vol="$CLUSTER_DIR/webhook-tls"
   mkdir -p "$vol/..v1"
   cp "$CLUSTER_DIR/webhook-certs/tls.crt" "$CLUSTER_DIR/webhook-certs/tls.key" "$vol/..v1/"
@@ -296,7 +305,7 @@ server_minor() {
 # matchConditions by docs/install.md's patch, verbatim (its kind, example.com/Ring, is the
 # suite's).
 register_webhook() {
-  local ca dir="$CLUSTER_DIR/registration" url="https://${WEBHOOK_HOST:-127.0.0.1}:$WEBHOOK_PORT" manifests
+  local ca dir="$CLUSTER_DIR/registration" url="https://$WEBHOOK_HOST:$WEBHOOK_PORT" manifests
   ca=$(base64 -w0 <"$CLUSTER_DIR/webhook-certs/ca.crt")
   mkdir -p "$dir"
   # kustomize takes components by relative path only.

@@ -41,7 +41,7 @@ log "control plane ($("$KBIN/kube-apiserver" --version)), fake kubelet and 2 web
 
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
   E2E_NODE_LOST_AFTER="$NODE_LOST_AFTER" \
-  E2E_WEBHOOK_URL="https://127.0.0.1:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
+  E2E_WEBHOOK_URL="https://$WEBHOOK_HOST:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
   E2E_SA_KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" E2E_HELM="$HELM" \
   cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture "$@"
 

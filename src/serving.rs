@@ -5,11 +5,12 @@
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
 //! is closed to make room; a new one is refused only if none frees in time); a deadline for
 //! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from when the
-//! connection is set up or the previous answer is ready; HTTP/2: the first request's); an idle
-//! timeout (no byte read or written for that long closes the connection: a stalled HTTP/2
-//! preface, a body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound
-//! on HTTP/2 streams per connection; a maximum age. The idle, header and age bounds share one
-//! timer per connection. Requests are bounded by [`RequestLimit::run`], per endpoint: a body is
+//! connection is set up or, kept alive, the request's first byte is read; HTTP/2: the first
+//! request's); an idle timeout (no byte read or written for that long closes the connection: a
+//! body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound on HTTP/2
+//! streams per connection; a maximum age (HTTP/1: the next answer says `connection: close`, so
+//! that a client never sends a request on a connection the server is closing). The idle,
+//! header and age bounds share one timer per connection. Requests are bounded by [`RequestLimit::run`], per endpoint: a body is
 //! read within a deadline and a size limit before the request counts as in flight, its bytes
 //! and what decoding it may build ([`json_values`]) are taken from the endpoint's byte share,
 //! then one of its slots (a refused request's body is read and dropped, so its client gets the
@@ -19,7 +20,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -53,9 +54,9 @@ pub struct Limits {
     pub max_connections: usize,
     /// Deadline of the TLS handshake.
     pub handshake_timeout: Duration,
-    /// Deadline for a request's headers to arrive, from when the connection is set up or (HTTP/1)
-    /// the previous request is answered: an HTTP/1 keep-alive connection is closed after this
-    /// long without a request, an HTTP/2 one only if its first request is late.
+    /// Deadline for a request's headers to arrive, from when the connection is set up or (a
+    /// kept-alive HTTP/1 connection) the next request's first byte is read; an HTTP/2
+    /// connection's only if its first request is late.
     pub header_timeout: Duration,
     /// A connection with no byte read or written for this long is closed.
     pub idle_timeout: Duration,
@@ -67,12 +68,14 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// The webhook port's limits.
+    /// The webhook port's limits. An idle connection outlasts the API server's own bound for
+    /// one (client-go closes a connection idle for 90 s), so the API server closes it first and
+    /// never sends a review on a connection this side is closing.
     pub const WEBHOOK: Limits = Limits {
         max_connections: 1024,
         handshake_timeout: Duration::from_secs(10),
         header_timeout: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(30),
+        idle_timeout: Duration::from_secs(120),
         max_streams: 64,
         max_age: Duration::from_secs(600),
     };
@@ -504,8 +507,8 @@ async fn discard_body(mut chunks: axum::body::BodyDataStream, max: usize, within
 #[derive(Clone, Copy, Debug)]
 pub struct VerifiedClient;
 
-/// When a connection last read or wrote a byte, and since when it has waited for a request's
-/// headers.
+/// When a connection last read or wrote a byte, since when it has waited for a request's
+/// headers, and whether its next answer closes it.
 #[derive(Clone)]
 struct Activity(Arc<ActivityState>);
 
@@ -514,8 +517,11 @@ struct ActivityState {
     /// When a byte last moved, in µs since `base`.
     last_micros: AtomicU64,
     /// Since when (µs since `base`) the connection has waited for a request's headers, or
-    /// [`HANDLING`], or [`NO_HEADER_DEADLINE`].
+    /// [`HANDLING`], [`NO_HEADER_DEADLINE`] or [`KEEP_ALIVE`].
     waiting_micros: AtomicU64,
+    /// An HTTP/1 connection past its maximum age between two requests: its next answer says
+    /// `connection: close` and ends it.
+    closing: AtomicBool,
 }
 
 /// A request is being handled: no headers are due.
@@ -523,6 +529,13 @@ const HANDLING: u64 = u64::MAX;
 /// An HTTP/2 connection: its requests' headers have no deadline of their own (its streams and
 /// idle bound hold it).
 const NO_HEADER_DEADLINE: u64 = u64::MAX - 1;
+/// An HTTP/1 connection kept alive after an answer, no byte of the next request read yet: the
+/// idle bound holds it, and the next request's header deadline starts with its first byte.
+/// So the server never closes an idle keep-alive connection as the header deadline runs out
+/// while the client may be sending a request on it, which the client could not tell from a
+/// connection closed after reading it (the API server does not retry a webhook call that
+/// failed so).
+const KEEP_ALIVE: u64 = u64::MAX - 2;
 
 impl Activity {
     /// A connection starting now, waiting for its first request's headers.
@@ -531,13 +544,15 @@ impl Activity {
             base: Instant::now(),
             last_micros: AtomicU64::new(0),
             waiting_micros: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
         }))
     }
 
-    /// µs since the connection started (kept under the sentinels [`HANDLING`] and
-    /// [`NO_HEADER_DEADLINE`], which it could reach only after half a million years).
+    /// µs since the connection started (kept under the sentinels [`HANDLING`],
+    /// [`NO_HEADER_DEADLINE`] and [`KEEP_ALIVE`], which it could reach only after half a
+    /// million years).
     fn now_micros(&self) -> u64 {
-        u64::try_from(self.0.base.elapsed().as_micros()).unwrap_or(NO_HEADER_DEADLINE - 1)
+        u64::try_from(self.0.base.elapsed().as_micros()).unwrap_or(KEEP_ALIVE - 1)
     }
 
     /// When a byte last moved (the connection's start if none has).
@@ -563,12 +578,47 @@ impl Activity {
         }
     }
 
-    /// The connection waits for the next request's headers from now (an HTTP/1 request was
-    /// answered), or starts to (it has just been set up).
+    /// The connection waits for its first request's headers from now (it has just been set
+    /// up).
     fn wait_for_headers(&self) {
         self.0
             .waiting_micros
             .store(self.now_micros(), Ordering::Relaxed);
+    }
+
+    /// An HTTP/1 request was answered: the connection is kept alive, no headers due until the
+    /// next request's first byte ([`Activity::bytes_read`]).
+    fn answered(&self) {
+        self.0.waiting_micros.store(KEEP_ALIVE, Ordering::Relaxed);
+    }
+
+    /// Bytes were read: activity, and on a kept-alive connection the next request's header
+    /// deadline starts.
+    fn bytes_read(&self) {
+        self.touch();
+        if self.0.waiting_micros.load(Ordering::Relaxed) == KEEP_ALIVE {
+            let _ = self.0.waiting_micros.compare_exchange(
+                KEEP_ALIVE,
+                self.now_micros(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// An HTTP/1 connection with no request in flight (set up, or kept alive after an
+    /// answer).
+    fn between_requests(&self) -> bool {
+        !matches!(
+            self.0.waiting_micros.load(Ordering::Relaxed),
+            HANDLING | NO_HEADER_DEADLINE
+        )
+    }
+
+    /// Its next answer says `connection: close` (and hyper then ends the connection); its
+    /// maximum age no longer counts.
+    fn close_with_next_answer(&self) {
+        self.0.closing.store(true, Ordering::Relaxed);
     }
 
     /// A request's headers arrived: it is handled, and no headers are due until it is
@@ -584,9 +634,11 @@ impl Activity {
 
     /// Resolves, with its reason, once the connection is past one of its bounds: no byte
     /// moved for `limits.idle_timeout`, a request's headers waited for `limits.header_timeout`
-    /// (never while a request is handled, nor after an HTTP/2 request), or `limits.max_age`
-    /// reached. One timer per connection, reset only when it fires (hyper's own header deadline
-    /// arms and drops a timer for every request).
+    /// (never while a request is handled, nor on a kept-alive connection before the next
+    /// request's first byte, nor after an HTTP/2 request), or `limits.max_age` reached (unless
+    /// the connection already closes with its next answer). One timer per connection, reset
+    /// only when it fires (hyper's own header deadline arms and drops a timer for every
+    /// request).
     async fn past_bound(&self, limits: &Limits) -> Bound {
         let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         loop {
@@ -595,14 +647,14 @@ impl Activity {
                 Bound::Idle,
                 last.saturating_add(micros(limits.idle_timeout)),
             );
-            if let since @ 0..NO_HEADER_DEADLINE = self.0.waiting_micros.load(Ordering::Relaxed) {
+            if let since @ 0..KEEP_ALIVE = self.0.waiting_micros.load(Ordering::Relaxed) {
                 let late = since.saturating_add(micros(limits.header_timeout));
                 if late < due.1 {
                     due = (Bound::HeadersLate, late);
                 }
             }
             let old = micros(limits.max_age);
-            if old < due.1 {
+            if old < due.1 && !self.0.closing.load(Ordering::Relaxed) {
                 due = (Bound::MaxAge, old);
             }
             let now = self.now_micros();
@@ -626,7 +678,8 @@ enum Bound {
 }
 
 /// The app of one connection: each request marks the connection's header deadline as met when
-/// it arrives, and as running again once it is answered.
+/// it arrives, and the connection as kept alive once it is answered (or, past its maximum age,
+/// closed by that answer).
 #[derive(Clone)]
 struct Marked<S> {
     inner: S,
@@ -635,7 +688,7 @@ struct Marked<S> {
 
 impl<S, B> tower_service::Service<axum::http::Request<B>> for Marked<S>
 where
-    S: tower_service::Service<axum::http::Request<B>>,
+    S: tower_service::Service<axum::http::Request<B>, Response = Response>,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -656,8 +709,9 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// A request's answer: once it is ready, its HTTP/1 connection waits for the next
-    /// request's headers.
+    /// A request's answer: once it is ready, its HTTP/1 connection is kept alive for the next
+    /// request, or, past its maximum age, the answer says `connection: close` (hyper then ends
+    /// the connection once it is written: the client knows its next request needs another).
     struct Answering<F> {
         #[pin]
         answer: F,
@@ -665,16 +719,27 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<F: std::future::Future> std::future::Future for Answering<F> {
+impl<F, E> std::future::Future for Answering<F>
+where
+    F: std::future::Future<Output = Result<Response, E>>,
+{
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
-        let polled = this.answer.poll(cx);
+        let mut polled = this.answer.poll(cx);
         if polled.is_ready()
             && let Some(activity) = this.activity.take()
         {
-            activity.wait_for_headers();
+            activity.answered();
+            if activity.0.closing.load(Ordering::Relaxed)
+                && let Poll::Ready(Ok(response)) = &mut polled
+            {
+                response.headers_mut().insert(
+                    axum::http::header::CONNECTION,
+                    axum::http::HeaderValue::from_static("close"),
+                );
+            }
         }
         polled
     }
@@ -705,7 +770,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
-            self.activity.touch();
+            self.activity.bytes_read();
         }
         polled
     }
@@ -1071,7 +1136,7 @@ async fn run_http<IO>(
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // The header deadline is this loop's own ([`Activity::headers_late`]), not hyper's.
+    // The header deadline is this loop's own ([`Activity::past_bound`]), not hyper's.
     builder.http1().header_read_timeout(None);
     builder
         .http2()
@@ -1084,24 +1149,33 @@ async fn run_http<IO>(
     };
     let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
     tokio::pin!(conn);
-    let why = tokio::select! {
-        result = conn.as_mut() => {
-            if let Err(error) = result {
-                tracing::debug!(%peer, %error, "connection ended with an error");
-            }
-            return;
-        }
-        bound = activity.past_bound(&limits) => match bound {
-            Bound::Idle => "idle",
-            Bound::MaxAge => "at its maximum age",
-            Bound::HeadersLate => {
-                // No request is in flight: closed at once, as hyper closes one late with its
-                // headers.
-                tracing::debug!(%peer, "closing the connection: a request's headers are late");
+    let why = loop {
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
+                }
                 return;
             }
-        },
-        () = shutdown.cancelled() => "shutting down",
+            bound = activity.past_bound(&limits) => match bound {
+                Bound::Idle => break "idle",
+                // An HTTP/1 connection between requests is not closed under a request the
+                // client may be sending: its next answer closes it (or the idle bound, which
+                // outlasts the API server's own for an idle connection).
+                Bound::MaxAge if activity.between_requests() => {
+                    tracing::debug!(%peer, "at its maximum age: the next answer closes the connection");
+                    activity.close_with_next_answer();
+                }
+                Bound::MaxAge => break "at its maximum age",
+                Bound::HeadersLate => {
+                    // No request is in flight: closed at once, as hyper closes one late with
+                    // its headers.
+                    tracing::debug!(%peer, "closing the connection: a request's headers are late");
+                    return;
+                }
+            },
+            () = shutdown.cancelled() => break "shutting down",
+        }
     };
     tracing::debug!(%peer, why, "closing the connection");
     conn.as_mut().graceful_shutdown();
@@ -1298,7 +1372,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn headers_are_due_only_while_an_http1_connection_waits_for_a_request() {
+    async fn headers_are_due_from_a_request_s_first_byte_and_age_waits_for_the_next_answer() {
         let limits = Limits {
             header_timeout: Duration::from_millis(20),
             idle_timeout: Duration::from_millis(200),
@@ -1312,18 +1386,34 @@ mod tests {
         activity.headers_arrived(axum::http::Version::HTTP_11);
         activity.touch();
         assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
-        // Answered: the next request's headers are due again.
-        activity.wait_for_headers();
-        activity.touch();
-        assert_eq!(activity.past_bound(&limits).await, Bound::HeadersLate);
-        // An HTTP/2 connection has no header deadline once its first request arrived.
-        activity.headers_arrived(axum::http::Version::HTTP_2);
+        // Answered and kept alive: no headers due while nothing arrives (however long past
+        // the header deadline), only the idle bound.
+        activity.answered();
         activity.touch();
         assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
+        // The next request's first byte: its headers are due from then.
+        activity.bytes_read();
+        assert_eq!(activity.past_bound(&limits).await, Bound::HeadersLate);
+        // Past its maximum age between two requests, a connection that closes with its next
+        // answer is bound by being idle or late, not by its age.
         let old = Limits {
             max_age: Duration::from_millis(1),
             ..limits
         };
+        assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
+        activity.close_with_next_answer();
+        assert_eq!(activity.past_bound(&old).await, Bound::HeadersLate);
+        activity.answered();
+        activity.touch();
+        assert_eq!(activity.past_bound(&old).await, Bound::Idle);
+        // An HTTP/2 connection has no header deadline once its first request arrived.
+        let activity = Activity::new();
+        activity.headers_arrived(axum::http::Version::HTTP_2);
+        activity.touch();
+        assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
+        activity.bytes_read();
+        assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
+        assert!(!activity.between_requests());
         assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
     }
 
@@ -1341,6 +1431,7 @@ mod tests {
                 .expect("a second of uptime"),
             last_micros: AtomicU64::new(0),
             waiting_micros: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
         }));
         let mut watched = Watched {
             inner: tcp,

@@ -39,7 +39,7 @@ struct Server {
 }
 
 async fn start() -> Server {
-    start_with(None).await
+    start_with(None, TEST_LIMITS).await
 }
 
 /// A client CA (its PEM, to configure `--client-ca`) and a client certificate it signed, with
@@ -59,7 +59,7 @@ fn client_identity() -> (String, String, String) {
     (ca.pem(), cert.pem(), key.serialize_pem())
 }
 
-async fn start_with(client_auth: Option<(&str, &str, &str)>) -> Server {
+async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> Server {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = std::env::temp_dir().join(format!(
         "pps-abuse-{}-{}",
@@ -100,7 +100,7 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>) -> Server {
         serving::Server {
             tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
             app: router(state),
-            limits: TEST_LIMITS,
+            limits,
             shutdown: stop.clone(),
             drain: Duration::from_secs(1),
         },
@@ -462,7 +462,7 @@ async fn misbehaving_connections_are_closed_within_their_bounds() {
 async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
     let (ca, cert, key) = client_identity();
     let body = review(pod_request(json!({})));
-    let with = start_with(Some((&ca, &cert, &key))).await;
+    let with = start_with(Some((&ca, &cert, &key)), TEST_LIMITS).await;
     let got = with
         .post(endpoints::MUTATE_POD, "application/json", &body)
         .await;
@@ -691,9 +691,8 @@ async fn read_response<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> Optio
     }
 }
 
-#[tokio::test]
-async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
-    let server = start().await;
+/// A pod review as one kept-alive HTTP/1.1 request.
+fn keep_alive_review() -> Vec<u8> {
     let body = review(pod_request(json!({})));
     let mut request = format!(
         "POST {} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -702,6 +701,86 @@ async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
     )
     .into_bytes();
     request.extend_from_slice(&body);
+    request
+}
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_outlasts_the_header_deadline_and_serves_the_next_review() {
+    // The API server keeps a webhook's idle connection for 90 s and sends its next review on
+    // it without knowing whether this side is closing it.
+    let limits = Limits {
+        header_timeout: Duration::from_millis(200),
+        idle_timeout: Duration::from_secs(5),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let request = keep_alive_review();
+    let mut stream = server.tls(&server.connector).await;
+    stream.write_all(&request).await.expect("first review");
+    let head = read_response(&mut stream).await.expect("first answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Idle for five header deadlines, within the idle bound.
+    tokio::time::sleep(limits.header_timeout * 5).await;
+    stream.write_all(&request).await.expect("second review");
+    let head = read_response(&mut stream).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+        "the kept-alive connection serves the next review: {head:?}"
+    );
+    // Its header deadline still holds once a request starts: headers that stop half-way.
+    let start = Instant::now();
+    stream
+        .write_all(b"POST /mutate-pod HTTP/1.1\r\nhost: loc")
+        .await
+        .expect("half a request");
+    assert!(matches!(read_answer(&mut stream).await, Got::Closed));
+    assert!(
+        start.elapsed() < limits.idle_timeout,
+        "closed by the header deadline, not the idle bound: {:?}",
+        start.elapsed()
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_past_its_maximum_age_closes_with_its_next_answer() {
+    let limits = Limits {
+        header_timeout: Duration::from_millis(200),
+        idle_timeout: Duration::from_secs(5),
+        max_age: Duration::from_millis(500),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let request = keep_alive_review();
+    let mut stream = server.tls(&server.connector).await;
+    stream.write_all(&request).await.expect("first review");
+    let head = read_response(&mut stream).await.expect("first answer");
+    assert!(!head.contains("connection: close"), "{head}");
+    // Idle past its maximum age, within the idle bound: still open, and the next review is
+    // answered with `connection: close`, after which the server ends the connection.
+    tokio::time::sleep(limits.max_age * 2).await;
+    stream.write_all(&request).await.expect("second review");
+    let head = read_response(&mut stream).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")
+                && h.to_ascii_lowercase().contains("connection: close")),
+        "answered, saying the connection closes: {head:?}"
+    );
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(limits.idle_timeout, stream.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(read, Ok(Ok(0))),
+        "closed after that answer: {read:?}"
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
+    let server = start().await;
+    let request = keep_alive_review();
     let start = Instant::now();
     let mut stream = server.tls(&server.connector).await;
     let mut answered = 0;
