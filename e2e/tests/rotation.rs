@@ -61,18 +61,16 @@ async fn rotating_the_serving_certificate_under_traffic_fails_no_admission() {
     })
     .await;
 
-    // Renew under the same CA, then swap the Secret-volume symlink atomically.
+    // Renew under the same CA, for the names the first certificate has (the host the API
+    // server calls, and the replicas' own), then swap the Secret-volume symlink atomically.
     let certs = env.cluster_dir.join("webhook-certs");
+    let mut hosts = vec!["--host", env.webhook_host(), "--host", "localhost"];
+    if env.webhook_host() != "127.0.0.1" {
+        hosts.extend(["--host", "127.0.0.1"]);
+    }
     let status = tokio::process::Command::new(&env.pps_bin)
-        .args([
-            "certs",
-            "--out-dir",
-            certs.to_str().expect("path"),
-            "--host",
-            "127.0.0.1",
-            "--host",
-            "localhost",
-        ])
+        .args(["certs", "--out-dir", certs.to_str().expect("path")])
+        .args(&hosts)
         .status()
         .await
         .expect("certs runs");

@@ -39,6 +39,20 @@ pub struct Env {
     pub helm: PathBuf,
 }
 
+impl Env {
+    /// The host the API server calls the webhooks at (0.0.0.0 unless run.sh was told
+    /// otherwise: see e2e/lib.sh on the protocol it picks).
+    pub fn webhook_host(&self) -> &str {
+        let authority = self
+            .webhook_url
+            .strip_prefix("https://")
+            .unwrap_or(&self.webhook_url);
+        authority
+            .rsplit_once(':')
+            .map_or(authority, |(host, _port)| host)
+    }
+}
+
 /// One `serve` replica started by e2e/run.sh.
 #[derive(Clone, Debug)]
 pub struct Replica {
