@@ -7,8 +7,8 @@
 //!
 //! `bench-floor --listen ADDR --cert-dir DIR [--cert-host HOST] [--with LAYER,...] [--patch-file
 //! FILE]` writes a certificate for 127.0.0.1 (and HOST, the address a client calls it at, if
-//! another) into DIR (`ca.crt` for clients) and serves until killed; with
-//! `--patch-file`, it answers with the JSON patch in FILE instead of its one label. `--with` swaps in the
+//! another) into DIR (`ca.crt` for clients) and serves until killed; with `--patch-file`, it
+//! answers with the JSON patch in FILE instead of its one label. `--with` swaps in the
 //! webhook's own layers one at a time, so that a benchmark can say what each costs: `loop` (the
 //! serving loop of `serve`: connection cap, idle and age bounds, header deadline, activity
 //! tracking), `tls` (the webhook's TLS configuration: the reloading certificate resolver),

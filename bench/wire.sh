@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22.2 on the wire: how long each webhook of the API part takes to answer, as the loopback
 # sees it, from the last packet of a review the API server sent to the packet of the answer.
-# That is the webhook process's whole share of a call (waking, TLS, HTTP/2, the handler,
+# That is the webhook process's whole share of a call (waking, TLS, HTTP, the handler,
 # writing), where the webhook's own histogram times the handler only.
 #
 #   bash bench/wire.sh            # BENCH_ONLY=api bash bench/run.sh under tcpdump, then the table
@@ -10,8 +10,10 @@
 # Needs tcpdump (and the right to capture on `lo`), which `make test` does not install; it is a
 # diagnosis, not part of `make bench`. Ports as bench/run.sh sets them: ours 29443, the bare
 # webhook 29500, the bare webhook answering our patch 29501. The API server calls each over one
-# HTTP/2 connection and the creates are sequential, so each server has one review in flight at
-# a time; an answer is told from window updates and pings by its size (over 300 bytes).
+# kept-alive connection (HTTP/1.1 since the webhooks are registered at 0.0.0.0; HTTP/2 with
+# WEBHOOK_HOST=127.0.0.1) and the creates are sequential, so each server has one review in
+# flight at a time; an answer is told from HTTP/2's window updates and pings by its size (over
+# 300 bytes).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 command -v tcpdump >/dev/null || { echo "bench/wire.sh needs tcpdump on PATH" >&2; exit 1; }
