@@ -548,7 +548,8 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         persistent_pod_state::benchkit::floor::ONE_LABEL,
     )?;
     let patched_dir = opts.cluster_dir.join("floor-our-patch-certs");
-    // Called at the same host as the first bare webhook (see `bench/run.sh` on the protocol).
+    // Called at the same host as the first bare webhook (`WEBHOOK_HOST` in e2e/lib.sh: the
+    // protocol the API server picks follows from it).
     let host = opts
         .baseline_addr
         .rsplit_once(':')
