@@ -704,6 +704,22 @@ fn keep_alive_review() -> Vec<u8> {
     request
 }
 
+/// A server with `limits`, and a connection to it kept alive after one review was answered
+/// 200 (the answer's head).
+async fn one_review_answered(
+    limits: Limits,
+) -> (Server, tokio_rustls::client::TlsStream<TcpStream>, String) {
+    let server = start_with(None, limits).await;
+    let mut stream = server.tls(&server.connector).await;
+    stream
+        .write_all(&keep_alive_review())
+        .await
+        .expect("first review");
+    let head = read_response(&mut stream).await.expect("first answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    (server, stream, head)
+}
+
 #[tokio::test]
 async fn an_idle_keep_alive_connection_outlasts_the_header_deadline_and_serves_the_next_review() {
     // The API server keeps a webhook's idle connection for 90 s and sends its next review on
@@ -713,15 +729,13 @@ async fn an_idle_keep_alive_connection_outlasts_the_header_deadline_and_serves_t
         idle_timeout: Duration::from_secs(5),
         ..TEST_LIMITS
     };
-    let server = start_with(None, limits).await;
-    let request = keep_alive_review();
-    let mut stream = server.tls(&server.connector).await;
-    stream.write_all(&request).await.expect("first review");
-    let head = read_response(&mut stream).await.expect("first answer");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (server, mut stream, _) = one_review_answered(limits).await;
     // Idle for five header deadlines, within the idle bound.
     tokio::time::sleep(limits.header_timeout * 5).await;
-    stream.write_all(&request).await.expect("second review");
+    stream
+        .write_all(&keep_alive_review())
+        .await
+        .expect("second review");
     let head = read_response(&mut stream).await;
     assert!(
         head.as_deref()
@@ -751,16 +765,15 @@ async fn an_idle_keep_alive_connection_past_its_maximum_age_closes_with_its_next
         max_age: Duration::from_millis(500),
         ..TEST_LIMITS
     };
-    let server = start_with(None, limits).await;
-    let request = keep_alive_review();
-    let mut stream = server.tls(&server.connector).await;
-    stream.write_all(&request).await.expect("first review");
-    let head = read_response(&mut stream).await.expect("first answer");
+    let (server, mut stream, head) = one_review_answered(limits).await;
     assert!(!head.contains("connection: close"), "{head}");
     // Idle past its maximum age, within the idle bound: still open, and the next review is
     // answered with `connection: close`, after which the server ends the connection.
     tokio::time::sleep(limits.max_age * 2).await;
-    stream.write_all(&request).await.expect("second review");
+    stream
+        .write_all(&keep_alive_review())
+        .await
+        .expect("second review");
     let head = read_response(&mut stream).await;
     assert!(
         head.as_deref()
