@@ -704,6 +704,15 @@ fn keep_alive_review() -> Vec<u8> {
     request
 }
 
+/// Sends a kept-alive pod review on `stream`; the head of its answer, `None` if the server
+/// closed the connection instead.
+async fn send_review<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+) -> Option<String> {
+    stream.write_all(&keep_alive_review()).await.ok()?;
+    read_response(stream).await
+}
+
 /// A server with `limits`, and a connection to it kept alive after one review was answered
 /// 200 (the answer's head).
 async fn one_review_answered(
@@ -711,11 +720,7 @@ async fn one_review_answered(
 ) -> (Server, tokio_rustls::client::TlsStream<TcpStream>, String) {
     let server = start_with(None, limits).await;
     let mut stream = server.tls(&server.connector).await;
-    stream
-        .write_all(&keep_alive_review())
-        .await
-        .expect("first review");
-    let head = read_response(&mut stream).await.expect("first answer");
+    let head = send_review(&mut stream).await.expect("first answer");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     (server, stream, head)
 }
@@ -732,11 +737,7 @@ async fn an_idle_keep_alive_connection_outlasts_the_header_deadline_and_serves_t
     let (server, mut stream, _) = one_review_answered(limits).await;
     // Idle for five header deadlines, within the idle bound.
     tokio::time::sleep(limits.header_timeout * 5).await;
-    stream
-        .write_all(&keep_alive_review())
-        .await
-        .expect("second review");
-    let head = read_response(&mut stream).await;
+    let head = send_review(&mut stream).await;
     assert!(
         head.as_deref()
             .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
@@ -770,11 +771,7 @@ async fn an_idle_keep_alive_connection_past_its_maximum_age_closes_with_its_next
     // Idle past its maximum age, within the idle bound: still open, and the next review is
     // answered with `connection: close`, after which the server ends the connection.
     tokio::time::sleep(limits.max_age * 2).await;
-    stream
-        .write_all(&keep_alive_review())
-        .await
-        .expect("second review");
-    let head = read_response(&mut stream).await;
+    let head = send_review(&mut stream).await;
     assert!(
         head.as_deref()
             .is_some_and(|h| h.starts_with("HTTP/1.1 200")
