@@ -9,11 +9,11 @@
 #
 # Needs tcpdump (and the right to capture on `lo`), which `make test` does not install; it is a
 # diagnosis, not part of `make bench`. Ports as bench/run.sh sets them: ours 29443, the bare
-# webhook 29500, the bare webhook answering our patch 29501. The API server calls each over one
-# kept-alive connection (HTTP/1.1 since the webhooks are registered at 0.0.0.0; HTTP/2 with
-# WEBHOOK_HOST=127.0.0.1) and the creates are sequential, so each server has one review in
-# flight at a time; an answer is told from HTTP/2's window updates and pings by its size (over
-# 300 bytes).
+# webhook 29500, the bare webhook answering our patch 29501 and its twin 29502. The API server
+# calls each over one kept-alive connection (HTTP/1.1 since the webhooks are registered at
+# 0.0.0.0; HTTP/2 with WEBHOOK_HOST=127.0.0.1) and the creates are sequential, so each server
+# has one review in flight at a time; an answer is told from HTTP/2's window updates and pings
+# by its size (over 300 bytes).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 command -v tcpdump >/dev/null || { echo "bench/wire.sh needs tcpdump on PATH" >&2; exit 1; }
@@ -22,7 +22,7 @@ capture=${1:-}
 if [[ -z $capture ]]; then
   capture=$(mktemp /tmp/bench-wire.XXXXXX.pcap)
   tcpdump -i lo -n -s 96 -B 65536 -w "$capture" \
-    'tcp and (port 29443 or port 29500 or port 29501)' 2>/dev/null &
+    'tcp and (port 29443 or port 29500 or port 29501 or port 29502)' 2>/dev/null &
   dump=$!
   trap 'kill -INT "$dump" 2>/dev/null || true' EXIT
   BENCH_ONLY=api bash "$ROOT/bench/run.sh"
@@ -39,7 +39,8 @@ echo
 echo "| webhook | answers | mean | p50 | p90 | p99 | p99.9 |"
 echo "|---|---|---|---|---|---|---|"
 tcpdump -tt -n -r "$capture" 2>/dev/null | awk '
-  BEGIN { name[29443] = "ours"; name[29500] = "bare"; name[29501] = "bare, our patch" }
+  BEGIN { name[29443] = "ours"; name[29500] = "bare"; name[29501] = "bare, our patch"
+          name[29502] = "its twin" }
   / length [0-9]+$/ {
     n = $NF + 0
     if (n == 0) next
