@@ -113,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
                 tls: Some(acceptor),
                 app,
                 limits: serving::Limits::WEBHOOK,
+                draining: tokio_util::sync::CancellationToken::new(),
                 shutdown: tokio_util::sync::CancellationToken::new(),
                 drain: std::time::Duration::from_secs(1),
             },

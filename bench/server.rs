@@ -93,6 +93,7 @@ async fn main() -> anyhow::Result<()> {
             tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
             app: router(state),
             limits: Limits::WEBHOOK,
+            draining: CancellationToken::new(),
             shutdown: shutdown.clone(),
             drain: Duration::from_secs(2),
         },

@@ -1,8 +1,10 @@
 //! `serve`: wires the caches, the controllers, the admission server and the probe server under
 //! one shutdown signal.
 //!
-//! Shutdown (SIGTERM or SIGINT): readiness turns false at once, the listeners stop accepting,
-//! requests in flight are answered, controllers finish their reconciles, and the process exits 0.
+//! Shutdown (SIGTERM or SIGINT): readiness turns false at once and each kept-alive HTTP/1
+//! connection closes with its next answer; after the shutdown delay the listeners stop
+//! accepting, requests in flight are answered, controllers finish their reconciles, and the
+//! process exits 0.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -43,7 +45,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         shutting_down: false.into(),
         metrics: metrics.clone(),
     });
-    let shutdown = CancellationToken::new();
+    // Readiness off (kept-alive connections close with their next answer), then, after the
+    // shutdown delay, no more connections.
+    let (draining, shutdown) = (CancellationToken::new(), CancellationToken::new());
     let drain = Duration::from_secs(args.drain_seconds);
 
     let webhook_listener = TcpListener::bind(args.listen)
@@ -138,6 +142,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
                 app: webhook_app,
                 limits: Limits::WEBHOOK,
+                draining: draining.clone(),
                 shutdown: shutdown.clone(),
                 drain,
             },
@@ -151,6 +156,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tls: None,
             app: probes::router(health.clone()),
             limits: Limits::PROBES,
+            draining: CancellationToken::new(),
             shutdown: probes_stop.clone(),
             drain,
         },
@@ -232,9 +238,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         anyhow::bail!("{why}");
     }
     health.shutting_down.store(true, Ordering::Release);
+    draining.cancel();
     tracing::info!(
         delay_seconds = args.shutdown_delay_seconds,
-        "shutting down: readiness off"
+        "shutting down: readiness off; kept-alive connections close with their next answer"
     );
     // Keep serving while endpoints and load balancers notice the failing readiness.
     tokio::time::sleep(Duration::from_secs(args.shutdown_delay_seconds)).await;

@@ -1,6 +1,8 @@
 //! The serving loop, generic over the app it serves: the HTTPS webhook port and the plain-HTTP
 //! probe port both run it. Every connection and request is bounded, and shutdown drains
-//! gracefully.
+//! gracefully: once readiness is off ([`Server::draining`]) each HTTP/1 connection closes with
+//! its next answer, and at the shutdown the listener closes and the connections left are
+//! closed gracefully.
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
 //! is closed to make room; a new one is refused only if none frees in time); a deadline for
@@ -615,6 +617,12 @@ impl Activity {
         )
     }
 
+    /// An HTTP/2 connection that has had a request (until then a connection's protocol is not
+    /// told apart here).
+    fn serves_http2(&self) -> bool {
+        self.0.waiting_micros.load(Ordering::Relaxed) == NO_HEADER_DEADLINE
+    }
+
     /// Its next answer says `connection: close` (and hyper then ends the connection); its
     /// maximum age no longer counts.
     fn close_with_next_answer(&self) {
@@ -947,6 +955,12 @@ pub struct Server {
     pub app: Router,
     /// What a connection and a request may take.
     pub limits: Limits,
+    /// Cancelled when readiness turns off, before `shutdown`: from then on each HTTP/1
+    /// connection closes with its next answer (`connection: close`), so that its client
+    /// reconnects, through the Service, to a replica that stays, instead of keeping a
+    /// connection this one closes at `shutdown`. HTTP/2 connections are left to `shutdown`'s
+    /// GOAWAY, which tells the client what was not processed.
+    pub draining: CancellationToken,
     /// Stops accepting when cancelled.
     pub shutdown: CancellationToken,
     /// How long connections may take to finish after the shutdown.
@@ -963,6 +977,7 @@ async fn accept(listener: TcpListener, server: Server, threads: Spread) {
         tls,
         app,
         limits,
+        draining,
         shutdown,
         drain,
     } = server;
@@ -1004,7 +1019,7 @@ async fn accept(listener: TcpListener, server: Server, threads: Spread) {
             }
         };
         let (tls, app) = (tls.clone(), app.clone());
-        let entry = live.enter(&shutdown);
+        let entry = live.enter(&shutdown, &draining);
         let Some((thread, serving)) = threads.least_loaded() else {
             connections.spawn(async move {
                 let _slot = slot;
@@ -1056,11 +1071,14 @@ struct Entry {
     id: u64,
     activity: Activity,
     close: CancellationToken,
+    /// The server's [`Server::draining`].
+    draining: CancellationToken,
 }
 
 impl Live {
-    /// Registers a new connection, closed by `shutdown` or by eviction.
-    fn enter(&self, shutdown: &CancellationToken) -> Entry {
+    /// Registers a new connection, closed by `shutdown` or by eviction (and told to close
+    /// once `draining`).
+    fn enter(&self, shutdown: &CancellationToken, draining: &CancellationToken) -> Entry {
         let id = self.1.fetch_add(1, Ordering::Relaxed);
         let (activity, close) = (Activity::new(), shutdown.child_token());
         crate::sync::lock(&self.0).insert(id, (activity.clone(), close.clone()));
@@ -1069,6 +1087,7 @@ impl Live {
             id,
             activity,
             close,
+            draining: draining.clone(),
         }
     }
 
@@ -1099,13 +1118,19 @@ async fn serve_connection(
     limits: Limits,
     entry: Entry,
 ) {
-    let (activity, shutdown) = (entry.activity.clone(), entry.close.clone());
+    let (activity, stops) = (
+        entry.activity.clone(),
+        Stops {
+            draining: entry.draining.clone(),
+            shutdown: entry.close.clone(),
+        },
+    );
     let tcp = Watched {
         inner: tcp,
         activity: activity.clone(),
     };
     match tls {
-        None => run_http(tcp, peer, app, limits, activity, shutdown).await,
+        None => run_http(tcp, peer, app, limits, activity, stops).await,
         Some(acceptor) => {
             match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => {
@@ -1116,7 +1141,7 @@ async fn serve_connection(
                     } else {
                         app
                     };
-                    run_http(stream, peer, app, limits, activity, shutdown).await
+                    run_http(stream, peer, app, limits, activity, stops).await
                 }
                 Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -1125,13 +1150,21 @@ async fn serve_connection(
     }
 }
 
+/// What ends a connection from this side, besides its bounds.
+struct Stops {
+    /// Readiness is off: an HTTP/1 connection closes with its next answer.
+    draining: CancellationToken,
+    /// The server's shutdown, or this connection's eviction: closed now, gracefully.
+    shutdown: CancellationToken,
+}
+
 async fn run_http<IO>(
     io: IO,
     peer: SocketAddr,
     app: Router,
     limits: Limits,
     activity: Activity,
-    shutdown: CancellationToken,
+    stops: Stops,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -1149,8 +1182,19 @@ async fn run_http<IO>(
     };
     let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
     tokio::pin!(conn);
+    let mut draining = false;
     let why = loop {
         tokio::select! {
+            // In this order: a review that arrives as readiness turns off is answered with
+            // `connection: close`.
+            biased;
+            () = stops.draining.cancelled(), if !draining => {
+                draining = true;
+                if !activity.serves_http2() {
+                    tracing::debug!(%peer, "readiness is off: the next answer closes the connection");
+                    activity.close_with_next_answer();
+                }
+            }
             result = conn.as_mut() => {
                 if let Err(error) = result {
                     tracing::debug!(%peer, %error, "connection ended with an error");
@@ -1174,7 +1218,7 @@ async fn run_http<IO>(
                     return;
                 }
             },
-            () = shutdown.cancelled() => break "shutting down",
+            () = stops.shutdown.cancelled() => break "shutting down",
         }
     };
     tracing::debug!(%peer, why, "closing the connection");
@@ -1274,6 +1318,7 @@ mod tests {
                     tls: None,
                     app,
                     limits: Limits::PROBES,
+                    draining: CancellationToken::new(),
                     shutdown: shutdown.clone(),
                     drain: Duration::from_secs(1),
                 },

@@ -35,6 +35,8 @@ struct Server {
     h2: TlsConnector,
     /// Like `connector`, without a client certificate.
     anonymous: TlsConnector,
+    /// Readiness off ([`serving::Server::draining`]).
+    draining: CancellationToken,
     stop: CancellationToken,
 }
 
@@ -94,13 +96,14 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> 
     state.caches.apply_pps(watcher::Event::Apply(pps));
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let stop = CancellationToken::new();
+    let (draining, stop) = (CancellationToken::new(), CancellationToken::new());
     tokio::spawn(serve(
         listener,
         serving::Server {
             tls: Some(tokio_rustls::TlsAcceptor::from(tls)),
             app: router(state),
             limits,
+            draining: draining.clone(),
             shutdown: stop.clone(),
             drain: Duration::from_secs(1),
         },
@@ -137,6 +140,7 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> 
         connector: client(b"http/1.1", client_auth),
         h2: client(b"h2", client_auth),
         anonymous: client(b"http/1.1", None),
+        draining,
         stop,
     }
 }
@@ -529,6 +533,7 @@ async fn the_plain_probe_port_caps_connections_and_closes_idle_ones() {
             tls: None,
             app,
             limits,
+            draining: CancellationToken::new(),
             shutdown: stop.clone(),
             drain: Duration::from_secs(1),
         },
@@ -784,6 +789,41 @@ async fn an_idle_keep_alive_connection_past_its_maximum_age_closes_with_its_next
         matches!(read, Ok(Ok(0))),
         "closed after that answer: {read:?}"
     );
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn once_readiness_is_off_a_kept_alive_connection_closes_with_its_next_answer() {
+    // During the shutdown delay the API server still sends reviews on the connections it
+    // keeps. Each is answered and then closed, so that the next review goes, through the
+    // Service, to a replica that stays, instead of meeting this one's close at the shutdown.
+    let limits = Limits {
+        idle_timeout: Duration::from_secs(5),
+        ..TEST_LIMITS
+    };
+    let (server, mut kept, head) = one_review_answered(limits).await;
+    assert!(
+        !head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
+    server.draining.cancel();
+    // A connection opened while readiness is off is served the same way.
+    let mut opened = server.tls(&server.connector).await;
+    for (which, stream) in [("kept alive", &mut kept), ("opened since", &mut opened)] {
+        let head = send_review(stream).await;
+        assert!(
+            head.as_deref()
+                .is_some_and(|h| h.starts_with("HTTP/1.1 200")
+                    && h.to_ascii_lowercase().contains("connection: close")),
+            "{which}: answered, saying the connection closes: {head:?}"
+        );
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(limits.idle_timeout, stream.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(read, Ok(Ok(0))),
+            "{which}: closed after that answer: {read:?}"
+        );
+    }
     server.stop.cancel();
 }
 
