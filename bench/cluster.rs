@@ -4,9 +4,10 @@
 //!
 //! 3. pod CREATE latency (dry-run creates of a re-created StatefulSet pod with a recorded state,
 //!    so ours patches each) with no mutating webhook, with `bench-floor` registered in the
-//!    same way (what calling any webhook costs the API server), and with ours; all registered
-//!    at once, each selecting the pods of its own column by a label, the columns interleaved
-//!    create by create;
+//!    same way (what calling any webhook costs the API server), with `bench-floor` answering
+//!    our patch and its twin (what the method alone gives), and with ours; all registered at
+//!    once, each selecting the pods of its own column by a label, the columns taking turns
+//!    create by create in shuffled order;
 //! 4. the controller: a StatefulSet becoming Ready, per-pod lag from Ready to recorded (both as
 //!    this client's watches see them), status writes during the rollout and in steady state;
 //! 5. memory at scale: RSS of a fresh `serve` after syncing (and its peak during the sync), the
@@ -16,8 +17,8 @@
 //! `bench-cluster [--short] [--only api|controller|memory] --probe HOST:PORT --serve-pid PID
 //! --serve-bin PATH --cluster-dir DIR --baseline-addr HOST:PORT --baseline-ca FILE`
 //! (`--probe` and `--serve-pid`: the registered replica; `--baseline-*`: a running
-//! `bench-floor`, and the address the API server calls it at; the second bare webhook is called
-//! at the same host). Uses `$KUBECONFIG` (admin). Prints
+//! `bench-floor`, and the address the API server calls it at; the other bare webhooks are
+//! called at the same host). Uses `$KUBECONFIG` (admin). Prints
 //! tables; fails if a figure is missing, never on a figure's value.
 
 use std::alloc::{GlobalAlloc, Layout, System};
