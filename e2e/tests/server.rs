@@ -95,7 +95,7 @@ async fn start_instance(
 ) -> Instance {
     let child =
         tokio::process::Command::from(serve_command(env, kubeconfig, webhook_port, probe_port))
-            .env("PPS_SHUTDOWN_DELAY_SECONDS", "2")
+            .env("PPS_SHUTDOWN_DELAY_SECONDS", "5")
             .kill_on_drop(true)
             .spawn()
             .expect("serve starts");
@@ -135,9 +135,13 @@ async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
     assert!(body.contains("not synced"), "{body}");
 }
 
-/// 6: SIGTERM turns readiness off at once, then the process drains and exits 0.
+/// 6: SIGTERM turns readiness off at once, then the process drains and exits 0. Meanwhile (the
+/// shutdown delay) a review on a kept-alive connection is answered and says `connection:
+/// close`, so that the API server sends its next one, through the Service, to a replica that
+/// stays.
 #[tokio::test]
 async fn sigterm_turns_readiness_off_then_exits_zero() {
+    use tokio::io::AsyncReadExt;
     let env = env().await;
     let kubeconfig = env.cluster_dir.join("kubeconfig");
     let mut instance = start_instance(&env, 19445, 18082, &kubeconfig).await;
@@ -146,6 +150,14 @@ async fn sigterm_turns_readiness_off_then_exits_zero() {
         (http_get(&readyz).await.0 == 200).then_some(())
     })
     .await;
+    // Kept alive, as the API server keeps a webhook's connection.
+    let mut kept = connect(&tls_connector(&env), 19445).await;
+    let head = kept_alive_exchange(&mut kept, &review(json!({}))).await;
+    assert!(
+        head.starts_with("HTTP/1.1 200")
+            && !head.to_ascii_lowercase().contains("connection: close"),
+        "ready: {head}"
+    );
     let pid = instance.child.id().expect("running").to_string();
     let status = std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -158,6 +170,17 @@ async fn sigterm_turns_readiness_off_then_exits_zero() {
         || async { (http_get(&readyz).await.0 == 503).then_some(()) },
     )
     .await;
+    let head = kept_alive_exchange(&mut kept, &review(json!({}))).await;
+    assert!(
+        head.starts_with("HTTP/1.1 200") && head.to_ascii_lowercase().contains("connection: close"),
+        "readiness off: answered, saying the connection closes: {head}"
+    );
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(2), kept.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(read, Ok(Ok(0))),
+        "closed after that answer: {read:?}"
+    );
     let exit = tokio::time::timeout(Duration::from_secs(30), instance.child.wait())
         .await
         .expect("exits within the drain deadline")
@@ -299,6 +322,44 @@ async fn memory_stays_bounded_under_big_reviews_and_idle_connections_are_closed(
         "idle connections closed after {slowest:?}"
     );
     drop(instance);
+}
+
+/// One review on `stream`, kept alive: the head of the answer (its body read to its length;
+/// empty if the server closed the connection instead).
+async fn kept_alive_exchange(
+    stream: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    body: &str,
+) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!(
+        "POST /mutate-pod HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut read = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&read).into_owned();
+        if let Some((head, rest)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| {
+                    let (name, value) = l.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if rest.len() >= length {
+                return head.to_owned();
+            }
+        }
+        match tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => read.extend_from_slice(&chunk[..n]),
+            _ => return String::new(),
+        }
+    }
 }
 
 /// One request on a new TLS connection: the status and the body of the answer.
