@@ -582,7 +582,6 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         std::fs::write(&path, serde_json::to_vec(&ops)?)?;
         anyhow::Ok(path)
     };
-    let patch_file = labelled("our-patch.json", OUR_PATCH_LABEL)?;
     // The pod and the bare webhook's own patch beside ours, for bench/run.sh's `patchcost`
     // (the API server's steps on each answer, timed apart from any webhook).
     std::fs::write(
@@ -593,36 +592,38 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         opts.cluster_dir.join("bare-patch.json"),
         persistent_pod_state::benchkit::floor::ONE_LABEL,
     )?;
-    let patched_dir = opts.cluster_dir.join("floor-our-patch-certs");
     // Called at the same host as the first bare webhook (`WEBHOOK_HOST` in e2e/lib.sh: the
     // protocol the API server picks follows from it).
     let host = opts
         .baseline_addr
         .rsplit_once(':')
         .map_or("127.0.0.1", |(host, _)| host);
-    let _patched_floor = start_floor(&patched_dir, host, 29501, &patch_file).await?;
-    let patched = selecting(
-        &pointed_at(
-            &shipped,
+    // The bare webhook answering our patch, and its twin: each a `bench-floor` of its own,
+    // registered as `shipped` is but for its name and URL.
+    let (mut floors, mut registered) = (Vec::new(), vec![bare]);
+    for (name, column, label, port) in [
+        (
             BARE_NAMES[1],
-            &format!("https://{host}:29501/mutate-pod"),
-            std::fs::read(patched_dir.join("ca.crt"))?,
+            Answered::BareOurPatch,
+            OUR_PATCH_LABEL,
+            29501,
         ),
-        Answered::BareOurPatch,
-    );
-    let twin_dir = opts.cluster_dir.join("floor-twin-certs");
-    let twin_file = labelled("twin-patch.json", TWIN_LABEL)?;
-    let _twin_floor = start_floor(&twin_dir, host, 29502, &twin_file).await?;
-    let twin = selecting(
-        &pointed_at(
-            &shipped,
-            BARE_NAMES[2],
-            &format!("https://{host}:29502/mutate-pod"),
-            std::fs::read(twin_dir.join("ca.crt"))?,
-        ),
-        Answered::Twin,
-    );
-    install(&configurations, &[&bare, &patched, &twin], &[]).await?;
+        (BARE_NAMES[2], Answered::Twin, TWIN_LABEL, 29502),
+    ] {
+        let dir = opts.cluster_dir.join(format!("{name}-certs"));
+        let patch_file = labelled(&format!("{label}.json"), label)?;
+        floors.push(start_floor(&dir, host, port, &patch_file).await?);
+        registered.push(selecting(
+            &pointed_at(
+                &shipped,
+                name,
+                &format!("https://{host}:{port}/mutate-pod"),
+                std::fs::read(dir.join("ca.crt"))?,
+            ),
+            column,
+        ));
+    }
+    install(&configurations, &registered.iter().collect::<Vec<_>>(), &[]).await?;
     let modes = [
         Answered::Ours,
         Answered::Nobody,

@@ -718,6 +718,28 @@ async fn send_review<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     read_response(stream).await
 }
 
+/// Sends a kept-alive review on `stream` (`which` names it in failures): it is answered 200,
+/// saying `connection: close`, and the server then ends the connection within `within`.
+async fn closes_with_its_answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    within: Duration,
+    which: &str,
+) {
+    let head = send_review(stream).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")
+                && h.to_ascii_lowercase().contains("connection: close")),
+        "{which}: answered, saying the connection closes: {head:?}"
+    );
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(within, stream.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(read, Ok(Ok(0))),
+        "{which}: closed after that answer: {read:?}"
+    );
+}
+
 /// A server with `limits`, and a connection to it kept alive after one review was answered
 /// 200 (the answer's head).
 async fn one_review_answered(
@@ -776,19 +798,7 @@ async fn an_idle_keep_alive_connection_past_its_maximum_age_closes_with_its_next
     // Idle past its maximum age, within the idle bound: still open, and the next review is
     // answered with `connection: close`, after which the server ends the connection.
     tokio::time::sleep(limits.max_age * 2).await;
-    let head = send_review(&mut stream).await;
-    assert!(
-        head.as_deref()
-            .is_some_and(|h| h.starts_with("HTTP/1.1 200")
-                && h.to_ascii_lowercase().contains("connection: close")),
-        "answered, saying the connection closes: {head:?}"
-    );
-    let mut rest = Vec::new();
-    let read = tokio::time::timeout(limits.idle_timeout, stream.read_to_end(&mut rest)).await;
-    assert!(
-        matches!(read, Ok(Ok(0))),
-        "closed after that answer: {read:?}"
-    );
+    closes_with_its_answer(&mut stream, limits.idle_timeout, "past its maximum age").await;
     server.stop.cancel();
 }
 
@@ -810,19 +820,7 @@ async fn once_readiness_is_off_a_kept_alive_connection_closes_with_its_next_answ
     // A connection opened while readiness is off is served the same way.
     let mut opened = server.tls(&server.connector).await;
     for (which, stream) in [("kept alive", &mut kept), ("opened since", &mut opened)] {
-        let head = send_review(stream).await;
-        assert!(
-            head.as_deref()
-                .is_some_and(|h| h.starts_with("HTTP/1.1 200")
-                    && h.to_ascii_lowercase().contains("connection: close")),
-            "{which}: answered, saying the connection closes: {head:?}"
-        );
-        let mut rest = Vec::new();
-        let read = tokio::time::timeout(limits.idle_timeout, stream.read_to_end(&mut rest)).await;
-        assert!(
-            matches!(read, Ok(Ok(0))),
-            "{which}: closed after that answer: {read:?}"
-        );
+        closes_with_its_answer(stream, limits.idle_timeout, which).await;
     }
     server.stop.cancel();
 }
