@@ -13,7 +13,7 @@ use anyhow::Context;
 use kube::runtime::watcher;
 use persistent_pod_state::benchkit::flag;
 use persistent_pod_state::serving::{
-    ADMISSION_THREAD, ADMISSION_THREADS, Limits, Server, ServerThreads,
+    ADMISSION_SLICE, ADMISSION_THREAD, ADMISSION_THREADS, Limits, Server, ServerThreads,
 };
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::webhook::{WebhookState, router, tls};
@@ -84,9 +84,10 @@ async fn main() -> anyhow::Result<()> {
         pps * per_pps
     );
     let shutdown = CancellationToken::new();
-    // As `serve` runs it: on threads of its own (`--admission-threads`, `serve`'s default).
+    // As `serve` runs it: on threads of its own (`--admission-threads`, `serve`'s default),
+    // asking for `serve`'s slice.
     let threads = number("--admission-threads", usize::from(ADMISSION_THREADS))?;
-    let admission = ServerThreads::new(ADMISSION_THREAD, threads)?;
+    let admission = ServerThreads::new(ADMISSION_THREAD, threads, Some(ADMISSION_SLICE))?;
     let server = admission.serve(
         listener,
         Server {

@@ -180,6 +180,14 @@ pub struct ServeArgs {
     #[arg(long, env = "PPS_ADMISSION_THREADS", default_value_t = crate::serving::ADMISSION_THREADS,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub admission_threads: u16,
+    /// The time slice, in microseconds, the admission threads ask the kernel for (EEVDF's
+    /// custom slice of a normal thread: Linux 6.12 and later honour it, clamped to
+    /// 100-100,000; older kernels ignore it). A short slice lets a review that arrives while
+    /// another thread holds the core preempt it sooner. 0: the kernel's default.
+    #[arg(long, env = "PPS_ADMISSION_SLICE_MICROS",
+          default_value_t = crate::serving::ADMISSION_SLICE.as_micros() as u32,
+          value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub admission_slice_micros: u32,
     /// Steps of `nice` below the process's own priority that everything but admission runs at
     /// (the controllers, the caches' watches, leader election, probes), so that a review waits
     /// less behind them when both want the CPU. 0: the same priority.

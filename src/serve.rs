@@ -133,6 +133,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let admission = ServerThreads::new(
         serving::ADMISSION_THREAD,
         usize::from(args.admission_threads),
+        (args.admission_slice_micros > 0)
+            .then(|| Duration::from_micros(u64::from(args.admission_slice_micros))),
     )
     .context("starting the admission threads")?;
     let mut webhook_server = admission

@@ -835,17 +835,31 @@ pub const ADMISSION_THREADS: u16 = 2;
 /// The name of the admission threads (what `ps -L` and `/proc/PID/task/*/comm` show).
 pub const ADMISSION_THREAD: &str = "pps-admission";
 
+/// The EEVDF slice the admission threads ask for unless told otherwise
+/// (`serve --admission-slice-micros`): the shortest Linux grants.
+pub const ADMISSION_SLICE: Duration = Duration::from_micros(100);
+
 impl ServerThreads {
     /// `threads` runtimes (at least one) of one thread each, named `name`, at the priority of
-    /// the calling thread (new threads inherit it).
-    pub fn new(name: &str, threads: usize) -> std::io::Result<Self> {
+    /// the calling thread (new threads inherit it), each asking the kernel for `slice` (none:
+    /// its default; see [`request_slice`]).
+    pub fn new(name: &str, threads: usize, slice: Option<Duration>) -> std::io::Result<Self> {
         (0..threads.max(1))
             .map(|_| {
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(1)
-                    .thread_name(name)
-                    .enable_all()
-                    .build()
+                let mut builder = tokio::runtime::Builder::new_multi_thread();
+                builder.worker_threads(1).thread_name(name).enable_all();
+                if let Some(slice) = slice {
+                    builder.on_thread_start(move || {
+                        if let Err(e) = request_slice(slice) {
+                            static WARNED: std::sync::Once = std::sync::Once::new();
+                            WARNED.call_once(|| {
+                                tracing::warn!(error = %e, slice_micros = slice.as_micros(),
+                                    "the admission threads keep the kernel's default slice");
+                            });
+                        }
+                    });
+                }
+                builder.build()
             })
             .collect::<std::io::Result<_>>()
             .map(Self)
@@ -882,6 +896,63 @@ impl Drop for ServerThreads {
         for runtime in self.0.drain(..) {
             runtime.shutdown_background();
         }
+    }
+}
+
+/// Asks the kernel to run the calling thread in slices of `slice` (EEVDF's `sched_runtime` of
+/// a normal thread, honoured from Linux 6.12, which clamps it to 0.1-100 ms; older kernels
+/// ignore it). A thread with a shorter slice gets an earlier deadline when it wakes, so a
+/// review arriving while another thread holds the core (the API server's, on a shared node)
+/// preempts it sooner instead of waiting out that thread's slice (bench/NOTEBOOK.md, part 3).
+/// The thread's policy, nice value and flags are kept; a thread not of the normal or batch
+/// policy (set by an operator, `chrt`) is left as it is.
+pub fn request_slice(slice: Duration) -> std::io::Result<()> {
+    let mut attr = sched_getattr()?;
+    if !matches!(
+        attr.sched_policy as i32,
+        libc::SCHED_OTHER | libc::SCHED_BATCH
+    ) {
+        return Ok(());
+    }
+    attr.sched_runtime = u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX);
+    // SAFETY: sched_setattr reads `size` bytes of a valid, initialised sched_attr; pid 0 is the
+    // calling thread.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_sched_setattr,
+            0,
+            &attr as *const libc::sched_attr,
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The calling thread's scheduling attributes.
+fn sched_getattr() -> std::io::Result<libc::sched_attr> {
+    // SAFETY: sched_attr is plain integers, valid zeroed.
+    let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::sched_attr>();
+    attr.size = u32::try_from(size).map_err(std::io::Error::other)?;
+    // SAFETY: sched_getattr writes at most `size` bytes into `attr`, which has them; pid 0 is
+    // the calling thread.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_sched_getattr,
+            0,
+            &mut attr as *mut libc::sched_attr,
+            size,
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(attr)
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -1289,7 +1360,7 @@ mod tests {
             "a blocking thread"
         );
         assert_eq!(nice(), own, "the thread that built and entered it");
-        let servers = ServerThreads::new("pps-test-nice", 1).expect("runtimes");
+        let servers = ServerThreads::new("pps-test-nice", 1, None).expect("runtimes");
         let server = servers.0[0].block_on(async { tokio::spawn(async { nice() }).await });
         assert_eq!(server.expect("task"), own, "a server thread");
         let unchanged = main_runtime(0).expect("runtime");
@@ -1297,9 +1368,42 @@ mod tests {
         assert_eq!(worker.expect("task"), own, "nice 0: unchanged");
     }
 
+    /// The calling thread's slice and nice value as the kernel reports them.
+    fn slice_and_nice() -> (u64, i32) {
+        let attr = sched_getattr().expect("sched_getattr");
+        (attr.sched_runtime, attr.sched_nice)
+    }
+
+    #[test]
+    fn server_threads_ask_for_their_slice_and_keep_their_nice_value() {
+        let (default, own) = slice_and_nice();
+        let asked = Duration::from_micros(300);
+        let servers = ServerThreads::new("pps-test-slice", 2, Some(asked)).expect("runtimes");
+        for runtime in &servers.0 {
+            let (slice, nice) = runtime
+                .block_on(async { tokio::spawn(async { slice_and_nice() }).await })
+                .expect("task");
+            assert_eq!(nice, own, "the nice value is kept");
+            if default == 0 {
+                // A kernel before 6.12 reports no slice of a normal thread, and ignores one.
+                assert_eq!(slice, 0, "ignored");
+            } else {
+                assert_eq!(
+                    slice, 300_000,
+                    "the slice asked for (the default: {default} ns)"
+                );
+            }
+        }
+        let plain = ServerThreads::new("pps-test-slice", 1, None).expect("runtimes");
+        let (slice, _) = plain.0[0]
+            .block_on(async { tokio::spawn(async { slice_and_nice() }).await })
+            .expect("task");
+        assert_eq!(slice, default, "none asked: the kernel's default");
+    }
+
     #[tokio::test]
     async fn a_server_on_threads_of_its_own_spreads_connections_over_them_and_stops_with_them() {
-        let threads = ServerThreads::new("pps-test-own", 2).expect("runtimes");
+        let threads = ServerThreads::new("pps-test-own", 2, None).expect("runtimes");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         // The handler says which thread runs it.
