@@ -925,6 +925,11 @@ pub fn request_slice(slice: Duration) -> std::io::Result<()> {
             0,
         )
     };
+    syscall_result(rc)
+}
+
+/// A raw syscall's return as a result: 0 is success, anything else the thread's errno.
+fn syscall_result(rc: libc::c_long) -> std::io::Result<()> {
     if rc == 0 {
         Ok(())
     } else {
@@ -949,11 +954,7 @@ fn sched_getattr() -> std::io::Result<libc::sched_attr> {
             0,
         )
     };
-    if rc == 0 {
-        Ok(attr)
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    syscall_result(rc).map(|()| attr)
 }
 
 /// How many steps of `nice` below the process's own priority its main runtime runs unless told
