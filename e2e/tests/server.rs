@@ -107,16 +107,23 @@ async fn start_instance(
     Instance { child, probe }
 }
 
-/// 6: not ready and 503 on /mutate-pod while the caches cannot sync (API server unreachable).
-#[tokio::test]
-async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
-    let env = env().await;
+/// A kubeconfig naming an API server that is not there (written into the cluster's
+/// directory).
+fn dead_kubeconfig(env: &Env) -> std::path::PathBuf {
     let dead = env.cluster_dir.join("dead-kubeconfig");
     std::fs::write(
         &dead,
         "apiVersion: v1\nkind: Config\nclusters:\n- name: d\n  cluster: {server: 'https://127.0.0.1:1'}\nusers:\n- name: u\n  user: {token: x}\ncontexts:\n- name: d\n  context: {cluster: d, user: u}\ncurrent-context: d\n",
     )
     .expect("write kubeconfig");
+    dead
+}
+
+/// 6: not ready and 503 on /mutate-pod while the caches cannot sync (API server unreachable).
+#[tokio::test]
+async fn before_caches_sync_readiness_fails_and_admission_answers_503() {
+    let env = env().await;
+    let dead = dead_kubeconfig(&env);
     let instance = start_instance(&env, 19446, 18083, &dead).await;
     assert_eq!(http_get(&format!("{}/readyz", instance.probe)).await.0, 503);
     let ca = env.cluster_dir.join("webhook-certs/ca.crt");
@@ -569,4 +576,122 @@ async fn every_body_shape_stays_bounded_slow_uploads_shed_nothing_and_probes_ans
     println!("probes: /healthz and /readyz answered 5 of 5 each with 200 idle sockets held");
     drop(idle);
     drop(instance);
+}
+
+/// A thread's custom slice (EEVDF's `sched_runtime`, in ns; 0 on a kernel before 6.12) and
+/// nice value.
+type Sched = (u64, i32);
+
+/// The scheduling attributes of the thread `tid`; none once it has exited.
+fn slice_and_nice(tid: &str) -> Option<Sched> {
+    let tid: libc::pid_t = tid.parse().ok()?;
+    // SAFETY: sched_attr is plain integers, valid zeroed.
+    let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::sched_attr>();
+    attr.size = u32::try_from(size).ok()?;
+    // SAFETY: sched_getattr writes at most `size` bytes into `attr`, which has them.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_sched_getattr,
+            tid,
+            &mut attr as *mut libc::sched_attr,
+            size,
+            0,
+        )
+    };
+    (rc == 0).then_some((attr.sched_runtime, attr.sched_nice))
+}
+
+/// The slice and nice value of each of `pid`'s threads named `pps-admission` and
+/// `pps-background` (the others are the process's main thread and the libraries').
+fn threads_of(pid: &str) -> (Vec<Sched>, Vec<Sched>) {
+    let (mut admission, mut background) = (Vec::new(), Vec::new());
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the process's threads") {
+        let task = task.expect("a thread");
+        let tid = task.file_name().to_string_lossy().into_owned();
+        // A blocking-pool thread may exit between the listing and these reads.
+        let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) else {
+            continue;
+        };
+        let Some(sched) = slice_and_nice(&tid) else {
+            continue;
+        };
+        match comm.trim() {
+            "pps-admission" => admission.push(sched),
+            "pps-background" => background.push(sched),
+            _ => {}
+        }
+    }
+    (admission, background)
+}
+
+/// Issue 22.2: serve's admission threads run at the process's priority and ask for a short
+/// EEVDF slice (0.1 ms by default, `--admission-slice-micros`; honoured from Linux 6.12, where
+/// a kernel before it reports and keeps none), while everything else runs `--background-nice`
+/// steps below (5 by default): in the suite's replica as shipped, and in instances told
+/// otherwise (250 µs and 2 steps; 0, the kernel's slice, and the same priority).
+#[tokio::test]
+async fn admission_threads_ask_for_their_slice_and_the_rest_runs_below_them() {
+    let env = env().await;
+    let check = |pid: &str, slice_micros: u64, nice_steps: i32| {
+        // The main thread keeps the process's priority and the kernel's slice.
+        let (default, own) = slice_and_nice(pid).expect("the main thread");
+        let (admission, background) = threads_of(pid);
+        // Two admission threads by default, and the main runtime has a worker per core.
+        assert!(admission.len() >= 2, "admission threads: {admission:?}");
+        assert!(!background.is_empty(), "no pps-background thread");
+        let slice = match (default, slice_micros) {
+            (0, _) => 0,
+            (default, 0) => default,
+            (_, micros) => micros * 1_000,
+        };
+        for (got, nice) in &admission {
+            assert_eq!(
+                (*got, *nice),
+                (slice, own),
+                "an admission thread of {pid} (the main thread: {default} ns, nice {own})"
+            );
+        }
+        for (_, nice) in &background {
+            assert_eq!(
+                *nice,
+                (own + nice_steps).min(19),
+                "a pps-background thread of {pid}"
+            );
+        }
+        println!(
+            "{pid}: {} admission threads at a {} ns slice, nice {own}; {} others at nice {} \
+             (the kernel's slice: {default} ns)",
+            admission.len(),
+            slice,
+            background.len(),
+            (own + nice_steps).min(19)
+        );
+    };
+    check(&pid_of(&env, "persistent-pod-state-a"), 100, 5);
+
+    // No API server is needed to start the threads: the instances stay unready.
+    let dead = dead_kubeconfig(&env);
+    for (port, probe_port, slice_micros, nice_steps) in
+        [(19454, 18091, 250, 2), (19455, 18092, 0, 0)]
+    {
+        let mut command = serve_command(&env, &dead, port, probe_port);
+        command
+            .env("PPS_ADMISSION_SLICE_MICROS", slice_micros.to_string())
+            .env("PPS_BACKGROUND_NICE", nice_steps.to_string());
+        let child = tokio::process::Command::from(command)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("serve starts");
+        let probe = format!("http://127.0.0.1:{probe_port}/healthz");
+        wait_for("the instance's probe port", TIMEOUT, || async {
+            (http_get(&probe).await.0 == 200).then_some(())
+        })
+        .await;
+        check(
+            &child.id().expect("running").to_string(),
+            slice_micros,
+            nice_steps,
+        );
+    }
 }
