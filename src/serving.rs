@@ -907,7 +907,7 @@ impl Drop for ServerThreads {
 /// The thread's policy, nice value and flags are kept; a thread not of the normal or batch
 /// policy (set by an operator, `chrt`) is left as it is.
 pub fn request_slice(slice: Duration) -> std::io::Result<()> {
-    let mut attr = sched_getattr()?;
+    let mut attr = sched_getattr(0)?;
     if !matches!(
         attr.sched_policy as i32,
         libc::SCHED_OTHER | libc::SCHED_BATCH
@@ -937,18 +937,18 @@ fn syscall_result(rc: libc::c_long) -> std::io::Result<()> {
     }
 }
 
-/// The calling thread's scheduling attributes.
-fn sched_getattr() -> std::io::Result<libc::sched_attr> {
+/// The scheduling attributes of the thread `tid` (0: the calling thread), as the kernel reports
+/// them: policy, nice value, and from Linux 6.12 a normal thread's slice (`sched_runtime`).
+pub fn sched_getattr(tid: libc::pid_t) -> std::io::Result<libc::sched_attr> {
     // SAFETY: sched_attr is plain integers, valid zeroed.
     let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
     let size = std::mem::size_of::<libc::sched_attr>();
     attr.size = u32::try_from(size).map_err(std::io::Error::other)?;
-    // SAFETY: sched_getattr writes at most `size` bytes into `attr`, which has them; pid 0 is
-    // the calling thread.
+    // SAFETY: sched_getattr writes at most `size` bytes into `attr`, which has them.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_sched_getattr,
-            0,
+            tid,
             &mut attr as *mut libc::sched_attr,
             size,
             0,
@@ -1371,7 +1371,7 @@ mod tests {
 
     /// The calling thread's slice and nice value as the kernel reports them.
     fn slice_and_nice() -> (u64, i32) {
-        let attr = sched_getattr().expect("sched_getattr");
+        let attr = sched_getattr(0).expect("sched_getattr");
         (attr.sched_runtime, attr.sched_nice)
     }
 

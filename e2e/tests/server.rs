@@ -584,22 +584,8 @@ type Sched = (u64, i32);
 
 /// The scheduling attributes of the thread `tid`; none once it has exited.
 fn slice_and_nice(tid: &str) -> Option<Sched> {
-    let tid: libc::pid_t = tid.parse().ok()?;
-    // SAFETY: sched_attr is plain integers, valid zeroed.
-    let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::sched_attr>();
-    attr.size = u32::try_from(size).ok()?;
-    // SAFETY: sched_getattr writes at most `size` bytes into `attr`, which has them.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_sched_getattr,
-            tid,
-            &mut attr as *mut libc::sched_attr,
-            size,
-            0,
-        )
-    };
-    (rc == 0).then_some((attr.sched_runtime, attr.sched_nice))
+    let attr = persistent_pod_state::serving::sched_getattr(tid.parse().ok()?).ok()?;
+    Some((attr.sched_runtime, attr.sched_nice))
 }
 
 /// The slice and nice value of each of `pid`'s threads named `pps-admission` and
