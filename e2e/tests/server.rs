@@ -626,6 +626,7 @@ async fn admission_threads_ask_for_their_slice_and_the_rest_runs_below_them() {
         // Two admission threads by default, and the main runtime has a worker per core.
         assert!(admission.len() >= 2, "admission threads: {admission:?}");
         assert!(!background.is_empty(), "no pps-background thread");
+        let lowered = (own + nice_steps).min(19);
         let slice = match (default, slice_micros) {
             (0, _) => 0,
             (default, 0) => default,
@@ -639,19 +640,13 @@ async fn admission_threads_ask_for_their_slice_and_the_rest_runs_below_them() {
             );
         }
         for (_, nice) in &background {
-            assert_eq!(
-                *nice,
-                (own + nice_steps).min(19),
-                "a pps-background thread of {pid}"
-            );
+            assert_eq!(*nice, lowered, "a pps-background thread of {pid}");
         }
         println!(
-            "{pid}: {} admission threads at a {} ns slice, nice {own}; {} others at nice {} \
-             (the kernel's slice: {default} ns)",
+            "{pid}: {} admission threads at a {slice} ns slice, nice {own}; {} others at nice \
+             {lowered} (the kernel's slice: {default} ns)",
             admission.len(),
-            slice,
             background.len(),
-            (own + nice_steps).min(19)
         );
     };
     check(&pid_of(&env, "persistent-pod-state-a"), 100, 5);
