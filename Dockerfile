@@ -4,11 +4,15 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 # The manifest names every target (benches, e2e tools), so their sources come along.
 COPY Cargo.toml Cargo.lock ./
+# The build's settings and its linker, which places the hot functions together (link/).
+COPY .cargo ./.cargo
+COPY link ./link
 COPY src ./src
 COPY benches ./benches
 COPY bench ./bench
 COPY e2e ./e2e
 RUN cargo build --release --locked --bin persistent-pod-state
+RUN bash link/check.sh target/release/persistent-pod-state
 # The SBOM of the binary's crates (CycloneDX 1.5, no build-time or dev dependencies), shipped
 # beside it.
 RUN cargo install --locked cargo-cyclonedx --version 0.5.9 && \

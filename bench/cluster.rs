@@ -171,6 +171,9 @@ struct ApiFigures {
     /// Creates sent at 100 a second with ours registered, and the share of the API server's
     /// calls of ours it timed at 5 ms or less.
     paced: (usize, f64),
+    /// CPU seconds each process answering a column spent over the rounds, whole (ours: `serve`,
+    /// its controllers idle meanwhile), for ours, the bare webhook with our patch and its twin.
+    cpu: Vec<(Answered, f64)>,
 }
 
 /// Seconds spent and calls counted (a summary's or histogram's `_sum` and `_count`), summed over
@@ -644,6 +647,18 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
     // mode: a round's p99 is then its 30th slowest create, not its 10th.
     let (rounds, per_round) = if opts.short { (2, 100) } else { (11, 3000) };
     let mut samples: HashMap<&'static str, Vec<f64>> = HashMap::new();
+    let floor_columns = [Answered::BareOurPatch, Answered::Twin];
+    let processes: Vec<(Answered, u32)> = std::iter::once((Answered::Ours, opts.serve_pid))
+        .chain(
+            floor_columns
+                .into_iter()
+                .zip(floors.iter().map(|f| f.0.id())),
+        )
+        .collect();
+    let cpu_before = processes
+        .iter()
+        .map(|(_, pid)| cpu_seconds(*pid))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     for round in 0..rounds {
         let mut order = Shuffled::new(round as u64);
         for cycle in 0..per_round {
@@ -653,6 +668,11 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
             }
         }
     }
+    let cpu = processes
+        .iter()
+        .zip(cpu_before)
+        .map(|((column, pid), before)| Ok((*column, cpu_seconds(*pid)? - before)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     // Where the time of a create goes, from the API server's metrics and ours: those are not
     // by column, so each column's creates go in a block of their own (one round's worth), its
     // metrics read before and after.
@@ -718,6 +738,7 @@ async fn api_path(client: &Client, opts: &Opts) -> anyhow::Result<ApiFigures> {
         block: (per_round, timed),
         spent,
         paced: (paced_creates, (after.0 - before.0) / calls),
+        cpu,
     })
 }
 
@@ -1522,6 +1543,22 @@ fn print_api(api: &ApiFigures) -> anyhow::Result<()> {
             quantile(&over, 1.0)
         );
     }
+    // CPU per review: each column's process answered one review per create of the rounds.
+    let reviews = api.creates as f64;
+    let per_review = |column: Answered| {
+        api.cpu
+            .iter()
+            .find(|(c, _)| *c == column)
+            .map(|(_, seconds)| seconds / reviews * 1e6)
+            .context("the column's CPU")
+    };
+    println!(
+        "\nCPU per review over the rounds (each process whole, µs): ours {:.1}, the bare webhook with our patch {:.1}, its twin {:.1}; ours over the bare webhook with our patch {:.2} x",
+        figure(per_review(Answered::Ours)?)?,
+        figure(per_review(Answered::BareOurPatch)?)?,
+        figure(per_review(Answered::Twin)?)?,
+        per_review(Answered::Ours)? / per_review(Answered::BareOurPatch)?,
+    );
     let (paced, within) = api.paced;
     println!(
         "\nAt 100 creates a second ({paced} creates, ours registered): {:.1} % of the API server's calls of ours within its 5 ms bucket (target >= 99 %)",

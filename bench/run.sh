@@ -52,7 +52,10 @@ fi
 export CLUSTER_DIR="${CLUSTER_DIR:-$(mktemp -d /tmp/pps-bench.XXXXXX)}"
 export ETCD_PORT=22379 APISERVER_PORT=26443 WEBHOOK_PORT=29443
 PROBE_PORT=28080
-PPS_BIN="$ROOT/target/release/persistent-pod-state"
+# SERVE_BIN=PATH: another build of the binary as the replica under test (to compare two builds
+# in turn); the layout of the one measured is printed either way (link/check.sh).
+PPS_BIN="${SERVE_BIN:-$ROOT/target/release/persistent-pod-state}"
+bash link/check.sh --report "$PPS_BIN"
 KUBELET_BIN="$ROOT/target/release/fake-kubelet"
 LB_BIN="$ROOT/target/release/loopback-lb"
 source "$ROOT/e2e/lib.sh"
@@ -113,7 +116,7 @@ kubectl -n ns-1 patch persistentpodstates.apps.kruise.io web-1 --subresource=sta
 ./target/release/bench-serving "${mode[@]}" "${perf_args[@]}" --oha "$OHA" \
   --serve-addr "127.0.0.1:$WEBHOOK_PORT" --serve-pid "$(cat "$CLUSTER_DIR/persistent-pod-state-a.pid")"
 if [[ -n ${FLAMEGRAPH:-} ]]; then
-  perf script -i "$perf_data" 2>/dev/null | inferno-collapse-perf | \
+  perf script -i "$perf_data" 2>/dev/null | c++filt | inferno-collapse-perf | \
     inferno-flamegraph --title "persistent-pod-state serve: admission over HTTPS under oha" >"$FLAMEGRAPH"
   rm -f "$perf_data"
   echo "flame graph: $FLAMEGRAPH"

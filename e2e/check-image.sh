@@ -10,6 +10,12 @@ build_cmd=$(sed -n 's/^RUN \(cargo build .*\)$/\1/p' Dockerfile)
 [[ $build_cmd == "cargo build --release --locked --bin persistent-pod-state" ]] || fail "unexpected build command: $build_cmd"
 $build_cmd
 ./target/release/persistent-pod-state --version
+# Linked by link/hot-first.sh: the review's hot functions together (the Dockerfile copies its
+# settings and the list, checked below with every COPY source).
+bash link/check.sh ./target/release/persistent-pod-state
+grep -qx 'COPY .cargo ./.cargo' Dockerfile && grep -qx 'COPY link ./link' Dockerfile &&
+  grep -qx 'RUN bash link/check.sh target/release/persistent-pod-state' Dockerfile ||
+  fail "the Dockerfile does not copy the build's settings (.cargo) and its linker (link), or check the layout"
 ./target/release/persistent-pod-state crd | grep -q 'kind: CustomResourceDefinition' || fail "binary does not print the CRD"
 
 # The SBOM: made as the Dockerfile makes it (the pinned cargo-cyclonedx, installed when missing),

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Checks that a binary was linked by link/hot-first.sh with its hot code together: most of the
+# functions link/hot-functions.txt names are found, and all of them found lie in one stretch of
+# code not much longer than their own sizes. Prints how many were found and the 4 KiB pages they
+# take; with --report, prints and exits 0 whatever the layout (for the default layout's figures).
+#
+#   bash link/check.sh [--report] BINARY
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/lib.sh"
+report=0
+[[ ${1:-} == --report ]] && { report=1; shift; }
+bin=${1:?usage: link/check.sh [--report] BINARY}
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# Address, size and key of every function defined in the binary.
+nm --defined-only -S "$bin" | awk 'NF == 4 && $3 ~ /^[tTwW]$/ { print $1 "\t" $2 "\t" $4 }' >"$work/syms"
+cut -f 3 "$work/syms" | symbol_keys >"$work/keys"
+paste -d '\t' "$work/syms" "$work/keys" | awk -F '\t' -v list="$here/hot-functions.txt" -v report="$report" '
+  function hex(s,   i, v) { v = 0; s = tolower(s); for (i = 1; i <= length(s); i++) v = v * 16 + index("0123456789abcdef", substr(s, i, 1)) - 1; return v }
+  BEGIN { while ((getline line < list) > 0) if (line != "" && line !~ /^#/ && !(line in want)) { want[line] = 1; listed++ } }
+  ($4 in want) {
+    copies++
+    if (!($4 in found)) { found[$4] = 1; n++ }
+    start = hex($1); size = hex($2)
+    if (!(start in at)) { at[start] = 1; bytes += size }
+    if (lo == "" || start < lo) lo = start
+    if (start + size > hi) hi = start + size
+    for (p = int(start / 4096); p <= int((start + size - 1) / 4096); p++) if (!(p in page)) { page[p] = 1; pages++ }
+  }
+  END {
+    span = hi - lo
+    printf "hot functions: %d of %d listed found, %d copies, %.0f KiB, in %d pages of 4 KiB over %.2f MiB\n", n, listed, 0 + copies, bytes / 1024, pages, span / 1048576
+    if (report) exit 0
+    if (listed == 0) { print "link/check.sh: link/hot-functions.txt lists nothing" > "/dev/stderr"; exit 1 }
+    if (n < 0.8 * listed) { print "link/check.sh: fewer than 80 % of link/hot-functions.txt found; record it again (link/record-hot-functions.sh), unless RUSTFLAGS replaced the v0 names .cargo/config.toml asks for" > "/dev/stderr"; exit 1 }
+    if (span > 1.25 * bytes + 4096) { print "link/check.sh: the hot functions are not together: was the binary linked by link/hot-first.sh (rustc 1.90 or later, linking with lld)?" > "/dev/stderr"; exit 1 }
+  }'

@@ -1,0 +1,10 @@
+# Sourced by link/hot-first.sh and link/record-hot-functions.sh.
+
+# Reads symbol names, one per line, and prints each one's key: its demangled name (Rust's v0
+# scheme spells out a generic function's type arguments) without the crates' disambiguating
+# hashes, which change with the features, the dependencies and the compiler. Names that are
+# not mangled (C's) are their own key, but for the version ring prefixes its C and assembly
+# functions with (ring_core_0_17_14_), dropped too.
+symbol_keys() {
+  c++filt | sed -E 's/\[[0-9a-f]{5,16}\]//g; s/^ring_core_[0-9_]+__/ring_core__/'
+}
