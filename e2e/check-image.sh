@@ -13,6 +13,7 @@ $build_cmd
 # Linked by link/hot-first.sh: the review's hot functions together (the Dockerfile copies its
 # settings and the list, checked below with every COPY source).
 bash link/check.sh ./target/release/persistent-pod-state
+bash link/test.sh
 grep -qx 'COPY .cargo ./.cargo' Dockerfile && grep -qx 'COPY link ./link' Dockerfile &&
   grep -qx 'RUN bash link/check.sh target/release/persistent-pod-state' Dockerfile ||
   fail "the Dockerfile does not copy the build's settings (.cargo) and its linker (link), or check the layout"

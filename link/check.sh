@@ -12,12 +12,7 @@ report=0
 [[ ${1:-} == --report ]] && { report=1; shift; }
 bin=${1:?usage: link/check.sh [--report] BINARY}
 
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-# Address, size and key of every function defined in the binary.
-nm --defined-only -S "$bin" | awk 'NF == 4 && $3 ~ /^[tTwW]$/ { print $1 "\t" $2 "\t" $4 }' >"$work/syms"
-cut -f 3 "$work/syms" | symbol_keys >"$work/keys"
-paste -d '\t' "$work/syms" "$work/keys" | awk -F '\t' -v list="$here/hot-functions.txt" -v report="$report" '
+keyed_functions "$bin" | awk -F '\t' -v list="$here/hot-functions.txt" -v report="$report" '
   function hex(s,   i, v) { v = 0; s = tolower(s); for (i = 1; i <= length(s); i++) v = v * 16 + index("0123456789abcdef", substr(s, i, 1)) - 1; return v }
   BEGIN { while ((getline line < list) > 0) if (line != "" && line !~ /^#/ && !(line in want)) { want[line] = 1; listed++ } }
   ($4 in want) {

@@ -34,14 +34,12 @@ trap 'rm -rf "$work"' EXIT
 source "$here/lib.sh"
 
 # The build's own names of the listed functions (every copy of each), in the list's order.
-nm --defined-only "$out" 2>/dev/null | awk '$2 ~ /^[tTwW]$/ { print $3 }' >"$work/names" ||
-  warn "nm failed"
-grep -q '^_ZN20persistent_pod_state' "$work/names" &&
+keyed_functions "$out" >"$work/functions" 2>/dev/null || warn "nm or c++filt failed"
+grep -q $'\t_ZN20persistent_pod_state' "$work/functions" &&
   warn "the crate was mangled the legacy way (RUSTFLAGS set? it replaces .cargo/config.toml's flags)"
-symbol_keys <"$work/names" >"$work/keys" || warn "c++filt failed"
-paste -d '\t' "$work/keys" "$work/names" | awk -F '\t' -v list="$here/hot-functions.txt" '
+awk -F '\t' -v list="$here/hot-functions.txt" '
   BEGIN { while ((getline line < list) > 0) if (line != "" && line !~ /^#/ && !(line in rank)) rank[line] = ++n }
-  ($1 in rank) { print rank[$1] "\t" $2 }' | sort -t $'\t' -k1,1n -s | cut -f 2 |
+  ($4 in rank) { print rank[$4] "\t" $3 }' "$work/functions" | sort -t $'\t' -k1,1n -s | cut -f 2 |
   awk '!seen[$0]++' >"$work/order"
 [[ -s $work/order ]] || warn "none of link/hot-functions.txt's functions found"
 

@@ -8,3 +8,12 @@
 symbol_keys() {
   c++filt | sed -E 's/\[[0-9a-f]{5,16}\]//g; s/^ring_core_[0-9_]+__/ring_core__/'
 }
+
+# Prints each function binary $1 defines (with a size): its address and size (hex), its name
+# and its key, tab-separated.
+keyed_functions() {
+  local functions
+  functions=$(nm --defined-only -S "$1" | awk 'NF == 4 && $3 ~ /^[tTwW]$/ { print $1 "\t" $2 "\t" $4 }') ||
+    return
+  paste -d '\t' <(printf '%s\n' "$functions") <(printf '%s\n' "$functions" | cut -f 3 | symbol_keys)
+}
