@@ -12,9 +12,9 @@ report=0
 [[ ${1:-} == --report ]] && { report=1; shift; }
 bin=${1:?usage: link/check.sh [--report] BINARY}
 
-keyed_functions "$bin" | awk -F '\t' -v list="$here/hot-functions.txt" -v report="$report" '
+awk -F '\t' -v report="$report" '
   function hex(s,   i, v) { v = 0; s = tolower(s); for (i = 1; i <= length(s); i++) v = v * 16 + index("0123456789abcdef", substr(s, i, 1)) - 1; return v }
-  BEGIN { while ((getline line < list) > 0) if (line != "" && line !~ /^#/ && !(line in want)) { want[line] = 1; listed++ } }
+  FILENAME == ARGV[1] { want[$0] = 1; listed++; next }
   ($4 in want) {
     copies++
     if (!($4 in found)) { found[$4] = 1; n++ }
@@ -31,4 +31,4 @@ keyed_functions "$bin" | awk -F '\t' -v list="$here/hot-functions.txt" -v report
     if (listed == 0) { print "link/check.sh: link/hot-functions.txt lists nothing" > "/dev/stderr"; exit 1 }
     if (n < 0.8 * listed) { print "link/check.sh: fewer than 80 % of link/hot-functions.txt found; record it again (link/record-hot-functions.sh), unless RUSTFLAGS replaced the v0 names .cargo/config.toml asks for" > "/dev/stderr"; exit 1 }
     if (span > 1.25 * bytes + 4096) { print "link/check.sh: the hot functions are not together: was the binary linked by link/hot-first.sh (rustc 1.90 or later, linking with lld)?" > "/dev/stderr"; exit 1 }
-  }'
+  }' <(listed_keys "$here/hot-functions.txt") <(keyed_functions "$bin")

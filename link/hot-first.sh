@@ -37,9 +37,8 @@ source "$here/lib.sh"
 keyed_functions "$out" >"$work/functions" 2>/dev/null || warn "nm or c++filt failed"
 grep -q $'\t_ZN20persistent_pod_state' "$work/functions" &&
   warn "the crate was mangled the legacy way (RUSTFLAGS set? it replaces .cargo/config.toml's flags)"
-awk -F '\t' -v list="$here/hot-functions.txt" '
-  BEGIN { while ((getline line < list) > 0) if (line != "" && line !~ /^#/ && !(line in rank)) rank[line] = ++n }
-  ($4 in rank) { print rank[$4] "\t" $3 }' "$work/functions" | sort -t $'\t' -k1,1n -s | cut -f 2 |
+awk -F '\t' 'FILENAME == ARGV[1] { rank[$0] = FNR; next } ($4 in rank) { print rank[$4] "\t" $3 }' \
+  <(listed_keys "$here/hot-functions.txt") "$work/functions" | sort -t $'\t' -k1,1n -s | cut -f 2 |
   awk '!seen[$0]++' >"$work/order"
 [[ -s $work/order ]] || warn "none of link/hot-functions.txt's functions found"
 

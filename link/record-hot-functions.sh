@@ -26,7 +26,7 @@ perf record -q -F 20000 -e cpu-clock -p "$pid" -o "$data" -- sleep "$seconds"
     --no-children --sort sym --no-demangle --stdio -q -g none | awk '{ print $NF }' |
     symbol_keys | awk '!seen[$0]++'
 } >"$list"
-functions=$(grep -vc '^#' "$list" || true)
+functions=$(listed_keys "$list" | wc -l)
 ((functions >= 50)) || { echo "link/record-hot-functions.sh: only $functions functions sampled; the list is kept" >&2; exit 1; }
 cp "$list" "$here/hot-functions.txt"
 echo "link/hot-functions.txt: $functions functions"
