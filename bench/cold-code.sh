@@ -58,13 +58,16 @@ counts() {
     counts "$out/floor.self" | sed 's/^/floor\tself\t/'
 } | awk -F '\t' -v n="$n" '
     # The step a function is, for each route (inclusive counts; the first match is taken).
+    # Names come in both manglings: legacy (`Review::read`, `Oneshot<S,Req>`) and v0, which
+    # the build uses since a3f10d9 (`<...Review>::read`, `Oneshot<axum::routing::Router, ...>`,
+    # `from_slice::<...>`).
     function step(route, name) {
-        if (name ~ /Oneshot<S,Req> as core::future::future::Future>::poll/) return "whole"
-        if (route == "router" && name ~ /webhook::review::Review::read /) return "read"
-        if (route == "floor" && name ~ /serde_json::de::from_slice /) return "read"
-        if (route == "router" && name ~ /webhook::admit::decide_view /) return "decision"
-        if (route == "router" && name ~ /webhook::review::Admission::into_response /) return "answer"
-        if (route == "floor" && name ~ /benchkit::floor::fixed /) return "answer"
+        if (name ~ /(^|:)<tower::util::oneshot::Oneshot</ && name ~ / as core::future::future::Future>::poll /) return "whole"
+        if (route == "router" && name ~ /webhook::review::Review>?::read /) return "read"
+        if (route == "floor" && name ~ /serde_json::de::from_slice( |::<)/) return "read"
+        if (route == "router" && name ~ /webhook::admit::decide_view( |::<)/) return "decision"
+        if (route == "router" && name ~ /webhook::review::Admission>?::into_response /) return "answer"
+        if (route == "floor" && name ~ /benchkit::floor::fixed( |::<)/) return "answer"
         return ""
     }
     # The layer a function belongs to, by its name; the first rule that matches wins.
