@@ -38,6 +38,10 @@ if [[ -n ${FLAMEGRAPH:-} ]]; then
     cargo install --locked inferno --version "$INFERNO_VERSION"
   perf_data=$(mktemp /tmp/bench-serving-perf.XXXXXX)
   perf_args=(--perf "$perf_data")
+  # perf names no function of the code serve runs from a huge page (src/hot_code.rs): the
+  # replica keeps its code as mapped for the whole run.
+  export PPS_HOT_CODE_HUGE_PAGE=false
+  echo "bench: FLAMEGRAPH: serve runs without its hot code on a huge page (PPS_HOT_CODE_HUGE_PAGE=false)"
 fi
 
 if [[ -z ${BENCH_ONLY:-} ]]; then

@@ -15,6 +15,9 @@ export NODE_LOST_AFTER="${NODE_LOST_AFTER:-45s}"
 
 cd "$ROOT"
 cargo build --locked --features e2e --bins
+# The release build as the benchmark builds it (the same features, so `make test` builds it
+# once): one test starts it, for what only the shipped layout has (the hot code on a huge page).
+cargo build --release --locked --features bench,e2e --bin persistent-pod-state
 # helm, for the chart's tests (built once at its pinned version).
 HELM=$(bash "$ROOT/e2e/build-helm.sh" | tail -n 1)
 
@@ -42,6 +45,7 @@ log "control plane ($("$KBIN/kube-apiserver" --version)), fake kubelet and 2 web
 E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LEASE_DURATION:-8}" \
   E2E_NODE_LOST_AFTER="$NODE_LOST_AFTER" \
   E2E_WEBHOOK_URL="https://$WEBHOOK_HOST:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
+  E2E_RELEASE_BIN="$ROOT/target/release/persistent-pod-state" \
   E2E_SA_KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" E2E_HELM="$HELM" \
   cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture "$@"
 

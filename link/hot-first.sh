@@ -5,7 +5,8 @@
 #
 # A review runs a few hundred functions spread over the binary's 15 MB of code, most of them
 # fetched cold between two reviews; placed together they take about 140 pages of 4 KiB instead
-# of about 680 (BENCHMARKS.md, part 3). The list names functions by their demangled names
+# of about 680 (BENCHMARKS.md, part 3), all in the code's first 2 MiB, which `serve` then runs
+# from one huge page (src/hot_code.rs). The list names functions by their demangled names
 # without crate hashes (link/lib.sh), so it holds across features, dependency updates and
 # compilers: what it names and the build lacks is skipped. link/check.sh checks the result (the
 # image's build runs it: rustc shows a linker's warnings only from 1.97 on). If the second link
@@ -43,7 +44,11 @@ awk -F '\t' 'FILENAME == ARGV[1] { rank[$0] = FNR; next } ($4 in rank) { print r
 [[ -s $work/order ]] || warn "none of link/hot-functions.txt's functions found"
 
 cp "$out" "$work/plain" || warn "cannot keep the first link"
-if ! cc "$@" -Wl,--symbol-ordering-file="$work/order" -Wl,--no-warn-symbol-ordering; then
+# The code's segment on a 2 MiB boundary, in the file and in memory (up to 4 MiB of padding in
+# the file), so that its first 2 MiB, where the listed functions are, can run from one huge
+# page (src/hot_code.rs).
+if ! cc "$@" -Wl,--symbol-ordering-file="$work/order" -Wl,--no-warn-symbol-ordering \
+  -Wl,-z,separate-code -Wl,-z,max-page-size=0x200000; then
   cp "$work/plain" "$out" || { echo "link/hot-first.sh: cannot restore $out" >&2; exit 1; }
   warn "the ordered link failed (rustc before 1.90 links with GNU ld, which has no --symbol-ordering-file)"
 fi

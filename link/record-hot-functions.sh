@@ -8,6 +8,9 @@
 #   BENCH_ONLY=api bash bench/run.sh &          # wait for "pod CREATE latency", then
 #   bash link/record-hot-functions.sh "$(cat /tmp/pps-bench.*/persistent-pod-state-a.pid)" 150
 #
+# Start that replica with PPS_HOT_CODE_HUGE_PAGE=false: perf names no function of the code
+# `serve` runs from a huge page (src/hot_code.rs), so this refuses such a process.
+#
 # Needs perf (linux-perf) and the right to sample the process.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -18,6 +21,11 @@ data=$(mktemp /tmp/hot-functions.XXXXXX)
 list=$(mktemp /tmp/hot-functions.XXXXXX)
 trap 'rm -f "$data" "$list"' EXIT
 
+# The huge page is an anonymous executable mapping (no file, so no name perf could read).
+if awk '$2 ~ /^r-x/ && NF == 5 { found = 1 } END { exit !found }' "/proc/$pid/maps"; then
+  echo "link/record-hot-functions.sh: $pid runs its hot code from a huge page, where perf names nothing; start it with PPS_HOT_CODE_HUGE_PAGE=false" >&2
+  exit 1
+fi
 perf record -q -F 20000 -e cpu-clock -p "$pid" -o "$data" -- sleep "$seconds"
 {
   echo "# Written by link/record-hot-functions.sh: the functions serve's admission threads ran,"

@@ -197,6 +197,12 @@ pub struct ServeArgs {
     /// Seconds to let requests in flight finish once no longer accepting.
     #[arg(long, env = "PPS_DRAIN_SECONDS", default_value_t = 20)]
     pub drain_seconds: u64,
+    /// Runs the code a review runs (linked first, `link/`) from one 2 MiB huge page, copied
+    /// there at start (Linux; skipped, with a warning, where the kernel refuses a step). `perf`
+    /// does not name the functions of that page: profile with `false`.
+    #[arg(long, env = "PPS_HOT_CODE_HUGE_PAGE", default_value_t = true,
+          action = clap::ArgAction::Set)]
+    pub hot_code_huge_page: bool,
 }
 
 /// Leader election flags of `serve`.

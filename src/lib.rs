@@ -24,6 +24,8 @@ pub mod discovery;
 pub mod events;
 pub mod explain;
 pub mod files;
+#[cfg(target_os = "linux")]
+pub mod hot_code;
 pub mod ip_request;
 pub mod leader;
 pub mod metrics;

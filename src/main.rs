@@ -3,6 +3,8 @@
 use anyhow::Context;
 use clap::Parser;
 use persistent_pod_state::cli::{Cli, Command, LogFormat, OutputFormat};
+#[cfg(target_os = "linux")]
+use persistent_pod_state::hot_code;
 use persistent_pod_state::{api, certs, explain, plugin, release, serve, serving, unregister};
 
 fn init_logging(format: LogFormat) {
@@ -37,7 +39,22 @@ fn main() -> anyhow::Result<()> {
         return serving::main_runtime(0)?.block_on(plugin::run(cli));
     }
     let cli = Cli::parse();
+    // `serve`'s hot code onto a huge page, while the process has one thread.
+    #[cfg(target_os = "linux")]
+    let hot_code = match &cli.command {
+        Command::Serve(args) if args.hot_code_huge_page => Some(hot_code::place()),
+        _ => None,
+    };
     init_logging(cli.log_format);
+    #[cfg(target_os = "linux")]
+    match hot_code {
+        Some(Ok(at)) => tracing::info!(
+            at = format!("{at:#x}"),
+            "the hot code runs from a 2 MiB page"
+        ),
+        Some(Err(why)) => tracing::warn!("the hot code stays on small pages: {why}"),
+        None => {}
+    }
     // `serve` runs its controllers below admission's priority (`--background-nice`).
     let nice = match &cli.command {
         Command::Serve(args) => args.background_nice,

@@ -1,5 +1,6 @@
 //! The server's contract with clients: bad input, readiness, shutdown.
 
+use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -20,8 +21,13 @@ fn review(object: Value) -> String {
 }
 
 async fn post(env: &Env, body: &str) -> (u16, String) {
+    post_at(env, &env.webhook_url, body).await
+}
+
+/// Posts `body` as a pod review to the webhook at `base` (`https://HOST:PORT`).
+async fn post_at(env: &Env, base: &str, body: &str) -> (u16, String) {
     let ca = env.cluster_dir.join("webhook-certs/ca.crt");
-    let url = format!("{}/mutate-pod", env.webhook_url);
+    let url = format!("{base}/mutate-pod");
     curl(&[
         "-s",
         "--cacert",
@@ -674,5 +680,92 @@ async fn admission_threads_ask_for_their_slice_and_the_rest_runs_below_them() {
             slice_micros,
             nice_steps,
         );
+    }
+}
+
+/// The anonymous executable mappings of process `pid` (`/proc/PID/smaps`), each with its start,
+/// end and the KiB of it on huge pages, and the start of the mapping of its binary's code.
+fn code_mappings(pid: &str) -> (Vec<(u64, u64, u64)>, Option<u64>) {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps");
+    // As the kernel names the binary, " (deleted)" included once it was rebuilt.
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).expect("the process's binary");
+    let (mut anonymous, mut code) = (Vec::new(), None);
+    let mut current: Option<(u64, u64)> = None;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let header = fields.first().and_then(|f| f.split_once('-'));
+        match (header, fields.as_slice()) {
+            (Some((start, end)), [_, perms, ..]) if perms.starts_with("r-x") => {
+                let start = u64::from_str_radix(start, 16).expect("hex");
+                let end = u64::from_str_radix(end, 16).expect("hex");
+                current = (fields.len() == 5).then_some((start, end));
+                if fields.len() > 5 && Path::new(&fields[5..].join(" ")) == exe {
+                    code = code.or(Some(start));
+                }
+            }
+            (Some(_), [_, _, _, _, _, ..]) => current = None,
+            (_, ["AnonHugePages:", kib, "kB"]) => {
+                if let Some((start, end)) = current.take() {
+                    anonymous.push((start, end, kib.parse().expect("kB")));
+                }
+            }
+            _ => {}
+        }
+    }
+    (anonymous, code)
+}
+
+/// Issue 22.1: `serve`, built and linked as shipped (the release build, `link/`), runs the code a
+/// review runs, linked into the first 2 MiB of its code, from one transparent huge page: an
+/// instance of it over the suite's cluster holds a 2 MiB anonymous executable mapping, all of it
+/// on a huge page, right before the rest of its binary's code, and answers a review. Where the
+/// kernel has transparent huge pages off it keeps the code as mapped, and so does an instance
+/// started with `PPS_HOT_CODE_HUGE_PAGE=false`. (The suite's replicas are debug builds, linked
+/// once: they keep theirs as mapped.)
+#[tokio::test]
+async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
+    let env = env().await;
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let huge_pages = !thp.is_empty() && !thp.contains("[never]");
+    for (port, probe_port, on) in [(19456, 18093, true), (19457, 18094, false)] {
+        let mut command =
+            serve_command_of(&env, &env.release_bin, &env.sa_kubeconfig, port, probe_port);
+        command.env("PPS_HOT_CODE_HUGE_PAGE", on.to_string());
+        let child = tokio::process::Command::from(command)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("serve starts");
+        let probe = format!("http://127.0.0.1:{probe_port}/readyz");
+        wait_for("the instance's readiness", TIMEOUT, || async {
+            (http_get(&probe).await.0 == 200).then_some(())
+        })
+        .await;
+        let pid = child.id().expect("running").to_string();
+        let (anonymous, code) = code_mappings(&pid);
+        let code = code.expect("the binary's code mapping");
+        if on && huge_pages {
+            let huge = 2 << 20;
+            assert_eq!(
+                anonymous,
+                [(code - huge, code, huge / 1024)],
+                "one 2 MiB huge page right before the rest of the code at {code:#x}"
+            );
+            println!("the hot code runs from {:#x}, on a huge page", code - huge);
+        } else {
+            assert!(anonymous.is_empty(), "{anonymous:x?}: on {on}, {thp}");
+            println!(
+                "the code stays as mapped (PPS_HOT_CODE_HUGE_PAGE={on}; {})",
+                thp.trim()
+            );
+        }
+        let (status, body) = post_at(
+            &env,
+            &format!("https://127.0.0.1:{port}"),
+            &review(json!({"metadata": {"name": "x-0"}})),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("e2e-uid-1"), "{body}");
     }
 }

@@ -28,6 +28,8 @@ pub struct Env {
     /// The load balancer's URL, which the API server calls.
     pub webhook_url: String,
     pub pps_bin: PathBuf,
+    /// The release build of the binary, linked as shipped (`link/`).
+    pub release_bin: PathBuf,
     pub cluster_dir: PathBuf,
     /// Lease duration the replicas run with.
     pub lease_duration: Duration,
@@ -101,6 +103,7 @@ pub async fn env() -> Env {
         replicas: replicas(&setting("E2E_REPLICAS")),
         webhook_url: setting("E2E_WEBHOOK_URL"),
         pps_bin: setting("E2E_PPS_BIN").into(),
+        release_bin: setting("E2E_RELEASE_BIN").into(),
         cluster_dir: setting("E2E_CLUSTER_DIR").into(),
         lease_duration: Duration::from_secs(
             setting("E2E_LEASE_DURATION").parse().expect("seconds"),
@@ -591,8 +594,19 @@ pub fn serve_command(
     webhook_port: u16,
     probe_port: u16,
 ) -> std::process::Command {
+    serve_command_of(env, &env.pps_bin, kubeconfig, webhook_port, probe_port)
+}
+
+/// [`serve_command`] of the binary `bin`.
+pub fn serve_command_of(
+    env: &Env,
+    bin: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    webhook_port: u16,
+    probe_port: u16,
+) -> std::process::Command {
     let certs = env.cluster_dir.join("webhook-tls");
-    let mut command = std::process::Command::new(&env.pps_bin);
+    let mut command = std::process::Command::new(bin);
     command
         .arg("serve")
         .env("KUBECONFIG", kubeconfig)

@@ -1,0 +1,215 @@
+//! The binary's hot code on one 2 MiB page (issue 22.1, bench/NOTEBOOK.md part 3).
+//!
+//! The functions a review runs are linked first in the code and together (`link/`), and the
+//! code's segment starts on a 2 MiB boundary (`-z separate-code` with `-z max-page-size` of
+//! 2 MiB, `link/hot-first.sh`), so they lie in its first 2 MiB. [`place`] copies those 2 MiB to one transparent huge page and puts
+//! the copy in their place: the processor then finds a review's code through one TLB entry
+//! instead of about 140, which other processes and guests evict between two reviews.
+//!
+//! It gives up, leaving the code as the kernel mapped it, wherever a step is refused: code not
+//! 2 MiB-aligned in memory, no huge page to be had (transparent huge pages off, or memory too
+//! fragmented), executable memory refused (SELinux's `execmem`, for one). It costs 2 MiB of
+//! anonymous memory in place of the file's pages. `perf` names no function of the page (it is
+//! no longer the file's), so profiles are taken with `--hot-code-huge-page=false`.
+
+use std::ffi::c_void;
+use std::fs;
+
+/// A huge page on x86-64 (a page table's middle level).
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// `MADV_COLLAPSE` (Linux 6.1 on): makes a range huge pages at once (the `libc` crate names it
+/// only for glibc).
+const MADV_COLLAPSE: libc::c_int = 25;
+
+/// Puts the first 2 MiB of this binary's code on a huge page; returns their address, or why
+/// not. Call while the process has one thread (first in `main`): the code is replaced under
+/// it, and another thread running those bytes at that instant could fault.
+pub fn place() -> Result<usize, String> {
+    let here = place as *const () as usize;
+    let maps =
+        fs::read_to_string("/proc/self/maps").map_err(|e| format!("/proc/self/maps: {e}"))?;
+    let (start, end) = maps
+        .lines()
+        .filter_map(range)
+        .find(|(start, end)| (*start..*end).contains(&here))
+        .ok_or("its code is not in /proc/self/maps")?;
+    if start % HUGE_PAGE != 0 {
+        return Err(format!(
+            "its code starts at {start:#x}, not 2 MiB-aligned (not linked by link/hot-first.sh, \
+             or loaded by a kernel before 5.10)"
+        ));
+    }
+    if end - start < HUGE_PAGE {
+        return Err("its code is smaller than 2 MiB".into());
+    }
+    let copy = huge_copy(start)?;
+    // SAFETY: `copy` is a mapping of ours of HUGE_PAGE bytes; making it read-only and
+    // executable touches nothing else.
+    if unsafe { libc::mprotect(copy, HUGE_PAGE, libc::PROT_READ | libc::PROT_EXEC) } != 0 {
+        let error = std::io::Error::last_os_error();
+        unmap(copy);
+        return Err(format!("executable memory refused: {error}"));
+    }
+    // SAFETY: moves our mapping `copy` over [start, start + HUGE_PAGE), the first 2 MiB of the
+    // binary's code, which the copy holds byte for byte. The caller has no other thread, and
+    // this function returns into the same bytes, now the copy's. Both ends are 2 MiB-aligned,
+    // so the kernel moves the huge page whole.
+    let moved = unsafe {
+        libc::mremap(
+            copy,
+            HUGE_PAGE,
+            HUGE_PAGE,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            start as *mut c_void,
+        )
+    };
+    if moved == libc::MAP_FAILED {
+        let error = std::io::Error::last_os_error();
+        unmap(copy);
+        return Err(format!("mremap: {error}"));
+    }
+    Ok(start)
+}
+
+/// A copy of the 2 MiB at `start` (readable) on a huge page of a writable mapping of its own.
+fn huge_copy(start: usize) -> Result<*mut c_void, String> {
+    // Twice the size, to cut a 2 MiB-aligned range out of it.
+    // SAFETY: a new private anonymous mapping; nothing else is touched.
+    let area = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 * HUGE_PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if area == libc::MAP_FAILED {
+        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    let base = area as usize;
+    let aligned = base.next_multiple_of(HUGE_PAGE);
+    // The parts before and after the aligned range are given back.
+    if aligned > base {
+        unmap_range(base, aligned - base);
+    }
+    if base + 2 * HUGE_PAGE > aligned + HUGE_PAGE {
+        unmap_range(
+            aligned + HUGE_PAGE,
+            base + 2 * HUGE_PAGE - (aligned + HUGE_PAGE),
+        );
+    }
+    let copy = aligned as *mut c_void;
+    // SAFETY: advice on our own mapping.
+    if unsafe { libc::madvise(copy, HUGE_PAGE, libc::MADV_HUGEPAGE) } != 0 {
+        let error = std::io::Error::last_os_error();
+        unmap(copy);
+        return Err(format!("no transparent huge pages (madvise: {error})"));
+    }
+    // SAFETY: [start, start + HUGE_PAGE) is mapped readable (the caller found it in the
+    // binary's code mapping), and `copy` is a writable mapping of ours of that size; they do
+    // not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, copy.cast::<u8>(), HUGE_PAGE) };
+    if huge_kib(aligned) != Some(HUGE_PAGE / 1024) {
+        // The fault took small pages (memory fragmented): ask for the collapse at once.
+        // SAFETY: advice on our own mapping.
+        unsafe { libc::madvise(copy, HUGE_PAGE, MADV_COLLAPSE) };
+    }
+    match huge_kib(aligned) {
+        Some(kib) if kib == HUGE_PAGE / 1024 => Ok(copy),
+        kib => {
+            unmap(copy);
+            Err(format!(
+                "no huge page to be had ({} KiB of 2048 huge; transparent huge pages off, or memory \
+                 fragmented)",
+                kib.unwrap_or(0)
+            ))
+        }
+    }
+}
+
+/// The address range of a line of `/proc/PID/maps`: its start and end.
+fn range(line: &str) -> Option<(usize, usize)> {
+    let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+    Some((
+        usize::from_str_radix(start, 16).ok()?,
+        usize::from_str_radix(end, 16).ok()?,
+    ))
+}
+
+/// How many KiB of the mapping that starts at `start` are on huge pages (`AnonHugePages` in
+/// `/proc/self/smaps`).
+fn huge_kib(start: usize) -> Option<usize> {
+    let smaps = fs::read_to_string("/proc/self/smaps").ok()?;
+    anon_huge_kib(&smaps, start)
+}
+
+/// `AnonHugePages` of the mapping of `smaps` (`/proc/PID/smaps`) that starts at `start`.
+fn anon_huge_kib(smaps: &str, start: usize) -> Option<usize> {
+    let head = format!("{start:x}-");
+    let mut lines = smaps.lines().skip_while(|line| !line.starts_with(&head));
+    lines.next()?;
+    lines
+        .take_while(|line| {
+            line.split_whitespace()
+                .next()
+                .is_some_and(|key| key.ends_with(':'))
+        })
+        .find_map(|line| line.strip_prefix("AnonHugePages:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+fn unmap(copy: *mut c_void) {
+    unmap_range(copy as usize, HUGE_PAGE);
+}
+
+fn unmap_range(start: usize, len: usize) {
+    // SAFETY: only ever called on (parts of) a mapping `huge_copy` made, not yet moved.
+    unsafe { libc::munmap(start as *mut c_void, len) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_range_of_a_maps_line() {
+        assert_eq!(
+            range("56248a800000-56248aa00000 r-xp 00000000 00:00 0 "),
+            Some((0x5624_8a80_0000, 0x5624_8aa0_0000))
+        );
+        assert_eq!(
+            range("7ffd1000-7ffd2000 r--p 00000000 00:00 0  [vvar]"),
+            Some((0x7ffd_1000, 0x7ffd_2000))
+        );
+        assert_eq!(range("56248a800000 r-xp"), None);
+        assert_eq!(range("5624z-56248 r-xp"), None);
+        assert_eq!(range(""), None);
+    }
+
+    #[test]
+    fn reads_the_huge_pages_of_the_mapping_that_starts_at_an_address() {
+        let smaps = "\
+5624888000-5624890000 r--p 00000000 08:01 12 /bin/persistent-pod-state
+Size:                 32 kB
+AnonHugePages:         0 kB
+VmFlags: rd mr mw me
+56248a800000-56248aa00000 rw-p 00000000 00:00 0 
+Size:               2048 kB
+AnonHugePages:      2048 kB
+VmFlags: rd wr mr mw me ac hg
+56248aa00000-56248ab00000 rw-p 00000000 00:00 0 
+Size:               1024 kB
+VmFlags: rd wr mr mw me ac
+";
+        assert_eq!(anon_huge_kib(smaps, 0x5624_8a80_0000), Some(2048));
+        assert_eq!(anon_huge_kib(smaps, 0x56_2488_8000), Some(0));
+        // A mapping without the line is not read as the next one's, and an address that
+        // starts no mapping (only inside one) has none.
+        assert_eq!(anon_huge_kib(smaps, 0x5624_8aa0_0000), None);
+        assert_eq!(anon_huge_kib(smaps, 0x5624_8a90_0000), None);
+        assert_eq!(anon_huge_kib(smaps, 0x1000), None);
+    }
+}
