@@ -99,18 +99,24 @@ async fn start_instance(
     probe_port: u16,
     kubeconfig: &std::path::Path,
 ) -> Instance {
-    let child =
-        tokio::process::Command::from(serve_command(env, kubeconfig, webhook_port, probe_port))
-            .env("PPS_SHUTDOWN_DELAY_SECONDS", "5")
-            .kill_on_drop(true)
-            .spawn()
-            .expect("serve starts");
+    let mut command = serve_command(env, kubeconfig, webhook_port, probe_port);
+    command.env("PPS_SHUTDOWN_DELAY_SECONDS", "5");
     let probe = format!("http://127.0.0.1:{probe_port}");
-    wait_for("the instance's probe port", TIMEOUT, || async {
-        (http_get(&format!("{probe}/healthz")).await.0 == 200).then_some(())
+    let child = spawn_until(command, &format!("{probe}/healthz")).await;
+    Instance { child, probe }
+}
+
+/// Spawns the `serve` of `command` (killed when dropped) and waits until `probe` answers 200.
+async fn spawn_until(command: std::process::Command, probe: &str) -> tokio::process::Child {
+    let child = tokio::process::Command::from(command)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve starts");
+    wait_for(probe, TIMEOUT, || async {
+        (http_get(probe).await.0 == 200).then_some(())
     })
     .await;
-    Instance { child, probe }
+    child
 }
 
 /// A kubeconfig naming an API server that is not there (written into the cluster's
@@ -666,15 +672,7 @@ async fn admission_threads_ask_for_their_slice_and_the_rest_runs_below_them() {
         command
             .env("PPS_ADMISSION_SLICE_MICROS", slice_micros.to_string())
             .env("PPS_BACKGROUND_NICE", nice_steps.to_string());
-        let child = tokio::process::Command::from(command)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("serve starts");
-        let probe = format!("http://127.0.0.1:{probe_port}/healthz");
-        wait_for("the instance's probe port", TIMEOUT, || async {
-            (http_get(&probe).await.0 == 200).then_some(())
-        })
-        .await;
+        let child = spawn_until(command, &format!("http://127.0.0.1:{probe_port}/healthz")).await;
         check(
             &child.id().expect("running").to_string(),
             slice_micros,
@@ -732,15 +730,7 @@ async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
         let mut command =
             serve_command_of(&env, &env.release_bin, &env.sa_kubeconfig, port, probe_port);
         command.env("PPS_HOT_CODE_HUGE_PAGE", on.to_string());
-        let child = tokio::process::Command::from(command)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("serve starts");
-        let probe = format!("http://127.0.0.1:{probe_port}/readyz");
-        wait_for("the instance's readiness", TIMEOUT, || async {
-            (http_get(&probe).await.0 == 200).then_some(())
-        })
-        .await;
+        let child = spawn_until(command, &format!("http://127.0.0.1:{probe_port}/readyz")).await;
         let pid = child.id().expect("running").to_string();
         let (anonymous, code) = code_mappings(&pid);
         let code = code.expect("the binary's code mapping");
