@@ -199,10 +199,16 @@ pub struct ServeArgs {
     pub drain_seconds: u64,
     /// Runs the code a review runs (linked first, `link/`) from one 2 MiB huge page, copied
     /// there at start (Linux; skipped, with a warning, where the kernel refuses a step). `perf`
-    /// does not name the functions of that page: profile with `false`.
+    /// does not name the functions of that page by itself: see `--hot-code-perf-map`.
     #[arg(long, env = "PPS_HOT_CODE_HUGE_PAGE", default_value_t = true,
           action = clap::ArgAction::Set)]
     pub hot_code_huge_page: bool,
+    /// With the hot code on its huge page, writes `/tmp/perf-PID.map` at start, naming the
+    /// functions there for `perf` and the profilers that read its maps (as a JIT names its
+    /// code). The file stays after the process ends, for reports made later.
+    #[arg(long, env = "PPS_HOT_CODE_PERF_MAP", default_value_t = false,
+          action = clap::ArgAction::Set)]
+    pub hot_code_perf_map: bool,
 }
 
 /// Leader election flags of `serve`.

@@ -9,11 +9,16 @@
 //! It gives up, leaving the code as the kernel mapped it, wherever a step is refused: code not
 //! 2 MiB-aligned in memory, no huge page to be had (transparent huge pages off, or memory too
 //! fragmented), executable memory refused (SELinux's `execmem`, for one). It costs 2 MiB of
-//! anonymous memory in place of the file's pages. `perf` names no function of the page (it is
-//! no longer the file's), so profiles are taken with `--hot-code-huge-page=false`.
+//! anonymous memory in place of the file's pages. `perf` names no function of the page by
+//! itself (it is no longer the file's); [`write_perf_map`] writes the map it reads for such
+//! code (`--hot-code-perf-map`), as a JIT does for its own.
 
 use std::ffi::c_void;
+use std::fmt::Write as _;
 use std::fs;
+use std::path::PathBuf;
+
+use object::{Object, ObjectSymbol, SymbolKind};
 
 /// A huge page on x86-64 (a page table's middle level).
 pub const HUGE_PAGE: usize = 2 << 20;
@@ -70,6 +75,68 @@ pub fn place() -> Result<usize, String> {
         return Err(format!("mremap: {error}"));
     }
     Ok(start)
+}
+
+/// Writes `/tmp/perf-PID.map`, where `perf` (and the profilers that read its maps) looks up the
+/// functions of anonymous executable memory: every function of this binary on the page at
+/// `start` (where [`place`] put it), as its address, size and name, one a line. Returns the
+/// file and how many functions it names. The file is left when the process ends, so that a
+/// profile can be reported after it.
+pub fn write_perf_map(start: usize) -> Result<(PathBuf, usize), String> {
+    let functions = functions_in(start, HUGE_PAGE)?;
+    let mut text = String::new();
+    for function in &functions {
+        let _ = writeln!(
+            text,
+            "{:x} {:x} {}",
+            function.start, function.size, function.name
+        );
+    }
+    let path = PathBuf::from(format!("/tmp/perf-{}.map", std::process::id()));
+    fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((path, functions.len()))
+}
+
+/// A function of this binary: where it lies in memory, and its name, demangled.
+#[derive(Debug)]
+struct Function {
+    start: usize,
+    size: usize,
+    name: String,
+}
+
+/// The functions of this binary (its symbol table) that lie, at least in part, in
+/// `[start, start + len)` of memory, by address.
+fn functions_in(start: usize, len: usize) -> Result<Vec<Function>, String> {
+    let exe = fs::File::open("/proc/self/exe").map_err(|e| format!("/proc/self/exe: {e}"))?;
+    let cache = object::ReadCache::new(exe);
+    let file = object::File::parse(&cache).map_err(|e| format!("reading its binary: {e}"))?;
+    // Where the binary was loaded: its entry point in memory (the kernel's auxiliary vector)
+    // less the entry point's address in the file.
+    // SAFETY: getauxval only reads the process's auxiliary vector.
+    let entry = unsafe { libc::getauxval(libc::AT_ENTRY) };
+    let bias = entry.wrapping_sub(file.entry());
+    let end = start.saturating_add(len);
+    let mut symbols = file.symbols().peekable();
+    if symbols.peek().is_none() {
+        return Err("its binary has no symbol table (stripped)".into());
+    }
+    let mut functions: Vec<Function> = symbols
+        .filter(|symbol| symbol.kind() == SymbolKind::Text && symbol.size() > 0)
+        .filter_map(|symbol| {
+            let at = usize::try_from(symbol.address().wrapping_add(bias)).ok()?;
+            let size = usize::try_from(symbol.size()).ok()?;
+            let name = symbol.name().ok()?;
+            (at < end && at.saturating_add(size) > start).then(|| Function {
+                start: at,
+                size,
+                name: format!("{:#}", rustc_demangle::demangle(name)),
+            })
+        })
+        .collect();
+    functions.sort_by_key(|function| function.start);
+    functions.dedup_by_key(|function| function.start);
+    Ok(functions)
 }
 
 /// A copy of the 2 MiB at `start` (readable) on a huge page of a writable mapping of its own.
@@ -173,6 +240,43 @@ fn unmap_range(start: usize, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_perf_map_names_each_function_of_a_range_at_its_address_in_memory() {
+        let here = place as *const () as usize;
+        let page = here - here % HUGE_PAGE;
+        let (path, count) = write_perf_map(page).expect("the test binary's symbols");
+        let text = fs::read_to_string(&path).expect("the map");
+        let _ = fs::remove_file(&path);
+        assert_eq!(
+            path,
+            PathBuf::from(format!("/tmp/perf-{}.map", std::process::id()))
+        );
+        let lines: Vec<(usize, usize, &str)> = text
+            .lines()
+            .map(|line| {
+                let mut fields = line.splitn(3, ' ');
+                let mut hex = || usize::from_str_radix(fields.next().expect("a field"), 16);
+                let (start, size) = (hex().expect("start"), hex().expect("size"));
+                (start, size, fields.next().expect("a name"))
+            })
+            .collect();
+        assert_eq!(lines.len(), count);
+        assert!(count > 1, "{text}");
+        // The function at `place`'s address in memory is named `place`.
+        let holder = lines
+            .iter()
+            .find(|(start, size, _)| (*start..start + size).contains(&here))
+            .expect("a function at place's address");
+        assert_eq!(holder.2, "persistent_pod_state::hot_code::place");
+        // Each lies on the page, by address, once.
+        assert!(
+            lines
+                .iter()
+                .all(|(start, size, _)| *start < page + HUGE_PAGE && start + size > page)
+        );
+        assert!(lines.windows(2).all(|pair| pair[0].0 < pair[1].0));
+    }
 
     #[test]
     fn reads_the_range_of_a_maps_line() {

@@ -48,10 +48,19 @@ fn main() -> anyhow::Result<()> {
     init_logging(cli.log_format);
     #[cfg(target_os = "linux")]
     match hot_code {
-        Some(Ok(at)) => tracing::info!(
-            at = format!("{at:#x}"),
-            "the hot code runs from a 2 MiB page"
-        ),
+        Some(Ok(at)) => {
+            tracing::info!(
+                at = format!("{at:#x}"),
+                "the hot code runs from a 2 MiB page"
+            );
+            if matches!(&cli.command, Command::Serve(args) if args.hot_code_perf_map) {
+                match hot_code::write_perf_map(at) {
+                    Ok((path, functions)) => tracing::info!(path = %path.display(), functions,
+                        "perf's map of the hot code's page written"),
+                    Err(why) => tracing::warn!("no perf map of the hot code's page: {why}"),
+                }
+            }
+        }
         Some(Err(why)) => tracing::warn!("the hot code stays on small pages: {why}"),
         None => {}
     }

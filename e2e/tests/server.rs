@@ -718,8 +718,10 @@ fn code_mappings(pid: &str) -> (Vec<(u64, u64, u64)>, Option<u64>) {
 /// instance of it over the suite's cluster holds a 2 MiB anonymous executable mapping, all of it
 /// on a huge page, right before the rest of its binary's code, and answers a review. Where the
 /// kernel has transparent huge pages off it keeps the code as mapped, and so does an instance
-/// started with `PPS_HOT_CODE_HUGE_PAGE=false`. (The suite's replicas are debug builds, linked
-/// once: they keep theirs as mapped.)
+/// started with `PPS_HOT_CODE_HUGE_PAGE=false`. Both are asked for perf's map of the page
+/// (`PPS_HOT_CODE_PERF_MAP=true`): the first writes `/tmp/perf-PID.map`, naming the functions
+/// on the page and among them the pod webhook's handler; the second, with no page, writes none.
+/// (The suite's replicas are debug builds, linked once: they keep theirs as mapped.)
 #[tokio::test]
 async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
     let env = env().await;
@@ -729,11 +731,16 @@ async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
     for (port, probe_port, on) in [(19456, 18093, true), (19457, 18094, false)] {
         let mut command =
             serve_command_of(&env, &env.release_bin, &env.sa_kubeconfig, port, probe_port);
-        command.env("PPS_HOT_CODE_HUGE_PAGE", on.to_string());
+        command
+            .env("PPS_HOT_CODE_HUGE_PAGE", on.to_string())
+            .env("PPS_HOT_CODE_PERF_MAP", "true");
         let child = spawn_until(command, &format!("http://127.0.0.1:{probe_port}/readyz")).await;
         let pid = child.id().expect("running").to_string();
         let (anonymous, code) = code_mappings(&pid);
         let code = code.expect("the binary's code mapping");
+        let perf_map = Path::new("/tmp").join(format!("perf-{pid}.map"));
+        let map = std::fs::read_to_string(&perf_map);
+        let _ = std::fs::remove_file(&perf_map);
         if on && huge_pages {
             let huge = 2 << 20;
             assert_eq!(
@@ -742,8 +749,31 @@ async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
                 "one 2 MiB huge page right before the rest of the code at {code:#x}"
             );
             println!("the hot code runs from {:#x}, on a huge page", code - huge);
+            let map = map.expect("perf's map of the page");
+            let functions: Vec<(u64, u64, &str)> = map
+                .lines()
+                .map(|line| {
+                    let mut fields = line.splitn(3, ' ');
+                    let mut hex = || u64::from_str_radix(fields.next().expect("field"), 16);
+                    let (start, size) = (hex().expect("start"), hex().expect("size"));
+                    (start, size, fields.next().expect("name"))
+                })
+                .collect();
+            assert!(
+                functions
+                    .iter()
+                    .all(|(start, size, _)| *start < code && start + size > code - huge),
+                "every function named lies on the page"
+            );
+            let handler = "persistent_pod_state::webhook::mutate_pod::mutate_pod";
+            assert!(
+                functions.iter().any(|(_, _, name)| *name == handler),
+                "{handler} named in {perf_map:?}"
+            );
+            println!("perf's map names {} functions on it", functions.len());
         } else {
             assert!(anonymous.is_empty(), "{anonymous:x?}: on {on}, {thp}");
+            assert!(map.is_err(), "no page, no map: {perf_map:?}");
             println!(
                 "the code stays as mapped (PPS_HOT_CODE_HUGE_PAGE={on}; {})",
                 thp.trim()
