@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::patch::{JsonValue, PodPatch};
+use super::patch::{JsonValue, PodPatch, Pointer};
 use crate::api::PersistentPodStateSpec;
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PodState, decode_required, encode_required,
@@ -13,6 +13,21 @@ use crate::workload::PodView;
 use k8s_openapi::api::core::v1::PreferredSchedulingTerm;
 
 const PREFERRED: &str = "preferredDuringSchedulingIgnoredDuringExecution";
+
+/// The patch's fixed paths, escaped here once (each checked against its tokens in the tests)
+/// rather than on every review.
+const NODE_SELECTOR: Pointer = Pointer::new("/spec/nodeSelector");
+const AFFINITY: Pointer = Pointer::new("/spec/affinity");
+const NODE_AFFINITY: Pointer = Pointer::new("/spec/affinity/nodeAffinity");
+const PREFERRED_TERMS: Pointer =
+    Pointer::new("/spec/affinity/nodeAffinity/preferredDuringSchedulingIgnoredDuringExecution");
+const PREFERRED_TERMS_END: Pointer =
+    Pointer::new("/spec/affinity/nodeAffinity/preferredDuringSchedulingIgnoredDuringExecution/-");
+const ANNOTATIONS: Pointer = Pointer::new("/metadata/annotations");
+const INJECTED: Pointer =
+    Pointer::new("/metadata/annotations/kruise.io~1injected-persistent-pod-state");
+const INJECTED_REQUIRED: Pointer =
+    Pointer::new("/metadata/annotations/persistent-pod-state.io~1injected-required");
 
 /// A nodeSelector key the pod already sets to another value than the recorded one; the pod's
 /// own value is kept.
@@ -198,7 +213,7 @@ pub fn injection_for<'a>(
             || (set_by_pod(key) == Some(*value) && added_before.get(*key) == Some(*value))
     });
     match pod_spec.node_selector {
-        None if !injected.is_empty() => patch.add(&["spec", "nodeSelector"], &injected),
+        None if !injected.is_empty() => patch.add(&NODE_SELECTOR, &injected),
         None => {}
         Some(_) => {
             for (key, value) in &injected {
@@ -248,17 +263,17 @@ pub fn injection_for<'a>(
             in_affinity,
         };
         if !pod_spec.has_affinity {
-            patch.add(&["spec", "affinity"], &preferred(true));
+            patch.add(&AFFINITY, &preferred(true));
         } else if node_affinity.is_none() {
-            patch.add(&["spec", "affinity", "nodeAffinity"], &preferred(false));
+            patch.add(&NODE_AFFINITY, &preferred(false));
         } else if node_affinity.is_some_and(|na| {
             na.preferred_during_scheduling_ignored_during_execution
                 .is_none()
         }) {
-            patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED], &terms[..]);
+            patch.add(&PREFERRED_TERMS, &terms[..]);
         } else {
             for term in &terms {
-                patch.add(&["spec", "affinity", "nodeAffinity", PREFERRED, "-"], term);
+                patch.add(&PREFERRED_TERMS_END, term);
             }
         }
     }
@@ -281,24 +296,27 @@ pub fn injection_for<'a>(
     // which required values it added (none: the annotation is not there).
     let required_text = Some(encode_required(ours)).filter(|text| !text.is_empty());
     let own = [
-        (INJECTED_ANNOTATION, Some(pps_name)),
-        (INJECTED_REQUIRED_ANNOTATION, required_text.as_deref()),
+        (INJECTED_ANNOTATION, INJECTED, Some(pps_name)),
+        (
+            INJECTED_REQUIRED_ANNOTATION,
+            INJECTED_REQUIRED,
+            required_text.as_deref(),
+        ),
     ];
     match pod_annotations {
         None => {
-            for (key, value) in own {
+            for (key, _, value) in own {
                 if let Some(value) = value {
                     annotations.insert(key, value);
                 }
             }
-            patch.add(&["metadata", "annotations"], &annotations);
+            patch.add(&ANNOTATIONS, &annotations);
         }
         Some(existing) => {
             for (key, value) in &annotations {
                 patch.add(&["metadata", "annotations", key], value);
             }
-            for (key, value) in own {
-                let path = ["metadata", "annotations", key];
+            for (key, path, value) in own {
                 match (existing.get(key), value) {
                     (Some(have), Some(want)) if have == want => {}
                     (Some(_), Some(want)) => patch.replace(&path, want),
@@ -321,8 +339,38 @@ mod tests {
     use crate::api::{NodeTopologyTerm, PreferredTopologyTerm};
     use crate::api::{PersistentPodAnnotation, TargetReference};
     use crate::placement::DropReason;
+    use crate::webhook::patch::PatchPath;
     use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
+
+    #[test]
+    fn each_fixed_path_is_the_pointer_of_its_tokens() {
+        let paths: [(Pointer, &[&str]); 8] = [
+            (NODE_SELECTOR, &["spec", "nodeSelector"]),
+            (AFFINITY, &["spec", "affinity"]),
+            (NODE_AFFINITY, &["spec", "affinity", "nodeAffinity"]),
+            (
+                PREFERRED_TERMS,
+                &["spec", "affinity", "nodeAffinity", PREFERRED],
+            ),
+            (
+                PREFERRED_TERMS_END,
+                &["spec", "affinity", "nodeAffinity", PREFERRED, "-"],
+            ),
+            (ANNOTATIONS, &["metadata", "annotations"]),
+            (INJECTED, &["metadata", "annotations", INJECTED_ANNOTATION]),
+            (
+                INJECTED_REQUIRED,
+                &["metadata", "annotations", INJECTED_REQUIRED_ANNOTATION],
+            ),
+        ];
+        for (pointer, tokens) in paths {
+            let (mut by_pointer, mut by_tokens) = (Vec::new(), Vec::new());
+            pointer.write_path(&mut by_pointer);
+            tokens.write_path(&mut by_tokens);
+            assert_eq!(by_pointer, by_tokens, "{pointer:?}");
+        }
+    }
 
     const ZONE: &str = "topology.kubernetes.io/zone";
     const HOST: &str = "kubernetes.io/hostname";

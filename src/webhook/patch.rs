@@ -66,6 +66,72 @@ impl JsonValue for i32 {
     }
 }
 
+/// Where a patch operation applies: a JSON Pointer (RFC 6901), written as a JSON string.
+pub trait PatchPath {
+    /// Appends the pointer's JSON string (quoted) to `out`.
+    fn write_path(&self, out: &mut Vec<u8>);
+}
+
+/// A path as its tokens, each escaped as a pointer's (`~0`, `~1`) and a JSON string's as it is
+/// written.
+impl PatchPath for [&str] {
+    fn write_path(&self, out: &mut Vec<u8>) {
+        out.push(b'"');
+        for token in self {
+            out.push(b'/');
+            escape(out, token, true);
+        }
+        out.push(b'"');
+    }
+}
+
+impl<const N: usize> PatchPath for [&str; N] {
+    fn write_path(&self, out: &mut Vec<u8>) {
+        self[..].write_path(out);
+    }
+}
+
+/// A pointer known when the code is written, already escaped: copied as it is, where a path of
+/// tokens is escaped byte by byte on every review. Made only by [`Pointer::new`], which checks
+/// it when compiled.
+#[derive(Clone, Copy, Debug)]
+pub struct Pointer(&'static str);
+
+impl Pointer {
+    /// `text` as a pointer. Refused (a compile error, in a constant) unless it starts with `/`,
+    /// every `~` in it is followed by `0` or `1`, and it holds nothing a JSON string escapes.
+    pub const fn new(text: &'static str) -> Self {
+        let bytes = text.as_bytes();
+        assert!(
+            !bytes.is_empty() && bytes[0] == b'/',
+            "a pointer starts with /"
+        );
+        let mut i = 0;
+        while i < bytes.len() {
+            let b = bytes[i];
+            assert!(
+                b >= 0x20 && b != b'"' && b != b'\\',
+                "nothing a JSON string escapes"
+            );
+            assert!(
+                b != b'~'
+                    || (i + 1 < bytes.len() && (bytes[i + 1] == b'0' || bytes[i + 1] == b'1')),
+                "~ only as ~0 or ~1"
+            );
+            i += 1;
+        }
+        Self(text)
+    }
+}
+
+impl PatchPath for Pointer {
+    fn write_path(&self, out: &mut Vec<u8>) {
+        out.push(b'"');
+        out.extend_from_slice(self.0.as_bytes());
+        out.push(b'"');
+    }
+}
+
 /// A JSON patch as its operations' JSON text, built one operation at a time.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct PodPatch {
@@ -76,22 +142,22 @@ pub struct PodPatch {
 }
 
 impl PodPatch {
-    /// Adds `value` at the JSON Pointer of `path`'s tokens (escaped here).
-    pub fn add(&mut self, path: &[&str], value: &(impl JsonValue + ?Sized)) {
+    /// Adds `value` at `path` (its tokens, escaped here, or a [`Pointer`]).
+    pub fn add(&mut self, path: &impl PatchPath, value: &(impl JsonValue + ?Sized)) {
         self.push("add", path, Some(&value));
     }
 
     /// Replaces the value at `path` with `value`.
-    pub fn replace(&mut self, path: &[&str], value: &(impl JsonValue + ?Sized)) {
+    pub fn replace(&mut self, path: &impl PatchPath, value: &(impl JsonValue + ?Sized)) {
         self.push("replace", path, Some(&value));
     }
 
     /// Removes the value at `path`.
-    pub fn remove(&mut self, path: &[&str]) {
+    pub fn remove(&mut self, path: &impl PatchPath) {
         self.push("remove", path, None);
     }
 
-    fn push(&mut self, op: &str, path: &[&str], value: Option<&dyn JsonValue>) {
+    fn push(&mut self, op: &str, path: &dyn PatchPath, value: Option<&dyn JsonValue>) {
         if self.ops > 0 {
             self.text.push(b',');
         } else {
@@ -101,24 +167,13 @@ impl PodPatch {
         self.text.extend_from_slice(b"{\"op\":\"");
         self.text.extend_from_slice(op.as_bytes());
         self.text.extend_from_slice(b"\",\"path\":");
-        self.write_pointer(path);
+        path.write_path(&mut self.text);
         if let Some(value) = value {
             self.text.extend_from_slice(b",\"value\":");
             value.write_json(&mut self.text);
         }
         self.text.push(b'}');
         self.ops += 1;
-    }
-
-    /// Writes the JSON string of the pointer of `tokens`: each token prefixed with `/`, its `~`
-    /// and `/` escaped as a pointer's (`~0`, `~1`), then as a JSON string's.
-    fn write_pointer(&mut self, tokens: &[&str]) {
-        self.text.push(b'"');
-        for token in tokens {
-            self.text.push(b'/');
-            escape(&mut self.text, token, true);
-        }
-        self.text.push(b'"');
     }
 
     /// Whether the patch has no operation.
@@ -249,6 +304,28 @@ mod tests {
         assert_eq!(doc["metadata"]["annotations"], json!({"x/y~z": "new"}));
     }
 
+    #[test]
+    fn a_pointer_that_is_not_one_already_escaped_is_refused() {
+        for (text, why) in [
+            ("spec/x", "a pointer starts with /"),
+            ("/a~2b", "~ only as ~0 or ~1"),
+            ("/a~", "~ only as ~0 or ~1"),
+            ("/a\"b", "nothing a JSON string escapes"),
+            ("/a\nb", "nothing a JSON string escapes"),
+        ] {
+            let refused = std::panic::catch_unwind(|| Pointer::new(text)).expect_err(text);
+            assert_eq!(refused.downcast_ref::<&str>(), Some(&why), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn a_pointer_is_written_as_the_path_of_its_tokens() {
+        let (mut by_tokens, mut by_pointer) = (PodPatch::default(), PodPatch::default());
+        by_tokens.remove(&["metadata", "annotations", "a/b~c"]);
+        by_pointer.remove(&Pointer::new("/metadata/annotations/a~1b~0c"));
+        assert_eq!(by_pointer, by_tokens);
+    }
+
     proptest::proptest! {
         /// Any tokens (any characters JSON or a pointer escapes) are written as the JSON string
         /// of their RFC 6901 pointer.
@@ -258,7 +335,7 @@ mod tests {
         ) {
             let mut patch = PodPatch::default();
             let refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
-            patch.write_pointer(&refs);
+            refs[..].write_path(&mut patch.text);
             let written: String = serde_json::from_slice(&patch.text).expect("a JSON string");
             let expected: String = tokens
                 .iter()
