@@ -8,8 +8,9 @@
 #   BENCH_ONLY=api bash bench/run.sh &          # wait for "pod CREATE latency", then
 #   bash link/record-hot-functions.sh "$(cat /tmp/pps-bench.*/persistent-pod-state-a.pid)" 150
 #
-# Start that replica with PPS_HOT_CODE_HUGE_PAGE=false: perf names no function of the code
-# `serve` runs from a huge page (src/hot_code.rs), so this refuses such a process.
+# A replica that runs its hot code from a huge page (src/hot_code.rs, the default) must write
+# perf's map of it: start it with PPS_HOT_CODE_PERF_MAP=true (or with the page off,
+# PPS_HOT_CODE_HUGE_PAGE=false). perf names that code from the map, by the same keys.
 #
 # Needs perf (linux-perf) and the right to sample the process.
 set -euo pipefail
@@ -21,17 +22,24 @@ data=$(mktemp /tmp/hot-functions.XXXXXX)
 list=$(mktemp /tmp/hot-functions.XXXXXX)
 trap 'rm -f "$data" "$list"' EXIT
 
-# The huge page is an anonymous executable mapping (no file, so no name perf could read).
+dsos=$(basename "$(readlink -f "/proc/$pid/exe")")
+# The huge page is an anonymous executable mapping (no file): perf names its functions from the
+# map serve wrote (/tmp/perf-PID.map, demangled names without the crates' hashes: their keys),
+# under the name "[JIT] tid PID".
 if awk '$2 ~ /^r-x/ && NF == 5 { found = 1 } END { exit !found }' "/proc/$pid/maps"; then
-  echo "link/record-hot-functions.sh: $pid runs its hot code from a huge page, where perf names nothing; start it with PPS_HOT_CODE_HUGE_PAGE=false" >&2
-  exit 1
+  if [[ ! -s /tmp/perf-$pid.map ]]; then
+    echo "link/record-hot-functions.sh: $pid runs its hot code from a huge page and wrote no perf map (/tmp/perf-$pid.map); start it with PPS_HOT_CODE_PERF_MAP=true" >&2
+    exit 1
+  fi
+  dsos+=",[JIT] tid $pid"
 fi
 perf record -q -F 20000 -e cpu-clock -p "$pid" -o "$data" -- sleep "$seconds"
 {
   echo "# Written by link/record-hot-functions.sh: the functions serve's admission threads ran,"
   echo "# hottest first (perf, $seconds s of part 3's rounds, $(date -u +%F))."
-  perf report -i "$data" --comms pps-admission --dsos "$(basename "$(readlink -f "/proc/$pid/exe")")" \
-    --no-children --sort sym --no-demangle --stdio -q -g none | awk '{ print $NF }' |
+  # Each line: the share, "[.]", the name (the map's hold spaces).
+  perf report -i "$data" --comms pps-admission --dsos "$dsos" \
+    --no-children --sort sym --no-demangle --stdio -q -g none | sed -nE 's/^ *[0-9.]+% +\[\.\] (.*[^ ]) *$/\1/p' |
     symbol_keys | awk '!seen[$0]++'
 } >"$list"
 functions=$(listed_keys "$list" | wc -l)

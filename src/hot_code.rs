@@ -8,7 +8,9 @@
 //!
 //! It gives up, leaving the code as the kernel mapped it, wherever a step is refused: code not
 //! 2 MiB-aligned in memory, no huge page to be had (transparent huge pages off, or memory too
-//! fragmented), executable memory refused (SELinux's `execmem`, for one). It costs 2 MiB of
+//! fragmented), executable memory refused (SELinux's `execmem`, for one). Should the last step,
+//! the move over the code, fail after the kernel has unmapped the code (it unmaps first), the
+//! binary's pages are mapped back from its file before any of its functions runs. It costs 2 MiB of
 //! anonymous memory in place of the file's pages. `perf` names no function of the page by
 //! itself (it is no longer the file's); [`write_perf_map`] writes the map it reads for such
 //! code (`--hot-code-perf-map`), as a JIT does for its own.
@@ -16,6 +18,7 @@
 use std::ffi::c_void;
 use std::fmt::Write as _;
 use std::fs;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 
 use object::{Object, ObjectSymbol, SymbolKind};
@@ -34,11 +37,16 @@ pub fn place() -> Result<usize, String> {
     let here = place as *const () as usize;
     let maps =
         fs::read_to_string("/proc/self/maps").map_err(|e| format!("/proc/self/maps: {e}"))?;
-    let (start, end) = maps
+    let (start, end, offset) = maps
         .lines()
-        .filter_map(range)
-        .find(|(start, end)| (*start..*end).contains(&here))
+        .filter_map(|line| Some((range(line)?, file_offset(line)?)))
+        .find(|((start, end), _)| (*start..*end).contains(&here))
+        .map(|((start, end), offset)| (start, end, offset))
         .ok_or("its code is not in /proc/self/maps")?;
+    if (start..start.saturating_add(HUGE_PAGE)).contains(&here) {
+        // This function must run on while the range is replaced, and after a failed move.
+        return Err("the function that moves the code lies in its first 2 MiB".into());
+    }
     if start % HUGE_PAGE != 0 {
         return Err(format!(
             "its code starts at {start:#x}, not 2 MiB-aligned (not linked by link/hot-first.sh, \
@@ -48,6 +56,12 @@ pub fn place() -> Result<usize, String> {
     if end - start < HUGE_PAGE {
         return Err("its code is smaller than 2 MiB".into());
     }
+    // What maps the code back should the move fail: the binary, open, and the code's offset in it.
+    let exe = fs::File::open("/proc/self/exe").map_err(|e| format!("/proc/self/exe: {e}"))?;
+    let (fd, offset) = (
+        exe.as_raw_fd(),
+        libc::off_t::try_from(offset).map_err(|_| "its code's offset in the file")?,
+    );
     let copy = huge_copy(start)?;
     // SAFETY: `copy` is a mapping of ours of HUGE_PAGE bytes; making it read-only and
     // executable touches nothing else.
@@ -70,11 +84,51 @@ pub fn place() -> Result<usize, String> {
         )
     };
     if moved == libc::MAP_FAILED {
-        let error = std::io::Error::last_os_error();
+        // SAFETY: reads this thread's errno (a libc function, called through the GOT).
+        let errno = unsafe { *libc::__errno_location() };
+        // The range may be unmapped: no function of the binary runs before it is mapped back.
+        if map_back(start, HUGE_PAGE, fd, offset).is_err() {
+            let message = b"persistent-pod-state: its code could not be mapped back from its \
+                file after a failed mremap\n";
+            // SAFETY: libc's write and abort (through the GOT) on a static message.
+            unsafe {
+                libc::write(2, message.as_ptr().cast(), message.len());
+                libc::abort();
+            }
+        }
         unmap(copy);
-        return Err(format!("mremap: {error}"));
+        drop(exe);
+        return Err(format!(
+            "mremap: {}; the code is mapped from the binary's file as before",
+            std::io::Error::from_raw_os_error(errno)
+        ));
     }
     Ok(start)
+}
+
+/// Maps `len` bytes of the file `fd` from `offset` at `start`, readable and executable, private,
+/// in place of whatever lies there (or nothing): the binary's code as the kernel maps it. Makes
+/// no call into this binary's own code, which may be missing from that range when it runs
+/// (inlined into its caller, so that it is not itself such code).
+#[inline(always)]
+fn map_back(start: usize, len: usize, fd: RawFd, offset: libc::off_t) -> Result<(), ()> {
+    // SAFETY: replaces [start, start + len) only, with the file's bytes (the caller's code
+    // range, or a test's mapping of its own).
+    let mapped = unsafe {
+        libc::mmap(
+            start as *mut c_void,
+            len,
+            libc::PROT_READ | libc::PROT_EXEC,
+            libc::MAP_PRIVATE | libc::MAP_FIXED,
+            fd,
+            offset,
+        )
+    };
+    if mapped as usize == start {
+        Ok(())
+    } else {
+        Err(())
+    }
 }
 
 /// Writes `/tmp/perf-PID.map`, where `perf` (and the profilers that read its maps) looks up the
@@ -206,6 +260,11 @@ fn range(line: &str) -> Option<(usize, usize)> {
     ))
 }
 
+/// The file offset of a line of `/proc/PID/maps` (its third field).
+fn file_offset(line: &str) -> Option<u64> {
+    u64::from_str_radix(line.split_whitespace().nth(2)?, 16).ok()
+}
+
 /// How many KiB of the mapping that starts at `start` are on huge pages (`AnonHugePages` in
 /// `/proc/self/smaps`).
 fn huge_kib(start: usize) -> Option<usize> {
@@ -233,7 +292,8 @@ fn unmap(copy: *mut c_void) {
 }
 
 fn unmap_range(start: usize, len: usize) {
-    // SAFETY: only ever called on (parts of) a mapping `huge_copy` made, not yet moved.
+    // SAFETY: only ever called on (parts of) a mapping of this module's own, not yet moved
+    // (`huge_copy`'s, or a test's).
     unsafe { libc::munmap(start as *mut c_void, len) };
 }
 
@@ -291,6 +351,50 @@ mod tests {
         assert_eq!(range("56248a800000 r-xp"), None);
         assert_eq!(range("5624z-56248 r-xp"), None);
         assert_eq!(range(""), None);
+    }
+
+    #[test]
+    fn reads_the_file_offset_of_a_maps_line() {
+        assert_eq!(
+            file_offset("55d2c8600000-55d2c954b000 r-xp 00600000 08:01 1234 /bin/pps"),
+            Some(0x60_0000)
+        );
+        assert_eq!(file_offset("55d2c8600000-55d2c954b000 r-xp"), None);
+        assert_eq!(file_offset("55d2c8600000-55d2c954b000 r-xp 0060z000"), None);
+    }
+
+    #[test]
+    fn maps_a_files_pages_back_over_a_range() {
+        let page = 4096;
+        // A file of three pages, each of one byte value; the range: two pages of zeros.
+        let bytes: Vec<u8> = (1..=3u8)
+            .flat_map(|value| std::iter::repeat_n(value, page))
+            .collect();
+        let path = std::env::temp_dir().join(format!("pps-map-back-{}", std::process::id()));
+        fs::write(&path, &bytes).expect("the file");
+        let file = fs::File::open(&path).expect("open");
+        let _ = fs::remove_file(&path);
+        // SAFETY: a new private anonymous mapping of the test's own.
+        let area = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                2 * page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(area, libc::MAP_FAILED);
+        let start = area as usize;
+        // The file's second and third pages over both.
+        map_back(start, 2 * page, file.as_raw_fd(), 4096).expect("mapped back");
+        // SAFETY: the range is mapped readable, 2 pages long.
+        let seen = unsafe { std::slice::from_raw_parts(start as *const u8, 2 * page) };
+        assert_eq!(seen, &bytes[page..]);
+        // An offset the file does not have to give (not page-aligned) is refused.
+        assert_eq!(map_back(start, page, file.as_raw_fd(), 1), Err(()));
+        unmap_range(start, 2 * page);
     }
 
     #[test]
