@@ -24,8 +24,9 @@
 //! queues at that rate gets no p99 ("queued") rather than stopping the benchmark. Medians over the
 //! runs, with min and max; at the fixed rate `--fixed-runs` runs per server (11 in the full mode,
 //! where 5 runs' median p99 of one server against a copy of itself ranged from 1.38 to 2.15 x), and
-//! the p99 also as the median of each run's ratio to the floor's run beside it, and the TLB
-//! shootdowns the whole machine took per 1,000 reviews (`/proc/interrupts`). The CPU the rest of
+//! the p99 also as the median of each run's ratio to the floor's run beside it, the time the
+//! server's threads waited, runnable, for a core per review (`/proc/PID/task/*/schedstat`), and
+//! the TLB shootdowns the whole machine took per 1,000 reviews (`/proc/interrupts`). The CPU the rest of
 //! the machine used during each run is measured too (all but the server, oha and this benchmark,
 //! from `/proc/*/stat`); a run during which it used more than 0.3 of a core (the control plane's
 //! periodic work) is tried again, up to three tries, the quietest counting, and the number of such
@@ -37,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use persistent_pod_state::benchkit::{
-    context_switches, cpu_by_process, cpu_times, flag, median, quantile, thread_cpu_seconds,
-    tlb_shootdowns,
+    context_switches, cpu_by_process, cpu_times, flag, median, quantile, run_delay_seconds,
+    thread_cpu_seconds, tlb_shootdowns,
 };
 use persistent_pod_state::serving::ADMISSION_THREAD;
 use persistent_pod_state::synthetic;
@@ -116,6 +117,8 @@ struct Outcome {
     admission_us: f64,
     /// Context switches of the server's threads per review.
     switches: f64,
+    /// How long the server's threads waited, runnable, for a CPU, per review.
+    waiting_us: f64,
     /// TLB shootdowns of the whole machine per 1,000 reviews.
     shootdowns: f64,
     /// The CPU the rest of the machine used meanwhile (cores): all but the server, oha and
@@ -178,6 +181,7 @@ impl Load<'_> {
             cmd.args(["-q", &format!("{rate:.0}"), "--latency-correction"]);
         }
         let (before, switched) = (cpu_times(server.pid)?, context_switches(server.pid)?);
+        let delayed = run_delay_seconds(server.pid)?;
         let admitted = thread_cpu_seconds(server.pid, ADMISSION_THREAD)?;
         let shot = tlb_shootdowns()?;
         let (others, started) = (cpu_by_process()?, Instant::now());
@@ -191,6 +195,7 @@ impl Load<'_> {
         let mine = [server.pid, oha.id(), std::process::id()];
         let out = oha.wait_with_output()?;
         let (after, switches) = (cpu_times(server.pid)?, context_switches(server.pid)?);
+        let waited = run_delay_seconds(server.pid)? - delayed;
         let admission = thread_cpu_seconds(server.pid, ADMISSION_THREAD)? - admitted;
         let shootdowns = tlb_shootdowns()?.saturating_sub(shot);
         let elsewhere = cpu_by_process()?
@@ -254,6 +259,7 @@ impl Load<'_> {
             user_us: (after.0 - before.0) / ok * 1e6,
             admission_us: admission / ok * 1e6,
             switches: switches.saturating_sub(switched) as f64 / ok,
+            waiting_us: waited / ok * 1e6,
             shootdowns: shootdowns as f64 / ok * 1e3,
             elsewhere,
         })
@@ -593,6 +599,12 @@ fn main() -> anyhow::Result<()> {
             true,
         ),
         (
+            format!("waiting for a core per review at {half} req/s (µs)"),
+            pair(&fixed, |o| o.waiting_us),
+            "",
+            true,
+        ),
+        (
             "the rest of the machine at max (cores)".to_owned(),
             pair(&max, |o| o.elsewhere),
             "",
@@ -627,13 +639,19 @@ fn main() -> anyhow::Result<()> {
         spread(&fixed[2], |o| o.cpu_us),
         spread(&fixed[1], |o| o.cpu_us),
     );
+    let (router_waiting, floor_waiting) = (
+        spread(&fixed[2], |o| o.waiting_us),
+        spread(&fixed[1], |o| o.waiting_us),
+    );
     println!();
     println!(
-        "At {half} req/s, bench-server (the webhook's router over synthetic caches, without serve's controllers, watches and logging): p99 after the warm-up {} µs, over the floor's {}; CPU per review {} µs, {:.2} x the floor's.",
+        "At {half} req/s, bench-server (the webhook's router over synthetic caches, without serve's controllers, watches and logging): p99 after the warm-up {} µs, over the floor's {}; CPU per review {} µs, {:.2} x the floor's; waiting for a core {} µs per review, {:.2} x the floor's.",
         show(router_p99),
         ratio(router_p99.1, floor_p99.1)?,
         show(router_cpu),
         figure(router_cpu.1)? / figure(floor_cpu.1)?,
+        show(router_waiting),
+        figure(router_waiting.1)? / figure(floor_waiting.1)?,
     );
     let (serve_paired, router_paired) = (
         paired(&fixed[0], &fixed[1], |o| o.p99_steady_us),

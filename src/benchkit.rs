@@ -98,6 +98,25 @@ pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
     Ok(total)
 }
 
+/// Seconds the threads of process `pid` alive now have spent runnable but waiting for a CPU,
+/// summed (the second field of `/proc/PID/task/*/schedstat`, in ns; a thread that has exited no
+/// longer counts).
+pub fn run_delay_seconds(pid: u32) -> anyhow::Result<f64> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        // A thread may exit between the listing and the read.
+        let Ok(schedstat) = std::fs::read_to_string(task?.path().join("schedstat")) else {
+            continue;
+        };
+        total += schedstat
+            .split_whitespace()
+            .nth(1)
+            .and_then(|ns| ns.parse::<u64>().ok())
+            .context("/proc/PID/task/TID/schedstat")?;
+    }
+    Ok(total as f64 / 1e9)
+}
+
 /// TLB shootdowns the whole machine has taken so far (the `TLB` row of `/proc/interrupts`,
 /// summed over the CPUs; x86 only, 0 where the row is absent). A process that returns memory
 /// to the kernel while its other threads run interrupts the cores they run on.
