@@ -196,21 +196,7 @@ fn functions_in(start: usize, len: usize) -> Result<Vec<Function>, String> {
 /// A copy of the 2 MiB at `start` (readable) on a huge page of a writable mapping of its own.
 fn huge_copy(start: usize) -> Result<*mut c_void, String> {
     // Twice the size, to cut a 2 MiB-aligned range out of it.
-    // SAFETY: a new private anonymous mapping; nothing else is touched.
-    let area = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            2 * HUGE_PAGE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if area == libc::MAP_FAILED {
-        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
-    }
-    let base = area as usize;
+    let base = anonymous(2 * HUGE_PAGE)?;
     let aligned = base.next_multiple_of(HUGE_PAGE);
     // The parts before and after the aligned range are given back.
     if aligned > base {
@@ -249,6 +235,25 @@ fn huge_copy(start: usize) -> Result<*mut c_void, String> {
             ))
         }
     }
+}
+
+/// A new private anonymous mapping of `len` bytes, readable and writable: its address.
+fn anonymous(len: usize) -> Result<usize, String> {
+    // SAFETY: a new private anonymous mapping; nothing else is touched.
+    let area = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if area == libc::MAP_FAILED {
+        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    Ok(area as usize)
 }
 
 /// The address range of a line of `/proc/PID/maps`: its start and end.
@@ -292,7 +297,7 @@ fn unmap(copy: *mut c_void) {
 }
 
 fn unmap_range(start: usize, len: usize) {
-    // SAFETY: only ever called on (parts of) a mapping of this module's own, not yet moved
+    // SAFETY: only ever called on (parts of) a mapping `anonymous` made, not yet moved
     // (`huge_copy`'s, or a test's).
     unsafe { libc::munmap(start as *mut c_void, len) };
 }
@@ -374,19 +379,7 @@ mod tests {
         fs::write(&path, &bytes).expect("the file");
         let file = fs::File::open(&path).expect("open");
         let _ = fs::remove_file(&path);
-        // SAFETY: a new private anonymous mapping of the test's own.
-        let area = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                2 * page,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(area, libc::MAP_FAILED);
-        let start = area as usize;
+        let start = anonymous(2 * page).expect("a mapping");
         // The file's second and third pages over both.
         map_back(start, 2 * page, file.as_raw_fd(), 4096).expect("mapped back");
         // SAFETY: the range is mapped readable, 2 pages long.
