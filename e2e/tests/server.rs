@@ -789,3 +789,77 @@ async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
         assert!(body.contains("e2e-uid-1"), "{body}");
     }
 }
+
+/// Issue 22.1, the huge page's failure path: when the move of the copy over the code fails
+/// (`mremap`; here made to fail with `ENOMEM` by a seccomp filter set on `serve` before it
+/// starts), `serve`, built and linked as shipped, maps its code back from its binary's file
+/// over the range, says so, keeps no copy, and answers a review with that code. The filter
+/// stops the call before the kernel unmaps anything, so what this shows is that the pages
+/// mapped back are the binary's very code (a wrong offset would crash the first review), not
+/// the kernel's state after a partial move. Where the kernel has transparent huge pages off,
+/// `serve` gives up before the move and the path cannot run: the test says so and checks that
+/// `serve` still answers.
+#[tokio::test]
+async fn the_code_is_mapped_back_from_its_file_when_the_move_fails() {
+    use std::os::unix::process::CommandExt;
+    let env = env().await;
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let huge_pages = !thp.is_empty() && !thp.contains("[never]");
+    let filter = seccompiler::SeccompFilter::new(
+        [(libc::SYS_mremap, vec![])].into_iter().collect(),
+        seccompiler::SeccompAction::Allow,
+        seccompiler::SeccompAction::Errno(libc::ENOMEM as u32),
+        seccompiler::TargetArch::x86_64,
+    )
+    .expect("the filter");
+    let program: seccompiler::BpfProgram = filter.try_into().expect("compiled");
+    let (port, probe_port) = (19458, 18095);
+    let log = env.cluster_dir.join("serve-mremap-refused.log");
+    let mut command =
+        serve_command_of(&env, &env.release_bin, &env.sa_kubeconfig, port, probe_port);
+    command
+        .env("PPS_HOT_CODE_HUGE_PAGE", "true")
+        .stderr(std::fs::File::create(&log).expect("the log"));
+    // SAFETY: between fork and exec the child only sets its own seccomp filter (two system
+    // calls on a program compiled before the fork; no allocation on success).
+    unsafe {
+        command.pre_exec(move || {
+            seccompiler::apply_filter(&program)
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::PermissionDenied))
+        });
+    }
+    let child = spawn_until(command, &format!("http://127.0.0.1:{probe_port}/readyz")).await;
+    let pid = child.id().expect("running").to_string();
+    let (anonymous, code) = code_mappings(&pid);
+    let code = code.expect("the binary's code mapping");
+    let said = std::fs::read_to_string(&log).expect("the log");
+    if huge_pages {
+        assert!(
+            said.contains("mremap: Cannot allocate memory")
+                && said.contains("the code is mapped from the binary's file as before"),
+            "the failed move and the mapping back are said: {said}"
+        );
+        assert!(anonymous.is_empty(), "no copy kept: {anonymous:x?}");
+        assert_eq!(
+            code % (2 << 20),
+            0,
+            "the code mapped from the file at {code:#x}"
+        );
+        println!("mremap refused: the code at {code:#x} is mapped from the binary's file again");
+    } else {
+        assert!(said.contains("the hot code stays on small pages"), "{said}");
+        println!(
+            "transparent huge pages off ({}): no move to fail",
+            thp.trim()
+        );
+    }
+    let (status, body) = post_at(
+        &env,
+        &format!("https://127.0.0.1:{port}"),
+        &review(json!({"metadata": {"name": "x-0"}})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("e2e-uid-1"), "{body}");
+}
