@@ -42,15 +42,11 @@ pub fn cpu_times(pid: u32) -> anyhow::Result<(f64, f64)> {
 /// process, such as a server's admission threads).
 pub fn thread_cpu_seconds(pid: u32, name: &str) -> anyhow::Result<f64> {
     let mut total = 0.0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let task = task?.path();
-        // A thread may exit between the listing and the reads.
-        let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
-            continue;
-        };
+    for (task, comm) in task_files(pid, "comm")? {
         if comm.trim_end() != name {
             continue;
         }
+        // A thread may exit between the reads.
         let Ok(stat) = std::fs::read_to_string(task.join("stat")) else {
             continue;
         };
@@ -59,6 +55,20 @@ pub fn thread_cpu_seconds(pid: u32, name: &str) -> anyhow::Result<f64> {
             .cpu_seconds;
     }
     Ok(total)
+}
+
+/// The file `file` of each thread of process `pid` alive now, read whole, with the thread's
+/// directory (`/proc/PID/task/TID`); a thread that exits between the listing and the read is
+/// left out.
+fn task_files(pid: u32, file: &str) -> anyhow::Result<Vec<(std::path::PathBuf, String)>> {
+    let mut read = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        if let Ok(text) = std::fs::read_to_string(task.join(file)) {
+            read.push((task, text));
+        }
+    }
+    Ok(read)
 }
 
 /// User plus system CPU seconds each process alive now has spent, by pid (from
@@ -81,11 +91,7 @@ pub fn cpu_by_process() -> anyhow::Result<std::collections::HashMap<u32, f64>> {
 /// (from `/proc/PID/task/*/status`; a thread that has exited no longer counts).
 pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
     let mut total = 0u64;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        // A thread may exit between the listing and the read.
-        let Ok(status) = std::fs::read_to_string(task?.path().join("status")) else {
-            continue;
-        };
+    for (_, status) in task_files(pid, "status")? {
         for line in status.lines() {
             if let Some(n) = line
                 .strip_prefix("voluntary_ctxt_switches:")
@@ -103,11 +109,7 @@ pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
 /// longer counts).
 pub fn run_delay_seconds(pid: u32) -> anyhow::Result<f64> {
     let mut total = 0u64;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        // A thread may exit between the listing and the read.
-        let Ok(schedstat) = std::fs::read_to_string(task?.path().join("schedstat")) else {
-            continue;
-        };
+    for (_, schedstat) in task_files(pid, "schedstat")? {
         total += schedstat
             .split_whitespace()
             .nth(1)
@@ -258,22 +260,64 @@ mod tests {
                 }
             })
             .expect("thread");
-        // Polled until the kernel's tick accounting shows the spinning thread's CPU.
+        // Polled until the kernel's tick accounting shows five ticks of the spinning thread's
+        // CPU, more than the two by which the process's may fall short of it (below).
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         let mut counted = 0.0;
-        while counted == 0.0 && std::time::Instant::now() < deadline {
+        while counted < 0.05 && std::time::Instant::now() < deadline {
             counted = thread_cpu_seconds(pid, NAME).expect("read");
             std::thread::yield_now();
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         worker.join().expect("joined");
-        assert!(counted > 0.0, "the named thread's CPU was never counted");
+        assert!(
+            counted >= 0.05,
+            "the named thread's CPU did not reach 5 ticks: {counted}"
+        );
         // No thread of this name: nothing, however busy the others.
         assert_eq!(
             thread_cpu_seconds(pid, "no-such-thread").expect("read"),
             0.0
         );
-        // The named thread's CPU is part of the process's.
-        assert!(cpu_seconds(pid).expect("read") >= counted);
+        // The named thread's CPU is part of the process's, within two clock ticks: the kernel
+        // truncates user and system time to ticks apart, for the thread and for the process.
+        let process = cpu_seconds(pid).expect("read");
+        assert!(process + 0.02 >= counted, "{process} against {counted}");
+    }
+
+    #[test]
+    fn each_threads_files_are_read_and_summed() {
+        const NAME: &str = "task-listed";
+        let pid = std::process::id();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let (started, start) = std::sync::mpsc::channel::<()>();
+        let waiting = std::thread::Builder::new()
+            .name(NAME.into())
+            .spawn(move || {
+                // The thread names itself before it runs this: once it says so, it is listed.
+                started.send(()).expect("the test waits");
+                wait.recv()
+            })
+            .expect("thread");
+        start.recv().expect("started");
+        let comms = task_files(pid, "comm").expect("read");
+        assert!(
+            comms.iter().any(|(_, comm)| comm.trim_end() == NAME),
+            "{comms:?}"
+        );
+        // Every thread listed is one of this process's.
+        let dir = std::path::PathBuf::from(format!("/proc/{pid}/task"));
+        assert!(
+            comms
+                .iter()
+                .all(|(task, _)| task.parent() == Some(dir.as_path()))
+        );
+        // Each thread's status and schedstat read and summed without an error.
+        assert!(context_switches(pid).is_ok());
+        assert!(run_delay_seconds(pid).is_ok_and(|seconds| seconds >= 0.0));
+        release.send(()).expect("the thread waits");
+        waiting.join().expect("joined").expect("released");
+        // A process that is not there: an error, not nothing.
+        assert!(task_files(u32::MAX, "comm").is_err());
     }
 }
