@@ -681,6 +681,25 @@ async fn admission_threads_ask_for_their_slice_and_the_rest_runs_below_them() {
     }
 }
 
+/// Whether the kernel gives transparent huge pages (not `[never]`), with its setting as it reads.
+fn transparent_huge_pages() -> (bool, String) {
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    (!thp.is_empty() && !thp.contains("[never]"), thp)
+}
+
+/// Asserts that the instance listening on `port` answers a pod review with its uid.
+async fn answers_a_review(env: &Env, port: u16) {
+    let (status, body) = post_at(
+        env,
+        &format!("https://127.0.0.1:{port}"),
+        &review(json!({"metadata": {"name": "x-0"}})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("e2e-uid-1"), "{body}");
+}
+
 /// The anonymous executable mappings of process `pid` (`/proc/PID/smaps`), each with its start,
 /// end and the KiB of it on huge pages, and the start of the mapping of its binary's code.
 fn code_mappings(pid: &str) -> (Vec<(u64, u64, u64)>, Option<u64>) {
@@ -725,9 +744,7 @@ fn code_mappings(pid: &str) -> (Vec<(u64, u64, u64)>, Option<u64>) {
 #[tokio::test]
 async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
     let env = env().await;
-    let thp =
-        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    let huge_pages = !thp.is_empty() && !thp.contains("[never]");
+    let (huge_pages, thp) = transparent_huge_pages();
     for (port, probe_port, on) in [(19456, 18093, true), (19457, 18094, false)] {
         let mut command =
             serve_command_of(&env, &env.release_bin, &env.sa_kubeconfig, port, probe_port);
@@ -779,14 +796,7 @@ async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
                 thp.trim()
             );
         }
-        let (status, body) = post_at(
-            &env,
-            &format!("https://127.0.0.1:{port}"),
-            &review(json!({"metadata": {"name": "x-0"}})),
-        )
-        .await;
-        assert_eq!(status, 200, "{body}");
-        assert!(body.contains("e2e-uid-1"), "{body}");
+        answers_a_review(&env, port).await;
     }
 }
 
@@ -803,9 +813,7 @@ async fn the_hot_code_runs_from_a_huge_page_where_the_kernel_gives_one() {
 async fn the_code_is_mapped_back_from_its_file_when_the_move_fails() {
     use std::os::unix::process::CommandExt;
     let env = env().await;
-    let thp =
-        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    let huge_pages = !thp.is_empty() && !thp.contains("[never]");
+    let (huge_pages, thp) = transparent_huge_pages();
     let filter = seccompiler::SeccompFilter::new(
         [(libc::SYS_mremap, vec![])].into_iter().collect(),
         seccompiler::SeccompAction::Allow,
@@ -854,12 +862,5 @@ async fn the_code_is_mapped_back_from_its_file_when_the_move_fails() {
             thp.trim()
         );
     }
-    let (status, body) = post_at(
-        &env,
-        &format!("https://127.0.0.1:{port}"),
-        &review(json!({"metadata": {"name": "x-0"}})),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
-    assert!(body.contains("e2e-uid-1"), "{body}");
+    answers_a_review(&env, port).await;
 }
