@@ -1,23 +1,25 @@
-//! A pod review read by one visitor for every level of its JSON (issue 22.1). The fields the
-//! webhook reads, from the review's envelope down to the pod's owner references and
-//! tolerations, are found through a table of where each key leads ([`child`]), so the JSON
-//! reader's code runs as one copy for all of them. The derived readers of [`super`]
-//! instantiate that code once per type and field, and a review fetches all of those copies
-//! cold over HTTPS (`bench/cold-code.sh` counts them).
+//! A pod review read by a reader of its own (issue 22.1). The fields the webhook reads, from
+//! the review's envelope down to the pod's owner references and tolerations, are found through
+//! a table of where each key leads ([`child`]); everything else is skipped by one loop that checks
+//! it is JSON without decoding it. Driven through serde_json's generic reader and skipper (about
+//! 115 instructions per skipped string, of about 265 in a StatefulSet pod's review), the same
+//! reading took 59,700 instructions per review; this reader takes 51,700 (bench/NOTEBOOK.md,
+//! part 2).
 //!
 //! It reads what the API server sends and nothing else: a value of another type than expected,
 //! a field given twice, an owner reference without one of its required fields, a request
-//! without a uid, anything unusual makes it give up ([`read`] returns `None`), and the review is
-//! then read by the derived readers, which decide as they always did (read the field as absent,
-//! keep the object raw, or answer 400 with their message). So for any body it gives what they
-//! give, or nothing (`it_reads_what_the_derived_readers_read_or_gives_up`).
+//! without a uid, nesting deeper than [`MAX_DEPTH`], JSON it does not accept, anything unusual
+//! makes it give up ([`read`] returns `None`), and the review is then read by the derived
+//! readers, which decide as they always did (read the field as absent, keep the object raw, or
+//! answer 400 with their message). So for any body it gives what they give, or nothing
+//! (`it_reads_what_the_derived_readers_read_or_gives_up`); and whatever JSON it accepts,
+//! serde_json accepts (`the_skipper_accepts_only_what_serde_json_accepts`).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fmt;
 
 use k8s_openapi::api::core::v1::{NodeAffinity, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::{Gvk, RawRequest, RawReview, ReadAffinity, ReadMeta, ReadPod, ReadSpec};
@@ -26,15 +28,16 @@ use super::{Gvk, RawRequest, RawReview, ReadAffinity, ReadMeta, ReadPod, ReadSpe
 /// up (`None`) on anything the API server does not send; the caller then reads it with them.
 pub(super) fn read(text: &str) -> Option<RawReview<'_, ReadPod>> {
     let mut review = RawReview::default();
-    let mut de = serde_json::Deserializer::from_str(text);
-    Node {
-        at: At::Review,
-        review: &mut review,
-    }
-    .deserialize(&mut de)
-    .ok()?;
-    de.end().ok()?;
-    Some(review)
+    let mut reader = Reader { text, pos: 0 };
+    reader.value(
+        Node {
+            at: At::Review,
+            review: &mut review,
+        },
+        0,
+    )?;
+    reader.ws();
+    (reader.pos == text.len()).then_some(review)
 }
 
 /// Where a JSON value sits in a pod review: an object or array read field by field, or a field
@@ -135,42 +138,10 @@ fn child(at: At, key: &str) -> Child {
 /// The bits of an owner reference's required fields (`apiVersion`, `kind`, `name`, `uid`).
 const OWNER_REF_REQUIRED: u32 = 0b1111;
 
-/// Gives up on this review (the derived readers read it instead).
-fn give_up<E: serde::de::Error>() -> E {
-    E::custom("not read by the compact reader")
-}
-
-/// The one visitor: reads the value at `at` into `review`.
+/// Where the reader is: the value at `at`, read into `review`.
 struct Node<'r, 'de> {
     at: At,
     review: &'r mut RawReview<'de, ReadPod>,
-}
-
-impl<'de> DeserializeSeed<'de> for Node<'_, 'de> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-/// A key of the object at its `At`, looked up in the table without being copied.
-struct Key(At);
-
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = Child;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Child, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl Visitor<'_> for Key {
-    type Value = Child;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a key")
-    }
-    fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Child, E> {
-        Ok(child(self.0, key))
-    }
 }
 
 impl<'de> Node<'_, 'de> {
@@ -288,6 +259,17 @@ impl<'de> Node<'_, 'de> {
         true
     }
 
+    /// Sets the integer field at `self.at`; false where an integer does not belong.
+    fn set_int(&mut self, value: i64) -> bool {
+        match (self.at, self.toleration()) {
+            (At::TolSeconds, Some(toleration)) => {
+                toleration.toleration_seconds = Some(value);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Whether null belongs at `self.at` (read as absent, as the derived readers read it):
     /// everywhere but the envelope, the elements of a list and an owner reference's required
     /// fields.
@@ -306,79 +288,131 @@ impl<'de> Node<'_, 'de> {
     }
 }
 
-impl<'de> Visitor<'de> for Node<'_, 'de> {
-    type Value = ();
+/// Containers nested deeper than this (the review's own object counted) make the reader give
+/// up: far within serde_json's own limit (128), so that what this reader accepts the derived
+/// readers never refuse for its depth.
+const MAX_DEPTH: u32 = 64;
 
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a pod review")
+/// A position in the review's text. The text is UTF-8 already, and the reader only stops at
+/// ASCII bytes, so each piece it takes is a `str`.
+struct Reader<'de> {
+    text: &'de str,
+    pos: usize,
+}
+
+impl<'de> Reader<'de> {
+    fn bytes(&self) -> &'de [u8] {
+        self.text.as_bytes()
     }
 
-    fn visit_str<E: serde::de::Error>(mut self, value: &str) -> Result<(), E> {
-        if self.set_str(value) {
-            Ok(())
-        } else {
-            Err(give_up())
+    fn peek(&self) -> Option<u8> {
+        self.bytes().get(self.pos).copied()
+    }
+
+    /// Past JSON's whitespace.
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.bytes().get(self.pos) {
+            self.pos += 1;
         }
     }
 
-    fn visit_bool<E: serde::de::Error>(mut self, value: bool) -> Result<(), E> {
-        if self.set_bool(value) {
-            Ok(())
-        } else {
-            Err(give_up())
+    /// Past whitespace, `byte`, consumed; `None` if another comes.
+    fn eat(&mut self, byte: u8) -> Option<()> {
+        self.ws();
+        (self.peek()? == byte).then(|| self.pos += 1)
+    }
+
+    /// `word` (a literal: `true`, `false`, `null`) at the position, consumed.
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        let end = self.pos + word.len();
+        (self.bytes().get(self.pos..end)? == word).then(|| self.pos = end)
+    }
+
+    /// Past a comma (another member or element follows: true) or `close` (false); `None` for
+    /// anything else.
+    fn next_or(&mut self, close: u8) -> Option<bool> {
+        self.ws();
+        let byte = self.peek()?;
+        self.pos += 1;
+        match byte {
+            b',' => Some(true),
+            _ if byte == close => Some(false),
+            _ => None,
         }
     }
 
-    fn visit_i64<E: serde::de::Error>(mut self, value: i64) -> Result<(), E> {
-        match (self.at, self.toleration()) {
-            (At::TolSeconds, Some(toleration)) => {
-                toleration.toleration_seconds = Some(value);
-                Ok(())
+    /// Past the string whose opening quote is at the position (it is checked: escapes are
+    /// JSON's, no control character); its text, decoded if it holds escapes. `None` for a
+    /// string that is not JSON, or whose escapes serde_json would refuse to decode.
+    fn string(&mut self) -> Option<Cow<'de, str>> {
+        let bytes = self.bytes();
+        let start = self.pos + 1;
+        let mut i = start;
+        let mut escaped = false;
+        loop {
+            i = to_special(bytes, i);
+            match *bytes.get(i)? {
+                b'"' => break,
+                b'\\' => {
+                    escaped = true;
+                    i = past_escape(bytes, i)?;
+                }
+                _ => return None,
             }
-            _ => Err(give_up()),
         }
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, value: u64) -> Result<(), E> {
-        self.visit_i64(i64::try_from(value).map_err(|_| give_up::<E>())?)
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
-        if self.null_allowed() {
-            Ok(())
+        self.pos = i + 1;
+        let raw = self.text.get(start..i)?;
+        if escaped {
+            unescape(raw).map(Cow::Owned)
         } else {
-            Err(give_up())
+            Some(Cow::Borrowed(raw))
         }
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
-        let element = match self.at {
-            At::OwnerRefs => {
-                self.meta().owner_references = Some(Vec::new());
-                At::OwnerRef
+    /// The value at the position read into `node`, the value being inside `depth` containers.
+    fn value(&mut self, mut node: Node<'_, 'de>, depth: u32) -> Option<()> {
+        self.ws();
+        let read = match self.peek()? {
+            b'{' => return self.object(node, depth + 1),
+            b'[' => return self.array(node, depth + 1),
+            b'"' => node.set_str(&self.string()?),
+            b't' => {
+                self.literal(b"true")?;
+                node.set_bool(true)
             }
-            At::Tolerations => {
-                self.spec().tolerations = Some(Vec::new());
-                At::Toleration
+            b'f' => {
+                self.literal(b"false")?;
+                node.set_bool(false)
             }
-            _ => return Err(give_up()),
+            b'n' => {
+                self.literal(b"null")?;
+                node.null_allowed()
+            }
+            _ => node.set_int(self.integer()?),
         };
-        while seq
-            .next_element_seed(Node {
-                at: element,
-                review: self.review,
-            })?
-            .is_some()
-        {}
-        Ok(())
+        read.then_some(())
     }
 
-    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
-        if !self.begin_object() {
-            return Err(give_up());
+    /// The object at the position (the `depth`th container) read into `node`, key by key.
+    fn object(&mut self, mut node: Node<'_, 'de>, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH || !node.begin_object() {
+            return None;
         }
+        self.pos += 1;
+        self.ws();
         let mut seen = 0u32;
-        while let Some(child) = map.next_key_seed(Key(self.at))? {
+        let mut more = self.peek()? != b'}';
+        if !more {
+            self.pos += 1;
+        }
+        while more {
+            self.ws();
+            if self.peek()? != b'"' {
+                return None;
+            }
+            let key = self.string()?;
+            self.eat(b':')?;
+            let child = child(node.at, &key);
             let bit = match child {
                 Child::Node(_, bit)
                 | Child::Annotations(bit)
@@ -388,41 +422,357 @@ impl<'de> Visitor<'de> for Node<'_, 'de> {
                 Child::Skip => 0,
             };
             if seen & bit != 0 {
-                return Err(give_up());
+                return None;
             }
             seen |= bit;
             match child {
-                Child::Node(at, _) => map.next_value_seed(Node {
-                    at,
-                    review: self.review,
-                })?,
-                Child::Annotations(_) => {
-                    self.meta().annotations =
-                        map.next_value::<Option<BTreeMap<String, String>>>()?
-                }
-                Child::NodeSelector(_) => {
-                    self.spec().node_selector =
-                        map.next_value::<Option<BTreeMap<String, String>>>()?
-                }
+                Child::Node(at, _) => self.value(
+                    Node {
+                        at,
+                        review: &mut *node.review,
+                    },
+                    depth,
+                )?,
+                Child::Annotations(_) => node.meta().annotations = self.strings(depth)?,
+                Child::NodeSelector(_) => node.spec().node_selector = self.strings(depth)?,
                 Child::NodeAffinity(_) => {
-                    let node_affinity = map.next_value::<Option<NodeAffinity>>()?;
-                    if let Some(affinity) = self.spec().affinity.as_mut() {
+                    let text = self.extent(depth)?;
+                    let node_affinity = serde_json::from_str::<Option<NodeAffinity>>(text).ok()?;
+                    if let Some(affinity) = node.spec().affinity.as_mut() {
                         affinity.node_affinity = node_affinity;
                     }
                 }
                 Child::OldObject(_) => {
-                    self.request().old_object = map.next_value::<Option<&'de RawValue>>()?
+                    let text = self.extent(depth)?;
+                    node.request().old_object =
+                        serde_json::from_str::<Option<&'de RawValue>>(text).ok()?;
                 }
-                Child::Skip => {
-                    map.next_value::<IgnoredAny>()?;
+                Child::Skip => self.skip(depth)?,
+            }
+            more = self.next_or(b'}')?;
+        }
+        (node.at != At::OwnerRef || seen & OWNER_REF_REQUIRED == OWNER_REF_REQUIRED).then_some(())
+    }
+
+    /// The list at the position (the `depth`th container) read into `node`: owner references
+    /// or tolerations, each element an object.
+    fn array(&mut self, mut node: Node<'_, 'de>, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        let element = match node.at {
+            At::OwnerRefs => {
+                node.meta().owner_references = Some(Vec::new());
+                At::OwnerRef
+            }
+            At::Tolerations => {
+                node.spec().tolerations = Some(Vec::new());
+                At::Toleration
+            }
+            _ => return None,
+        };
+        self.pos += 1;
+        self.ws();
+        let mut more = self.peek()? != b']';
+        if !more {
+            self.pos += 1;
+        }
+        while more {
+            self.value(
+                Node {
+                    at: element,
+                    review: &mut *node.review,
+                },
+                depth,
+            )?;
+            more = self.next_or(b']')?;
+        }
+        Some(())
+    }
+
+    /// A map of strings (annotations, a node selector) or null, inside `depth` containers, as
+    /// serde reads an `Option<BTreeMap<String, String>>` (a key given twice: the last value).
+    fn strings(&mut self, depth: u32) -> Option<Option<BTreeMap<String, String>>> {
+        self.ws();
+        match self.peek()? {
+            b'n' => {
+                self.literal(b"null")?;
+                return Some(None);
+            }
+            b'{' if depth < MAX_DEPTH => self.pos += 1,
+            _ => return None,
+        }
+        let mut map = BTreeMap::new();
+        self.ws();
+        let mut more = self.peek()? != b'}';
+        if !more {
+            self.pos += 1;
+        }
+        while more {
+            self.ws();
+            if self.peek()? != b'"' {
+                return None;
+            }
+            let key = self.string()?;
+            self.eat(b':')?;
+            self.ws();
+            if self.peek()? != b'"' {
+                return None;
+            }
+            let value = self.string()?;
+            map.insert(key.into_owned(), value.into_owned());
+            more = self.next_or(b'}')?;
+        }
+        Some(Some(map))
+    }
+
+    /// The text of the value at the position (skipped), inside `depth` containers.
+    fn extent(&mut self, depth: u32) -> Option<&'de str> {
+        self.ws();
+        let start = self.pos;
+        self.skip(depth)?;
+        self.text.get(start..self.pos)
+    }
+
+    /// An integer as serde_json reads one into `i64` (no fraction or exponent, not `-0`, in
+    /// range); `None` for any other number, or what is not one.
+    fn integer(&mut self) -> Option<i64> {
+        let bytes = self.bytes();
+        let start = self.pos;
+        let digits = start + usize::from(bytes.get(start) == Some(&b'-'));
+        let end = digits
+            + bytes
+                .get(digits..)?
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+        let leading_zero = end - digits > 1 && bytes.get(digits) == Some(&b'0');
+        let negative_zero = digits > start && self.text.get(digits..end) == Some("0");
+        if end == digits
+            || leading_zero
+            || negative_zero
+            || matches!(bytes.get(end), Some(b'.' | b'e' | b'E'))
+        {
+            return None;
+        }
+        let value = self.text.get(start..end)?.parse().ok()?;
+        self.pos = end;
+        Some(value)
+    }
+
+    /// Past the value at the position, checked as JSON and not decoded, inside `depth`
+    /// containers.
+    fn skip(&mut self, depth: u32) -> Option<()> {
+        // One bit per open container, the innermost lowest: set for an object.
+        let mut open: u64 = 0;
+        let mut inside = 0u32;
+        loop {
+            // A value starts here.
+            self.ws();
+            match self.peek()? {
+                b'"' => {
+                    self.string_skipped()?;
                 }
+                byte @ (b'{' | b'[') => {
+                    let object = byte == b'{';
+                    inside += 1;
+                    if depth + inside > MAX_DEPTH {
+                        return None;
+                    }
+                    open = (open << 1) | u64::from(object);
+                    self.pos += 1;
+                    self.ws();
+                    let close = if object { b'}' } else { b']' };
+                    if self.peek()? == close {
+                        self.pos += 1;
+                        open >>= 1;
+                        inside -= 1;
+                    } else {
+                        if object {
+                            self.key_skipped()?;
+                        }
+                        continue;
+                    }
+                }
+                b't' => self.literal(b"true")?,
+                b'f' => self.literal(b"false")?,
+                b'n' => self.literal(b"null")?,
+                _ => self.number_skipped()?,
+            }
+            // After a value: close what ends here, or go on to the next member or element.
+            loop {
+                if inside == 0 {
+                    return Some(());
+                }
+                let object = open & 1 == 1;
+                if self.next_or(if object { b'}' } else { b']' })? {
+                    if object {
+                        self.key_skipped()?;
+                    }
+                    break;
+                }
+                open >>= 1;
+                inside -= 1;
             }
         }
-        if self.at == At::OwnerRef && seen & OWNER_REF_REQUIRED != OWNER_REF_REQUIRED {
-            return Err(give_up());
-        }
-        Ok(())
     }
+
+    /// Past a member's key and its colon (in a skipped object).
+    fn key_skipped(&mut self) -> Option<()> {
+        self.ws();
+        if self.peek()? != b'"' {
+            return None;
+        }
+        self.string_skipped()?;
+        self.eat(b':')?;
+        self.ws();
+        Some(())
+    }
+
+    /// Past the string whose opening quote is at the position, checked and not decoded.
+    fn string_skipped(&mut self) -> Option<()> {
+        let bytes = self.bytes();
+        let mut i = self.pos + 1;
+        loop {
+            i = to_special(bytes, i);
+            match *bytes.get(i)? {
+                b'"' => break,
+                b'\\' => i = past_escape(bytes, i)?,
+                _ => return None,
+            }
+        }
+        self.pos = i + 1;
+        Some(())
+    }
+
+    /// Past a number, checked as JSON's grammar: `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]?
+    /// [0-9]+)?`.
+    fn number_skipped(&mut self) -> Option<()> {
+        let bytes = self.bytes();
+        let digits = |from: usize| {
+            from + bytes.get(from..).map_or(0, |rest| {
+                rest.iter().take_while(|b| b.is_ascii_digit()).count()
+            })
+        };
+        let mut i = self.pos + usize::from(bytes.get(self.pos) == Some(&b'-'));
+        match bytes.get(i)? {
+            b'0' => i += 1,
+            b'1'..=b'9' => i = digits(i),
+            _ => return None,
+        }
+        if bytes.get(i) == Some(&b'.') {
+            let end = digits(i + 1);
+            if end == i + 1 {
+                return None;
+            }
+            i = end;
+        }
+        if let Some(b'e' | b'E') = bytes.get(i) {
+            i += 1;
+            if let Some(b'+' | b'-') = bytes.get(i) {
+                i += 1;
+            }
+            let end = digits(i);
+            if end == i {
+                return None;
+            }
+            i = end;
+        }
+        self.pos = i;
+        Some(())
+    }
+}
+
+/// Whether a byte ends a run of a string's plain bytes: a quote, a backslash or a control
+/// character (which JSON does not allow raw in a string).
+const SPECIAL: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut byte = 0;
+    while byte < 0x20 {
+        table[byte] = true;
+        byte += 1;
+    }
+    table[b'"' as usize] = true;
+    table[b'\\' as usize] = true;
+    table
+};
+
+/// The first index from `i` of a [`SPECIAL`] byte (`bytes.len()` if none): eight bytes at a time
+/// while none of them is one.
+fn to_special(bytes: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    while let Some(chunk) = bytes.get(i..i + 8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let word = u64::from_le_bytes(word);
+        // A byte of `x` is zero where the high bit of `(x - ONES) & !x` is set (the lowest such
+        // byte exactly; higher ones may be false alarms, which the byte loop below sorts out).
+        let zero = |x: u64| x.wrapping_sub(ONES) & !x;
+        let found = (zero(word ^ (ONES * u64::from(b'"')))
+            | zero(word ^ (ONES * u64::from(b'\\')))
+            | (word.wrapping_sub(ONES * 0x20) & !word))
+            & HIGH;
+        if found != 0 {
+            i += (found.trailing_zeros() / 8) as usize;
+            break;
+        }
+        i += 8;
+    }
+    while bytes.get(i).is_some_and(|&b| !SPECIAL[usize::from(b)]) {
+        i += 1;
+    }
+    i
+}
+
+/// Past the escape whose backslash is at `i`: one of JSON's (`\"`, `\\`, `\/`, `\b`, `\f`,
+/// `\n`, `\r`, `\t`, `\u` and four hex digits); `None` for any other.
+fn past_escape(bytes: &[u8], i: usize) -> Option<usize> {
+    match bytes.get(i + 1)? {
+        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(i + 2),
+        b'u' if bytes.get(i + 2..i + 6)?.iter().all(u8::is_ascii_hexdigit) => Some(i + 6),
+        _ => None,
+    }
+}
+
+/// The text of a string with escapes (each already checked as JSON's), decoded; `None` for a
+/// surrogate not in a pair, which serde_json refuses in a string it decodes.
+fn unescape(raw: &str) -> Option<String> {
+    let hex = |text: &str| u32::from_str_radix(text.get(..4)?, 16).ok();
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(at) = rest.find('\\') {
+        out.push_str(rest.get(..at)?);
+        let escape = *rest.as_bytes().get(at + 1)?;
+        rest = rest.get(at + 2..)?;
+        out.push(match escape {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            _ => {
+                let unit = hex(rest)?;
+                rest = rest.get(4..)?;
+                match unit {
+                    0xD800..=0xDBFF => {
+                        let low = rest.strip_prefix("\\u").and_then(hex)?;
+                        if !(0xDC00..=0xDFFF).contains(&low) {
+                            return None;
+                        }
+                        rest = rest.get(6..)?;
+                        char::from_u32(0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00))?
+                    }
+                    _ => char::from_u32(unit)?,
+                }
+            }
+        });
+    }
+    out.push_str(rest);
+    Some(out)
 }
 
 #[cfg(test)]
@@ -608,6 +958,101 @@ mod tests {
         ])
     }
 
+    /// Whether the skipper takes all of `text` as one JSON value.
+    fn skips_whole(text: &str) -> bool {
+        let mut reader = Reader { text, pos: 0 };
+        reader.skip(0).is_some() && {
+            reader.ws();
+            reader.pos == text.len()
+        }
+    }
+
+    /// Whether serde_json reads `text` as one JSON value (skipping it, as the derived readers
+    /// skip what they do not read).
+    fn serde_skips(text: &str) -> bool {
+        serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok()
+    }
+
+    /// Pieces of JSON text, valid and not, that the skipper's property test strings together.
+    const PIECES: &[&str] = &[
+        "{",
+        "}",
+        "[",
+        "]",
+        ",",
+        ":",
+        " ",
+        "\n",
+        "\"a\"",
+        "\"\"",
+        "\"k\":",
+        "\"\\u00e9\"",
+        "\"\\ud800\"",
+        "\"\\u12\"",
+        "\"\\x\"",
+        "\"\\n\\\"\\/\"",
+        "\"\u{1}\"",
+        "\"é\"",
+        "\"\u{1F600}\"",
+        "\"",
+        "0",
+        "-0",
+        "01",
+        "1.",
+        "1.5",
+        "1.5e+3",
+        "2E-7",
+        "1e",
+        "-",
+        "123",
+        "true",
+        "tru",
+        "false",
+        "null",
+        "nul",
+        "x",
+    ];
+
+    /// Strings with escapes in the fields this reader reads are read, decoded as serde_json
+    /// decodes them; a surrogate not in a pair makes it give up.
+    #[test]
+    fn escapes_are_decoded_as_serde_json_decodes_them() {
+        let base = String::from_utf8(synthetic::review_of(synthetic::pod(1), 1)).expect("UTF-8");
+        let cases = [
+            ("\"uid\":\"", "\"uid\":\"\\u00e9\\ud83d\\ude00\\n\\\"x\\/"),
+            ("\"uid\":", "\"u\\u0069d\":"),
+            (
+                "\"annotations\":{",
+                "\"annotations\":{\"a\\\\b\\u003c\":\"\\u0026\\t\",",
+            ),
+            ("\"name\":\"", "\"name\":\"\\b\\f\\r"),
+        ];
+        for (find, replace) in cases {
+            assert!(base.contains(find), "{find}");
+            let text = base.replacen(find, replace, 1);
+            let read = read(&text).unwrap_or_else(|| panic!("escapes are read: {text}"));
+            let expected = derived(&text).expect("the derived readers read it");
+            assert_eq!(fields(&read), fields(&expected), "{text}");
+        }
+        for lone in ["\\ud800", "\\udc00", "\\ud800\\u0041"] {
+            let text = base.replacen("\"uid\":\"", &format!("\"uid\":\"{lone}"), 1);
+            assert!(read(&text).is_none(), "{text}");
+            agrees(&text);
+        }
+    }
+
+    /// Nesting past [`MAX_DEPTH`] in a skipped value gives up; within it, the value is skipped.
+    #[test]
+    fn deep_nesting_gives_up() {
+        let base = String::from_utf8(synthetic::review_of(synthetic::pod(1), 1)).expect("UTF-8");
+        let nested = |n: usize| format!("\"deep\":{}{},", "[".repeat(n), "]".repeat(n));
+        let within = base.replacen("\"spec\":{", &format!("\"spec\":{{{}", nested(20)), 1);
+        assert!(read(&within).is_some());
+        agrees(&within);
+        let past = base.replacen("\"spec\":{", &format!("\"spec\":{{{}", nested(200)), 1);
+        assert!(read(&past).is_none());
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -645,6 +1090,19 @@ mod tests {
                 prop_assert!(expected.is_some(), "read what the derived readers reject: {}", text);
                 prop_assert_eq!(fields(&read), fields(&expected.expect("read")), "{}", text);
             }
+        }
+
+        /// Whatever the skipper takes as a JSON value, serde_json reads as one, and the other
+        /// way round: over strings of pieces of JSON, valid and not, and over any JSON value.
+        #[test]
+        fn the_skipper_accepts_only_what_serde_json_accepts(
+            pieces in prop::collection::vec(prop::sample::select(PIECES), 1..12),
+            value in any_json(),
+        ) {
+            let text = pieces.concat();
+            prop_assert_eq!(skips_whole(&text), serde_skips(&text), "{}", text);
+            let text = value.to_string();
+            prop_assert!(skips_whole(&text), "{}", text);
         }
     }
 }
