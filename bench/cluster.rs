@@ -1095,6 +1095,32 @@ struct Synced {
     replica_cpu: f64,
     /// CPU seconds the API server spent meanwhile (serving the lists, and whatever else).
     apiserver_cpu: f64,
+    /// The API server's garbage collector around the start.
+    gc: ApiServerGc,
+}
+
+/// The API server's garbage collector around a start (its Go runtime's metrics): a collection
+/// that runs through the start marks the whole heap, 100,000 pods in the watch cache, on the
+/// cores the lists are served from (bench/NOTEBOOK.md, part 5).
+struct ApiServerGc {
+    /// Collections completed from the start to Ready.
+    collections: f64,
+    /// The heap in use as the start began (GB).
+    heap_gb: f64,
+    /// The heap at which the next collection was due then (GB).
+    goal_gb: f64,
+}
+
+/// The API server's collections so far, its heap in use and its next collection's goal (bytes).
+async fn apiserver_gc(client: &Client) -> anyhow::Result<(f64, f64, f64)> {
+    let request = axum::http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(request).await?;
+    let read = |name: &str| metric(&text, name).with_context(|| format!("the API server's {name}"));
+    Ok((
+        read("go_gc_duration_seconds_count")?,
+        read("go_memstats_heap_alloc_bytes")?,
+        read("go_memstats_next_gc_bytes")?,
+    ))
 }
 
 /// A pod of the memory test: the synthetic StatefulSet pod, bare (no owner) and bound to a node.
@@ -1131,7 +1157,12 @@ impl Drop for Stopped {
 
 /// Starts a standby replica (the registered one holds the Lease), waits until its caches have
 /// synced (`/readyz`), and reads its memory.
-async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Synced> {
+async fn fresh_replica(
+    client: &Client,
+    opts: &Opts,
+    name: &str,
+    port: u16,
+) -> anyhow::Result<Synced> {
     let dir = &opts.cluster_dir;
     let log = std::fs::File::create(dir.join("logs").join(format!("{name}.log")))?;
     let probe = format!("127.0.0.1:{}", port + 1);
@@ -1151,6 +1182,7 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
     let replica = Stopped(child);
     let pid = replica.0.id();
     let apiserver = pid_file(dir, "kube-apiserver")?;
+    let (collections_before, heap, goal) = apiserver_gc(client).await?;
     let apiserver_before = cpu_seconds(apiserver)?;
     let start = Instant::now();
     until(
@@ -1162,6 +1194,11 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
     let seconds = start.elapsed().as_secs_f64();
     let replica_cpu = cpu_seconds(pid)?;
     let apiserver_cpu = cpu_seconds(apiserver)? - apiserver_before;
+    let gc = ApiServerGc {
+        collections: apiserver_gc(client).await?.0 - collections_before,
+        heap_gb: heap / 1e9,
+        goal_gb: goal / 1e9,
+    };
     let (rss_mb, peak_mb) = memory_of(pid)?;
     let cached_pods = metric(&scrape(&probe).await?, "pps_cached_pods").context("cached pods")?;
     drop(replica);
@@ -1172,6 +1209,7 @@ async fn fresh_replica(opts: &Opts, name: &str, port: u16) -> anyhow::Result<Syn
         seconds,
         replica_cpu,
         apiserver_cpu,
+        gc,
     })
 }
 
@@ -1357,11 +1395,11 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
     batch(0..per_namespace).await?;
     // As every run before the tenth session measured it: the moment the last pod is created,
     // with the control plane still absorbing 100,000 creations.
-    let busy = fresh_replica(opts, "bench-memory-busy", 19650).await?;
+    let busy = fresh_replica(client, opts, "bench-memory-busy", 19650).await?;
     // The figure judged: a restart into a cluster at rest (the registered replica caching every
     // pod, the control plane's own work done), as a replica restarts in production.
     let rest = at_rest(opts, pods).await?;
-    let synced = fresh_replica(opts, "bench-memory", 19660).await?;
+    let synced = fresh_replica(client, opts, "bench-memory", 19660).await?;
     for s in [&busy, &synced] {
         anyhow::ensure!(
             s.cached_pods >= pods as f64,
@@ -1721,6 +1759,17 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
         figure(s.replica_cpu)?,
         figure(s.apiserver_cpu)?
     );
+    for (when, start) in [
+        ("that start", s),
+        ("the start right after the creation", &mem.busy),
+    ] {
+        println!(
+            "| the API server's garbage collector in {when}: collections completed until Ready; its heap in use as it began, and the heap its next collection was due at (GB) | {:.0}; {:.2}, {:.2} | |",
+            figure(start.gc.collections)?,
+            figure(start.gc.heap_gb)?,
+            figure(start.gc.goal_gb)?
+        );
+    }
     let r = &mem.rest;
     println!(
         "| the control plane before that start: cores over {} s (the API server's), waited (s) | {:.2} ({:.2}), {:.0}{} | at rest: < {REST_CORES} |",
