@@ -341,6 +341,29 @@ impl<'de> Reader<'de> {
         }
     }
 
+    /// Past the opening bracket at the position and whitespace: whether a member or element
+    /// follows (false: `close` came, and is consumed too).
+    fn opened(&mut self, close: u8) -> Option<bool> {
+        self.pos += 1;
+        self.ws();
+        if self.peek()? == close {
+            self.pos += 1;
+            return Some(false);
+        }
+        Some(true)
+    }
+
+    /// Past an object member's key and its colon: the key.
+    fn key(&mut self) -> Option<Cow<'de, str>> {
+        self.ws();
+        if self.peek()? != b'"' {
+            return None;
+        }
+        let key = self.string()?;
+        self.eat(b':')?;
+        Some(key)
+    }
+
     /// Past the string whose opening quote is at the position (it is checked: escapes are
     /// JSON's, no control character); its text, decoded if it holds escapes. `None` for a
     /// string that is not JSON, or whose escapes serde_json would refuse to decode.
@@ -398,20 +421,10 @@ impl<'de> Reader<'de> {
         if depth > MAX_DEPTH || !node.begin_object() {
             return None;
         }
-        self.pos += 1;
-        self.ws();
         let mut seen = 0u32;
-        let mut more = self.peek()? != b'}';
-        if !more {
-            self.pos += 1;
-        }
+        let mut more = self.opened(b'}')?;
         while more {
-            self.ws();
-            if self.peek()? != b'"' {
-                return None;
-            }
-            let key = self.string()?;
-            self.eat(b':')?;
+            let key = self.key()?;
             let child = child(node.at, &key);
             let bit = match child {
                 Child::Node(_, bit)
@@ -471,12 +484,7 @@ impl<'de> Reader<'de> {
             }
             _ => return None,
         };
-        self.pos += 1;
-        self.ws();
-        let mut more = self.peek()? != b']';
-        if !more {
-            self.pos += 1;
-        }
+        let mut more = self.opened(b']')?;
         while more {
             self.value(
                 Node {
@@ -499,22 +507,13 @@ impl<'de> Reader<'de> {
                 self.literal(b"null")?;
                 return Some(None);
             }
-            b'{' if depth < MAX_DEPTH => self.pos += 1,
+            b'{' if depth < MAX_DEPTH => {}
             _ => return None,
         }
         let mut map = BTreeMap::new();
-        self.ws();
-        let mut more = self.peek()? != b'}';
-        if !more {
-            self.pos += 1;
-        }
+        let mut more = self.opened(b'}')?;
         while more {
-            self.ws();
-            if self.peek()? != b'"' {
-                return None;
-            }
-            let key = self.string()?;
-            self.eat(b':')?;
+            let key = self.key()?;
             self.ws();
             if self.peek()? != b'"' {
                 return None;
@@ -580,19 +579,14 @@ impl<'de> Reader<'de> {
                         return None;
                     }
                     open = (open << 1) | u64::from(object);
-                    self.pos += 1;
-                    self.ws();
-                    let close = if object { b'}' } else { b']' };
-                    if self.peek()? == close {
-                        self.pos += 1;
-                        open >>= 1;
-                        inside -= 1;
-                    } else {
+                    if self.opened(if object { b'}' } else { b']' })? {
                         if object {
                             self.key_skipped()?;
                         }
                         continue;
                     }
+                    open >>= 1;
+                    inside -= 1;
                 }
                 b't' => self.literal(b"true")?,
                 b'f' => self.literal(b"false")?,
