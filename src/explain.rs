@@ -300,6 +300,7 @@ fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<Strin
         return None;
     }
     let pinned = encode_required(&values);
+    let values = placement::borrowed(&values);
     if let Some(dropped) =
         placement::required(values.clone(), &PodDemands::none(), nodes, health).dropped
     {

@@ -260,7 +260,7 @@ pub trait Nodes {
     /// index), until it returns true; returns whether it did.
     fn visit_with_labels(
         &self,
-        labels: &BTreeMap<String, String>,
+        labels: &BTreeMap<&str, &str>,
         visit: &mut dyn FnMut(&Node) -> bool,
     ) -> bool;
     /// Every node.
@@ -298,25 +298,61 @@ pub struct Dropped {
     pub reason: DropReason,
 }
 
-/// Which recorded required values can be injected.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Required {
+/// Which recorded required values can be injected: borrowed from what was recorded as
+/// [`required`] answers (the webhook's case), or owned ([`Required::into_owned`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Required<S = String> {
     /// Injected: some usable node meeting the pod's demands has them all.
-    pub kept: BTreeMap<String, String>,
+    pub kept: BTreeMap<S, S>,
     /// Left out, if any.
     pub dropped: Option<Dropped>,
+}
+
+impl<S> Default for Required<S> {
+    fn default() -> Self {
+        Self {
+            kept: BTreeMap::new(),
+            dropped: None,
+        }
+    }
+}
+
+impl Required<&str> {
+    /// The same, owning its values.
+    pub fn into_owned(self) -> Required {
+        Required {
+            kept: owned(&self.kept),
+            dropped: self.dropped,
+        }
+    }
+}
+
+/// `values` as owned strings.
+pub fn owned(values: &BTreeMap<&str, &str>) -> BTreeMap<String, String> {
+    values
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// `values` borrowed.
+pub fn borrowed(values: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    values
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
 }
 
 /// Decides which of the `recorded` required values to inject: all of them when a usable node
 /// meeting `demands` has them all (the usual case, answered from the label index); otherwise
 /// the largest subset some such node has (ties: the subset more nodes have, then key order),
 /// so a lost hostname degrades to its zone. What is left out is reported with its reason.
-pub fn required(
-    recorded: BTreeMap<String, String>,
+pub fn required<'a>(
+    recorded: BTreeMap<&'a str, &'a str>,
     demands: &PodDemands<'_>,
     nodes: &dyn Nodes,
     health: &Health,
-) -> Required {
+) -> Required<&'a str> {
     if recorded.is_empty() {
         return Required::default();
     }
@@ -343,13 +379,13 @@ pub fn required(
         DropReason::NodeLost
     };
     // Degrade: the largest subset of the recorded values some usable node still has.
-    let pairs: Vec<(&String, &String)> = recorded.iter().collect();
+    let pairs: Vec<(&str, &str)> = recorded.iter().map(|(k, v)| (*k, *v)).collect();
     let mut subsets: HashMap<Vec<bool>, usize> = HashMap::new();
     for node in nodes.all().iter().filter(|n| usable(n)) {
         let labels = node.labels();
         let mask: Vec<bool> = pairs
             .iter()
-            .map(|(k, v)| labels.get(*k) == Some(*v))
+            .map(|(k, v)| labels.get(*k).map(String::as_str) == Some(*v))
             .collect();
         *subsets.entry(mask).or_default() += 1;
     }
@@ -378,7 +414,7 @@ pub fn required(
     Required {
         kept,
         dropped: Some(Dropped {
-            values: left,
+            values: owned(&left),
             reason,
         }),
     }
@@ -694,12 +730,16 @@ mod tests {
     impl Nodes for Fleet {
         fn visit_with_labels(
             &self,
-            labels: &BTreeMap<String, String>,
+            labels: &BTreeMap<&str, &str>,
             visit: &mut dyn FnMut(&Node) -> bool,
         ) -> bool {
             self.0
                 .iter()
-                .filter(|n| labels.iter().all(|(k, v)| n.labels().get(k) == Some(v)))
+                .filter(|n| {
+                    labels
+                        .iter()
+                        .all(|(k, v)| n.labels().get(*k).map(String::as_str) == Some(*v))
+                })
                 .any(|n| visit(n))
         }
         fn all(&self) -> Vec<Arc<Node>> {
@@ -729,7 +769,8 @@ mod tests {
             json!([{"matchExpressions": [expr(ZONE, "NotIn", &["a"])]}]),
         ));
         let choose = |pairs: &[(&str, &str)], p: &Pod| {
-            required(recorded(pairs), &PodDemands::of(p), &fleet, &h)
+            let values = recorded(pairs);
+            required(borrowed(&values), &PodDemands::of(p), &fleet, &h).into_owned()
         };
         let dropped = |pairs: &[(&str, &str)], reason| {
             Some(Dropped {

@@ -228,7 +228,13 @@ pub async fn status(
     let health = Health::now(lost_after);
     let demands = PodDemands::none();
     let place = |recorded: &BTreeMap<String, String>| {
-        placement::required(recorded.clone(), &demands, caches.as_ref(), &health)
+        placement::required(
+            placement::borrowed(recorded),
+            &demands,
+            caches.as_ref(),
+            &health,
+        )
+        .into_owned()
     };
     Ok(list
         .items

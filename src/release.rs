@@ -536,7 +536,7 @@ mod tests {
     impl Nodes for Fleet {
         fn visit_with_labels(
             &self,
-            _labels: &BTreeMap<String, String>,
+            _labels: &BTreeMap<&str, &str>,
             _visit: &mut dyn FnMut(&Node) -> bool,
         ) -> bool {
             false

@@ -74,11 +74,12 @@ impl Context {
             }
         }
         let placed = placement::required(
-            values.clone(),
+            placement::borrowed(values),
             &PodDemands::none(),
             self.caches.as_ref(),
             health,
-        );
+        )
+        .into_owned();
         let mut memo = crate::sync::lock(&self.placements);
         if memo.nodes_changed == nodes_changed {
             if memo.by_values.len() >= MAX_PLACEMENTS {

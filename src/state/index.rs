@@ -4,7 +4,7 @@
 //! relists (`Init`, `InitApply`..., `InitDone`), a fresh index is built aside and replaces the
 //! current one only at `InitDone`, exactly like the reflector store it sits next to.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{RwLock, RwLockReadGuard};
 
 use k8s_openapi::api::core::v1::Node;
@@ -13,6 +13,12 @@ use kube::{Resource, ResourceExt};
 
 use crate::api::PersistentPodState;
 use crate::workload::{GroupKind, WorkloadRef};
+
+/// The indexes' maps, hashed with aHash: keyed at random per process, built to resist
+/// collision flooding (not a cryptographic hash), several times faster than the standard
+/// library's SipHash on the short names a review looks up, and the hasher the reflector
+/// stores already use.
+type HashMap<K, V> = std::collections::HashMap<K, V, ahash::RandomState>;
 
 /// An index over objects of kind `K`, updated one object at a time.
 pub trait Indexer<K>: Default {
@@ -194,18 +200,14 @@ impl NodesByLabel {
     /// node for no labels is not answered: `None`.
     pub fn with_all<'a>(
         &'a self,
-        labels: &BTreeMap<String, String>,
+        labels: &BTreeMap<&str, &str>,
     ) -> Option<impl Iterator<Item = &'a str> + 'a> {
         if labels.is_empty() {
             return None;
         }
         let mut candidates: Vec<&BTreeSet<String>> = Vec::with_capacity(labels.len());
         for (k, v) in labels {
-            match self
-                .nodes
-                .get(k.as_str())
-                .and_then(|values| values.get(v.as_str()))
-            {
+            match self.nodes.get(*k).and_then(|values| values.get(*v)) {
                 Some(nodes) => candidates.push(nodes),
                 None => {
                     candidates.clear();
@@ -229,7 +231,7 @@ impl NodesByLabel {
     }
 
     /// Whether some node carries every `key=value` of `labels` (true for no labels).
-    pub fn any_with(&self, labels: &BTreeMap<String, String>) -> bool {
+    pub fn any_with(&self, labels: &BTreeMap<&str, &str>) -> bool {
         self.with_all(labels)
             .is_none_or(|mut nodes| nodes.next().is_some())
     }
@@ -290,11 +292,8 @@ mod tests {
         serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).expect("node")
     }
 
-    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+    fn labels<'a>(pairs: &[(&'a str, &'a str)]) -> BTreeMap<&'a str, &'a str> {
+        pairs.iter().copied().collect()
     }
 
     #[test]

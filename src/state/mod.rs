@@ -499,7 +499,7 @@ impl Caches {
 impl Nodes for Caches {
     fn visit_with_labels(
         &self,
-        labels: &BTreeMap<String, String>,
+        labels: &BTreeMap<&str, &str>,
         visit: &mut dyn FnMut(&Node) -> bool,
     ) -> bool {
         let index = self.node_labels.read();

@@ -4,7 +4,7 @@
 //! (`mutate_pod.rs`), `explain` and the controller's reports all describe a decision
 //! through [`Decision::left_out`] and [`LeftOut`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
@@ -330,9 +330,6 @@ fn judge(
     };
     let pps_name = pps.metadata.name.as_deref().unwrap_or_default();
     let (demands, health) = (PodDemands::of(pod), lookup.health());
-    let place = |recorded: BTreeMap<String, String>| {
-        placement::required(recorded, &demands, lookup.nodes(), &health)
-    };
     let holder = |ip: &str| lookup.ip_holder(ip, namespace, name);
     let ip = ip_request::decide(
         pps.annotations()
@@ -346,7 +343,14 @@ fn judge(
         IpDecision::Request { annotation, value } => Some((annotation.as_str(), value.as_str())),
         _ => None,
     };
-    let injection = injection_for(pod, pps_name, &pps.spec, state, &place, request);
+    let injection = injection_for(
+        pod,
+        pps_name,
+        &pps.spec,
+        state,
+        &|recorded| placement::required(recorded, &demands, lookup.nodes(), &health),
+        request,
+    );
     let verdict = Verdict::Inject {
         injection: Box::new(injection),
         ip,
@@ -359,6 +363,7 @@ pub(super) mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{Node, Pod};
     use serde_json::{Value, json};
+    use std::collections::BTreeMap;
 
     #[test]
     fn an_ip_reservation_holds_until_the_cache_shows_its_pod_holding_the_ip() {
@@ -412,7 +417,7 @@ pub(super) mod tests {
     impl Nodes for Fake {
         fn visit_with_labels(
             &self,
-            labels: &BTreeMap<String, String>,
+            labels: &BTreeMap<&str, &str>,
             visit: &mut dyn FnMut(&Node) -> bool,
         ) -> bool {
             let node: Node =

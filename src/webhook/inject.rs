@@ -8,7 +8,7 @@ use crate::api::PersistentPodStateSpec;
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PodState, decode_required, encode_required,
 };
-use crate::placement::{Dropped, Required};
+use crate::placement::{Dropped, Required, owned};
 use crate::workload::PodView;
 use k8s_openapi::api::core::v1::PreferredSchedulingTerm;
 
@@ -56,7 +56,8 @@ pub struct Injection {
     pub conflicts: Vec<Conflict>,
     /// Recorded required values left out so the pod is not stranded, and why.
     pub dropped: Option<Dropped>,
-    /// The recorded required values the pod is held to (injected now or set by the pod).
+    /// When some were left out (for the Event that says so): the recorded required values the
+    /// pod is held to (injected now or set by the pod).
     pub kept_required: BTreeMap<String, String>,
 }
 
@@ -157,12 +158,12 @@ impl JsonValue for Preferred<'_, '_> {
 /// the pod sets itself are never overridden. Of the recorded required values, only those that
 /// `place` keeps are injected (see [`crate::placement::required`]), so a pod is never pinned to
 /// nowhere; the preferred part is injected whatever happens to the required one.
-pub fn injection_for<'a>(
+pub fn injection_for<'a, 's>(
     pod: impl Into<PodView<'a>>,
     pps_name: &str,
-    spec: &PersistentPodStateSpec,
-    state: &PodState,
-    place: &dyn Fn(BTreeMap<String, String>) -> Required,
+    spec: &'s PersistentPodStateSpec,
+    state: &'s PodState,
+    place: &dyn Fn(BTreeMap<&'s str, &'s str>) -> Required<&'s str>,
     ip_request: Option<(&str, &str)>,
 ) -> Injection {
     // Generic in its caller's type only: the webhook's is always a `PodView`.
@@ -174,15 +175,15 @@ pub fn injection_for<'a>(
     let mut patch = PodPatch::default();
 
     // a. required keys -> spec.nodeSelector
-    let mut required = spec.required_values(state);
+    let mut required: BTreeMap<&str, &str> = spec.required_pairs(state).collect();
     // A key the pod sets itself to another value keeps the pod's value.
     if let Some(own) = pod_spec.node_selector {
-        required.retain(|key, value| match own.get(key) {
+        required.retain(|key, value| match own.get(*key) {
             Some(v) if v != value => {
                 out.conflicts.push(Conflict {
-                    key: key.clone(),
+                    key: (*key).to_owned(),
                     pod_value: v.clone(),
-                    recorded_value: value.clone(),
+                    recorded_value: (*value).to_owned(),
                 });
                 false
             }
@@ -204,13 +205,14 @@ pub fn injection_for<'a>(
         .kept
         .iter()
         .filter(|(key, _)| set_by_pod(key).is_none())
-        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .map(|(k, v)| (*k, *v))
         .collect();
     out.required = injected.len();
     // In key order (`kept` is sorted), as the annotation is written.
     let ours = placed.kept.iter().filter(|(key, value)| {
         set_by_pod(key).is_none()
-            || (set_by_pod(key) == Some(*value) && added_before.get(*key) == Some(*value))
+            || (set_by_pod(key).map(String::as_str) == Some(*value)
+                && added_before.get(**key).map(String::as_str) == Some(*value))
     });
     match pod_spec.node_selector {
         None if !injected.is_empty() => patch.add(&NODE_SELECTOR, &injected),
@@ -328,7 +330,9 @@ pub fn injection_for<'a>(
         }
     }
 
-    out.kept_required = placed.kept;
+    if out.dropped.is_some() {
+        out.kept_required = owned(&placed.kept);
+    }
     out.patch = patch;
     out
 }
@@ -423,7 +427,7 @@ mod tests {
         (serde_json::from_value(v.clone()).expect("valid pod"), v)
     }
 
-    fn anywhere(recorded: BTreeMap<String, String>) -> Required {
+    fn anywhere<'x>(recorded: BTreeMap<&'x str, &'x str>) -> Required<&'x str> {
         Required {
             kept: recorded,
             dropped: None,
@@ -679,10 +683,10 @@ mod tests {
     fn upstream_bug_10_required_values_left_out_are_not_injected_but_preferred_still_is() {
         let (p, raw) = bare_pod();
         let s = spec(&[ZONE], &[(100, &[HOST])], &[]);
-        let gone = |recorded: BTreeMap<String, String>| Required {
+        let gone = |recorded| Required {
             kept: BTreeMap::new(),
             dropped: Some(Dropped {
-                values: recorded,
+                values: owned(&recorded),
                 reason: DropReason::NodeGone,
             }),
         };
@@ -715,33 +719,24 @@ mod tests {
         let (p, raw) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
             "containers": [{"name": "c"}], "nodeSelector": {"disk": "ssd", "rack": "own"}}}));
         let s = spec(&[ZONE, HOST, "rack"], &[], &[]);
+        let st = state(&[(ZONE, "z1"), (HOST, "n1"), ("rack", "r9")], &[]);
         let seen = std::cell::RefCell::new(BTreeMap::new());
-        let keep_zone = |recorded: BTreeMap<String, String>| {
-            *seen.borrow_mut() = recorded.clone();
-            let mut kept = recorded;
+        let keep_zone = |recorded| {
+            let mut kept: BTreeMap<&str, &str> = recorded;
+            *seen.borrow_mut() = kept.clone();
             let host = kept.remove(HOST);
             Required {
                 kept,
-                dropped: host.map(|v| Dropped {
-                    values: [(HOST.to_string(), v)].into(),
+                dropped: host.map(|v: &str| Dropped {
+                    values: [(HOST.to_string(), v.to_string())].into(),
                     reason: DropReason::NodeLost,
                 }),
             }
         };
-        let inj = injection_for(
-            &p,
-            "web",
-            &s,
-            &state(&[(ZONE, "z1"), (HOST, "n1"), ("rack", "r9")], &[]),
-            &keep_zone,
-            None,
-        );
+        let inj = injection_for(&p, "web", &s, &st, &keep_zone, None);
         assert_eq!(
             *seen.borrow(),
-            BTreeMap::from([
-                (HOST.to_string(), "n1".to_string()),
-                (ZONE.to_string(), "z1".to_string())
-            ]),
+            BTreeMap::from([(HOST, "n1"), (ZONE, "z1")]),
             "the conflicting key is not offered to placement"
         );
         let out = apply(&raw, &inj);

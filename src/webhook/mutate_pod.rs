@@ -392,7 +392,6 @@ mod tests {
     use crate::workload::PodView;
     use k8s_openapi::api::core::v1::Pod;
     use serde_json::{Value, json};
-    use std::collections::BTreeMap;
 
     /// A parsed request for `object` (absent when `None`).
     fn request(
@@ -556,7 +555,7 @@ mod tests {
             json!({"metadata": {"name": "web-0", "ownerReferences": owner}}),
             json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"affinity": {}}}),
         ];
-        let keep = |recorded: BTreeMap<String, String>| placement::Required {
+        let keep = |recorded| placement::Required {
             kept: recorded,
             dropped: None,
         };

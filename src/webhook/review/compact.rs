@@ -343,6 +343,7 @@ impl<'de> Reader<'de> {
 
     /// Past the opening bracket at the position and whitespace: whether a member or element
     /// follows (false: `close` came, and is consumed too).
+    #[inline(always)]
     fn opened(&mut self, close: u8) -> Option<bool> {
         self.pos += 1;
         self.ws();
@@ -354,6 +355,7 @@ impl<'de> Reader<'de> {
     }
 
     /// Past an object member's key and its colon: the key.
+    #[inline(always)]
     fn key(&mut self) -> Option<Cow<'de, str>> {
         self.ws();
         if self.peek()? != b'"' {
@@ -612,6 +614,7 @@ impl<'de> Reader<'de> {
     }
 
     /// Past a member's key and its colon (in a skipped object).
+    #[inline(always)]
     fn key_skipped(&mut self) -> Option<()> {
         self.ws();
         if self.peek()? != b'"' {

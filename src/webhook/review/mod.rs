@@ -660,12 +660,18 @@ fn not_json(
     path: &'static str,
     received: Instant,
 ) -> Option<Response> {
+    // The API server sends exactly `application/json`: compared as bytes first, and only
+    // otherwise read for parameters and spaces.
     let json = request
         .headers()
         .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+        .is_some_and(|v| {
+            v.as_bytes().eq_ignore_ascii_case(b"application/json")
+                || v.to_str()
+                    .ok()
+                    .and_then(|v| v.split(';').next())
+                    .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
+        });
     if json {
         return None;
     }
@@ -770,6 +776,36 @@ impl Conversion {
 mod tests {
     use super::*;
     use base64::Engine as _;
+
+    #[test]
+    fn json_is_told_by_the_media_type_whatever_its_case_spaces_and_parameters() {
+        let state = crate::webhook::testing::state(true);
+        let refused = |content_type: Option<&str>| {
+            let mut request = Request::post("/mutate-pod");
+            if let Some(value) = content_type {
+                request = request.header(header::CONTENT_TYPE, value);
+            }
+            let request = request.body(Bytes::new()).expect("request");
+            not_json(&request, &state, "/mutate-pod", Instant::now()).map(|r| r.status().as_u16())
+        };
+        for accepted in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            " application/json ;charset=UTF-8",
+        ] {
+            assert_eq!(refused(Some(accepted)), None, "{accepted}");
+        }
+        for other in [
+            "text/plain",
+            "application/jsonx",
+            "application/json-patch+json",
+            "",
+        ] {
+            assert_eq!(refused(Some(other)), Some(415), "{other}");
+        }
+        assert_eq!(refused(None), Some(415), "no content type");
+    }
 
     fn review(object: Value) -> Value {
         json!({
