@@ -1109,18 +1109,58 @@ struct ApiServerGc {
     heap_gb: f64,
     /// The heap at which the next collection was due then (GB).
     goal_gb: f64,
+    /// What the API server allocated from the start to Ready (GB): the start's lists, and
+    /// whatever else it served meanwhile.
+    allocated_gb: f64,
 }
 
-/// The API server's collections so far, its heap in use and its next collection's goal (bytes).
-async fn apiserver_gc(client: &Client) -> anyhow::Result<(f64, f64, f64)> {
+/// The API server's Go runtime, as its `/metrics` reads.
+struct GoRuntime {
+    /// Collections completed so far.
+    collections: f64,
+    /// The heap in use (bytes).
+    heap: f64,
+    /// The heap at which the next collection is due (bytes).
+    goal: f64,
+    /// Bytes allocated since it started.
+    allocated: f64,
+}
+
+/// The API server's collections so far, its heap in use, its next collection's goal and what it
+/// allocated since it started.
+async fn apiserver_gc(client: &Client) -> anyhow::Result<GoRuntime> {
     let request = axum::http::Request::get("/metrics").body(Vec::new())?;
     let text = client.request_text(request).await?;
     let read = |name: &str| metric(&text, name).with_context(|| format!("the API server's {name}"));
-    Ok((
-        read("go_gc_duration_seconds_count")?,
-        read("go_memstats_heap_alloc_bytes")?,
-        read("go_memstats_next_gc_bytes")?,
-    ))
+    Ok(GoRuntime {
+        collections: read("go_gc_duration_seconds_count")?,
+        heap: read("go_memstats_heap_alloc_bytes")?,
+        goal: read("go_memstats_next_gc_bytes")?,
+        allocated: read("go_memstats_alloc_bytes_total")?,
+    })
+}
+
+/// With `BENCH_APISERVER_ALLOCS=DIR`, saves the API server's allocation profile
+/// (`/debug/pprof/allocs`) as `DIR/NAME.pb.gz`: two of them around a start tell which of the API
+/// server's code allocated through it (`go tool pprof -sample_index=alloc_space -base A B`).
+async fn save_apiserver_allocs(client: &Client, name: &str) -> anyhow::Result<()> {
+    let Some(dir) = std::env::var_os("BENCH_APISERVER_ALLOCS") else {
+        return Ok(());
+    };
+    let request = axum::http::Request::get("/debug/pprof/allocs").body(Vec::new())?;
+    let response = client.send(request.map(kube::client::Body::from)).await?;
+    anyhow::ensure!(
+        response.status().is_success(),
+        "the API server's allocation profile: {}",
+        response.status()
+    );
+    let bytes = http_body_util::BodyExt::collect(response.into_body())
+        .await?
+        .to_bytes();
+    let dir = std::path::PathBuf::from(dir);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join(format!("{name}.pb.gz")), bytes)?;
+    Ok(())
 }
 
 /// A pod of the memory test: the synthetic StatefulSet pod, bare (no owner) and bound to a node.
@@ -1182,7 +1222,8 @@ async fn fresh_replica(
     let replica = Stopped(child);
     let pid = replica.0.id();
     let apiserver = pid_file(dir, "kube-apiserver")?;
-    let (collections_before, heap, goal) = apiserver_gc(client).await?;
+    save_apiserver_allocs(client, &format!("{name}-start")).await?;
+    let before = apiserver_gc(client).await?;
     let apiserver_before = cpu_seconds(apiserver)?;
     let start = Instant::now();
     until(
@@ -1194,10 +1235,13 @@ async fn fresh_replica(
     let seconds = start.elapsed().as_secs_f64();
     let replica_cpu = cpu_seconds(pid)?;
     let apiserver_cpu = cpu_seconds(apiserver)? - apiserver_before;
+    let after = apiserver_gc(client).await?;
+    save_apiserver_allocs(client, &format!("{name}-ready")).await?;
     let gc = ApiServerGc {
-        collections: apiserver_gc(client).await?.0 - collections_before,
-        heap_gb: heap / 1e9,
-        goal_gb: goal / 1e9,
+        collections: after.collections - before.collections,
+        heap_gb: before.heap / 1e9,
+        goal_gb: before.goal / 1e9,
+        allocated_gb: (after.allocated - before.allocated) / 1e9,
     };
     let (rss_mb, peak_mb) = memory_of(pid)?;
     let cached_pods = metric(&scrape(&probe).await?, "pps_cached_pods").context("cached pods")?;
@@ -1768,6 +1812,10 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
             figure(start.gc.collections)?,
             figure(start.gc.heap_gb)?,
             figure(start.gc.goal_gb)?
+        );
+        println!(
+            "| what the API server allocated in {when}, until Ready (GB) | {:.2} | |",
+            figure(start.gc.allocated_gb)?
         );
     }
     let r = &mem.rest;
