@@ -1132,9 +1132,9 @@ struct GoRuntime {
     consistency_checks: f64,
 }
 
-/// The API server's collections so far, its heap in use, its next collection's goal and what it
-/// allocated since it started.
-async fn apiserver_gc(client: &Client) -> anyhow::Result<GoRuntime> {
+/// The API server's Go runtime now: collections so far, heap in use, the next collection's goal,
+/// what it allocated since it started, and its cache consistency checks so far.
+async fn apiserver_runtime(client: &Client) -> anyhow::Result<GoRuntime> {
     let request = axum::http::Request::get("/metrics").body(Vec::new())?;
     let text = client.request_text(request).await?;
     let read = |name: &str| metric(&text, name).with_context(|| format!("the API server's {name}"));
@@ -1245,7 +1245,7 @@ async fn fresh_replica(
     let pid = replica.0.id();
     let apiserver = pid_file(dir, "kube-apiserver")?;
     save_apiserver_allocs(client, &format!("{name}-start")).await?;
-    let before = apiserver_gc(client).await?;
+    let before = apiserver_runtime(client).await?;
     let apiserver_before = cpu_seconds(apiserver)?;
     let start = Instant::now();
     until(
@@ -1257,7 +1257,7 @@ async fn fresh_replica(
     let seconds = start.elapsed().as_secs_f64();
     let replica_cpu = cpu_seconds(pid)?;
     let apiserver_cpu = cpu_seconds(apiserver)? - apiserver_before;
-    let after = apiserver_gc(client).await?;
+    let after = apiserver_runtime(client).await?;
     save_apiserver_allocs(client, &format!("{name}-ready")).await?;
     let gc = ApiServerGc {
         collections: after.collections - before.collections,

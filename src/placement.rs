@@ -299,7 +299,7 @@ pub struct Dropped {
 }
 
 /// Which recorded required values can be injected: borrowed from what was recorded as
-/// [`required`] answers (the webhook's case), or owned ([`Required::into_owned`]).
+/// [`required`] answers (the webhook's case), or owned as [`required_owned`] answers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Required<S = String> {
     /// Injected: some usable node meeting the pod's demands has them all.
@@ -313,16 +313,6 @@ impl<S> Default for Required<S> {
         Self {
             kept: BTreeMap::new(),
             dropped: None,
-        }
-    }
-}
-
-impl Required<&str> {
-    /// The same, owning its values.
-    pub fn into_owned(self) -> Required {
-        Required {
-            kept: owned(&self.kept),
-            dropped: self.dropped,
         }
     }
 }
@@ -341,6 +331,20 @@ pub fn borrowed(values: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect()
+}
+
+/// [`required`] for owned values, answered owned (for callers that keep the answer).
+pub fn required_owned(
+    recorded: &BTreeMap<String, String>,
+    demands: &PodDemands<'_>,
+    nodes: &dyn Nodes,
+    health: &Health,
+) -> Required {
+    let placed = required(borrowed(recorded), demands, nodes, health);
+    Required {
+        kept: owned(&placed.kept),
+        dropped: placed.dropped,
+    }
 }
 
 /// Decides which of the `recorded` required values to inject: all of them when a usable node
@@ -770,7 +774,7 @@ mod tests {
         ));
         let choose = |pairs: &[(&str, &str)], p: &Pod| {
             let values = recorded(pairs);
-            required(borrowed(&values), &PodDemands::of(p), &fleet, &h).into_owned()
+            required_owned(&values, &PodDemands::of(p), &fleet, &h)
         };
         let dropped = |pairs: &[(&str, &str)], reason| {
             Some(Dropped {

@@ -228,13 +228,7 @@ pub async fn status(
     let health = Health::now(lost_after);
     let demands = PodDemands::none();
     let place = |recorded: &BTreeMap<String, String>| {
-        placement::required(
-            placement::borrowed(recorded),
-            &demands,
-            caches.as_ref(),
-            &health,
-        )
-        .into_owned()
+        placement::required_owned(recorded, &demands, caches.as_ref(), &health)
     };
     Ok(list
         .items

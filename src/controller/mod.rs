@@ -73,13 +73,8 @@ impl Context {
                 return placed.clone();
             }
         }
-        let placed = placement::required(
-            placement::borrowed(values),
-            &PodDemands::none(),
-            self.caches.as_ref(),
-            health,
-        )
-        .into_owned();
+        let placed =
+            placement::required_owned(values, &PodDemands::none(), self.caches.as_ref(), health);
         let mut memo = crate::sync::lock(&self.placements);
         if memo.nodes_changed == nodes_changed {
             if memo.by_values.len() >= MAX_PLACEMENTS {
