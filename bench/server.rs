@@ -25,7 +25,6 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    persistent_pod_state::alloc::purge_at_once();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args: Vec<String> = std::env::args().collect();
     let listen = flag(&args, "--listen").context("--listen ADDR")?;
@@ -74,7 +73,8 @@ async fn main() -> anyhow::Result<()> {
         watcher::Event::InitDone,
     );
     anyhow::ensure!(caches.is_synced(), "the synthetic caches are synced");
-    // As `serve` does once synced.
+    // As `serve` does once synced, and once that has settled.
+    persistent_pod_state::alloc::synced();
     persistent_pod_state::alloc::purge_batched();
 
     let state = Arc::new(WebhookState::over(caches));

@@ -20,12 +20,11 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// mimalloc, returning freed memory at once (see `persistent_pod_state::alloc`).
+/// mimalloc, returning freed memory as `persistent_pod_state::alloc` says.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
-    persistent_pod_state::alloc::purge_at_once();
     // One crypto provider for the whole process (ring), before any TLS is set up.
     let _ = rustls::crypto::ring::default_provider().install_default();
     // Installed as `kubectl-pps`, it is a kubectl plugin (`kubectl pps ...`).

@@ -39,7 +39,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
-    let caches = Caches::start(&client);
+    // As they sync, what the sync freed is returned to the OS (see `crate::alloc`).
+    let caches = Caches::start(&client, crate::alloc::synced);
     let health = Arc::new(Health {
         caches: caches.clone(),
         shutting_down: false.into(),
@@ -192,8 +193,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 () = shutdown.cancelled() => return Ended::Shutdown,
             }
             tracing::info!("caches synced; ready");
-            // What the sync freed is returned at once, until it has settled; then what serving
-            // frees is returned in batches.
+            // What serving frees is returned in batches once the sync has settled.
             tokio::spawn(async {
                 tokio::time::sleep(crate::alloc::SYNC_SETTLES).await;
                 crate::alloc::purge_batched();

@@ -119,10 +119,12 @@ pub struct Caches {
     synced: watch::Sender<bool>,
     /// Whether each watch is current.
     pub watches: Arc<Watches>,
+    /// Called as the caches become synced, before [`Caches::is_synced`] says so.
+    on_synced: fn(),
 }
 
 impl Caches {
-    fn build(client: Option<Client>) -> Arc<Self> {
+    fn build(client: Option<Client>, on_synced: fn()) -> Arc<Self> {
         let (pps, pps_writer) = reflector::store();
         let (nodes, nodes_writer) = reflector::store();
         let caches = Arc::new(Self {
@@ -141,6 +143,7 @@ impl Caches {
             listed: Listed::default(),
             synced: watch::channel(false).0,
             watches: Arc::default(),
+            on_synced,
         });
         caches.add_workload_kind(native_statefulset_resource());
         caches
@@ -149,7 +152,7 @@ impl Caches {
     /// Caches that start no watch: events are fed with the `apply_*` methods (tests,
     /// benchmarks). The native StatefulSet kind is registered, as in [`Caches::start`].
     pub fn new() -> Arc<Self> {
-        Self::build(None)
+        Self::build(None, || {})
     }
 
     /// Caches holding the cluster's nodes as listed once now (the commands that judge nodes
@@ -168,8 +171,10 @@ impl Caches {
 
     /// Starts the watches of PersistentPodStates, Pods, Nodes and native StatefulSets, and
     /// returns the caches; more workload kinds can be added with [`Caches::add_workload_kind`].
-    pub fn start(client: &Client) -> Arc<Self> {
-        let caches = Self::build(Some(client.clone()));
+    /// `on_synced` is called as they become synced: at least once, twice if two watches end
+    /// their first lists at the same instant.
+    pub fn start(client: &Client, on_synced: fn()) -> Arc<Self> {
+        let caches = Self::build(Some(client.clone()), on_synced);
         let c = caches.clone();
         // Decoded one by one, so one unreadable object (stored by an older schema, say) is
         // skipped instead of failing every list of the kind.
@@ -310,6 +315,9 @@ impl Caches {
             && [&self.listed.pps, &self.listed.pods, &self.listed.nodes]
                 .iter()
                 .all(|f| f.load(Ordering::Acquire));
+        if all && !self.is_synced() {
+            (self.on_synced)();
+        }
         // Once synced, always synced: a relist keeps answering from the previous list.
         self.synced.send_if_modified(|s| {
             let changed = all && !*s;
@@ -1186,7 +1194,11 @@ mod tests {
 
     #[test]
     fn synced_once_every_base_store_has_listed_and_stays_synced() {
-        let caches = Caches::new();
+        static TOLD: AtomicU64 = AtomicU64::new(0);
+        let caches = Caches::build(None, || {
+            TOLD.fetch_add(1, Ordering::Relaxed);
+        });
+        let told = || TOLD.load(Ordering::Relaxed);
         let sts = GroupKind::native_statefulset();
         caches.apply_pps(watcher::Event::Init);
         caches.apply_pps(watcher::Event::InitApply(pps()));
@@ -1194,13 +1206,18 @@ mod tests {
         caches.apply_pod(watcher::Event::InitDone);
         caches.apply_node(watcher::Event::InitDone);
         assert!(!caches.is_synced(), "StatefulSets not listed yet");
+        assert_eq!(told(), 0, "not told before synced");
         caches.apply_workload(&sts, watcher::Event::InitDone);
         assert!(caches.is_synced());
+        assert_eq!(told(), 1, "told as the caches became synced");
         caches.apply_pps(watcher::Event::Init);
+        caches.apply_pps(watcher::Event::InitApply(pps()));
+        caches.apply_pps(watcher::Event::InitDone);
         assert!(
             caches.is_synced(),
             "a relist answers from the previous list"
         );
+        assert_eq!(told(), 1, "a relist does not tell again");
         assert!(
             caches
                 .pps
