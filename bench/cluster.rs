@@ -24,7 +24,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,7 +41,9 @@ use kube::api::{
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use persistent_pod_state::api::PersistentPodState;
-use persistent_pod_state::benchkit::{cpu_seconds, flag, http_get, median, metric, quantile};
+use persistent_pod_state::benchkit::{
+    cpu_seconds, flag, http_get, median, metric, minor_faults, quantile,
+};
 use persistent_pod_state::state::Caches;
 use persistent_pod_state::state::trim::{CachedPod, Read, WatchedPod};
 use persistent_pod_state::synthetic;
@@ -962,6 +964,8 @@ struct MemoryFigures {
     busy: Synced,
     /// How the control plane came to rest between the two.
     rest: Rest,
+    /// The starts after the judged one (`BENCH_RESTARTS`).
+    restarts: Vec<Restart>,
     heap: Heap,
     /// Seconds to create the PersistentPodStates (16 at a time, each through the validating
     /// webhook, which reads the others of its target live) and write their statuses.
@@ -1093,6 +1097,8 @@ struct Synced {
     seconds: f64,
     /// CPU seconds (user + system) the replica spent from its start to Ready.
     replica_cpu: f64,
+    /// Minor page faults the replica took from its start to Ready.
+    replica_faults: f64,
     /// CPU seconds the API server spent meanwhile (serving the lists, and whatever else).
     apiserver_cpu: f64,
     /// The API server's garbage collector around the start.
@@ -1217,18 +1223,19 @@ impl Drop for Stopped {
     }
 }
 
-/// Starts a standby replica (the registered one holds the Lease), waits until its caches have
-/// synced (`/readyz`), and reads its memory.
+/// Starts a standby replica of `bin` (the registered one holds the Lease), waits until its
+/// caches have synced (`/readyz`), and reads its memory.
 async fn fresh_replica(
     client: &Client,
     opts: &Opts,
+    bin: &Path,
     name: &str,
     port: u16,
 ) -> anyhow::Result<Synced> {
     let dir = &opts.cluster_dir;
     let log = std::fs::File::create(dir.join("logs").join(format!("{name}.log")))?;
     let probe = format!("127.0.0.1:{}", port + 1);
-    let child = std::process::Command::new(&opts.serve_bin)
+    let child = std::process::Command::new(bin)
         .arg("serve")
         .env("KUBECONFIG", dir.join("sa-kubeconfig"))
         .env("PPS_LISTEN", format!("127.0.0.1:{port}"))
@@ -1256,6 +1263,7 @@ async fn fresh_replica(
     .await?;
     let seconds = start.elapsed().as_secs_f64();
     let replica_cpu = cpu_seconds(pid)?;
+    let replica_faults = minor_faults(pid)? as f64;
     let apiserver_cpu = cpu_seconds(apiserver)? - apiserver_before;
     let after = apiserver_runtime(client).await?;
     save_apiserver_allocs(client, &format!("{name}-ready")).await?;
@@ -1275,6 +1283,7 @@ async fn fresh_replica(
         cached_pods,
         seconds,
         replica_cpu,
+        replica_faults,
         apiserver_cpu,
         gc,
     })
@@ -1367,6 +1376,44 @@ async fn at_rest(opts: &Opts, pods: usize) -> anyhow::Result<Rest> {
             });
         }
     }
+}
+
+/// One of the starts after the judged one.
+struct Restart {
+    /// Whether it started `BENCH_RESTART_OTHER_BIN` (build B) rather than `--serve-bin` (A).
+    other: bool,
+    /// Whether the control plane was at rest before it (see [`at_rest`]).
+    settled: bool,
+    start: Synced,
+}
+
+/// With `BENCH_RESTARTS=N`, N more starts after the judged one, each once the control plane is
+/// at rest again: the spread of the start over one cluster. With `BENCH_RESTART_OTHER_BIN=PATH`
+/// the second and third of every four start that binary instead (A B B A), so two builds are
+/// compared on the same objects and API server.
+async fn restarts(client: &Client, opts: &Opts, pods: usize) -> anyhow::Result<Vec<Restart>> {
+    let n: usize = match std::env::var("BENCH_RESTARTS") {
+        Ok(v) => v.parse().context("BENCH_RESTARTS")?,
+        Err(_) => 0,
+    };
+    let other = std::env::var_os("BENCH_RESTART_OTHER_BIN").map(PathBuf::from);
+    let mut done = Vec::with_capacity(n);
+    for i in 0..n {
+        let rest = at_rest(opts, pods).await?;
+        let (bin, is_other) = match (&other, i % 4) {
+            (Some(bin), 1 | 2) => (bin.as_path(), true),
+            _ => (opts.serve_bin.as_path(), false),
+        };
+        let port = 19670 + 2 * u16::try_from(i % 100)?;
+        let name = format!("bench-memory-restart-{i}");
+        let start = fresh_replica(client, opts, bin, &name, port).await?;
+        done.push(Restart {
+            other: is_other,
+            settled: rest.settled,
+            start,
+        });
+    }
+    Ok(done)
 }
 
 /// Runs `make` for each of `0..n`, 16 at a time.
@@ -1462,12 +1509,16 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
     batch(0..per_namespace).await?;
     // As every run before the tenth session measured it: the moment the last pod is created,
     // with the control plane still absorbing 100,000 creations.
-    let busy = fresh_replica(client, opts, "bench-memory-busy", 19650).await?;
+    let busy = fresh_replica(client, opts, &opts.serve_bin, "bench-memory-busy", 19650).await?;
     // The figure judged: a restart into a cluster at rest (the registered replica caching every
     // pod, the control plane's own work done), as a replica restarts in production.
     let rest = at_rest(opts, pods).await?;
-    let synced = fresh_replica(client, opts, "bench-memory", 19660).await?;
-    for s in [&busy, &synced] {
+    let synced = fresh_replica(client, opts, &opts.serve_bin, "bench-memory", 19660).await?;
+    let restarts = restarts(client, opts, pods).await?;
+    for s in [&busy, &synced]
+        .into_iter()
+        .chain(restarts.iter().map(|r| &r.start))
+    {
         anyhow::ensure!(
             s.cached_pods >= pods as f64,
             "the replica cached {} pods",
@@ -1482,6 +1533,7 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
         synced,
         busy,
         rest,
+        restarts,
         heap: heap_per_object(pods, pps, states, nodes)?,
         pps_seconds,
     })
@@ -1826,6 +1878,11 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
         figure(s.replica_cpu)?,
         figure(s.apiserver_cpu)?
     );
+    println!(
+        "| the replica's minor page faults until Ready (thousands): that start; the start right after the creation | {:.0}; {:.0} | |",
+        figure(s.replica_faults / 1e3)?,
+        figure(mem.busy.replica_faults / 1e3)?
+    );
     for (when, start) in [
         ("that start", s),
         ("the start right after the creation", &mem.busy),
@@ -1890,6 +1947,63 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
         println!(
             "| projected RSS at 100,000 pods (MB) | {:.0} | |",
             figure(s.rss_mb + (100_000 - mem.pods) as f64 * mem.heap.per_pod / 1024.0 / 1024.0)?
+        );
+    }
+    print_restarts(&mem.restarts)
+}
+
+/// The starts after the judged one, each, and the medians of each build.
+fn print_restarts(restarts: &[Restart]) -> anyhow::Result<()> {
+    if restarts.is_empty() {
+        return Ok(());
+    }
+    println!(
+        "\nRestarts (BENCH_RESTARTS), each once the control plane was at rest again; build A is the one measured above, B is BENCH_RESTART_OTHER_BIN\n"
+    );
+    println!(
+        "| start | build | start to Ready (s) | CPU until Ready: the replica, the API server (s) | the replica's minor faults (thousands) | RSS after the sync, peak (MB) | the API server's collections; allocated (GB) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let build = |other: bool| if other { "B" } else { "A" };
+    for (i, r) in restarts.iter().enumerate() {
+        let s = &r.start;
+        println!(
+            "| {}{} | {} | {:.1} | {:.1}, {:.1} | {:.0} | {:.1}, {:.1} | {:.0}; {:.2} |",
+            i + 1,
+            if r.settled { "" } else { " (not at rest)" },
+            build(r.other),
+            figure(s.seconds)?,
+            figure(s.replica_cpu)?,
+            figure(s.apiserver_cpu)?,
+            figure(s.replica_faults / 1e3)?,
+            figure(s.rss_mb)?,
+            figure(s.peak_mb)?,
+            figure(s.gc.collections)?,
+            figure(s.gc.allocated_gb)?
+        );
+    }
+    for other in [false, true] {
+        let of: Vec<&Synced> = restarts
+            .iter()
+            .filter(|r| r.other == other)
+            .map(|r| &r.start)
+            .collect();
+        if of.is_empty() {
+            continue;
+        }
+        let med = |f: fn(&Synced) -> f64| median(&of.iter().map(|s| f(s)).collect::<Vec<_>>());
+        println!(
+            "| median of {} | {} | {:.1} | {:.1}, {:.1} | {:.0} | {:.1}, {:.1} | {:.0}; {:.2} |",
+            of.len(),
+            build(other),
+            figure(med(|s| s.seconds))?,
+            figure(med(|s| s.replica_cpu))?,
+            figure(med(|s| s.apiserver_cpu))?,
+            figure(med(|s| s.replica_faults / 1e3))?,
+            figure(med(|s| s.rss_mb))?,
+            figure(med(|s| s.peak_mb))?,
+            figure(med(|s| s.gc.collections))?,
+            figure(med(|s| s.gc.allocated_gb))?
         );
     }
     Ok(())

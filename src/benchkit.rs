@@ -36,6 +36,21 @@ pub fn cpu_times(pid: u32) -> anyhow::Result<(f64, f64)> {
     Ok((parsed.user_seconds, parsed.system_seconds))
 }
 
+/// Minor page faults process `pid` has taken (`/proc/PID/stat`, field 10): pages it touched
+/// that the kernel had to map, zeroed when new to it.
+pub fn minor_faults(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    minor_faults_of(&stat).context("/proc/PID/stat: minor faults")
+}
+
+/// Field 10 of a `/proc/PID/stat` text; counted after the command name's last `)`, which may
+/// hold spaces and parentheses.
+fn minor_faults_of(stat: &str) -> Option<u64> {
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    // `rest` starts at field 3 (state).
+    rest.split_whitespace().nth(10 - 3)?.parse().ok()
+}
+
 /// User plus system CPU seconds the threads of process `pid` named `name` (as
 /// `/proc/PID/task/TID/comm` gives it) alive now have spent (from `/proc/PID/task/*/stat`; a
 /// thread that exits meanwhile no longer counts: meant for threads that live as long as the
@@ -237,6 +252,19 @@ pub mod floor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn minor_faults_are_field_ten_whatever_the_command_name_holds() {
+        let stat = "4242 (a) (b c) S 1 4242 4242 0 -1 4194560 93125 0 7 0 120 40 0 0 20 0 9 0                     5000 300000000 30000 18446744073709551615";
+        assert_eq!(minor_faults_of(stat), Some(93125));
+        assert_eq!(
+            minor_faults_of(&std::fs::read_to_string("/proc/self/stat").expect("own stat"))
+                .map(|n| n > 0),
+            Some(true),
+            "this process has faulted pages in"
+        );
+        assert_eq!(minor_faults_of("4242 (cut) S 1 2"), None);
+    }
 
     #[test]
     fn the_tlb_row_is_summed_over_its_cpus_and_absent_is_none() {
