@@ -6,9 +6,9 @@
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
 //! is closed to make room; a new one is refused only if none frees in time); a deadline for
-//! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from when the
-//! connection is set up or, kept alive, the request's first byte is read; HTTP/2: the first
-//! request's); an idle timeout (no byte read or written for that long closes the connection: a
+//! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from the
+//! request's first byte; HTTP/2: the first request's, from the connection's first byte after
+//! the handshake); an idle timeout (no byte read or written for that long closes the connection: a
 //! body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound on HTTP/2
 //! streams per connection; a maximum age (HTTP/1: the next answer says `connection: close`, so
 //! that a client never sends a request on a connection the server is closing). The idle,
@@ -56,9 +56,9 @@ pub struct Limits {
     pub max_connections: usize,
     /// Deadline of the TLS handshake.
     pub handshake_timeout: Duration,
-    /// Deadline for a request's headers to arrive, from when the connection is set up or (a
-    /// kept-alive HTTP/1 connection) the next request's first byte is read; an HTTP/2
-    /// connection's only if its first request is late.
+    /// Deadline for a request's headers to arrive, from the request's first byte (an HTTP/2
+    /// connection's: from its first byte, only if its first request is late). A connection
+    /// that sends nothing is bound by `idle_timeout`.
     pub header_timeout: Duration,
     /// A connection with no byte read or written for this long is closed.
     pub idle_timeout: Duration,
@@ -519,7 +519,7 @@ struct ActivityState {
     /// When a byte last moved, in µs since `base`.
     last_micros: AtomicU64,
     /// Since when (µs since `base`) the connection has waited for a request's headers, or
-    /// [`HANDLING`], [`NO_HEADER_DEADLINE`] or [`KEEP_ALIVE`].
+    /// [`HANDLING`], [`NO_HEADER_DEADLINE`] or [`AWAITING`].
     waiting_micros: AtomicU64,
     /// An HTTP/1 connection past its maximum age between two requests: its next answer says
     /// `connection: close` and ends it.
@@ -531,30 +531,31 @@ const HANDLING: u64 = u64::MAX;
 /// An HTTP/2 connection: its requests' headers have no deadline of their own (its streams and
 /// idle bound hold it).
 const NO_HEADER_DEADLINE: u64 = u64::MAX - 1;
-/// An HTTP/1 connection kept alive after an answer, no byte of the next request read yet: the
-/// idle bound holds it, and the next request's header deadline starts with its first byte.
-/// So the server never closes an idle keep-alive connection as the header deadline runs out
-/// while the client may be sending a request on it, which the client could not tell from a
-/// connection closed after reading it (the API server does not retry a webhook call that
-/// failed so).
-const KEEP_ALIVE: u64 = u64::MAX - 2;
+/// A connection waiting for a request, no byte of it read yet (set up, or an HTTP/1 one kept
+/// alive after an answer): the idle bound holds it, and the request's header deadline starts
+/// with its first byte. So the server never closes a connection its client holds as idle as a
+/// header deadline runs out, while the client may be sending a request on it, which the client
+/// could not tell from a connection closed after reading it. The API server does not retry a
+/// webhook call that failed so, and holds fresh connections unused: its HTTP/1 client dials one
+/// for a call that another connection then serves, and keeps it for the next call.
+const AWAITING: u64 = u64::MAX - 2;
 
 impl Activity {
-    /// A connection starting now, waiting for its first request's headers.
+    /// A connection starting now, awaiting its first request.
     fn new() -> Self {
         Self(Arc::new(ActivityState {
             base: Instant::now(),
             last_micros: AtomicU64::new(0),
-            waiting_micros: AtomicU64::new(0),
+            waiting_micros: AtomicU64::new(AWAITING),
             closing: AtomicBool::new(false),
         }))
     }
 
     /// µs since the connection started (kept under the sentinels [`HANDLING`],
-    /// [`NO_HEADER_DEADLINE`] and [`KEEP_ALIVE`], which it could reach only after half a
+    /// [`NO_HEADER_DEADLINE`] and [`AWAITING`], which it could reach only after half a
     /// million years).
     fn now_micros(&self) -> u64 {
-        u64::try_from(self.0.base.elapsed().as_micros()).unwrap_or(KEEP_ALIVE - 1)
+        u64::try_from(self.0.base.elapsed().as_micros()).unwrap_or(AWAITING - 1)
     }
 
     /// When a byte last moved (the connection's start if none has).
@@ -580,27 +581,19 @@ impl Activity {
         }
     }
 
-    /// The connection waits for its first request's headers from now (it has just been set
-    /// up).
-    fn wait_for_headers(&self) {
-        self.0
-            .waiting_micros
-            .store(self.now_micros(), Ordering::Relaxed);
+    /// The connection awaits a request (it is set up, or an HTTP/1 request was answered and it
+    /// is kept alive): no headers due until the request's first byte ([`Activity::bytes_read`]).
+    fn awaits_request(&self) {
+        self.0.waiting_micros.store(AWAITING, Ordering::Relaxed);
     }
 
-    /// An HTTP/1 request was answered: the connection is kept alive, no headers due until the
-    /// next request's first byte ([`Activity::bytes_read`]).
-    fn answered(&self) {
-        self.0.waiting_micros.store(KEEP_ALIVE, Ordering::Relaxed);
-    }
-
-    /// Bytes were read: activity, and on a kept-alive connection the next request's header
+    /// Bytes were read: activity, and on a connection awaiting a request that request's header
     /// deadline starts.
     fn bytes_read(&self) {
         self.touch();
-        if self.0.waiting_micros.load(Ordering::Relaxed) == KEEP_ALIVE {
+        if self.0.waiting_micros.load(Ordering::Relaxed) == AWAITING {
             let _ = self.0.waiting_micros.compare_exchange(
-                KEEP_ALIVE,
+                AWAITING,
                 self.now_micros(),
                 Ordering::Relaxed,
                 Ordering::Relaxed,
@@ -642,8 +635,8 @@ impl Activity {
 
     /// Resolves, with its reason, once the connection is past one of its bounds: no byte
     /// moved for `limits.idle_timeout`, a request's headers waited for `limits.header_timeout`
-    /// (never while a request is handled, nor on a kept-alive connection before the next
-    /// request's first byte, nor after an HTTP/2 request), or `limits.max_age` reached (unless
+    /// (never while a request is handled, nor on a connection awaiting a request before its
+    /// first byte, nor after an HTTP/2 request), or `limits.max_age` reached (unless
     /// the connection already closes with its next answer). One timer per connection, reset
     /// only when it fires (hyper's own header deadline arms and drops a timer for every
     /// request).
@@ -655,7 +648,7 @@ impl Activity {
                 Bound::Idle,
                 last.saturating_add(micros(limits.idle_timeout)),
             );
-            if let since @ 0..KEEP_ALIVE = self.0.waiting_micros.load(Ordering::Relaxed) {
+            if let since @ 0..AWAITING = self.0.waiting_micros.load(Ordering::Relaxed) {
                 let late = since.saturating_add(micros(limits.header_timeout));
                 if late < due.1 {
                     due = (Bound::HeadersLate, late);
@@ -739,7 +732,7 @@ where
         if polled.is_ready()
             && let Some(activity) = this.activity.take()
         {
-            activity.answered();
+            activity.awaits_request();
             if activity.0.closing.load(Ordering::Relaxed)
                 && let Poll::Ready(Ok(response)) = &mut polled
             {
@@ -1247,7 +1240,8 @@ async fn run_http<IO>(
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.max_streams);
-    activity.wait_for_headers();
+    // Set up (the handshake done): what the client sends next is a request, whenever it does.
+    activity.awaits_request();
     let app = Marked {
         inner: app,
         activity: activity.clone(),
@@ -1529,8 +1523,13 @@ mod tests {
             max_age: Duration::from_secs(60),
             ..Limits::WEBHOOK
         };
+        // Set up, nothing sent: bound by being idle, however long past the header deadline
+        // (a client may hold a fresh connection for its next request).
         let activity = Activity::new();
-        activity.wait_for_headers();
+        activity.awaits_request();
+        assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
+        // The first request's first byte: its headers are due from then.
+        activity.bytes_read();
         assert_eq!(activity.past_bound(&limits).await, Bound::HeadersLate);
         // A request is handled: its connection is bound by being idle, not by headers.
         activity.headers_arrived(axum::http::Version::HTTP_11);
@@ -1538,7 +1537,7 @@ mod tests {
         assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
         // Answered and kept alive: no headers due while nothing arrives (however long past
         // the header deadline), only the idle bound.
-        activity.answered();
+        activity.awaits_request();
         activity.touch();
         assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
         // The next request's first byte: its headers are due from then.
@@ -1553,7 +1552,7 @@ mod tests {
         assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
         activity.close_with_next_answer();
         assert_eq!(activity.past_bound(&old).await, Bound::HeadersLate);
-        activity.answered();
+        activity.awaits_request();
         activity.touch();
         assert_eq!(activity.past_bound(&old).await, Bound::Idle);
         // An HTTP/2 connection has no header deadline once its first request arrived.

@@ -786,6 +786,38 @@ async fn an_idle_keep_alive_connection_outlasts_the_header_deadline_and_serves_t
 }
 
 #[tokio::test]
+async fn a_fresh_connection_left_unused_past_the_header_deadline_serves_its_first_review() {
+    // The API server's HTTP/1 client dials a connection for a call that another connection
+    // then serves, keeps the new one idle, and sends a later review on it; that call is not
+    // retried if this side closed the connection meanwhile (seen at 16 concurrent creates).
+    let limits = Limits {
+        header_timeout: Duration::from_millis(200),
+        idle_timeout: Duration::from_secs(2),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let mut fresh = server.tls(&server.connector).await;
+    // Unused for five header deadlines, within the idle bound.
+    tokio::time::sleep(limits.header_timeout * 5).await;
+    let head = send_review(&mut fresh).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+        "the fresh connection serves its first review: {head:?}"
+    );
+    // A connection that never sends anything is still closed, by the idle bound.
+    let start = Instant::now();
+    let mut silent = server.tls(&server.connector).await;
+    assert!(matches!(read_answer(&mut silent).await, Got::Closed));
+    assert!(
+        start.elapsed() >= limits.idle_timeout,
+        "closed by the idle bound: {:?}",
+        start.elapsed()
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
 async fn an_idle_keep_alive_connection_past_its_maximum_age_closes_with_its_next_answer() {
     let limits = Limits {
         header_timeout: Duration::from_millis(200),
