@@ -1968,7 +1968,7 @@ fn print_restarts(restarts: &[Restart]) -> anyhow::Result<()> {
     for (i, r) in restarts.iter().enumerate() {
         let s = &r.start;
         println!(
-            "| {}{} | {} | {:.1} | {:.1}, {:.1} | {:.0} | {:.1}, {:.1} | {:.0}; {:.2} |",
+            "| {}{} | {} | {:.1} | {:.2}, {:.1} | {:.0} | {:.1}, {:.1} | {:.0}; {:.2} |",
             i + 1,
             if r.settled { "" } else { " (not at rest)" },
             build(r.other),
@@ -1993,7 +1993,7 @@ fn print_restarts(restarts: &[Restart]) -> anyhow::Result<()> {
         }
         let med = |f: fn(&Synced) -> f64| median(&of.iter().map(|s| f(s)).collect::<Vec<_>>());
         println!(
-            "| median of {} | {} | {:.1} | {:.1}, {:.1} | {:.0} | {:.1}, {:.1} | {:.0}; {:.2} |",
+            "| median of {} | {} | {:.1} | {:.2}, {:.1} | {:.0} | {:.1}, {:.1} | {:.0}; {:.2} |",
             of.len(),
             build(other),
             figure(med(|s| s.seconds))?,
