@@ -90,20 +90,35 @@ async fn main() -> anyhow::Result<()> {
         Arc::new(tls)
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let mut app = if has("review") {
+    let review = has("review");
+    let app = if has("limits") {
+        // Called by the route's handler itself, as the webhook's routes call it (not as a
+        // middleware layer, which would box the route and its future for every request).
+        use persistent_pod_state::webhook::{MAX_BODY, POD_BUDGET, REQUEST_TIMEOUT};
+        let limit = serving::RequestLimit::new(POD_BUDGET, REQUEST_TIMEOUT, MAX_BODY, None)
+            .endpoint("/mutate-pod", POD_BUDGET);
+        Router::new().route(
+            "/mutate-pod",
+            post(move |request: axum::extract::Request| {
+                let limit = limit.clone();
+                async move {
+                    limit
+                        .run(request, |request, _| async move {
+                            if review {
+                                answer_review(request.into_body()).await
+                            } else {
+                                floor::answer(request.into_body()).await
+                            }
+                        })
+                        .await
+                }
+            }),
+        )
+    } else if review {
         Router::new().route("/mutate-pod", post(answer_review))
     } else {
         Router::new().route("/mutate-pod", post(floor::answer))
     };
-    if has("limits") {
-        use persistent_pod_state::webhook::{MAX_BODY, POD_BUDGET, REQUEST_TIMEOUT};
-        let limit = serving::RequestLimit::new(POD_BUDGET, REQUEST_TIMEOUT, MAX_BODY, None)
-            .endpoint("/mutate-pod", POD_BUDGET);
-        app = app.route_layer(axum::middleware::from_fn_with_state(
-            limit,
-            serving::limit_requests,
-        ));
-    }
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     eprintln!("bench-floor: listening on {listen} with {with:?}");
     if has("loop") {
