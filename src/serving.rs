@@ -1,14 +1,14 @@
 //! The serving loop, generic over the app it serves: the HTTPS webhook port and the plain-HTTP
 //! probe port both run it. Every connection and request is bounded, and shutdown drains
 //! gracefully: once readiness is off ([`Server::draining`]) each HTTP/1 connection closes with
-//! its next answer, and at the shutdown the listener closes and the connections left are
-//! closed gracefully.
+//! its next answer and each HTTP/2 one is told GOAWAY, and at the shutdown the listener closes
+//! and the connections left are closed gracefully.
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
 //! is closed to make room; a new one is refused only if none frees in time); a deadline for
 //! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from the
 //! request's first byte; HTTP/2: the first request's, from the connection's first byte after
-//! the handshake); an idle timeout (no byte read or written for that long closes the connection: a
+//! the handshake, past which the connection is told GOAWAY); an idle timeout (no byte read or written for that long closes the connection: a
 //! body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound on HTTP/2
 //! streams per connection; a maximum age (HTTP/1: the next answer says `connection: close`, so
 //! that a client never sends a request on a connection the server is closing). The idle,
@@ -57,8 +57,8 @@ pub struct Limits {
     /// Deadline of the TLS handshake.
     pub handshake_timeout: Duration,
     /// Deadline for a request's headers to arrive, from the request's first byte (an HTTP/2
-    /// connection's: from its first byte, only if its first request is late). A connection
-    /// that sends nothing is bound by `idle_timeout`.
+    /// connection's: from its first byte, only if its first request is late; it is then told
+    /// GOAWAY). A connection that sends nothing is bound by `idle_timeout`.
     pub header_timeout: Duration,
     /// A connection with no byte read or written for this long is closed.
     pub idle_timeout: Duration,
@@ -1195,7 +1195,7 @@ async fn serve_connection(
         activity: activity.clone(),
     };
     match tls {
-        None => run_http(tcp, peer, app, limits, activity, stops).await,
+        None => run_http(tcp, peer, app, limits, activity, stops, false).await,
         Some(acceptor) => {
             match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => {
@@ -1206,7 +1206,8 @@ async fn serve_connection(
                     } else {
                         app
                     };
-                    run_http(stream, peer, app, limits, activity, stops).await
+                    let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                    run_http(stream, peer, app, limits, activity, stops, http2).await
                 }
                 Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -1223,6 +1224,9 @@ struct Stops {
     shutdown: CancellationToken,
 }
 
+/// Serves one connection within its bounds. `http2`: the client chose HTTP/2 in the TLS
+/// handshake, so the connection is told apart from its first byte (otherwise from its first
+/// HTTP/2 request).
 async fn run_http<IO>(
     io: IO,
     peer: SocketAddr,
@@ -1230,6 +1234,7 @@ async fn run_http<IO>(
     limits: Limits,
     activity: Activity,
     stops: Stops,
+    http2: bool,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -1256,10 +1261,19 @@ async fn run_http<IO>(
             biased;
             () = stops.draining.cancelled(), if !draining => {
                 draining = true;
-                if !activity.serves_http2() {
-                    tracing::debug!(%peer, "readiness is off: the next answer closes the connection");
-                    activity.close_with_next_answer();
+                // HTTP/2 says so at once (GOAWAY): the client finishes its streams and opens
+                // the next on a new connection, which the Service sends to a replica that
+                // stays. (One that has had no request yet is told at the shutdown, or once
+                // its first request is late: until its preface is read, hyper would close it
+                // without a GOAWAY.)
+                if activity.serves_http2() {
+                    break "readiness is off";
                 }
+                if http2 {
+                    continue;
+                }
+                tracing::debug!(%peer, "readiness is off: the next answer closes the connection");
+                activity.close_with_next_answer();
             }
             result = conn.as_mut() => {
                 if let Err(error) = result {
@@ -1277,6 +1291,10 @@ async fn run_http<IO>(
                     activity.close_with_next_answer();
                 }
                 Bound::MaxAge => break "at its maximum age",
+                // No request is in flight on an HTTP/2 connection waiting for its first one
+                // (a client may dial one ahead and hold it unused): it is told GOAWAY, so
+                // that its client never sends a request on it as it closes.
+                Bound::HeadersLate if http2 => break "its first request is late",
                 Bound::HeadersLate => {
                     // No request is in flight: closed at once, as hyper closes one late with
                     // its headers.

@@ -1012,3 +1012,152 @@ proptest::proptest! {
         );
     }
 }
+
+/// The server stops reading such a body part-way and answers; the answer must reach the client
+/// before the stream ends (hyper then declines the rest of the upload with RST_STREAM(NO_ERROR),
+/// as RFC 9113 section 8.1 allows). curl 7.88 reports this exchange as "Stream error in the
+/// HTTP/2 framing layer" without printing the answer: its own handling of an early answer.
+#[tokio::test]
+async fn a_body_far_over_the_limit_sent_over_http2_gets_the_json_413() {
+    let server = start().await;
+    let tls = server.tls(&server.h2).await;
+    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
+    tokio::spawn(connection);
+    // Twice the limit and more: the server stops reading it part-way.
+    let body = vec![b'a'; 2 * MAX_BODY + 1_000_000];
+    let request = axum::http::Request::post(endpoints::MUTATE_POD)
+        .uri(format!("https://localhost{}", endpoints::MUTATE_POD))
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(())
+        .expect("request");
+    let (response, mut upload) = client.send_request(request, false).expect("send");
+    // Buffered by the client and sent as the server's windows allow; the server may end the
+    // stream before all of it is sent.
+    let _ = upload.send_data(body.into(), true);
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("an answer within 10 s")
+        .expect("an answer, not a reset stream");
+    assert_eq!(response.status(), 413);
+    let mut body = response.into_body();
+    let mut text = Vec::new();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), body.data())
+        .await
+        .expect("the answer's body within 10 s")
+    {
+        text.extend_from_slice(&chunk.expect("the answer's body, not a reset stream"));
+    }
+    let json: Value = serde_json::from_slice(&text).expect("a JSON answer");
+    assert!(json["error"].is_string(), "{json}");
+    server.stop.cancel();
+}
+
+/// HTTP/2 frame types the tests below read.
+const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+
+/// Speaks HTTP/2 on `stream` without ever opening a stream: the client preface and empty
+/// settings, then the server's settings and pings acknowledged, as a client holding an unused
+/// connection does. Returns the types of the frames the server sent until it closed the
+/// connection, and when it closed it.
+async fn h2_frames_until_closed<S>(stream: &mut S, within: Duration) -> (Vec<u8>, Instant)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    stream
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .expect("preface");
+    let (mut types, mut buf) = (Vec::new(), Vec::new());
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        // Whole frames: a 9-byte header (24-bit length, type, flags, stream) and the payload.
+        while buf.len() >= 9 {
+            let length = usize::from(buf[0]) << 16 | usize::from(buf[1]) << 8 | usize::from(buf[2]);
+            if buf.len() < 9 + length {
+                break;
+            }
+            let (kind, flags) = (buf[3], buf[4]);
+            let ack = match kind {
+                SETTINGS if flags & 1 == 0 => Some(b"\0\0\0\x04\x01\0\0\0\0".to_vec()),
+                PING if flags & 1 == 0 => {
+                    Some([b"\0\0\x08\x06\x01\0\0\0\0".as_slice(), &buf[9..17]].concat())
+                }
+                _ => None,
+            };
+            if let Some(ack) = ack {
+                // The server may have closed its side already.
+                let _ = stream.write_all(&ack).await;
+            }
+            types.push(kind);
+            buf.drain(..9 + length);
+        }
+        let mut chunk = [0u8; 4096];
+        match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+            Ok(Ok(0) | Err(_)) => return (types, Instant::now()),
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => panic!("still open after {within:?}; frames so far: {types:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_http2_connection_whose_first_request_is_late_is_told_goaway_before_it_closes() {
+    // A client may dial an HTTP/2 connection ahead of need and hold it unused: closed without
+    // a GOAWAY, it could send a request just as the connection goes.
+    let limits = Limits {
+        header_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_secs(10),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let mut h2 = server.tls(&server.h2).await;
+    let start = Instant::now();
+    let (frames, closed) = h2_frames_until_closed(&mut h2, Duration::from_secs(5)).await;
+    assert!(
+        frames.contains(&GOAWAY),
+        "frames before the close: {frames:?}"
+    );
+    assert!(
+        closed - start >= limits.header_timeout && closed - start < limits.idle_timeout,
+        "closed by the header deadline: after {:?}",
+        closed - start
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn once_readiness_is_off_an_http2_connection_is_told_goaway() {
+    // The HTTP/2 counterpart of `connection: close` on the next answer: the client finishes
+    // what it sent and opens its next stream on a new connection, which the Service sends to a
+    // replica that stays.
+    let limits = Limits {
+        idle_timeout: Duration::from_secs(10),
+        max_age: Duration::from_secs(60),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let tls = server.tls(&server.h2).await;
+    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
+    let connection = tokio::spawn(connection);
+    let body = review(pod_request(json!({})));
+    let request = axum::http::Request::post(format!("https://localhost{}", endpoints::MUTATE_POD))
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request");
+    let (response, mut upload) = client.send_request(request, false).expect("send");
+    upload.send_data(body.into(), true).expect("body");
+    let response = response.await.expect("an answer");
+    assert_eq!(response.status(), 200);
+    server.draining.cancel();
+    // Told GOAWAY with NO_ERROR, the client's connection ends cleanly (an abrupt close is an
+    // error), well before the idle bound.
+    let ended = tokio::time::timeout(Duration::from_secs(5), connection)
+        .await
+        .expect("the connection ended within 5 s")
+        .expect("the connection task");
+    assert!(ended.is_ok(), "ended with {ended:?}");
+    server.stop.cancel();
+}
