@@ -1013,6 +1013,32 @@ proptest::proptest! {
     }
 }
 
+/// Sends `body` to the pod webhook over a new HTTP/2 connection: the connection's task, the
+/// answer to come, and the stream the body is sent on (buffered by the client and sent as the
+/// server's windows allow; the server may end the stream before all of it is sent).
+async fn h2_pod_review(
+    server: &Server,
+    body: Vec<u8>,
+) -> (
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+    h2::client::ResponseFuture,
+    h2::SendStream<axum::body::Bytes>,
+) {
+    let tls = server.tls(&server.h2).await;
+    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
+    let connection = tokio::spawn(connection);
+    let request = axum::http::Request::post(format!("https://localhost{}", endpoints::MUTATE_POD))
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(())
+        .expect("request");
+    let (response, mut upload) = client.send_request(request, false).expect("send");
+    upload
+        .send_data(body.into(), true)
+        .expect("the body queued");
+    (connection, response, upload)
+}
+
 /// The server stops reading such a body part-way and answers; the answer must reach the client
 /// before the stream ends (hyper then declines the rest of the upload with RST_STREAM(NO_ERROR),
 /// as RFC 9113 section 8.1 allows). curl 7.88 reports this exchange as "Stream error in the
@@ -1020,21 +1046,9 @@ proptest::proptest! {
 #[tokio::test]
 async fn a_body_far_over_the_limit_sent_over_http2_gets_the_json_413() {
     let server = start().await;
-    let tls = server.tls(&server.h2).await;
-    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
-    tokio::spawn(connection);
     // Twice the limit and more: the server stops reading it part-way.
-    let body = vec![b'a'; 2 * MAX_BODY + 1_000_000];
-    let request = axum::http::Request::post(endpoints::MUTATE_POD)
-        .uri(format!("https://localhost{}", endpoints::MUTATE_POD))
-        .header("content-type", "application/json")
-        .header("content-length", body.len())
-        .body(())
-        .expect("request");
-    let (response, mut upload) = client.send_request(request, false).expect("send");
-    // Buffered by the client and sent as the server's windows allow; the server may end the
-    // stream before all of it is sent.
-    let _ = upload.send_data(body.into(), true);
+    let too_large = vec![b'a'; 2 * MAX_BODY + 1_000_000];
+    let (_connection, response, _upload) = h2_pod_review(&server, too_large).await;
     let response = tokio::time::timeout(Duration::from_secs(10), response)
         .await
         .expect("an answer within 10 s")
@@ -1139,16 +1153,8 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway() {
         ..TEST_LIMITS
     };
     let server = start_with(None, limits).await;
-    let tls = server.tls(&server.h2).await;
-    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
-    let connection = tokio::spawn(connection);
-    let body = review(pod_request(json!({})));
-    let request = axum::http::Request::post(format!("https://localhost{}", endpoints::MUTATE_POD))
-        .header("content-type", "application/json")
-        .body(())
-        .expect("request");
-    let (response, mut upload) = client.send_request(request, false).expect("send");
-    upload.send_data(body.into(), true).expect("body");
+    let (connection, response, _upload) =
+        h2_pod_review(&server, review(pod_request(json!({})))).await;
     let response = response.await.expect("an answer");
     assert_eq!(response.status(), 200);
     server.draining.cancel();
