@@ -1,14 +1,16 @@
 //! The serving loop, generic over the app it serves: the HTTPS webhook port and the plain-HTTP
 //! probe port both run it. Every connection and request is bounded, and shutdown drains
 //! gracefully: once readiness is off ([`Server::draining`]) each HTTP/1 connection closes with
-//! its next answer and each HTTP/2 one is told GOAWAY, and at the shutdown the listener closes
-//! and the connections left are closed gracefully.
+//! its next answer and each HTTP/2 one (chosen in the TLS handshake, or that has served a
+//! request) is told GOAWAY, and at the shutdown the listener closes and the connections left
+//! are closed gracefully.
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
 //! is closed to make room; a new one is refused only if none frees in time); a deadline for
 //! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from the
 //! request's first byte; HTTP/2: the first request's, from the connection's first byte after
-//! the handshake, past which the connection is told GOAWAY); an idle timeout (no byte read or written for that long closes the connection: a
+//! the handshake, past which a connection chosen as HTTP/2 in the TLS handshake is told GOAWAY,
+//! and any other closed at once); an idle timeout (no byte read or written for that long closes the connection: a
 //! body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound on HTTP/2
 //! streams per connection; a maximum age (HTTP/1: the next answer says `connection: close`, so
 //! that a client never sends a request on a connection the server is closing). The idle,
@@ -57,8 +59,9 @@ pub struct Limits {
     /// Deadline of the TLS handshake.
     pub handshake_timeout: Duration,
     /// Deadline for a request's headers to arrive, from the request's first byte (an HTTP/2
-    /// connection's: from its first byte, only if its first request is late; it is then told
-    /// GOAWAY). A connection that sends nothing is bound by `idle_timeout`.
+    /// connection's: from its first byte, only if its first request is late; one chosen in the
+    /// TLS handshake is then told GOAWAY). A connection that sends nothing is bound by
+    /// `idle_timeout`.
     pub header_timeout: Duration,
     /// A connection with no byte read or written for this long is closed.
     pub idle_timeout: Duration,
@@ -1021,10 +1024,10 @@ pub struct Server {
     /// What a connection and a request may take.
     pub limits: Limits,
     /// Cancelled when readiness turns off, before `shutdown`: from then on each HTTP/1
-    /// connection closes with its next answer (`connection: close`), so that its client
-    /// reconnects, through the Service, to a replica that stays, instead of keeping a
-    /// connection this one closes at `shutdown`. HTTP/2 connections are left to `shutdown`'s
-    /// GOAWAY, which tells the client what was not processed.
+    /// connection closes with its next answer (`connection: close`), and each HTTP/2 one
+    /// (chosen in the TLS handshake, or that has served a request) is told GOAWAY at once,
+    /// its streams in flight answered, so that its client reconnects, through the Service, to a
+    /// replica that stays, instead of keeping a connection this one closes at `shutdown`.
     pub draining: CancellationToken,
     /// Stops accepting when cancelled.
     pub shutdown: CancellationToken,
@@ -1195,7 +1198,7 @@ async fn serve_connection(
         activity: activity.clone(),
     };
     match tls {
-        None => run_http(tcp, peer, app, limits, activity, stops, false).await,
+        None => run_http(tcp, peer, app, limits, activity, stops, None).await,
         Some(acceptor) => {
             match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => {
@@ -1206,8 +1209,12 @@ async fn serve_connection(
                     } else {
                         app
                     };
-                    let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
-                    run_http(stream, peer, app, limits, activity, stops, http2).await
+                    let chosen = match stream.get_ref().1.alpn_protocol() {
+                        Some(b"h2") => Some(axum::http::Version::HTTP_2),
+                        Some(_) => Some(axum::http::Version::HTTP_11),
+                        None => None,
+                    };
+                    run_http(stream, peer, app, limits, activity, stops, chosen).await
                 }
                 Ok(Err(error)) => tracing::debug!(%peer, %error, "TLS handshake failed"),
                 Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -1218,15 +1225,16 @@ async fn serve_connection(
 
 /// What ends a connection from this side, besides its bounds.
 struct Stops {
-    /// Readiness is off: an HTTP/1 connection closes with its next answer.
+    /// Readiness is off: an HTTP/1 connection closes with its next answer, an HTTP/2 one is
+    /// told GOAWAY.
     draining: CancellationToken,
     /// The server's shutdown, or this connection's eviction: closed now, gracefully.
     shutdown: CancellationToken,
 }
 
-/// Serves one connection within its bounds. `http2`: the client chose HTTP/2 in the TLS
-/// handshake, so the connection is told apart from its first byte (otherwise from its first
-/// HTTP/2 request).
+/// Serves one connection within its bounds, in the protocol the client `chosen` in the TLS
+/// handshake (none chosen: the one its first bytes speak). An HTTP/2 connection is told apart
+/// from its first byte when it was chosen so, otherwise from its first HTTP/2 request.
 async fn run_http<IO>(
     io: IO,
     peer: SocketAddr,
@@ -1234,11 +1242,19 @@ async fn run_http<IO>(
     limits: Limits,
     activity: Activity,
     stops: Stops,
-    http2: bool,
+    chosen: Option<axum::http::Version>,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    let http2 = chosen == Some(axum::http::Version::HTTP_2);
+    // So hyper serves HTTP/2 from the preface on: told to close before the preface is read, it
+    // still says GOAWAY once it is (as the protocol sniffer would not).
+    builder = match chosen {
+        None => builder,
+        Some(_) if http2 => builder.http2_only(),
+        Some(_) => builder.http1_only(),
+    };
     // The header deadline is this loop's own ([`Activity::past_bound`]), not hyper's.
     builder.http1().header_read_timeout(None);
     builder
@@ -1263,14 +1279,9 @@ async fn run_http<IO>(
                 draining = true;
                 // HTTP/2 says so at once (GOAWAY): the client finishes its streams and opens
                 // the next on a new connection, which the Service sends to a replica that
-                // stays. (One that has had no request yet is told at the shutdown, or once
-                // its first request is late: until its preface is read, hyper would close it
-                // without a GOAWAY.)
-                if activity.serves_http2() {
-                    break "readiness is off";
-                }
-                if http2 {
-                    continue;
+                // stays.
+                if http2 || activity.serves_http2() {
+                    break READINESS_OFF;
                 }
                 tracing::debug!(%peer, "readiness is off: the next answer closes the connection");
                 activity.close_with_next_answer();
@@ -1294,7 +1305,7 @@ async fn run_http<IO>(
                 // No request is in flight on an HTTP/2 connection waiting for its first one
                 // (a client may dial one ahead and hold it unused): it is told GOAWAY, so
                 // that its client never sends a request on it as it closes.
-                Bound::HeadersLate if http2 => break "its first request is late",
+                Bound::HeadersLate if http2 => break FIRST_REQUEST_LATE,
                 Bound::HeadersLate => {
                     // No request is in flight: closed at once, as hyper closes one late with
                     // its headers.
@@ -1307,7 +1318,14 @@ async fn run_http<IO>(
     };
     tracing::debug!(%peer, why, "closing the connection");
     conn.as_mut().graceful_shutdown();
-    // What is in flight finishes, within the idle bound again.
+    // What is in flight finishes, within the idle bound again, and within that bound in all
+    // (an HTTP/2 client that keeps sending frames but never acknowledges the GOAWAY's ping is
+    // not waited for longer); a connection with no request yet gets a header deadline's time.
+    let at_most = if why == FIRST_REQUEST_LATE {
+        limits.header_timeout
+    } else {
+        limits.idle_timeout
+    };
     tokio::select! {
         result = conn.as_mut() => {
             if let Err(error) = result {
@@ -1315,8 +1333,16 @@ async fn run_http<IO>(
             }
         }
         () = activity.idle_for(limits.idle_timeout) => {}
+        () = tokio::time::sleep(at_most) => {
+            tracing::debug!(%peer, "closing the connection: it did not end in time");
+        }
     }
 }
+
+/// Why a connection is closed: readiness is off (HTTP/2).
+const READINESS_OFF: &str = "readiness is off";
+/// Why a connection is closed: an HTTP/2 connection's first request is late.
+const FIRST_REQUEST_LATE: &str = "its first request is late";
 
 #[cfg(test)]
 mod tests {

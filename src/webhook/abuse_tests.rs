@@ -1013,32 +1013,6 @@ proptest::proptest! {
     }
 }
 
-/// Sends `body` to the pod webhook over a new HTTP/2 connection: the connection's task, the
-/// answer to come, and the stream the body is sent on (buffered by the client and sent as the
-/// server's windows allow; the server may end the stream before all of it is sent).
-async fn h2_pod_review(
-    server: &Server,
-    body: Vec<u8>,
-) -> (
-    tokio::task::JoinHandle<Result<(), h2::Error>>,
-    h2::client::ResponseFuture,
-    h2::SendStream<axum::body::Bytes>,
-) {
-    let tls = server.tls(&server.h2).await;
-    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
-    let connection = tokio::spawn(connection);
-    let request = axum::http::Request::post(format!("https://localhost{}", endpoints::MUTATE_POD))
-        .header("content-type", "application/json")
-        .header("content-length", body.len())
-        .body(())
-        .expect("request");
-    let (response, mut upload) = client.send_request(request, false).expect("send");
-    upload
-        .send_data(body.into(), true)
-        .expect("the body queued");
-    (connection, response, upload)
-}
-
 /// The server stops reading such a body part-way and answers; the answer must reach the client
 /// before the stream ends (hyper then declines the rest of the upload with RST_STREAM(NO_ERROR),
 /// as RFC 9113 section 8.1 allows). curl 7.88 reports this exchange as "Stream error in the
@@ -1046,9 +1020,22 @@ async fn h2_pod_review(
 #[tokio::test]
 async fn a_body_far_over_the_limit_sent_over_http2_gets_the_json_413() {
     let server = start().await;
+    let tls = server.tls(&server.h2).await;
+    let (mut client, connection) = h2::client::handshake(tls).await.expect("h2 handshake");
+    tokio::spawn(connection);
     // Twice the limit and more: the server stops reading it part-way.
-    let too_large = vec![b'a'; 2 * MAX_BODY + 1_000_000];
-    let (_connection, response, _upload) = h2_pod_review(&server, too_large).await;
+    let body = vec![b'a'; 2 * MAX_BODY + 1_000_000];
+    let request = axum::http::Request::post(format!("https://localhost{}", endpoints::MUTATE_POD))
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(())
+        .expect("request");
+    let (response, mut upload) = client.send_request(request, false).expect("send");
+    // Buffered by the client and sent as the server's windows allow: the server ends the
+    // stream before all of it is sent (`upload` lives on, so the client does not reset it).
+    upload
+        .send_data(body.into(), true)
+        .expect("the body queued");
     let response = tokio::time::timeout(Duration::from_secs(10), response)
         .await
         .expect("an answer within 10 s")
@@ -1067,54 +1054,111 @@ async fn a_body_far_over_the_limit_sent_over_http2_gets_the_json_413() {
     server.stop.cancel();
 }
 
-/// HTTP/2 frame types the tests below read.
+/// HTTP/2 frame types the tests below read and send.
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
 const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
 
-/// Speaks HTTP/2 on `stream` without ever opening a stream: the client preface and empty
-/// settings, then the server's settings and pings acknowledged, as a client holding an unused
-/// connection does. Returns the types of the frames the server sent until it closed the
-/// connection, and when it closed it.
-async fn h2_frames_until_closed<S>(stream: &mut S, within: Duration) -> (Vec<u8>, Instant)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    stream
-        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
-        .await
-        .expect("preface");
-    let (mut types, mut buf) = (Vec::new(), Vec::new());
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        // Whole frames: a 9-byte header (24-bit length, type, flags, stream) and the payload.
-        while buf.len() >= 9 {
-            let length = usize::from(buf[0]) << 16 | usize::from(buf[1]) << 8 | usize::from(buf[2]);
-            if buf.len() < 9 + length {
-                break;
+/// One HTTP/2 frame: type, flags, stream, payload.
+type Frame = (u8, u8, u32, Vec<u8>);
+
+/// A hand-made HTTP/2 client over `stream`, to control what it sends and when and to see each
+/// frame the server sends. It sends the client preface and empty settings, and acknowledges
+/// the server's settings and pings as it reads, as a client holding a connection does.
+struct RawH2<S> {
+    stream: S,
+    read: Vec<u8>,
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> RawH2<S> {
+    async fn open(mut stream: S) -> Self {
+        stream
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .expect("preface");
+        let mut raw = Self {
+            stream,
+            read: Vec::new(),
+        };
+        raw.send(SETTINGS, 0, 0, &[]).await;
+        raw
+    }
+
+    async fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let length = u32::try_from(payload.len())
+            .expect("a small frame")
+            .to_be_bytes();
+        let mut frame = vec![length[1], length[2], length[3], kind, flags];
+        frame.extend_from_slice(&stream.to_be_bytes());
+        frame.extend_from_slice(payload);
+        // The server may have closed its side already.
+        let _ = self.stream.write_all(&frame).await;
+    }
+
+    /// A POST of a pod review's headers on stream 1, literal fields only (RFC 7541).
+    async fn send_review_headers(&mut self) {
+        let mut block = vec![0x83, 0x87]; // :method POST, :scheme https (static table)
+        for (name_index, value) in [
+            (0x04, endpoints::MUTATE_POD), // :path
+            (0x01, "localhost"),           // :authority
+            (0x0f, "application/json"),    // content-type (index 31: 15 + 16)
+        ] {
+            block.push(name_index);
+            if name_index == 0x0f {
+                block.push(0x10);
             }
-            let (kind, flags) = (buf[3], buf[4]);
-            let ack = match kind {
-                SETTINGS if flags & 1 == 0 => Some(b"\0\0\0\x04\x01\0\0\0\0".to_vec()),
-                PING if flags & 1 == 0 => {
-                    Some([b"\0\0\x08\x06\x01\0\0\0\0".as_slice(), &buf[9..17]].concat())
-                }
-                _ => None,
-            };
-            if let Some(ack) = ack {
-                // The server may have closed its side already.
-                let _ = stream.write_all(&ack).await;
-            }
-            types.push(kind);
-            buf.drain(..9 + length);
+            block.push(u8::try_from(value.len()).expect("a short value"));
+            block.extend_from_slice(value.as_bytes());
         }
-        let mut chunk = [0u8; 4096];
-        match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
-            Ok(Ok(0) | Err(_)) => return (types, Instant::now()),
-            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
-            Err(_) => panic!("still open after {within:?}; frames so far: {types:?}"),
+        self.send(HEADERS, 0x4, 1, &block).await;
+    }
+
+    /// The server's next frame (settings and pings acknowledged on the way); `None` once it
+    /// has closed the connection. Panics past `deadline`.
+    async fn next(&mut self, deadline: tokio::time::Instant) -> Option<Frame> {
+        loop {
+            // A whole frame: a 9-byte header (24-bit length, type, flags, stream), the payload.
+            if self.read.len() >= 9 {
+                let length = usize::from(self.read[0]) << 16
+                    | usize::from(self.read[1]) << 8
+                    | usize::from(self.read[2]);
+                if self.read.len() >= 9 + length {
+                    let frame: Vec<u8> = self.read.drain(..9 + length).collect();
+                    let (kind, flags) = (frame[3], frame[4]);
+                    let stream = u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]);
+                    let payload = frame[9..].to_vec();
+                    match kind {
+                        SETTINGS if flags & 1 == 0 => self.send(SETTINGS, 1, 0, &[]).await,
+                        PING if flags & 1 == 0 => self.send(PING, 1, 0, &payload).await,
+                        _ => {}
+                    }
+                    return Some((kind, flags, stream, payload));
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            match tokio::time::timeout_at(deadline, self.stream.read(&mut chunk)).await {
+                Ok(Ok(0) | Err(_)) => return None,
+                Ok(Ok(n)) => self.read.extend_from_slice(&chunk[..n]),
+                Err(_) => panic!("the server neither sent a frame nor closed in time"),
+            }
         }
     }
+
+    /// The server's frames until it closes the connection.
+    async fn until_closed(&mut self, deadline: tokio::time::Instant) -> Vec<Frame> {
+        let mut frames = Vec::new();
+        while let Some(frame) = self.next(deadline).await {
+            frames.push(frame);
+        }
+        frames
+    }
+}
+
+fn kinds(frames: &[Frame]) -> Vec<u8> {
+    frames.iter().map(|f| f.0).collect()
 }
 
 #[tokio::test]
@@ -1127,43 +1171,69 @@ async fn an_http2_connection_whose_first_request_is_late_is_told_goaway_before_i
         ..TEST_LIMITS
     };
     let server = start_with(None, limits).await;
-    let mut h2 = server.tls(&server.h2).await;
+    let tls = server.tls(&server.h2).await;
     let start = Instant::now();
-    let (frames, closed) = h2_frames_until_closed(&mut h2, Duration::from_secs(5)).await;
+    let mut h2 = RawH2::open(tls).await;
+    let frames = h2
+        .until_closed(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+    let closed = start.elapsed();
+    assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
     assert!(
-        frames.contains(&GOAWAY),
-        "frames before the close: {frames:?}"
-    );
-    assert!(
-        closed - start >= limits.header_timeout && closed - start < limits.idle_timeout,
-        "closed by the header deadline: after {:?}",
-        closed - start
+        closed >= limits.header_timeout && closed < limits.idle_timeout,
+        "closed by the header deadline: after {closed:?}"
     );
     server.stop.cancel();
 }
 
 #[tokio::test]
-async fn once_readiness_is_off_an_http2_connection_is_told_goaway() {
+async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream_in_flight_answered()
+ {
     // The HTTP/2 counterpart of `connection: close` on the next answer: the client finishes
     // what it sent and opens its next stream on a new connection, which the Service sends to a
     // replica that stays.
     let limits = Limits {
+        header_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(10),
         max_age: Duration::from_secs(60),
         ..TEST_LIMITS
     };
     let server = start_with(None, limits).await;
-    let (connection, response, _upload) =
-        h2_pod_review(&server, review(pod_request(json!({})))).await;
-    let response = response.await.expect("an answer");
-    assert_eq!(response.status(), 200);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+
+    // Chosen in the TLS handshake, readiness off before its preface: still told.
+    let mut fresh = RawH2::open(server.tls(&server.h2).await).await;
+    let tls = server.tls(&server.h2).await;
+    // A review half sent as readiness turns off.
+    let mut busy = RawH2::open(tls).await;
+    let body = review(pod_request(json!({})));
+    let (first, rest) = body.split_at(body.len() / 2);
+    busy.send_review_headers().await;
+    busy.send(DATA, 0, 1, first).await;
     server.draining.cancel();
-    // Told GOAWAY with NO_ERROR, the client's connection ends cleanly (an abrupt close is an
-    // error), well before the idle bound.
-    let ended = tokio::time::timeout(Duration::from_secs(5), connection)
-        .await
-        .expect("the connection ended within 5 s")
-        .expect("the connection task");
-    assert!(ended.is_ok(), "ended with {ended:?}");
+    let frames = fresh.until_closed(deadline).await;
+    assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
+
+    let mut seen = Vec::new();
+    while let Some(frame) = busy.next(deadline).await {
+        let goaway = frame.0 == GOAWAY;
+        seen.push(frame);
+        if goaway {
+            break;
+        }
+    }
+    assert!(kinds(&seen).contains(&GOAWAY), "{:?}", kinds(&seen));
+    // The rest of the review, after the GOAWAY: answered (`:status: 200` is the static
+    // table's 0x88), and then the connection closes, the stream never reset.
+    busy.send(DATA, 1, 1, rest).await;
+    seen.extend(busy.until_closed(deadline).await);
+    assert!(
+        seen.iter().any(|(kind, _, stream, block)| *kind == HEADERS
+            && *stream == 1
+            && block.first() == Some(&0x88)),
+        "{:?}",
+        kinds(&seen)
+    );
+    assert!(!kinds(&seen).contains(&RST_STREAM), "{:?}", kinds(&seen));
     server.stop.cancel();
 }
