@@ -5,8 +5,8 @@
 //! request) is told GOAWAY, and at the shutdown the listener closes and the connections left
 //! are closed gracefully.
 //!
-//! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest
-//! is closed to make room; a new one is refused only if none frees in time); a deadline for
+//! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest,
+//! of those not closing already, is closed to make room; a new one is refused only if none frees in time); a deadline for
 //! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from the
 //! request's first byte; HTTP/2: the first request's, from the connection's first byte after
 //! the handshake, past which a connection chosen as HTTP/2 in the TLS handshake is told GOAWAY,
@@ -1159,7 +1159,8 @@ impl Live {
         }
     }
 
-    /// Closes the connection that has moved no byte for the longest.
+    /// Closes the connection that has moved no byte for the longest, of those not closing
+    /// already.
     fn evict_most_idle(&self) {
         let live = crate::sync::lock(&self.0);
         if let Some((_, (_, close))) = live
@@ -1228,7 +1229,8 @@ struct Stops {
     /// Readiness is off: an HTTP/1 connection closes with its next answer, an HTTP/2 one is
     /// told GOAWAY.
     draining: CancellationToken,
-    /// The server's shutdown, or this connection's eviction: closed now, gracefully.
+    /// The server's shutdown, or this connection's eviction: closed now, gracefully (and
+    /// cancelled once the connection is closing, which eviction then passes over).
     shutdown: CancellationToken,
 }
 
@@ -1317,6 +1319,8 @@ async fn run_http<IO>(
         }
     };
     tracing::debug!(%peer, why, "closing the connection");
+    // Closing already: at the connection cap, eviction passes it over for one it can close.
+    stops.shutdown.cancel();
     conn.as_mut().graceful_shutdown();
     // What is in flight finishes, within the idle bound again, and within that bound in all
     // (an HTTP/2 client that keeps sending frames but never acknowledges the GOAWAY's ping is

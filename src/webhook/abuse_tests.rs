@@ -1237,3 +1237,53 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream
     assert!(!kinds(&seen).contains(&RST_STREAM), "{:?}", kinds(&seen));
     server.stop.cancel();
 }
+
+#[tokio::test]
+async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_place_of_an_idle_one()
+{
+    let limits = Limits {
+        max_connections: 2,
+        header_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(10),
+        max_age: Duration::from_secs(60),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    // Closing: told GOAWAY as readiness turned off, a review half sent on it (so it stays
+    // open until the review ends), and idle the longest.
+    let mut closing = RawH2::open(server.tls(&server.h2).await).await;
+    let body = review(pod_request(json!({})));
+    closing.send_review_headers().await;
+    closing.send(DATA, 0, 1, &body[..body.len() / 2]).await;
+    server.draining.cancel();
+    while let Some(frame) = closing.next(deadline).await {
+        if frame.0 == GOAWAY {
+            break;
+        }
+    }
+    // Idle, opened since.
+    let mut idle = server.tls(&server.connector).await;
+    // At the cap, a new connection: the idle one makes room for it.
+    let mut new = server.tls(&server.connector).await;
+    let head = send_review(&mut new).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+        "the new connection is served: {head:?}"
+    );
+    assert!(matches!(read_answer(&mut idle).await, Got::Closed));
+    // The closing one still answers its review.
+    closing.send(DATA, 1, 1, &body[body.len() / 2..]).await;
+    let frames = closing.until_closed(deadline).await;
+    assert!(
+        frames
+            .iter()
+            .any(|(kind, _, stream, block)| *kind == HEADERS
+                && *stream == 1
+                && block.first() == Some(&0x88)),
+        "{:?}",
+        kinds(&frames)
+    );
+    server.stop.cancel();
+}
