@@ -1147,6 +1147,46 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> RawH2<S> {
         }
     }
 
+    /// Half a pod review on stream 1: its headers and the first half of its body, the rest
+    /// returned, for [`RawH2::finish_review`].
+    async fn half_review(&mut self) -> Vec<u8> {
+        let body = review(pod_request(json!({})));
+        let (first, rest) = body.split_at(body.len() / 2);
+        self.send_review_headers().await;
+        self.send(DATA, 0, 1, first).await;
+        rest.to_vec()
+    }
+
+    /// The server's frames up to its GOAWAY; panics if it closes the connection before.
+    async fn until_goaway(&mut self, deadline: tokio::time::Instant) -> Vec<Frame> {
+        let mut frames = Vec::new();
+        while let Some(frame) = self.next(deadline).await {
+            let goaway = frame.0 == GOAWAY;
+            frames.push(frame);
+            if goaway {
+                return frames;
+            }
+        }
+        panic!("closed without a GOAWAY: {:?}", kinds(&frames));
+    }
+
+    /// Sends the `rest` of the review [`RawH2::half_review`] began and reads until the server
+    /// closes: it must have answered the review 200 (`:status: 200` is the static table's
+    /// 0x88) and never reset its stream.
+    async fn finish_review(&mut self, rest: &[u8], deadline: tokio::time::Instant) {
+        self.send(DATA, 1, 1, rest).await;
+        let frames = self.until_closed(deadline).await;
+        let answered = frames.iter().any(|(kind, _, stream, block)| {
+            *kind == HEADERS && *stream == 1 && block.first() == Some(&0x88)
+        });
+        assert!(answered, "{:?}", kinds(&frames));
+        assert!(
+            !kinds(&frames).contains(&RST_STREAM),
+            "{:?}",
+            kinds(&frames)
+        );
+    }
+
     /// The server's frames until it closes the connection.
     async fn until_closed(&mut self, deadline: tokio::time::Instant) -> Vec<Frame> {
         let mut frames = Vec::new();
@@ -1203,38 +1243,15 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream
 
     // Chosen in the TLS handshake, readiness off before its preface: still told.
     let mut fresh = RawH2::open(server.tls(&server.h2).await).await;
-    let tls = server.tls(&server.h2).await;
     // A review half sent as readiness turns off.
-    let mut busy = RawH2::open(tls).await;
-    let body = review(pod_request(json!({})));
-    let (first, rest) = body.split_at(body.len() / 2);
-    busy.send_review_headers().await;
-    busy.send(DATA, 0, 1, first).await;
+    let mut busy = RawH2::open(server.tls(&server.h2).await).await;
+    let rest = busy.half_review().await;
     server.draining.cancel();
     let frames = fresh.until_closed(deadline).await;
     assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
-
-    let mut seen = Vec::new();
-    while let Some(frame) = busy.next(deadline).await {
-        let goaway = frame.0 == GOAWAY;
-        seen.push(frame);
-        if goaway {
-            break;
-        }
-    }
-    assert!(kinds(&seen).contains(&GOAWAY), "{:?}", kinds(&seen));
-    // The rest of the review, after the GOAWAY: answered (`:status: 200` is the static
-    // table's 0x88), and then the connection closes, the stream never reset.
-    busy.send(DATA, 1, 1, rest).await;
-    seen.extend(busy.until_closed(deadline).await);
-    assert!(
-        seen.iter().any(|(kind, _, stream, block)| *kind == HEADERS
-            && *stream == 1
-            && block.first() == Some(&0x88)),
-        "{:?}",
-        kinds(&seen)
-    );
-    assert!(!kinds(&seen).contains(&RST_STREAM), "{:?}", kinds(&seen));
+    busy.until_goaway(deadline).await;
+    // The rest of the review, after the GOAWAY: answered, then the connection closes.
+    busy.finish_review(&rest, deadline).await;
     server.stop.cancel();
 }
 
@@ -1253,15 +1270,9 @@ async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_pl
     // Closing: told GOAWAY as readiness turned off, a review half sent on it (so it stays
     // open until the review ends), and idle the longest.
     let mut closing = RawH2::open(server.tls(&server.h2).await).await;
-    let body = review(pod_request(json!({})));
-    closing.send_review_headers().await;
-    closing.send(DATA, 0, 1, &body[..body.len() / 2]).await;
+    let rest = closing.half_review().await;
     server.draining.cancel();
-    while let Some(frame) = closing.next(deadline).await {
-        if frame.0 == GOAWAY {
-            break;
-        }
-    }
+    closing.until_goaway(deadline).await;
     // Idle, opened since.
     let mut idle = server.tls(&server.connector).await;
     // At the cap, a new connection: the idle one makes room for it.
@@ -1274,16 +1285,6 @@ async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_pl
     );
     assert!(matches!(read_answer(&mut idle).await, Got::Closed));
     // The closing one still answers its review.
-    closing.send(DATA, 1, 1, &body[body.len() / 2..]).await;
-    let frames = closing.until_closed(deadline).await;
-    assert!(
-        frames
-            .iter()
-            .any(|(kind, _, stream, block)| *kind == HEADERS
-                && *stream == 1
-                && block.first() == Some(&0x88)),
-        "{:?}",
-        kinds(&frames)
-    );
+    closing.finish_review(&rest, deadline).await;
     server.stop.cancel();
 }
