@@ -1062,6 +1062,15 @@ const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
 const GOAWAY: u8 = 0x7;
 
+/// Bounds none of which a test's few seconds reach: what closes a connection there is the
+/// server's own doing.
+const NO_EARLY_BOUND: Limits = Limits {
+    header_timeout: Duration::from_secs(10),
+    idle_timeout: Duration::from_secs(10),
+    max_age: Duration::from_secs(60),
+    ..TEST_LIMITS
+};
+
 /// One HTTP/2 frame: type, flags, stream, payload.
 type Frame = (u8, u8, u32, Vec<u8>);
 
@@ -1232,13 +1241,7 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream
     // The HTTP/2 counterpart of `connection: close` on the next answer: the client finishes
     // what it sent and opens its next stream on a new connection, which the Service sends to a
     // replica that stays.
-    let limits = Limits {
-        header_timeout: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(10),
-        max_age: Duration::from_secs(60),
-        ..TEST_LIMITS
-    };
-    let server = start_with(None, limits).await;
+    let server = start_with(None, NO_EARLY_BOUND).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
 
     // Chosen in the TLS handshake, readiness off before its preface: still told.
@@ -1260,10 +1263,7 @@ async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_pl
 {
     let limits = Limits {
         max_connections: 2,
-        header_timeout: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(10),
-        max_age: Duration::from_secs(60),
-        ..TEST_LIMITS
+        ..NO_EARLY_BOUND
     };
     let server = start_with(None, limits).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
