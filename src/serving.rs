@@ -6,15 +6,16 @@
 //! are closed gracefully.
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest,
-//! of those not closing already, is closed to make room; a new one is refused only if none frees in time); a deadline for
-//! the TLS handshake; a deadline for request headers (HTTP/1: each request's, from the
-//! request's first byte; HTTP/2: the first request's, from the connection's first byte after
-//! the handshake, past which a connection chosen as HTTP/2 in the TLS handshake is told GOAWAY,
-//! and any other closed at once); an idle timeout (no byte read or written for that long closes the connection: a
-//! body that stops arriving, a keep-alive or HTTP/2 connection left open); a bound on HTTP/2
-//! streams per connection; a maximum age (HTTP/1: the next answer says `connection: close`, so
-//! that a client never sends a request on a connection the server is closing). The idle,
-//! header and age bounds share one timer per connection. Requests are bounded by
+//! of those not closing already, is closed to make room; a new one is refused only if none
+//! frees in time); a deadline for the TLS handshake; a deadline for request headers (HTTP/1:
+//! each request's, from the request's first byte; HTTP/2: the first request's, from the
+//! connection's first byte after the handshake, past which a connection chosen as HTTP/2 in the
+//! TLS handshake is told GOAWAY, and any other closed at once); an idle timeout (no byte read or
+//! written for that long closes the connection: a body that stops arriving, a keep-alive or
+//! HTTP/2 connection left open); a bound on HTTP/2 streams per connection; a maximum age
+//! (HTTP/1: the next answer says `connection: close`, so that a client never sends a request on
+//! a connection the server is closing). The idle, header and age bounds share one timer per
+//! connection. Requests are bounded by
 //! [`RequestLimit::run`], per endpoint: a body is read within a deadline and a size limit before
 //! the request counts as in flight, its bytes and what decoding it may build ([`json_values`])
 //! are taken from the endpoint's byte share, then one of its slots (a refused request's body is
@@ -1248,14 +1249,13 @@ async fn run_http<IO>(
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
     let http2 = chosen == Some(axum::http::Version::HTTP_2);
     // So hyper serves HTTP/2 from the preface on: told to close before the preface is read, it
     // still says GOAWAY once it is (as the protocol sniffer would not).
-    builder = match chosen {
-        None => builder,
-        Some(_) if http2 => builder.http2_only(),
-        Some(_) => builder.http1_only(),
+    let mut builder = match chosen {
+        None => auto::Builder::new(TokioExecutor::new()),
+        Some(_) if http2 => auto::Builder::new(TokioExecutor::new()).http2_only(),
+        Some(_) => auto::Builder::new(TokioExecutor::new()).http1_only(),
     };
     // The header deadline is this loop's own ([`Activity::past_bound`]), not hyper's.
     builder.http1().header_read_timeout(None);
@@ -1272,6 +1272,9 @@ async fn run_http<IO>(
     let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
     tokio::pin!(conn);
     let mut draining = false;
+    // How long a graceful close may take: the idle bound, or for a connection with no request
+    // yet a header deadline.
+    let mut at_most = limits.idle_timeout;
     let why = loop {
         tokio::select! {
             // In this order: a review that arrives as readiness turns off is answered with
@@ -1283,7 +1286,7 @@ async fn run_http<IO>(
                 // the next on a new connection, which the Service sends to a replica that
                 // stays.
                 if http2 || activity.serves_http2() {
-                    break READINESS_OFF;
+                    break "readiness is off";
                 }
                 tracing::debug!(%peer, "readiness is off: the next answer closes the connection");
                 activity.close_with_next_answer();
@@ -1307,7 +1310,10 @@ async fn run_http<IO>(
                 // No request is in flight on an HTTP/2 connection waiting for its first one
                 // (a client may dial one ahead and hold it unused): it is told GOAWAY, so
                 // that its client never sends a request on it as it closes.
-                Bound::HeadersLate if http2 => break FIRST_REQUEST_LATE,
+                Bound::HeadersLate if http2 => {
+                    at_most = limits.header_timeout;
+                    break "its first request is late";
+                }
                 Bound::HeadersLate => {
                     // No request is in flight: closed at once, as hyper closes one late with
                     // its headers.
@@ -1322,14 +1328,9 @@ async fn run_http<IO>(
     // Closing already: at the connection cap, eviction passes it over for one it can close.
     stops.shutdown.cancel();
     conn.as_mut().graceful_shutdown();
-    // What is in flight finishes, within the idle bound again, and within that bound in all
-    // (an HTTP/2 client that keeps sending frames but never acknowledges the GOAWAY's ping is
-    // not waited for longer); a connection with no request yet gets a header deadline's time.
-    let at_most = if why == FIRST_REQUEST_LATE {
-        limits.header_timeout
-    } else {
-        limits.idle_timeout
-    };
+    // What is in flight finishes, within the idle bound again, and within `at_most` in all (an
+    // HTTP/2 client that keeps sending frames but never acknowledges the GOAWAY's ping is not
+    // waited for longer).
     tokio::select! {
         result = conn.as_mut() => {
             if let Err(error) = result {
@@ -1342,11 +1343,6 @@ async fn run_http<IO>(
         }
     }
 }
-
-/// Why a connection is closed: readiness is off (HTTP/2).
-const READINESS_OFF: &str = "readiness is off";
-/// Why a connection is closed: an HTTP/2 connection's first request is late.
-const FIRST_REQUEST_LATE: &str = "its first request is late";
 
 #[cfg(test)]
 mod tests {
