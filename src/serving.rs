@@ -1,22 +1,22 @@
 //! The serving loop, generic over the app it serves: the HTTPS webhook port and the plain-HTTP
 //! probe port both run it. Every connection and request is bounded, and shutdown drains
 //! gracefully: once readiness is off ([`Server::draining`]) each HTTP/1 connection closes with
-//! its next answer and each HTTP/2 one (chosen in the TLS handshake, or that has served a
-//! request) is told GOAWAY, and at the shutdown the listener closes and the connections left
-//! are closed gracefully.
+//! its next answer and each HTTP/2 one (chosen in the TLS handshake, or its preface read) is
+//! told GOAWAY, and at the shutdown the listener closes and the connections left are closed
+//! gracefully, within the idle bound (a client that never acknowledges a GOAWAY's ping is not
+//! waited for longer).
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest,
 //! of those not closing already, is closed to make room; a new one is refused only if none
 //! frees in time); a deadline for the TLS handshake; a deadline for request headers (HTTP/1:
 //! each request's, from the request's first byte; HTTP/2: the first request's, from the
-//! connection's first byte after the handshake, past which a connection chosen as HTTP/2 in the
-//! TLS handshake is told GOAWAY, and any other closed at once); an idle timeout (no byte read or
-//! written for that long closes the connection: a body that stops arriving, a keep-alive or
-//! HTTP/2 connection left open); a bound on HTTP/2 streams per connection; a maximum age
-//! (HTTP/1: the next answer says `connection: close`, so that a client never sends a request on
-//! a connection the server is closing). The idle, header and age bounds share one timer per
-//! connection. Requests are bounded by
-//! [`RequestLimit::run`], per endpoint: a body is read within a deadline and a size limit before
+//! connection's first byte after the handshake, past which a connection speaking HTTP/2 is told
+//! GOAWAY, and any other closed at once); an idle timeout (no byte read or written for that long
+//! closes the connection: a body that stops arriving, a keep-alive or HTTP/2 connection left
+//! open); a bound on HTTP/2 streams per connection; a maximum age (HTTP/1: the next answer says
+//! `connection: close`, so that a client never sends a request on a connection the server is
+//! closing). The idle, header and age bounds share one timer per connection. Requests are
+//! bounded by [`RequestLimit::run`], per endpoint: a body is read within a deadline and a size limit before
 //! the request counts as in flight, its bytes and what decoding it may build ([`json_values`])
 //! are taken from the endpoint's byte share, then one of its slots (a refused request's body is
 //! read and dropped, so its client gets the answer).
@@ -528,6 +528,8 @@ struct ActivityState {
     /// An HTTP/1 connection past its maximum age between two requests: its next answer says
     /// `connection: close` and ends it.
     closing: AtomicBool,
+    /// The connection speaks HTTP/2 (chosen in the TLS handshake, or its preface read).
+    http2: AtomicBool,
 }
 
 /// A request is being handled: no headers are due.
@@ -552,6 +554,7 @@ impl Activity {
             last_micros: AtomicU64::new(0),
             waiting_micros: AtomicU64::new(AWAITING),
             closing: AtomicBool::new(false),
+            http2: AtomicBool::new(false),
         }))
     }
 
@@ -614,10 +617,14 @@ impl Activity {
         )
     }
 
-    /// An HTTP/2 connection that has had a request (until then a connection's protocol is not
-    /// told apart here).
+    /// The connection speaks HTTP/2: told GOAWAY, not closed, when it is to end.
+    fn speaks_http2(&self) {
+        self.0.http2.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the connection speaks HTTP/2 ([`Activity::speaks_http2`]).
     fn serves_http2(&self) -> bool {
-        self.0.waiting_micros.load(Ordering::Relaxed) == NO_HEADER_DEADLINE
+        self.0.http2.load(Ordering::Relaxed)
     }
 
     /// Its next answer says `connection: close` (and hyper then ends the connection); its
@@ -750,38 +757,90 @@ where
     }
 }
 
-/// An IO that records its activity.
-struct Watched<IO> {
+/// An IO that tells its [`Tap`] of the bytes moving through it.
+struct Tapped<IO, T> {
     inner: IO,
-    activity: Activity,
+    tap: T,
 }
 
-impl<IO> Watched<IO> {
-    /// Counts a write that moved bytes as activity; returns it unchanged.
+/// What a [`Tapped`] IO is told of the bytes moving through it.
+trait Tap {
+    /// `new` bytes were read (none: the read was pending, or at its end).
+    fn read(&mut self, new: &[u8]);
+    /// `n` bytes were written.
+    fn wrote(&self, n: usize);
+}
+
+/// The socket's own tap: a byte read or written is the connection's activity.
+impl Tap for Activity {
+    fn read(&mut self, new: &[u8]) {
+        if !new.is_empty() {
+            self.bytes_read();
+        }
+    }
+
+    fn wrote(&self, n: usize) {
+        if n > 0 {
+            self.touch();
+        }
+    }
+}
+
+/// The HTTP/2 client preface (RFC 9113, section 3.4).
+const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A connection's first bytes checked for the HTTP/2 preface, where the TLS handshake chose no
+/// protocol: a client speaking HTTP/2 from the start is then told GOAWAY as one that chose it.
+struct Preface {
+    activity: Activity,
+    /// How many of the preface's bytes have been read; `None` once the protocol is told apart
+    /// (or needs no telling).
+    matched: Option<usize>,
+}
+
+impl Tap for Preface {
+    fn read(&mut self, new: &[u8]) {
+        let Some(matched) = self.matched else { return };
+        let want = &HTTP2_PREFACE[matched..];
+        let n = new.len().min(want.len());
+        self.matched = if new[..n] != want[..n] {
+            None
+        } else if n == want.len() {
+            self.activity.speaks_http2();
+            None
+        } else {
+            Some(matched + n)
+        };
+    }
+
+    fn wrote(&self, _: usize) {}
+}
+
+impl<IO, T: Tap> Tapped<IO, T> {
+    /// Tells the tap of a write that moved bytes; returns it unchanged.
     fn wrote(&self, polled: Poll<std::io::Result<usize>>) -> Poll<std::io::Result<usize>> {
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.activity.touch();
+        if let Poll::Ready(Ok(n)) = polled {
+            self.tap.wrote(n);
         }
         polled
     }
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for Watched<IO> {
+impl<IO: AsyncRead + Unpin, T: Tap + Unpin> AsyncRead for Tapped<IO, T> {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
         let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.activity.bytes_read();
-        }
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        this.tap.read(&buf.filled()[before..]);
         polled
     }
 }
 
-impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
+impl<IO: AsyncWrite + Unpin, T: Tap + Unpin> AsyncWrite for Tapped<IO, T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -1026,7 +1085,7 @@ pub struct Server {
     pub limits: Limits,
     /// Cancelled when readiness turns off, before `shutdown`: from then on each HTTP/1
     /// connection closes with its next answer (`connection: close`), and each HTTP/2 one
-    /// (chosen in the TLS handshake, or that has served a request) is told GOAWAY at once,
+    /// (chosen in the TLS handshake, or its preface read) is told GOAWAY at once,
     /// its streams in flight answered, so that its client reconnects, through the Service, to a
     /// replica that stays, instead of keeping a connection this one closes at `shutdown`.
     pub draining: CancellationToken,
@@ -1195,9 +1254,9 @@ async fn serve_connection(
             shutdown: entry.close.clone(),
         },
     );
-    let tcp = Watched {
+    let tcp = Tapped {
         inner: tcp,
-        activity: activity.clone(),
+        tap: activity.clone(),
     };
     match tls {
         None => run_http(tcp, peer, app, limits, activity, stops, None).await,
@@ -1237,7 +1296,7 @@ struct Stops {
 
 /// Serves one connection within its bounds, in the protocol the client `chosen` in the TLS
 /// handshake (none chosen: the one its first bytes speak). An HTTP/2 connection is told apart
-/// from its first byte when it was chosen so, otherwise from its first HTTP/2 request.
+/// from its first byte when it was chosen so, otherwise from its preface.
 async fn run_http<IO>(
     io: IO,
     peer: SocketAddr,
@@ -1249,13 +1308,23 @@ async fn run_http<IO>(
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let http2 = chosen == Some(axum::http::Version::HTTP_2);
     // So hyper serves HTTP/2 from the preface on: told to close before the preface is read, it
     // still says GOAWAY once it is (as the protocol sniffer would not).
     let mut builder = match chosen {
         None => auto::Builder::new(TokioExecutor::new()),
-        Some(_) if http2 => auto::Builder::new(TokioExecutor::new()).http2_only(),
+        Some(axum::http::Version::HTTP_2) => {
+            activity.speaks_http2();
+            auto::Builder::new(TokioExecutor::new()).http2_only()
+        }
         Some(_) => auto::Builder::new(TokioExecutor::new()).http1_only(),
+    };
+    // Where nothing was chosen, the preface tells HTTP/2 apart before its first request.
+    let io = Tapped {
+        inner: io,
+        tap: Preface {
+            activity: activity.clone(),
+            matched: chosen.is_none().then_some(0),
+        },
     };
     // The header deadline is this loop's own ([`Activity::past_bound`]), not hyper's.
     builder.http1().header_read_timeout(None);
@@ -1285,7 +1354,7 @@ async fn run_http<IO>(
                 // HTTP/2 says so at once (GOAWAY): the client finishes its streams and opens
                 // the next on a new connection, which the Service sends to a replica that
                 // stays.
-                if http2 || activity.serves_http2() {
+                if activity.serves_http2() {
                     break "readiness is off";
                 }
                 tracing::debug!(%peer, "readiness is off: the next answer closes the connection");
@@ -1310,7 +1379,7 @@ async fn run_http<IO>(
                 // No request is in flight on an HTTP/2 connection waiting for its first one
                 // (a client may dial one ahead and hold it unused): it is told GOAWAY, so
                 // that its client never sends a request on it as it closes.
-                Bound::HeadersLate if http2 => {
+                Bound::HeadersLate if activity.serves_http2() => {
                     at_most = limits.header_timeout;
                     break "its first request is late";
                 }
@@ -1625,10 +1694,11 @@ mod tests {
             last_micros: AtomicU64::new(0),
             waiting_micros: AtomicU64::new(0),
             closing: AtomicBool::new(false),
+            http2: AtomicBool::new(false),
         }));
-        let mut watched = Watched {
+        let mut watched = Tapped {
             inner: tcp,
-            activity: activity.clone(),
+            tap: activity.clone(),
         };
         assert!(watched.is_write_vectored(), "forwarded from the socket");
         let slices = [
@@ -1644,5 +1714,32 @@ mod tests {
         let mut got = [0u8; 11];
         peer.read_exact(&mut got).await.expect("read");
         assert_eq!(&got, b"two records");
+    }
+
+    #[test]
+    fn the_http2_preface_is_told_apart_however_its_bytes_arrive() {
+        let sniff = |reads: &[&[u8]]| {
+            let activity = Activity::new();
+            let mut preface = Preface {
+                activity: activity.clone(),
+                matched: Some(0),
+            };
+            for read in reads {
+                preface.read(read);
+            }
+            (activity.serves_http2(), preface.matched)
+        };
+        let (head, tail) = HTTP2_PREFACE.split_at(7);
+        assert_eq!(sniff(&[HTTP2_PREFACE]), (true, None));
+        assert_eq!(sniff(&[head, b"", tail]), (true, None), "in pieces");
+        assert_eq!(
+            sniff(&[b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04"]),
+            (true, None)
+        );
+        assert_eq!(sniff(&[head]), (false, Some(7)), "not yet told apart");
+        assert_eq!(sniff(&[b"POST /mutate HTTP/1.1\r\n"]), (false, None));
+        assert_eq!(sniff(&[b"PRI * HTTP/1.1\r\n"]), (false, None));
+        // Told apart as not HTTP/2 for good: a later preface is a body's bytes.
+        assert_eq!(sniff(&[b"GET ", HTTP2_PREFACE]), (false, None));
     }
 }

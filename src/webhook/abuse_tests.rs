@@ -33,6 +33,8 @@ struct Server {
     addr: std::net::SocketAddr,
     connector: TlsConnector,
     h2: TlsConnector,
+    /// Choosing no protocol in the TLS handshake (ALPN).
+    unchosen: TlsConnector,
     /// Like `connector`, without a client certificate.
     anonymous: TlsConnector,
     /// Readiness off ([`serving::Server::draining`]).
@@ -112,7 +114,7 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> 
     for cert in rustls::pki_types::CertificateDer::pem_slice_iter(bundle.ca_cert.as_bytes()) {
         roots.add(cert.expect("ca")).expect("root");
     }
-    let client = |alpn: &[u8], client_auth: Option<(&str, &str, &str)>| {
+    let client = |alpn: &[&[u8]], client_auth: Option<(&str, &str, &str)>| {
         let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
@@ -131,15 +133,16 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> 
                 .expect("client auth"),
             None => builder.with_no_client_auth(),
         };
-        config.alpn_protocols = vec![alpn.to_vec()];
+        config.alpn_protocols = alpn.iter().map(|protocol| protocol.to_vec()).collect();
         TlsConnector::from(Arc::new(config))
     };
     std::fs::remove_dir_all(&dir).ok();
     Server {
         addr,
-        connector: client(b"http/1.1", client_auth),
-        h2: client(b"h2", client_auth),
-        anonymous: client(b"http/1.1", None),
+        connector: client(&[b"http/1.1"], client_auth),
+        h2: client(&[b"h2"], client_auth),
+        unchosen: client(&[], client_auth),
+        anonymous: client(&[b"http/1.1"], None),
         draining,
         stop,
     }
@@ -1076,10 +1079,12 @@ type Frame = (u8, u8, u32, Vec<u8>);
 
 /// A hand-made HTTP/2 client over `stream`, to control what it sends and when and to see each
 /// frame the server sends. It sends the client preface and empty settings, and acknowledges
-/// the server's settings and pings as it reads, as a client holding a connection does.
+/// the server's settings and (unless told not to) pings as it reads, as a client holding a
+/// connection does.
 struct RawH2<S> {
     stream: S,
     read: Vec<u8>,
+    acks_pings: bool,
 }
 
 impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> RawH2<S> {
@@ -1091,6 +1096,7 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> RawH2<S> {
         let mut raw = Self {
             stream,
             read: Vec::new(),
+            acks_pings: true,
         };
         raw.send(SETTINGS, 0, 0, &[]).await;
         raw
@@ -1141,7 +1147,9 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> RawH2<S> {
                     let payload = frame[9..].to_vec();
                     match kind {
                         SETTINGS if flags & 1 == 0 => self.send(SETTINGS, 1, 0, &[]).await,
-                        PING if flags & 1 == 0 => self.send(PING, 1, 0, &payload).await,
+                        PING if flags & 1 == 0 && self.acks_pings => {
+                            self.send(PING, 1, 0, &payload).await;
+                        }
                         _ => {}
                     }
                     return Some((kind, flags, stream, payload));
@@ -1213,24 +1221,63 @@ fn kinds(frames: &[Frame]) -> Vec<u8> {
 #[tokio::test]
 async fn an_http2_connection_whose_first_request_is_late_is_told_goaway_before_it_closes() {
     // A client may dial an HTTP/2 connection ahead of need and hold it unused: closed without
-    // a GOAWAY, it could send a request just as the connection goes.
+    // a GOAWAY, it could send a request just as the connection goes. So whether it chose
+    // HTTP/2 in the TLS handshake or speaks it from its first byte without choosing.
     let limits = Limits {
         header_timeout: Duration::from_millis(300),
         idle_timeout: Duration::from_secs(10),
         ..TEST_LIMITS
     };
     let server = start_with(None, limits).await;
-    let tls = server.tls(&server.h2).await;
-    let start = Instant::now();
-    let mut h2 = RawH2::open(tls).await;
-    let frames = h2
-        .until_closed(tokio::time::Instant::now() + Duration::from_secs(5))
-        .await;
-    let closed = start.elapsed();
-    assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
+    for (how, connector) in [("chosen", &server.h2), ("unchosen", &server.unchosen)] {
+        let tls = server.tls(connector).await;
+        let start = Instant::now();
+        let mut h2 = RawH2::open(tls).await;
+        let frames = h2
+            .until_closed(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await;
+        let closed = start.elapsed();
+        assert!(
+            kinds(&frames).contains(&GOAWAY),
+            "{how}: {:?}",
+            kinds(&frames)
+        );
+        assert!(
+            closed >= limits.header_timeout && closed < limits.idle_timeout,
+            "{how}: closed by the header deadline: after {closed:?}"
+        );
+    }
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_graceful_close_whose_ping_is_never_acknowledged_ends_within_the_idle_bound() {
+    // Told GOAWAY, a client that never acknowledges the GOAWAY's ping, and keeps the
+    // connection busy with pings of its own (which the server answers), would otherwise hold it
+    // open for good: no stream ends, and no byte's silence reaches the idle bound.
+    let limits = Limits {
+        idle_timeout: Duration::from_secs(1),
+        ..NO_EARLY_BOUND
+    };
+    let server = start_with(None, limits).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut h2 = RawH2::open(server.tls(&server.h2).await).await;
+    h2.acks_pings = false;
+    server.draining.cancel();
+    h2.until_goaway(deadline).await;
+    let told = Instant::now();
+    let beat = Duration::from_millis(100);
+    loop {
+        h2.send(PING, 0, 0, b"busy now").await;
+        // Each frame whole: the reader loses nothing to a timeout between reads.
+        if let Ok(None) = tokio::time::timeout(beat, h2.next(deadline)).await {
+            break;
+        }
+    }
+    let closed = told.elapsed();
     assert!(
-        closed >= limits.header_timeout && closed < limits.idle_timeout,
-        "closed by the header deadline: after {closed:?}"
+        closed >= limits.idle_timeout / 2 && closed < limits.idle_timeout * 3,
+        "closed by the idle bound's limit on a graceful close: {closed:?} after the GOAWAY"
     );
     server.stop.cancel();
 }
@@ -1246,12 +1293,18 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream
 
     // Chosen in the TLS handshake, readiness off before its preface: still told.
     let mut fresh = RawH2::open(server.tls(&server.h2).await).await;
+    // Spoken without choosing, its preface read (the server's settings follow it): told too.
+    let mut unchosen = RawH2::open(server.tls(&server.unchosen).await).await;
+    let settings = unchosen.next(deadline).await;
+    assert_eq!(settings.map(|frame| frame.0), Some(SETTINGS));
     // A review half sent as readiness turns off.
     let mut busy = RawH2::open(server.tls(&server.h2).await).await;
     let rest = busy.half_review().await;
     server.draining.cancel();
-    let frames = fresh.until_closed(deadline).await;
-    assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
+    for h2 in [&mut fresh, &mut unchosen] {
+        let frames = h2.until_closed(deadline).await;
+        assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
+    }
     busy.until_goaway(deadline).await;
     // The rest of the review, after the GOAWAY: answered, then the connection closes.
     busy.finish_review(&rest, deadline).await;
