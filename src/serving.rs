@@ -1366,6 +1366,12 @@ async fn run_http<IO>(
                 }
                 return;
             }
+            // Readiness turned off before the protocol was told apart: the HTTP/2 preface read
+            // since is told GOAWAY too. Read by the branch above, in the same pass over the
+            // branches (no waker needed).
+            () = std::future::poll_fn(|_| {
+                if activity.serves_http2() { Poll::Ready(()) } else { Poll::Pending }
+            }), if draining => break "readiness is off",
             bound = activity.past_bound(&limits) => match bound {
                 Bound::Idle => break "idle",
                 // An HTTP/1 connection between requests is not closed under a request the

@@ -1297,11 +1297,14 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream
     let mut unchosen = RawH2::open(server.tls(&server.unchosen).await).await;
     let settings = unchosen.next(deadline).await;
     assert_eq!(settings.map(|frame| frame.0), Some(SETTINGS));
+    // Spoken without choosing, its preface sent after readiness turns off: told once read.
+    let late = server.tls(&server.unchosen).await;
     // A review half sent as readiness turns off.
     let mut busy = RawH2::open(server.tls(&server.h2).await).await;
     let rest = busy.half_review().await;
     server.draining.cancel();
-    for h2 in [&mut fresh, &mut unchosen] {
+    let mut late = RawH2::open(late).await;
+    for h2 in [&mut fresh, &mut unchosen, &mut late] {
         let frames = h2.until_closed(deadline).await;
         assert!(kinds(&frames).contains(&GOAWAY), "{:?}", kinds(&frames));
     }
