@@ -617,7 +617,9 @@ impl Activity {
         )
     }
 
-    /// The connection speaks HTTP/2: told GOAWAY, not closed, when it is to end.
+    /// The connection speaks HTTP/2: told GOAWAY, not closed, when it is to end. Called only
+    /// before the connection is served or from within its own IO (the preface's tap), so that
+    /// `run_http` may read it after polling the connection, with no waker.
     fn speaks_http2(&self) {
         self.0.http2.store(true, Ordering::Relaxed);
     }
@@ -1735,9 +1737,11 @@ mod tests {
             }
             (activity.serves_http2(), preface.matched)
         };
-        let (head, tail) = HTTP2_PREFACE.split_at(7);
-        assert_eq!(sniff(&[HTTP2_PREFACE]), (true, None));
-        assert_eq!(sniff(&[head, b"", tail]), (true, None), "in pieces");
+        for at in 0..=HTTP2_PREFACE.len() {
+            let (head, tail) = HTTP2_PREFACE.split_at(at);
+            assert_eq!(sniff(&[head, b"", tail]), (true, None), "split at {at}");
+        }
+        let head = &HTTP2_PREFACE[..7];
         assert_eq!(
             sniff(&[b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04"]),
             (true, None)
