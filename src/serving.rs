@@ -16,10 +16,10 @@
 //! open); a bound on HTTP/2 streams per connection; a maximum age (HTTP/1: the next answer says
 //! `connection: close`, so that a client never sends a request on a connection the server is
 //! closing). The idle, header and age bounds share one timer per connection. Requests are
-//! bounded by [`RequestLimit::run`], per endpoint: a body is read within a deadline and a size limit before
-//! the request counts as in flight, its bytes and what decoding it may build ([`json_values`])
-//! are taken from the endpoint's byte share, then one of its slots (a refused request's body is
-//! read and dropped, so its client gets the answer).
+//! bounded by [`RequestLimit::run`], per endpoint: a body is read within a deadline and a size
+//! limit before the request counts as in flight, its bytes and what decoding it may build
+//! ([`json_values`]) are taken from the endpoint's byte share, then one of its slots (a refused
+//! request's body is read and dropped, so its client gets the answer).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
