@@ -6,10 +6,11 @@
 //! on an operator's word.
 //!
 //! Rules for odd input (nothing is deleted, the reason is said):
-//! - a volume without a required node affinity, with no term, or whose terms admit more than one
-//!   known node, is not node-local;
-//! - when no known node matches (the node was deleted), the volume belongs to a node only if
-//!   every term names it alone (`kubernetes.io/hostname In [name]` or `metadata.name In [name]`);
+//! - a volume is node-local only if every term of its required node affinity names the same one
+//!   node by a label that names a node (`kubernetes.io/hostname In [name]`, a node-local
+//!   driver's node key, [`NODE_IDENTITY_LABELS`]) or `metadata.name In [name]`, and no more than
+//!   one known node matches it: a volume pinned to a zone or a rack is not, even where one node
+//!   alone carries that label now;
 //! - a claim is the pod's own only if its name is `<template>-<pod>` for one of the workload's
 //!   `volumeClaimTemplates`, and every owner it names is the workload or the pod;
 //! - a claim not bound, or bound to a volume that names another claim, is not released.
@@ -93,7 +94,23 @@ pub fn waiting_on_gone_nodes(
         .collect()
 }
 
-/// The one node the volume `pv` can be mounted on, or why it is not node-local.
+/// Node labels whose value names one node: the kubelet's hostname label, and the topology
+/// keys node-local volume drivers set to the node's name (TopoLVM, old and new, OpenEBS
+/// LocalPV LVM and ZFS, the CSI host-path driver). A volume is node-local only when its affinity
+/// names one node by one of these (or by `metadata.name`): a volume pinned by any other label
+/// (a zone, a rack) is not, even when one known node carries that label now.
+pub const NODE_IDENTITY_LABELS: [&str; 5] = [
+    HOSTNAME_LABEL,
+    "topology.topolvm.io/node",
+    "topology.topolvm.cybozu.com/node",
+    "openebs.io/nodename",
+    "topology.hostpath.csi/node",
+];
+
+/// The one node the volume `pv` can be mounted on, or why it is not node-local: every term of
+/// its required node affinity names the same one node by a [`NODE_IDENTITY_LABELS`] label or
+/// by `metadata.name` (`In`, one value), and at most one known node matches it. The node's name
+/// when a known node matches, else (the node was deleted) the value named.
 pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, String> {
     let selector = pv
         .spec
@@ -107,23 +124,6 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
                 pv.name_any()
             )
         })?;
-    let matched: BTreeSet<String> = nodes
-        .all()
-        .iter()
-        .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
-        .map(|n| n.name_any())
-        .collect();
-    match matched.len() {
-        1 => return Ok(matched.into_iter().next().unwrap_or_default()),
-        0 => {}
-        n => {
-            return Err(format!(
-                "PersistentVolume {} can be mounted on {n} nodes",
-                pv.name_any()
-            ));
-        }
-    }
-    // No known node matches (the node was deleted): the one node every term names alone.
     let named: Option<BTreeSet<&str>> = selector
         .node_selector_terms
         .iter()
@@ -132,14 +132,15 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
                 .match_expressions
                 .iter()
                 .flatten()
-                .filter(|r| r.key == HOSTNAME_LABEL && r.operator == "In");
+                .filter(|r| NODE_IDENTITY_LABELS.contains(&r.key.as_str()));
             let by_name = term
                 .match_fields
                 .iter()
                 .flatten()
-                .filter(|r| r.key == "metadata.name" && r.operator == "In");
+                .filter(|r| r.key == "metadata.name");
             let mut names = by_label
                 .chain(by_name)
+                .filter(|r| r.operator == "In")
                 .filter_map(|r| match r.values.as_deref() {
                     Some([one]) => Some(one.as_str()),
                     _ => None,
@@ -147,13 +148,31 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
             names.next()
         })
         .collect();
-    match named {
-        Some(names) if names.len() == 1 => {
-            Ok(names.into_iter().next().unwrap_or_default().to_owned())
+    let named = match named {
+        Some(names) if names.len() == 1 => names.into_iter().next().unwrap_or_default(),
+        _ => {
+            return Err(format!(
+                "PersistentVolume {}'s node affinity does not name one node (by {} or \
+                 metadata.name)",
+                pv.name_any(),
+                NODE_IDENTITY_LABELS.join(", ")
+            ));
         }
-        _ => Err(format!(
-            "PersistentVolume {}'s node affinity matches no known node and names no single node",
-            pv.name_any()
+    };
+    let mut matched = nodes
+        .all()
+        .iter()
+        .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
+        .map(|n| n.name_any())
+        .collect::<BTreeSet<String>>()
+        .into_iter();
+    match (matched.next(), matched.next()) {
+        (None, _) => Ok(named.to_owned()),
+        (Some(node), None) => Ok(node),
+        (Some(_), Some(_)) => Err(format!(
+            "PersistentVolume {} can be mounted on {} nodes",
+            pv.name_any(),
+            2 + matched.count()
         )),
     }
 }
@@ -362,7 +381,7 @@ impl ReleaseReport {
 /// pod that waits unscheduled: its own claims bound to volumes only a node that is not ready
 /// (or deleted) can mount (each by uid), and the pod (by uid and resourceVersion) when such a
 /// claim or a required pin the webhook added holds it. A scheduled pod, a claim on a ready
-/// node's volume, one of another owner, or a volume without single-node affinity is never
+/// node's volume, one of another owner, or a volume whose affinity does not name one node is never
 /// touched. `dry_run`: deletes nothing, reports what it would.
 pub async fn release_pod(
     client: &Client,
@@ -573,8 +592,37 @@ mod tests {
     #[test]
     fn a_volume_is_node_local_only_when_its_affinity_admits_one_node() {
         let host = |n: &str| json!({"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": [n]}]});
-        let cases: [(Value, Result<&str, &str>); 9] = [
+        let by = |key: &str, n: &str| json!({"matchExpressions": [{"key": key, "operator": "In", "values": [n]}]});
+        let cases: [(Value, Result<&str, &str>); 15] = [
             (terms(json!([host("n1")])), Ok("n1")),
+            // a node-local driver's node key, the node known or deleted
+            (
+                terms(json!([by("topology.topolvm.io/node", "n2")])),
+                Ok("n2"),
+            ),
+            (
+                terms(json!([by("openebs.io/nodename", "gone")])),
+                Ok("gone"),
+            ),
+            // the node named, and its zone as well
+            (
+                terms(
+                    json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": ["n3"]},
+                        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z2"]}]}]),
+                ),
+                Ok("n3"),
+            ),
+            // a zonal volume where one known node alone carries the zone (n3 in z2) is not
+            // node-local: any node joining z2 can mount it
+            (
+                terms(json!([by("topology.kubernetes.io/zone", "z2")])),
+                Err("does not name one node"),
+            ),
+            // nor is a volume pinned by a rack or any other label
+            (
+                terms(json!([by("openebs.io/rack", "n1")])),
+                Err("does not name one node"),
+            ),
             (
                 terms(
                     json!([{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n3"]}]}]),
@@ -584,10 +632,13 @@ mod tests {
             // the node was deleted: named alone by every term
             (terms(json!([host("gone"), host("gone")])), Ok("gone")),
             (
-                terms(
-                    json!([{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]),
-                ),
-                Err("can be mounted on 2 nodes"),
+                terms(json!([by("topology.kubernetes.io/zone", "z1")])),
+                Err("does not name one node"),
+            ),
+            // one term naming a node and another naming none
+            (
+                terms(json!([by("topology.kubernetes.io/zone", "z1"), host("n1")])),
+                Err("does not name one node"),
             ),
             (Value::Null, Err("has no required node affinity")),
             (terms(json!([])), Err("has no required node affinity")),
@@ -596,15 +647,15 @@ mod tests {
                 terms(
                     json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "Near", "values": ["n1"]}]}]),
                 ),
-                Err("names no single node"),
+                Err("does not name one node"),
             ),
             // two deleted nodes named: not one node's
             (
                 terms(json!([host("gone"), host("other")])),
-                Err("names no single node"),
+                Err("does not name one node"),
             ),
             // a term with no requirement matches nothing
-            (terms(json!([{}])), Err("names no single node")),
+            (terms(json!([{}])), Err("does not name one node")),
         ];
         for (affinity, want) in cases {
             let got = volume_node(&pv(affinity.clone()), &fleet());
@@ -616,6 +667,16 @@ mod tests {
                 ),
             }
         }
+        // A hostname two known nodes carry (one mislabelled): not one node's.
+        let mut twin = (*node("n4", "z1")).clone();
+        twin.labels_mut().insert(HOSTNAME_LABEL.into(), "n1".into());
+        let twins = Fleet(vec![node("n1", "z1"), Arc::new(twin)]);
+        let got = volume_node(&pv(terms(json!([host("n1")]))), &twins);
+        assert!(
+            got.as_ref()
+                .is_err_and(|e| e.contains("can be mounted on 2 nodes")),
+            "{got:?}"
+        );
     }
 
     fn claim(name: &str, owners: Value, volume: Option<&str>) -> PersistentVolumeClaim {

@@ -276,3 +276,62 @@ async fn a_pod_pinned_to_a_node_deleted_after_admission_is_released_at_once() {
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }
+
+/// A pod pinned by a PersistentPodState that is gone by the time its node goes (here: no
+/// longer generated, its workload's annotation removed) is released all the same: no
+/// reconcile of that PersistentPodState can do it, so the controller's sweep of orphaned pins
+/// does, with a `PodReleased` Event on the pod. Re-created with no PersistentPodState, it runs
+/// elsewhere.
+#[tokio::test]
+async fn a_pod_pinned_by_a_persistent_pod_state_since_gone_is_released_when_its_node_goes() {
+    let env = env().await;
+    let c = &env.client;
+    let lost_after = lost_after(&env);
+    let ns = namespace(c, "e2e-release-orphan").await;
+    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("orph", 1)).await;
+    let node = placed["orph-0"].node.clone();
+    let kubelet = kubelet_dies(c, &node).await;
+    let first_uid = force_delete_pod(c, &ns, "orph-0").await;
+    let waiting = created_again(c, &ns, "orph-0", &first_uid).await;
+    assert_eq!(pinned_to(&waiting).as_deref(), Some(node.as_str()));
+    let pinned_uid = waiting.uid().unwrap_or_default();
+    patch_sts(
+        c,
+        &ns,
+        "orph",
+        serde_json::json!({"metadata": {"annotations": {"kruise.io/auto-generate-persistent-pod-state": null}}}),
+    )
+    .await;
+    let pps = pps_api(c, &ns);
+    wait_for(
+        "the generated PersistentPodState to go",
+        TIMEOUT,
+        || async { pps.get_opt("orph").await.ok()?.is_none().then_some(()) },
+    )
+    .await;
+    let before = scrape(&env).await;
+    Api::<Node>::all(c.clone())
+        .delete(&node, &DeleteParams::default())
+        .await
+        .expect("delete the node");
+    let deleted_at = std::time::Instant::now();
+    let running = wait_replaced(c, &ns, "orph-0", &pinned_uid).await;
+    let took = deleted_at.elapsed();
+    assert!(
+        took < lost_after,
+        "released {took:?} after the deletion: a deleted node is lost at once"
+    );
+    assert_eq!(pinned_to(&running), None, "no PersistentPodState: no pin");
+    assert_ne!(placement(&running).map(|p| p.node), Some(node.clone()));
+    wait_event_noting(c, &ns, "orph-0", "PodReleased", &[&node, "orph", "is gone"]).await;
+    let series = "pps_pods_released_total{reason=\"node_gone\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    println!(
+        "orph-0: pinned by a PersistentPodState since gone; its node {node} deleted, released and running elsewhere {took:?} later"
+    );
+    kubelet_returns(c, &node, kubelet).await;
+    delete_namespace(c, &ns).await;
+}

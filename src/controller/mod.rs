@@ -293,6 +293,27 @@ fn gathered(
     })
 }
 
+/// How often pods pinned by a PersistentPodState that is gone are looked for (a pass over every
+/// cached pod; under a millisecond at 100,000).
+const ORPHANED_PINS_EVERY: Duration = Duration::from_secs(10);
+
+/// Until `shutdown`, releases every [`ORPHANED_PINS_EVERY`] the pods pinned by
+/// PersistentPodStates that are gone, once their pins are unusable
+/// ([`reconcile::release_orphaned_pins`]): no reconcile of theirs does.
+async fn sweep_orphaned_pins(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let mut every = tokio::time::interval(ORPHANED_PINS_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            () = shutdown.cancelled() => return,
+        }
+        if let Err(e) = reconcile::release_orphaned_pins(&ctx).await {
+            tracing::warn!(error = %e, "releasing pods pinned by PersistentPodStates that are gone failed; tried again at the next look");
+        }
+    }
+}
+
 /// A failed reconcile; retried with backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -329,9 +350,14 @@ pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     .boxed();
 
     // Each run ends with the token that was meant to stop it (`None`: the PersistentPodState
-    // controller, stopped by `shutdown`).
+    // controller and the sweep of orphaned pins, stopped by `shutdown`).
     let runs = FuturesUnordered::new();
     runs.push(pps);
+    runs.push(
+        sweep_orphaned_pins(ctx.clone(), shutdown.clone())
+            .map(|()| None)
+            .boxed(),
+    );
     // One generator per watched workload kind; kinds come and go with their CRDs.
     let mut generators: HashMap<GroupKind, (WorkloadStore, CancellationToken)> = HashMap::new();
     let mut kinds_changed = caches.subscribe_workload_kinds();

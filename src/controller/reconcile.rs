@@ -18,13 +18,17 @@ use super::generate::{self, Leave, Plan};
 use super::record::{self, Observed, Target};
 use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
-use crate::api::{PersistentPodState, PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION};
+use crate::api::{
+    INJECTED_REQUIRED_ANNOTATION, PersistentPodState, PersistentPodStateStatus,
+    RELEASE_LOCAL_VOLUMES_ANNOTATION,
+};
 use crate::metrics::{GeneratorAction, Reconciler};
-use crate::placement::Health;
+use crate::placement::{self, Health, Nodes as _};
 use crate::release::{self, Kept, LocalClaim};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
+use k8s_openapi::jiff::Timestamp;
 
 fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
     match caches.workload(workload) {
@@ -120,7 +124,12 @@ pub async fn reconcile_pps(
     report::unplaceable(&ctx, &pps, &change.status, &health);
     report::replaced(&ctx, &pps, &change);
     report::limits(&ctx, &pps, &workload_target);
-    let next = next_look(&ctx.caches, &change.status, &health);
+    let next = next_look(
+        &ctx.caches,
+        &change.status,
+        (&pps.name_any(), &pods),
+        &health,
+    );
     let mut wait = paced.map_or(next, |wait| wait.min(next));
     let local = release_local_volumes(
         &ctx,
@@ -299,6 +308,44 @@ async fn release_stranded(
     Ok(None)
 }
 
+/// Releases the pods pinned by PersistentPodStates that are gone ([`record::orphaned`]) once no
+/// usable node has the values the webhook added, as [`release_stranded`] does for a
+/// PersistentPodState's own: each by uid and resourceVersion, within the release rate of the
+/// PersistentPodState that pinned it, with a `PodReleased` Event on the pod.
+pub(super) async fn release_orphaned_pins(ctx: &Context) -> Result<(), Error> {
+    let waiting = ctx.caches.pods_where(|p| {
+        p.node_name.as_deref().is_none_or(str::is_empty)
+            && p.annotations.get(INJECTED_REQUIRED_ANNOTATION).is_some()
+    });
+    if waiting.is_empty() {
+        return Ok(());
+    }
+    let waiting: Vec<&CachedPod> = waiting.iter().map(Arc::as_ref).collect();
+    let exists = |namespace: &str, name: &str| {
+        let key = ObjectRef::<PersistentPodState>::new(name).within(namespace);
+        ctx.caches.pps.get(&key).is_some()
+    };
+    let health = Health::now(ctx.node_lost_after);
+    let place = |values: &BTreeMap<String, String>| ctx.place_required(values, &health);
+    for ((namespace, pps), pods) in record::orphaned(&waiting, &exists) {
+        let key = ObjectRef::<PersistentPodState>::new(&pps).within(&namespace);
+        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
+        for pod in record::stranded(&pps, &pods, &place) {
+            if ctx.releases.take(&key).is_err() {
+                tracing::info!(pod = %pod.pod, "release rate reached; the pod waits for the next look");
+                break;
+            }
+            ctx.fence.before_write(&namespace).await?;
+            if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
+                == Deleted::Now
+            {
+                report::released_orphan(ctx, &namespace, &pps, &pod);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Deletes the waiting pod `name` (`uid`), conditionally on `resource_version` (the pod as the
 /// decision saw it). When that version is stale (the scheduler writes an unschedulable pod's
 /// conditions, say), reads the pod once more and deletes it at its current version if it is
@@ -374,14 +421,30 @@ pub(super) enum Deleted {
 }
 
 /// When to look at a PersistentPodState again without a change: at the resync period, or just
-/// after a recorded node that is not ready now would count as lost (so the report follows).
-fn next_look(caches: &Caches, status: &PersistentPodStateStatus, health: &Health) -> Duration {
-    status
+/// after a node that is not ready now would count as lost: a recorded node (so the report
+/// follows), or a node a pod waiting where `pps_name` steered it can still go to (so a pin
+/// whose last such node is lost is released then, not at the resync).
+fn next_look(
+    caches: &Caches,
+    status: &PersistentPodStateStatus,
+    (pps_name, pods): (&str, &[&CachedPod]),
+    health: &Health,
+) -> Duration {
+    let mut lost_at: Vec<Timestamp> = status
         .pod_states
         .values()
         .filter_map(|s| s.node_name.as_deref())
         .filter_map(|name| caches.node(name))
         .filter_map(|node| health.lost_at(&node))
+        .collect();
+    for values in pods.iter().filter_map(|p| record::pinned(pps_name, p)) {
+        caches.visit_with_labels(&placement::borrowed(&values), &mut |node| {
+            lost_at.extend(health.lost_at(node));
+            false
+        });
+    }
+    lost_at
+        .into_iter()
         .filter(|at| *at > health.now)
         .map(|at| {
             let secs = at.as_second().saturating_sub(health.now.as_second());

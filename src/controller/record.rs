@@ -362,9 +362,8 @@ pub fn stranded(
     place: &dyn Fn(&BTreeMap<String, String>) -> Required,
 ) -> Vec<Stranded> {
     pods.iter()
-        .filter(|p| waits_steered(pps_name, p))
-        .filter_map(|p| {
-            let values = decode_required(p.annotations.get(INJECTED_REQUIRED_ANNOTATION)?)?;
+        .filter_map(|p| Some((p, pinned(pps_name, p)?)))
+        .filter_map(|(p, values)| {
             let dropped = place(&values).dropped?;
             let node = values
                 .get(HOSTNAME_LABEL)
@@ -379,6 +378,37 @@ pub fn stranded(
             })
         })
         .collect()
+}
+
+/// The pods of `pods` pinned by a PersistentPodState that `exists` says is gone (deleted, or
+/// no longer generated), by that PersistentPodState (namespace, name): each waits where it was
+/// steered ([`pinned`]) and is controlled by a workload (which re-creates it). No reconcile of
+/// their PersistentPodState releases them.
+pub fn orphaned<'a>(
+    pods: &[&'a CachedPod],
+    exists: &dyn Fn(&str, &str) -> bool,
+) -> BTreeMap<(String, String), Vec<&'a CachedPod>> {
+    let mut by_pps: BTreeMap<(String, String), Vec<&CachedPod>> = BTreeMap::new();
+    for pod in pods.iter().filter(|p| p.controller.is_some()) {
+        let Some(pps) = pod.annotations.get(INJECTED_ANNOTATION) else {
+            continue;
+        };
+        if pinned(pps, pod).is_some() && !exists(&pod.namespace, pps) {
+            by_pps
+                .entry(((*pod.namespace).to_owned(), pps.to_owned()))
+                .or_default()
+                .push(pod);
+        }
+    }
+    by_pps
+}
+
+/// The required values the webhook added to `pod`, while it waits where the
+/// PersistentPodState `pps_name` steered it ([`waits_steered`]).
+pub fn pinned(pps_name: &str, pod: &CachedPod) -> Option<BTreeMap<String, String>> {
+    waits_steered(pps_name, pod)
+        .then(|| decode_required(pod.annotations.get(INJECTED_REQUIRED_ANNOTATION)?))
+        .flatten()
 }
 
 /// Whether `pod` waits unscheduled (not being deleted) where the PersistentPodState `pps_name`
@@ -954,5 +984,43 @@ mod tests {
             ("lost", "uid-lost", "dead")
         );
         assert_eq!(found[0].resource_version.as_deref(), Some("9"));
+    }
+    #[test]
+    fn pins_of_persistent_pod_states_that_are_gone_are_found_by_them() {
+        use crate::api::{INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION};
+        let pod = |name: &str, ns: &str, pps: &str, node: Option<&str>, owned: bool| -> CachedPod {
+            let owners = if owned {
+                json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "sts", "controller": true}])
+            } else {
+                json!([])
+            };
+            serde_json::from_value(json!({"metadata": {"name": name, "namespace": ns,
+                "uid": format!("uid-{name}"), "ownerReferences": owners,
+                "annotations": {INJECTED_ANNOTATION: pps, INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"}},
+                "spec": {"nodeName": node, "containers": []}, "status": {"phase": "Pending"}}))
+            .expect("pod")
+        };
+        let pods = [
+            pod("a-0", "ns", "gone", None, true),
+            pod("a-1", "ns", "gone", None, true),
+            pod("b-0", "other", "gone", None, true),
+            pod("live-0", "ns", "live", None, true),
+            // scheduled, or with no workload to re-create it: not looked at
+            pod("placed-0", "ns", "gone", Some("n1"), true),
+            pod("bare", "ns", "gone", None, false),
+        ];
+        let refs: Vec<&CachedPod> = pods.iter().collect();
+        let exists = |ns: &str, name: &str| (ns, name) == ("ns", "live");
+        let found: Vec<((String, String), Vec<&str>)> = orphaned(&refs, &exists)
+            .into_iter()
+            .map(|(k, v)| (k, v.iter().map(|p| &*p.name).collect()))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                (("ns".to_owned(), "gone".to_owned()), vec!["a-0", "a-1"]),
+                (("other".to_owned(), "gone".to_owned()), vec!["b-0"]),
+            ]
+        );
     }
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::events::EventType;
@@ -346,6 +347,41 @@ pub(super) fn released(ctx: &Context, pps: &PersistentPodState, stranded: &Stran
     ctx.events.publish_about(
         pps,
         &stranded.pod,
+        EventType::Warning,
+        "PodReleased",
+        "Release",
+        note,
+    );
+}
+
+/// A waiting pod released whose PersistentPodState is gone: counted, and a Warning Event on
+/// the pod naming the node, why, and the PersistentPodState that pinned it.
+pub(super) fn released_orphan(ctx: &Context, namespace: &str, pps: &str, stranded: &Stranded) {
+    let reason = stranded.dropped.reason;
+    ctx.metrics
+        .pods_released
+        .get_or_create(&DropLabels { reason })
+        .inc();
+    let left_out: Vec<LeftOut> = LeftOut::required(&stranded.dropped).collect();
+    tracing::warn!(pod = %stranded.pod, node = %stranded.node, pps, reason = reason.describe(),
+        "released a pod waiting for a node that is no longer usable, pinned by a PersistentPodState that is gone");
+    let note = format!(
+        "pod {} released: it waited for node {}, but {}; the PersistentPodState {pps} that pinned it is gone; re-created, it gets what is still usable",
+        stranded.pod,
+        stranded.node,
+        LeftOut::list(&left_out)
+    );
+    let pod = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(stranded.pod.clone()),
+        namespace: Some(namespace.to_owned()),
+        uid: Some(stranded.uid.clone()),
+        ..ObjectReference::default()
+    };
+    ctx.events.publish_on(
+        pod,
+        None,
         EventType::Warning,
         "PodReleased",
         "Release",

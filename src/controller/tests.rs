@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use http::{Method, Request, Response};
 use http_body_util::BodyExt;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::DynamicObject;
 use kube::client::Body;
 use kube::runtime::watcher;
@@ -880,12 +881,12 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
         (
             "garbage affinity",
             claim_and_volume(json!({"required": {"nodeSelectorTerms": [{}]}})),
-            Some("names no single node"),
+            Some("does not name one node"),
         ),
         (
             "a zone's volume",
             claim_and_volume(zone),
-            Some("names no single node"),
+            Some("does not name one node"),
         ),
         (
             "a claim of another owner",
@@ -1251,4 +1252,112 @@ async fn node_health_changes_are_gathered_for_a_window_then_looked_at_together()
     sender.await.expect("sender");
     drop(tx);
     assert!(batches.next().await.is_none());
+}
+
+/// Node `name` in zone z1, not ready for the last `for_secs` seconds.
+fn not_ready_node(name: &str, for_secs: i64) -> k8s_openapi::api::core::v1::Node {
+    let since = k8s_openapi::jiff::Timestamp::now()
+        - k8s_openapi::jiff::SignedDuration::from_secs(for_secs);
+    serde_json::from_value(
+        json!({"metadata": {"name": name, "uid": format!("{name}-uid"),
+        "labels": {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": name}},
+        "status": {"conditions": [{"type": "Ready", "status": "False",
+            "lastTransitionTime": since.to_string()}]}}),
+    )
+    .expect("node")
+}
+
+#[tokio::test]
+async fn a_pin_is_looked_at_again_when_the_last_node_it_can_go_to_would_count_as_lost() {
+    // web-0 waits pinned to zone z1, recorded on n1, lost already (not ready for 400 s, lost
+    // after 300); n2, the zone's other node, has been not ready for 100 s: the pin is
+    // released when n2 counts as lost too, in 200 s, so the reconcile asks to be called then
+    // (not at the 300 s resync, since n1's own time has passed).
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    caches.apply_node(watcher::Event::Apply(not_ready_node("n1", 400)));
+    caches.apply_node(watcher::Event::Apply(not_ready_node("n2", 100)));
+    let pinned = crate::api::encode_required([("topology.kubernetes.io/zone", "z1")]);
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                    crate::api::INJECTED_REQUIRED_ANNOTATION: pinned},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeSelector": {"topology.kubernetes.io/zone": "z1"}, "containers": []},
+            "status": {"phase": "Pending"}
+        }))
+        .expect("pod"),
+    ));
+    let (ctx, mut handle) = context(caches);
+    let (sent, action) = drive_to_action(
+        reconcile_pps(waiting_pps(json!({})), ctx),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "nothing released yet: {sent:?}");
+    let at = |secs| kube::runtime::controller::Action::requeue(Duration::from_secs(secs));
+    assert!(
+        (199..=201).any(|secs| action == at(secs)),
+        "looked at again when n2 counts as lost: {action:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable() {
+    // No PersistentPodState cached: web-0 is pinned to n9 (deleted), web-1 to n2 (ready);
+    // only web-0 is released, by uid and resourceVersion, and the Event is on the pod.
+    let caches = Caches::new();
+    caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+    let pinned = |name: &str, node: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"), "resourceVersion": "7",
+                "annotations": {crate::api::INJECTED_ANNOTATION: "gone",
+                    crate::api::INJECTED_REQUIRED_ANNOTATION: format!("kubernetes.io/hostname={node}")},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "containers": []},
+            "status": {"phase": "Pending"}
+        }))
+        .expect("pod")
+    };
+    caches.apply_pod(watcher::Event::Apply(pinned("web-0", "n9")));
+    caches.apply_pod(watcher::Event::Apply(pinned("web-1", "n2")));
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    let release = async {
+        super::reconcile::release_orphaned_pins(&ctx)
+            .await
+            .map(|()| kube::runtime::controller::Action::await_change())
+    };
+    let sent = drive(
+        release,
+        &mut handle,
+        vec![json!({"apiVersion": "v1", "kind": "Status", "status": "Success"})],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        (sent[0].method.as_str(), sent[0].path_and_query.as_str()),
+        ("DELETE", "/api/v1/namespaces/ns/pods/web-0?")
+    );
+    assert_eq!(
+        sent[0].body["preconditions"],
+        json!({"uid": "uid-web-0", "resourceVersion": "7"})
+    );
+    let note = event_note(&mut events, "PodReleased").await;
+    assert!(
+        ["web-0", "n9", "PersistentPodState gone", "is gone"]
+            .iter()
+            .all(|n| note.contains(n)),
+        "{note}"
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pods_released_total{reason=\"node_gone\"} 1")
+    );
 }

@@ -463,6 +463,17 @@ impl Caches {
             .any(|p| &*p.namespace == namespace && &*p.name == name)
     }
 
+    /// The cached pods `keep` keeps (a pass over every pod: for sweeps now and then, never
+    /// per review).
+    pub fn pods_where(&self, mut keep: impl FnMut(&CachedPod) -> bool) -> Vec<Arc<CachedPod>> {
+        self.pods
+            .read()
+            .iter()
+            .filter(|p| keep(p))
+            .cloned()
+            .collect()
+    }
+
     /// Whether a pod of that name exists in `namespace`.
     pub fn pod_exists(&self, namespace: &str, name: &str) -> bool {
         self.pods.read().get(namespace, name).is_some()

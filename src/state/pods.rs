@@ -60,6 +60,11 @@ impl PodTable {
         pods
     }
 
+    /// Every cached pod, in no order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<CachedPod>> {
+        self.by_name.iter()
+    }
+
     /// The live pods holding `ip`.
     pub fn holders(&self, ip: &str) -> impl Iterator<Item = &Arc<CachedPod>> {
         self.by_ip.get(ip).into_iter().flatten()

@@ -25,9 +25,7 @@ pub fn convert_objects(state: &WebhookState, conversion: Conversion) -> Response
     } else {
         request
             .objects()
-            .into_iter()
-            .map(|o| convert(o, desired))
-            .collect()
+            .and_then(|objects| objects.into_iter().map(|o| convert(o, desired)).collect())
     };
     let result = match &converted {
         Ok(_) => AdmissionResult::Allowed,

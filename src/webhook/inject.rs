@@ -280,10 +280,11 @@ pub fn injection_for<'a, 's>(
         }
     }
 
-    // c. persistent annotations (never over the pod's own) and the injected-state marker
+    // c. persistent annotations (never over the pod's own, never the webhook's own: those say
+    // what this answer did) and the injected-state marker
     let mut annotations: BTreeMap<&str, &str> = spec
         .persistent_annotation_keys()
-        .filter(|key| *key != INJECTED_ANNOTATION)
+        .filter(|key| ![INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION].contains(key))
         .filter(|key| pod_annotations.is_none_or(|m| !m.contains_key(*key)))
         .filter_map(|key| state.annotations.get(key).map(|v| (key, v.as_str())))
         .collect();
@@ -470,6 +471,40 @@ mod tests {
                    INJECTED_REQUIRED_ANNOTATION: format!("{ZONE}=z1")})
         );
         assert_eq!((inj.required, inj.preferred, inj.annotations), (1, 1, 1));
+    }
+
+    #[test]
+    fn the_webhooks_own_annotations_are_never_restored_as_persistent_ones() {
+        // A PersistentPodState that lists them as persistent annotations (so its states record
+        // them): they still say only what this answer did. With no required value added, the
+        // pod carries no injected-required annotation for the controller to act on.
+        let s = spec(
+            &[],
+            &[(100, &[HOST])],
+            &[INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, "keep"],
+        );
+        let st = state(
+            &[(HOST, "node-a1")],
+            &[
+                (INJECTED_ANNOTATION, "other"),
+                (INJECTED_REQUIRED_ANNOTATION, "zone=z9"),
+                ("keep", "v"),
+            ],
+        );
+        let (bare, raw) = bare_pod();
+        let with_map = json!({"metadata": {"name": "web-0", "annotations": {"own": "x"}},
+            "spec": {"containers": []}});
+        let (annotated, annotated_raw) = pod(with_map);
+        for (p, raw, own) in [
+            (&bare, &raw, json!({})),
+            (&annotated, &annotated_raw, json!({"own": "x"})),
+        ] {
+            let inj = injection_for(p, "web", &s, &st, &anywhere, None);
+            let mut want = own;
+            want["keep"] = json!("v");
+            want[INJECTED_ANNOTATION] = json!("web");
+            assert_eq!(apply(raw, &inj)["metadata"]["annotations"], want);
+        }
     }
 
     #[test]

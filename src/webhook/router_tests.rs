@@ -148,6 +148,17 @@ async fn mutate_pod_answers_every_case_with_the_uid_or_a_json_error() {
             Answer::Allowed,
         ),
         ("not JSON", b"{not json".to_vec(), Answer::Error(400)),
+        // Bodies the API server never sends, whose uid still reads alone: denied, with it.
+        (
+            "a field repeated",
+            br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"uid-1","name":"a","name":"b","operation":"CREATE","object":{}}}"#.to_vec(),
+            Answer::Denied(400, "other"),
+        ),
+        (
+            "the uid repeated",
+            br#"{"request":{"uid":"uid-1","uid":"uid-2"}}"#.to_vec(),
+            Answer::Error(400),
+        ),
         (
             "not a review",
             body(json!({"kind": "Pod"})),
@@ -197,7 +208,7 @@ async fn mutate_pod_answers_every_case_with_the_uid_or_a_json_error() {
     );
     assert!(
         metrics.contains(
-            r#"pps_admission_requests_total{endpoint="/mutate-pod",result="bad_request"} 3"#
+            r#"pps_admission_requests_total{endpoint="/mutate-pod",result="bad_request"} 5"#
         ),
         "{metrics}"
     );
@@ -308,10 +319,25 @@ async fn validate_pps_allows_denies_and_rejects_bad_bodies() {
             Answer::Allowed,
         ),
         ("not JSON", b"\xff\xfe".to_vec(), Answer::Error(400)),
+        // Bodies the API server never sends, whose uid still reads alone: denied, with it, in
+        // the version the review came in.
+        (
+            "a number out of range",
+            br#"{"apiVersion":"admission.k8s.io/v1beta1","request":{"uid":"uid-1","dryRun":1e400}}"#.to_vec(),
+            Answer::Denied(400, "other"),
+        ),
+        (
+            "a field repeated",
+            br#"{"request":{"uid":"uid-1","operation":"CREATE","operation":"UPDATE"}}"#.to_vec(),
+            Answer::Denied(400, "other"),
+        ),
     ];
     for (what, request, want) in cases {
         let (status, json) = post(&synced, endpoints::VALIDATE_PPS, request).await;
         assert_eq!(answer(status, &json), want, "{what}: {json}");
+        if what == "a number out of range" {
+            assert_eq!(json["apiVersion"], "admission.k8s.io/v1beta1", "{json}");
+        }
     }
     let (status, json) = post(
         &state(false),
@@ -377,6 +403,18 @@ async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
         let (status, json) = post(&unsynced, endpoints::CONVERT, bad.to_vec()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{json}");
         assert!(json["error"].is_string());
+    }
+    // A field repeated, or objects that do not all decode: a failure carrying the uid, never
+    // fewer objects converted than were sent.
+    for bad in [
+        &br#"{"request":{"uid":"conv-1","desiredAPIVersion":"a","desiredAPIVersion":"b","objects":[]}}"#[..],
+        br#"{"request":{"uid":"conv-1","desiredAPIVersion":"apps.kruise.io/v1beta1","objects":[{"n":1e400}]}}"#,
+    ] {
+        let (status, json) = post(&unsynced, endpoints::CONVERT, bad.to_vec()).await;
+        assert_eq!(status, StatusCode::OK, "{json}");
+        assert_eq!(json["response"]["uid"], "conv-1");
+        assert_eq!(json["response"]["result"]["status"], "Failure", "{json}");
+        assert!(json["response"].get("convertedObjects").is_none(), "{json}");
     }
 }
 

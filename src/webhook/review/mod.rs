@@ -364,6 +364,30 @@ fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> serde_json::Result<T> {
     }
 }
 
+/// The uid (and review version) of a body not read as a review, read alone with every other
+/// field skipped: a body the API server would never send (a field repeated, a number out of
+/// range where a field is read) still gets an answer carrying its uid. `None` when even that
+/// does not read (not JSON, no request, its uid missing, repeated or not a string).
+fn uid_alone(body: &[u8]) -> Option<(Option<String>, String)> {
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Request {
+        #[serde(default, deserialize_with = "lenient")]
+        uid: Option<String>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Review {
+        #[serde(default, deserialize_with = "lenient")]
+        api_version: Option<String>,
+        #[serde(default)]
+        request: Option<Request>,
+    }
+    let review: Review = from_body(body).ok()?;
+    let uid = review.request?.uid.filter(|u| !u.is_empty())?;
+    Some((review.api_version, uid))
+}
+
 /// Parses a request body as an AdmissionReview, in one pass.
 pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
     let review: RawReview<'_, &RawValue> =
@@ -583,17 +607,19 @@ pub struct ConversionRequest {
 }
 
 impl ConversionRequest {
-    /// The objects to convert, decoded (none when `objects` is missing or not an array).
-    pub fn objects(&self) -> Vec<Value> {
-        let Some(text) = self
-            .objects
-            .clone()
-            .and_then(|r| self.body.get(r))
-            .and_then(|b| std::str::from_utf8(b).ok())
-        else {
-            return Vec::new();
+    /// The objects to convert, decoded (none when `objects` is missing or null), or why they
+    /// cannot be (not an array, or an object serde_json does not read: a lone surrogate, a
+    /// number out of range, nesting too deep): never fewer objects than were sent.
+    pub fn objects(&self) -> Result<Vec<Value>, String> {
+        let Some(bytes) = self.objects.clone().and_then(|r| self.body.get(r)) else {
+            return Ok(Vec::new());
         };
-        serde_json::from_str(text).unwrap_or_default()
+        serde_json::from_slice(bytes).map_err(|e| {
+            format!(
+                "the request's objects are not an array of readable objects: {}",
+                json_error_summary(&e)
+            )
+        })
     }
 }
 
@@ -684,16 +710,27 @@ fn not_json(
     ))
 }
 
+/// Logs and counts a review rejected as malformed (its uid, when read alone).
+fn rejected(
+    state: &WebhookState,
+    path: &'static str,
+    start: Instant,
+    e: &ReviewError,
+    uid: Option<&str>,
+) {
+    tracing::warn!(error = %e.log_summary(), path, uid, "rejected a malformed review");
+    state
+        .metrics
+        .admission(path, AdmissionResult::BadRequest, start);
+}
+
 fn bad_request(
     state: &WebhookState,
     path: &'static str,
     start: Instant,
     e: &ReviewError,
 ) -> Response {
-    tracing::warn!(error = %e.log_summary(), path, "rejected a malformed review");
-    state
-        .metrics
-        .admission(path, AdmissionResult::BadRequest, start);
+    rejected(state, path, start, e, None);
     error_response(StatusCode::BAD_REQUEST, &e.to_string())
 }
 
@@ -727,18 +764,46 @@ impl Review {
         }
         let body = request.into_body();
         let parsed = if path == endpoints::MUTATE_POD && too_complex.is_none() {
-            parse_pod(body)
+            parse_pod(body.clone())
         } else {
-            parse(body)
+            parse(body.clone())
         };
         match parsed {
             Ok(mut request) => {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
             }
-            Err(e) => Err(Box::new(bad_request(state, path, received, &e))),
+            Err(e) => Err(Box::new(match (&e, uid_alone(&body)) {
+                (ReviewError::NotAReview { .. }, Some((version, uid))) => {
+                    unreadable_review(state, path, received, &e, version.as_deref(), uid)
+                }
+                _ => bad_request(state, path, received, &e),
+            })),
         }
     }
+}
+
+/// The answer to a review whose uid reads alone but whose body does not read as a review
+/// ([`uid_alone`]): denied (400) with why, carrying the uid.
+#[cold]
+fn unreadable_review(
+    state: &WebhookState,
+    path: &'static str,
+    start: Instant,
+    e: &ReviewError,
+    version: Option<&str>,
+    uid: String,
+) -> Response {
+    rejected(state, path, start, e, Some(&uid));
+    let request = AdmissionRequest {
+        api_version: ADMISSION_VERSIONS
+            .into_iter()
+            .find(|v| version == Some(*v))
+            .unwrap_or(ADMISSION_VERSIONS[0]),
+        uid,
+        ..AdmissionRequest::default()
+    };
+    Admission::deny(400, "BadRequest", e.log_summary()).into_response(&request)
 }
 
 /// A parsed ConversionReview, and when it arrived.
@@ -762,11 +827,19 @@ impl Conversion {
         if let Some(refused) = not_json(&request, state, path, received) {
             return Err(Box::new(refused));
         }
-        match parse_conversion(request.into_body()) {
+        let body = request.into_body();
+        match parse_conversion(body.clone()) {
             Ok(mut request) => {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
             }
+            Err(e @ ReviewError::NotAReview { .. }) => match uid_alone(&body) {
+                Some((_, uid)) => {
+                    rejected(state, path, received, &e, Some(&uid));
+                    Err(Box::new(conversion_response(&uid, Err(e.log_summary()))))
+                }
+                None => Err(Box::new(bad_request(state, path, received, &e))),
+            },
             Err(e) => Err(Box::new(bad_request(state, path, received, &e))),
         }
     }
@@ -944,11 +1017,27 @@ mod tests {
             ))
             .is_err()
         );
-        let lenient = parse_conversion(Bytes::from_static(
-            br#"{"request":{"uid":"c","objects":7}}"#,
-        ))
-        .expect("uid read");
-        assert_eq!((lenient.uid.as_str(), lenient.objects().len()), ("c", 0));
+        // Objects that cannot all be decoded: the uid is read, and the objects are a failure
+        // to say, never fewer objects converted than were sent.
+        let deep = format!("{}{}", "[".repeat(130), "]".repeat(130));
+        let unreadable = [
+            "7".to_owned(),
+            r#"[{"spec":{"s":"\ud800"}}]"#.to_owned(),
+            r#"[{"spec":{"n":1e400}}]"#.to_owned(),
+            format!(r#"[{{"spec":{{"d":{deep}}}}}]"#),
+        ];
+        for objects in unreadable {
+            let body = format!(r#"{{"request":{{"uid":"c","objects":{objects}}}}}"#);
+            let request = parse_conversion(Bytes::from(body)).expect("uid read");
+            assert_eq!(request.uid, "c");
+            let why = request.objects().expect_err(&objects);
+            assert!(why.contains("not an array of readable objects"), "{why}");
+        }
+        for objects in ["", r#","objects":null"#] {
+            let body = format!(r#"{{"request":{{"uid":"c"{objects}}}}}"#);
+            let request = parse_conversion(Bytes::from(body)).expect("uid read");
+            assert_eq!(request.objects(), Ok(Vec::new()), "{objects}");
+        }
     }
 
     #[test]
