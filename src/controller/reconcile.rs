@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, Preconditions,
+    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+    Preconditions,
 };
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
@@ -19,8 +20,8 @@ use super::record::{self, Observed, Target};
 use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
 use crate::api::{
-    INJECTED_REQUIRED_ANNOTATION, PersistentPodState, PersistentPodStateStatus,
-    RELEASE_LOCAL_VOLUMES_ANNOTATION,
+    INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState,
+    PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION,
 };
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, Health, Nodes as _};
@@ -166,9 +167,10 @@ const UNREAD_CLAIMS_RETRY: Duration = Duration::from_secs(30);
 /// Pods that wait while the node their state records is gone, held by claims of their own on
 /// volumes only that node can mount: with the PersistentPodState's
 /// `persistent-pod-state.io/release-local-volumes: "true"`, each such claim (by uid) and the pod
-/// (by uid and resourceVersion) are deleted, within the release rate, so that the workload
-/// re-creates both and the new claim binds elsewhere; without it, a Warning Event says what
-/// blocks the pod and how to release it. Never while the node is only within the grace period.
+/// (by uid: its claims deleted, it cannot start anywhere) are deleted, within the release rate,
+/// so that the workload re-creates both and the new claim binds elsewhere; without it, a
+/// Warning Event says what blocks the pod and how to release it. Never while the node is only
+/// within the grace period.
 async fn release_local_volumes(
     ctx: &Context,
     pps: &PersistentPodState,
@@ -311,15 +313,18 @@ async fn release_stranded(
 /// Releases the pods pinned by PersistentPodStates that are gone ([`record::orphaned`]) once no
 /// usable node has the values the webhook added, as [`release_stranded`] does for a
 /// PersistentPodState's own: each by uid and resourceVersion, within the release rate of the
-/// PersistentPodState that pinned it, with a `PodReleased` Event on the pod.
+/// PersistentPodState that pinned it, with a `PodReleased` Event on the pod. A failure with one
+/// PersistentPodState's pods is logged and the others are still looked at; only a fenced write
+/// ends the pass.
 pub(super) async fn release_orphaned_pins(ctx: &Context) -> Result<(), Error> {
-    let waiting = ctx.caches.pods_where(|p| {
+    let mut waiting = ctx.caches.pods_where(|p| {
         p.node_name.as_deref().is_none_or(str::is_empty)
             && p.annotations.get(INJECTED_REQUIRED_ANNOTATION).is_some()
     });
     if waiting.is_empty() {
         return Ok(());
     }
+    waiting.sort_by(|a, b| (&*a.namespace, &a.name).cmp(&(&*b.namespace, &b.name)));
     let waiting: Vec<&CachedPod> = waiting.iter().map(Arc::as_ref).collect();
     let exists = |namespace: &str, name: &str| {
         let key = ObjectRef::<PersistentPodState>::new(name).within(namespace);
@@ -328,22 +333,81 @@ pub(super) async fn release_orphaned_pins(ctx: &Context) -> Result<(), Error> {
     let health = Health::now(ctx.node_lost_after);
     let place = |values: &BTreeMap<String, String>| ctx.place_required(values, &health);
     for ((namespace, pps), pods) in record::orphaned(&waiting, &exists) {
-        let key = ObjectRef::<PersistentPodState>::new(&pps).within(&namespace);
-        let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
-        for pod in record::stranded(&pps, &pods, &place) {
-            if ctx.releases.take(&key).is_err() {
-                tracing::info!(pod = %pod.pod, "release rate reached; the pod waits for the next look");
-                break;
-            }
-            ctx.fence.before_write(&namespace).await?;
-            if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
-                == Deleted::Now
-            {
-                report::released_orphan(ctx, &namespace, &pps, &pod);
-            }
+        let stranded = record::stranded(&pps, &pods, &place);
+        if stranded.is_empty() {
+            continue;
+        }
+        match release_orphans_of(ctx, &namespace, &pps, &pods, stranded).await {
+            Err(Error::Fenced(fenced)) => return Err(fenced.into()),
+            Err(e) => tracing::warn!(%namespace, %pps, error = %e,
+                "releasing pods pinned by a PersistentPodState that is gone failed; tried again at the next look"),
+            Ok(()) => {}
         }
     }
     Ok(())
+}
+
+/// Releases `stranded`, pods of `pods` pinned by the PersistentPodState `namespace/pps`, which
+/// the cache does not hold: only once the API server says it is gone (the cache may lag, and
+/// holds no copy of one it cannot read), and only pods whose workload exists and creates them
+/// without the webhook's annotations (a template copied from a pinned pod would make every pod
+/// it creates look pinned, and each would be released again).
+async fn release_orphans_of(
+    ctx: &Context,
+    namespace: &str,
+    pps: &str,
+    pods: &[&CachedPod],
+    stranded: Vec<record::Stranded>,
+) -> Result<(), Error> {
+    let pps_api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
+    if pps_api.get_metadata_opt(pps).await?.is_some() {
+        return Ok(());
+    }
+    let key = ObjectRef::<PersistentPodState>::new(pps).within(namespace);
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    for pod in stranded {
+        let workload = pods
+            .iter()
+            .find(|p| *p.name == *pod.pod)
+            .and_then(|p| p.workload());
+        let Some(workload) = workload else {
+            continue;
+        };
+        if !creates_unpinned(ctx, &workload).await? {
+            tracing::info!(pod = %pod.pod, workload = %workload.name, "a pod pinned by a PersistentPodState that is gone is not released: its workload is gone, not watched, or its template carries the webhook's annotations");
+            continue;
+        }
+        if ctx.releases.take(&key).is_err() {
+            tracing::info!(pod = %pod.pod, "release rate reached; the pod waits for the next look");
+            break;
+        }
+        ctx.fence.before_write(namespace).await?;
+        if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
+            == Deleted::Now
+        {
+            report::released_orphan(ctx, namespace, pps, &pod);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `workload`, read live (listed by name: the rights to its kind are list and watch),
+/// exists, is of a kind this service watches, and carries neither of the webhook's own
+/// annotations in its pod template: then the pods it creates are pinned by the webhook alone.
+async fn creates_unpinned(ctx: &Context, workload: &WorkloadRef) -> Result<bool, Error> {
+    let Some(ws) = ctx.caches.workload_store(&workload.kind) else {
+        return Ok(false);
+    };
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(ctx.client.clone(), &workload.namespace, &ws.resource);
+    let by_name = ListParams::default().fields(&format!("metadata.name={}", workload.name));
+    let Some(obj) = api.list(&by_name).await?.items.into_iter().next() else {
+        return Ok(false);
+    };
+    let annotations = obj.data.pointer("/spec/template/metadata/annotations");
+    Ok(![INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION]
+        .iter()
+        .any(|key| annotations.and_then(|a| a.get(key)).is_some()))
 }
 
 /// Deletes the waiting pod `name` (`uid`), conditionally on `resource_version` (the pod as the
@@ -437,8 +501,15 @@ fn next_look(
         .filter_map(|name| caches.node(name))
         .filter_map(|node| health.lost_at(&node))
         .collect();
-    for values in pods.iter().filter_map(|p| record::pinned(pps_name, p)) {
-        caches.visit_with_labels(&placement::borrowed(&values), &mut |node| {
+    // Each distinct pin once (many pods wait for one zone in an outage); an empty one names
+    // no node.
+    let pins: BTreeSet<BTreeMap<String, String>> = pods
+        .iter()
+        .filter_map(|p| record::pinned(pps_name, p))
+        .filter(|values| !values.is_empty())
+        .collect();
+    for values in &pins {
+        caches.visit_with_labels(&placement::borrowed(values), &mut |node| {
             lost_at.extend(health.lost_at(node));
             false
         });

@@ -1309,43 +1309,73 @@ async fn a_pin_is_looked_at_again_when_the_last_node_it_can_go_to_would_count_as
 
 #[tokio::test]
 async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable() {
-    // No PersistentPodState cached: web-0 is pinned to n9 (deleted), web-1 to n2 (ready);
-    // only web-0 is released, by uid and resourceVersion, and the Event is on the pod.
-    let caches = Caches::new();
-    caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
-    let pinned = |name: &str, node: &str| -> Pod {
+    // No PersistentPodState cached: web-0 is pinned to n9 (deleted), web-1 to n2 (ready), and
+    // copied-0 to n9 by a StatefulSet whose template carries the webhook's annotations.
+    let pinned = |name: &str, owner: &str, node: &str| -> Pod {
         serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"), "resourceVersion": "7",
                 "annotations": {crate::api::INJECTED_ANNOTATION: "gone",
                     crate::api::INJECTED_REQUIRED_ANNOTATION: format!("kubernetes.io/hostname={node}")},
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
-                    "uid": "sts-uid", "controller": true}]},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": owner,
+                    "uid": format!("{owner}-uid"), "controller": true}]},
             "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "containers": []},
             "status": {"phase": "Pending"}
         }))
         .expect("pod")
     };
-    caches.apply_pod(watcher::Event::Apply(pinned("web-0", "n9")));
-    caches.apply_pod(watcher::Event::Apply(pinned("web-1", "n2")));
-    let (ctx, mut handle, mut events) = context_with_events(caches);
-    let release = async {
+    let world = || {
+        let caches = Caches::new();
+        let sts = GroupKind::native_statefulset();
+        caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+        caches.apply_workload(&sts, watcher::Event::InitDone);
+        caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+        caches.apply_pod(watcher::Event::Apply(pinned("web-0", "web", "n9")));
+        caches.apply_pod(watcher::Event::Apply(pinned("web-1", "web", "n2")));
+        caches.apply_pod(watcher::Event::Apply(pinned("copied-0", "copied", "n9")));
+        caches
+    };
+    let sweep = |ctx: Arc<Context>| async move {
         super::reconcile::release_orphaned_pins(&ctx)
             .await
             .map(|()| kube::runtime::controller::Action::await_change())
     };
+    let not_found = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "NotFound", "code": 404, "message": "not found"});
+    let mut copied = serde_json::to_value(statefulset(json!({}))).expect("json");
+    copied["metadata"]["name"] = json!("copied");
+    copied["spec"]["template"] = json!({"metadata": {"annotations": {
+        crate::api::INJECTED_ANNOTATION: "gone",
+        crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n9"}}});
+    let web = serde_json::to_value(statefulset(json!({}))).expect("json");
+
+    let (ctx, mut handle, mut events) = context_with_events(world());
     let sent = drive(
-        release,
+        sweep(ctx.clone()),
         &mut handle,
-        vec![json!({"apiVersion": "v1", "kind": "Status", "status": "Success"})],
+        vec![
+            not_found.clone(),
+            json!({"apiVersion": "apps/v1", "kind": "StatefulSetList", "metadata": {}, "items": [copied]}),
+            json!({"apiVersion": "apps/v1", "kind": "StatefulSetList", "metadata": {}, "items": [web]}),
+            json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}),
+        ],
     )
     .await;
-    assert_eq!(sent.len(), 1, "{sent:?}");
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
     assert_eq!(
-        (sent[0].method.as_str(), sent[0].path_and_query.as_str()),
-        ("DELETE", "/api/v1/namespaces/ns/pods/web-0?")
+        calls,
+        [
+            "GET /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/gone",
+            "GET /apis/apps/v1/namespaces/ns/statefulsets?&fieldSelector=metadata.name%3Dcopied",
+            "GET /apis/apps/v1/namespaces/ns/statefulsets?&fieldSelector=metadata.name%3Dweb",
+            "DELETE /api/v1/namespaces/ns/pods/web-0?",
+        ],
+        "only web-0 is released"
     );
     assert_eq!(
-        sent[0].body["preconditions"],
+        sent[3].body["preconditions"],
         json!({"uid": "uid-web-0", "resourceVersion": "7"})
     );
     let note = event_note(&mut events, "PodReleased").await;
@@ -1360,4 +1390,12 @@ async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable
             .encode()
             .contains("pps_pods_released_total{reason=\"node_gone\"} 1")
     );
+
+    // The cache lags, or cannot read the PersistentPodState: the API server has it, so
+    // nothing is released.
+    let (ctx, mut handle) = context(world());
+    let pps_meta = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+        "metadata": {"name": "gone", "namespace": "ns", "uid": "pps-uid"}});
+    let sent = drive(sweep(ctx), &mut handle, vec![pps_meta]).await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
 }
