@@ -7,7 +7,7 @@
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::DeleteParams;
-use kube::{Api, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 
 use crate::support::*;
 
@@ -237,6 +237,24 @@ async fn explained_release(env: &Env, ns: &str, pod: &str) -> Vec<String> {
     serde_json::from_value(explained["release"].clone()).expect("release lines")
 }
 
+/// The pinned StatefulSet `name` (one pod, recorded) in `ns`, its node's kubelet stopped and its
+/// pod force-deleted: re-created within the grace period, the pod is pinned to that node. The
+/// node, its stopped kubelet and the pinned pod's uid.
+async fn pinned_while_unreachable(
+    c: &Client,
+    ns: &str,
+    name: &str,
+) -> (String, StoppedKubelet, String) {
+    let pod = format!("{name}-0");
+    let (placed, _) = start_recorded(c, ns, &pinned_statefulset(name, 1)).await;
+    let node = placed[&pod].node.clone();
+    let kubelet = kubelet_dies(c, &node).await;
+    let first_uid = force_delete_pod(c, ns, &pod).await;
+    let waiting = created_again(c, ns, &pod, &first_uid).await;
+    assert_eq!(pinned_to(&waiting).as_deref(), Some(node.as_str()));
+    (node, kubelet, waiting.uid().unwrap_or_default())
+}
+
 /// A pod admitted pinned while its node was unreachable (within the grace period) is released
 /// at once when the Node object is deleted (a deleted node is lost at once, long before
 /// `--node-lost-after`), and runs elsewhere; `explain` said beforehand when it would go.
@@ -246,13 +264,7 @@ async fn a_pod_pinned_to_a_node_deleted_after_admission_is_released_at_once() {
     let c = &env.client;
     let lost_after = lost_after(&env);
     let ns = namespace(c, "e2e-release-deleted").await;
-    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("del", 1)).await;
-    let node = placed["del-0"].node.clone();
-    let kubelet = kubelet_dies(c, &node).await;
-    let first_uid = force_delete_pod(c, &ns, "del-0").await;
-    let waiting = created_again(c, &ns, "del-0", &first_uid).await;
-    assert_eq!(pinned_to(&waiting).as_deref(), Some(node.as_str()));
-    let pinned_uid = waiting.uid().unwrap_or_default();
+    let (node, kubelet, pinned_uid) = pinned_while_unreachable(c, &ns, "del").await;
     let outlook = explained_release(&env, &ns, "del-0").await;
     assert!(
         outlook.iter().any(|l| l.contains("released at")),
@@ -288,13 +300,7 @@ async fn a_pod_pinned_by_a_persistent_pod_state_since_gone_is_released_when_its_
     let c = &env.client;
     let lost_after = lost_after(&env);
     let ns = namespace(c, "e2e-release-orphan").await;
-    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("orph", 1)).await;
-    let node = placed["orph-0"].node.clone();
-    let kubelet = kubelet_dies(c, &node).await;
-    let first_uid = force_delete_pod(c, &ns, "orph-0").await;
-    let waiting = created_again(c, &ns, "orph-0", &first_uid).await;
-    assert_eq!(pinned_to(&waiting).as_deref(), Some(node.as_str()));
-    let pinned_uid = waiting.uid().unwrap_or_default();
+    let (node, kubelet, pinned_uid) = pinned_while_unreachable(c, &ns, "orph").await;
     patch_sts(
         c,
         &ns,

@@ -304,7 +304,7 @@ async fn release_stranded(
         if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
             == Deleted::Now
         {
-            report::released(ctx, pps, pod);
+            report::released(ctx, report::PinnedBy::Live(pps), pod);
         }
     }
     Ok(None)
@@ -385,7 +385,7 @@ async fn release_orphans_of(
         if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
             == Deleted::Now
         {
-            report::released_orphan(ctx, namespace, pps, &pod);
+            report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod);
         }
     }
     Ok(())

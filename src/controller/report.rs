@@ -328,65 +328,55 @@ pub(super) fn replaced(ctx: &Context, pps: &PersistentPodState, change: &StatusC
     }
 }
 
-/// A waiting pod released: counted, and a Warning Event naming the pod, the node and why.
-pub(super) fn released(ctx: &Context, pps: &PersistentPodState, stranded: &Stranded) {
-    let reason = stranded.dropped.reason;
-    ctx.metrics
-        .pods_released
-        .get_or_create(&DropLabels { reason })
-        .inc();
-    let left_out: Vec<LeftOut> = LeftOut::required(&stranded.dropped).collect();
-    tracing::warn!(pod = %stranded.pod, node = %stranded.node, reason = reason.describe(),
-        "released a pod waiting for a node that is no longer usable");
-    let note = format!(
-        "pod {} released: it waited for node {}, but {}; re-created, it gets what is still usable",
-        stranded.pod,
-        stranded.node,
-        LeftOut::list(&left_out)
-    );
-    ctx.events.publish_about(
-        pps,
-        &stranded.pod,
-        EventType::Warning,
-        "PodReleased",
-        "Release",
-        note,
-    );
+/// What pinned a released pod: a PersistentPodState, or one that is gone (namespace, name).
+pub(super) enum PinnedBy<'a> {
+    /// The PersistentPodState, reconciled.
+    Live(&'a PersistentPodState),
+    /// A PersistentPodState no longer there (the sweep of orphaned pins released the pod).
+    Gone(&'a str, &'a str),
 }
 
-/// A waiting pod released whose PersistentPodState is gone: counted, and a Warning Event on
-/// the pod naming the node, why, and the PersistentPodState that pinned it.
-pub(super) fn released_orphan(ctx: &Context, namespace: &str, pps: &str, stranded: &Stranded) {
+/// A waiting pod released: counted, and a Warning Event naming the pod, the node and why; on
+/// the PersistentPodState, or on the pod when that is gone.
+pub(super) fn released(ctx: &Context, by: PinnedBy<'_>, stranded: &Stranded) {
     let reason = stranded.dropped.reason;
     ctx.metrics
         .pods_released
         .get_or_create(&DropLabels { reason })
         .inc();
     let left_out: Vec<LeftOut> = LeftOut::required(&stranded.dropped).collect();
-    tracing::warn!(pod = %stranded.pod, node = %stranded.node, pps, reason = reason.describe(),
-        "released a pod waiting for a node that is no longer usable, pinned by a PersistentPodState that is gone");
+    let gone = match by {
+        PinnedBy::Gone(_, pps) => format!("; the PersistentPodState {pps} that pinned it is gone"),
+        PinnedBy::Live(_) => String::new(),
+    };
+    tracing::warn!(pod = %stranded.pod, node = %stranded.node, reason = reason.describe(),
+        pps_gone = matches!(by, PinnedBy::Gone(..)),
+        "released a pod waiting for a node that is no longer usable");
     let note = format!(
-        "pod {} released: it waited for node {}, but {}; the PersistentPodState {pps} that pinned it is gone; re-created, it gets what is still usable",
+        "pod {} released: it waited for node {}, but {}{gone}; re-created, it gets what is still usable",
         stranded.pod,
         stranded.node,
         LeftOut::list(&left_out)
     );
-    let pod = ObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("Pod".into()),
-        name: Some(stranded.pod.clone()),
-        namespace: Some(namespace.to_owned()),
-        uid: Some(stranded.uid.clone()),
-        ..ObjectReference::default()
-    };
-    ctx.events.publish_on(
-        pod,
-        None,
-        EventType::Warning,
-        "PodReleased",
-        "Release",
-        note,
-    );
+    let (warning, reason, action) = (EventType::Warning, "PodReleased", "Release");
+    match by {
+        PinnedBy::Live(pps) => {
+            ctx.events
+                .publish_about(pps, &stranded.pod, warning, reason, action, note);
+        }
+        PinnedBy::Gone(namespace, _) => {
+            let pod = ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(stranded.pod.clone()),
+                namespace: Some(namespace.to_owned()),
+                uid: Some(stranded.uid.clone()),
+                ..ObjectReference::default()
+            };
+            ctx.events
+                .publish_on(pod, None, warning, reason, action, note);
+        }
+    }
 }
 
 /// A workload whose ip-request annotation is not valid, so it is not copied: counted, and a
