@@ -321,6 +321,9 @@ pub enum ReviewError {
         kind: &'static str,
         /// What did not fit.
         error: serde_json::Error,
+        /// The review's version and uid, when they read alone ([`uid_alone`]): the answer
+        /// carries them.
+        alone: Option<(Option<String>, String)>,
     },
     /// A review without a request.
     #[error("{0} has no request")]
@@ -335,7 +338,7 @@ impl ReviewError {
     /// logs, where a tenant's strings must not appear.
     pub fn log_summary(&self) -> String {
         match self {
-            Self::NotAReview { kind, error } => {
+            Self::NotAReview { kind, error, .. } => {
                 format!("request body is not {kind}: {}", json_error_summary(error))
             }
             other => other.to_string(),
@@ -391,7 +394,11 @@ fn uid_alone(body: &[u8]) -> Option<(Option<String>, String)> {
 /// Parses a request body as an AdmissionReview, in one pass.
 pub fn parse(body: Bytes) -> Result<AdmissionRequest, ReviewError> {
     let review: RawReview<'_, &RawValue> =
-        from_body(&body).map_err(|error| ReviewError::NotAReview { kind: KIND, error })?;
+        from_body(&body).map_err(|error| ReviewError::NotAReview {
+            kind: KIND,
+            error,
+            alone: uid_alone(&body),
+        })?;
     let (request, api_version) = checked(review)?;
     let object = range_in(&body, request.object);
     let old_object = range_in(&body, request.old_object);
@@ -646,6 +653,7 @@ pub fn parse_conversion(body: Bytes) -> Result<ConversionRequest, ReviewError> {
         from_body(&body).map_err(|error| ReviewError::NotAReview {
             kind: "a ConversionReview",
             error,
+            alone: uid_alone(&body),
         })?;
     let request = review
         .request
@@ -764,19 +772,20 @@ impl Review {
         }
         let body = request.into_body();
         let parsed = if path == endpoints::MUTATE_POD && too_complex.is_none() {
-            parse_pod(body.clone())
+            parse_pod(body)
         } else {
-            parse(body.clone())
+            parse(body)
         };
         match parsed {
             Ok(mut request) => {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
             }
-            Err(e) => Err(Box::new(match (&e, uid_alone(&body)) {
-                (ReviewError::NotAReview { .. }, Some((version, uid))) => {
-                    unreadable_review(state, path, received, &e, version.as_deref(), uid)
-                }
+            Err(e) => Err(Box::new(match &e {
+                ReviewError::NotAReview {
+                    alone: Some((version, uid)),
+                    ..
+                } => unreadable_review(state, path, received, &e, version.as_deref(), uid),
                 _ => bad_request(state, path, received, &e),
             })),
         }
@@ -792,15 +801,15 @@ fn unreadable_review(
     start: Instant,
     e: &ReviewError,
     version: Option<&str>,
-    uid: String,
+    uid: &str,
 ) -> Response {
-    rejected(state, path, start, e, Some(&uid));
+    rejected(state, path, start, e, Some(uid));
     let request = AdmissionRequest {
         api_version: ADMISSION_VERSIONS
             .into_iter()
             .find(|v| version == Some(*v))
             .unwrap_or(ADMISSION_VERSIONS[0]),
-        uid,
+        uid: uid.to_owned(),
         ..AdmissionRequest::default()
     };
     Admission::deny(400, "BadRequest", e.log_summary()).into_response(&request)
@@ -827,20 +836,21 @@ impl Conversion {
         if let Some(refused) = not_json(&request, state, path, received) {
             return Err(Box::new(refused));
         }
-        let body = request.into_body();
-        match parse_conversion(body.clone()) {
+        match parse_conversion(request.into_body()) {
             Ok(mut request) => {
                 request.too_complex = too_complex;
                 Ok(Self { request, received })
             }
-            Err(e @ ReviewError::NotAReview { .. }) => match uid_alone(&body) {
-                Some((_, uid)) => {
-                    rejected(state, path, received, &e, Some(&uid));
-                    Err(Box::new(conversion_response(&uid, Err(e.log_summary()))))
+            Err(e) => Err(Box::new(match &e {
+                ReviewError::NotAReview {
+                    alone: Some((_, uid)),
+                    ..
+                } => {
+                    rejected(state, path, received, &e, Some(uid));
+                    conversion_response(uid, Err(e.log_summary()))
                 }
-                None => Err(Box::new(bad_request(state, path, received, &e))),
-            },
-            Err(e) => Err(Box::new(bad_request(state, path, received, &e))),
+                _ => bad_request(state, path, received, &e),
+            })),
         }
     }
 }
