@@ -82,6 +82,7 @@ refused /customWorkloads/0/group --set 'customWorkloads[0].group=Not_A_Group' --
 refused /customWorkloads/0 --set 'customWorkloads[0].kind=Ring'
 refused /certificates/mode --set certificates.mode=letsencrypt
 refused /nodeLostAfter --set nodeLostAfter=soon
+refused /nodeLocalVolumeKeys/0 --set 'nodeLocalVolumeKeys[0]=Not/A/Key'
 refused '' --set replicas=3
 say "ok: invalid values refused with the field's path"
 

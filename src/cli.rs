@@ -18,6 +18,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from(d).map_err(|_| format!("{text:?} is negative"))
 }
 
+/// A node label's key, as Kubernetes accepts one.
+pub fn parse_label_key(text: &str) -> Result<String, String> {
+    let key = text.trim();
+    match crate::api::keys::qualified_name_error(key) {
+        None => Ok(key.to_owned()),
+        Some(why) => Err(format!("{key:?} is not a label key: {why}")),
+    }
+}
+
 /// Keeps StatefulSet pods on their node, zone and IP across re-creation (PersistentPodState).
 #[derive(Debug, Parser)]
 #[command(name = "persistent-pod-state", version, about)]
@@ -88,6 +97,10 @@ pub struct ReleaseArgs {
     /// Delete nothing; print what would be deleted.
     #[arg(long)]
     pub dry_run: bool,
+    /// As `serve --node-local-volume-key` (what the controller is run with).
+    #[arg(long = "node-local-volume-key", env = "PPS_NODE_LOCAL_VOLUME_KEYS", value_delimiter = ',',
+          value_parser = parse_label_key)]
+    pub node_local_volume_keys: Vec<String>,
     /// Output: human-readable text or JSON.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
@@ -104,6 +117,10 @@ pub struct ExplainArgs {
     /// As `serve --node-lost-after` (what the webhook is run with).
     #[arg(long, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
     pub node_lost_after: Duration,
+    /// As `serve --node-local-volume-key` (what the controller is run with).
+    #[arg(long = "node-local-volume-key", env = "PPS_NODE_LOCAL_VOLUME_KEYS", value_delimiter = ',',
+          value_parser = parse_label_key)]
+    pub node_local_volume_keys: Vec<String>,
     /// Output: human-readable text or JSON.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
@@ -167,6 +184,12 @@ pub struct ServeArgs {
     /// more is deleted so that its workload re-creates it. 0: none is released.
     #[arg(long, env = "PPS_MAX_RELEASES_PER_MINUTE", default_value_t = 10)]
     pub max_releases_per_minute: u32,
+    /// Node labels, beside the built-in ones, whose value names one node in a node-local
+    /// volume's affinity (another driver's node key): a claim on a volume pinned by one of them
+    /// is released with its lost node; a volume pinned by any other label is kept.
+    #[arg(long = "node-local-volume-key", env = "PPS_NODE_LOCAL_VOLUME_KEYS", value_delimiter = ',',
+          value_parser = parse_label_key)]
+    pub node_local_volume_keys: Vec<String>,
     /// Leader election.
     #[command(flatten)]
     pub lease: LeaseArgs,
@@ -306,6 +329,35 @@ mod tests {
         assert_eq!(args.probe_listen.to_string(), "0.0.0.0:8080");
         assert_eq!(args.tls_cert, PathBuf::from("certs/tls.crt"));
         assert_eq!(args.tls_key, PathBuf::from("certs/tls.key"));
+    }
+
+    #[test]
+    fn node_local_volume_keys_are_label_keys_repeated_or_listed() {
+        let cli = Cli::try_parse_from([
+            "persistent-pod-state",
+            "serve",
+            "--node-local-volume-key",
+            "directpv.min.io/node,example.com/disk-node",
+            "--node-local-volume-key=rack-node",
+        ])
+        .expect("parses");
+        let Command::Serve(args) = cli.command else {
+            panic!("serve expected")
+        };
+        assert_eq!(
+            args.node_local_volume_keys,
+            ["directpv.min.io/node", "example.com/disk-node", "rack-node"]
+        );
+        for bad in ["", "Example.com/node", "a/b/c", "-node"] {
+            let parsed = Cli::try_parse_from([
+                "persistent-pod-state",
+                "release",
+                "web-0",
+                "--node-local-volume-key",
+                bad,
+            ]);
+            assert!(parsed.is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

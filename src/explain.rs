@@ -19,7 +19,7 @@ use crate::api::{
     decode_required, encode_required, json_error_summary,
 };
 use crate::placement::{self, HOSTNAME_LABEL, Health, Nodes, PodDemands};
-use crate::release::{self, LocalClaim};
+use crate::release::{self, LocalClaim, NodeKeys};
 use crate::state::Caches;
 use crate::state::trim::CachedPod;
 use crate::webhook::admit::{CacheLookup, Kinds, LeftOut, Verdict, decide};
@@ -206,6 +206,7 @@ pub async fn explain(
     namespace: &str,
     pod: &str,
     lost_after: Duration,
+    keys: &NodeKeys,
 ) -> anyhow::Result<Explanation> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let current = pods.get_opt(pod).await.context("reading the pod")?;
@@ -279,8 +280,9 @@ pub async fn explain(
             .as_deref()
             .and_then(|p| caches.pps.get(&ObjectRef::new(p).within(namespace)));
         if let (Some(pps), Some(workload)) = (pps, &workload) {
-            out.release
-                .extend(volume_release(client, &caches, &pps, &current, workload, &health).await?);
+            out.release.extend(
+                volume_release(client, &caches, &pps, &current, workload, &health, keys).await?,
+            );
         }
     }
     Ok(out)
@@ -339,6 +341,7 @@ async fn volume_release(
     pod: &Pod,
     workload: &DynamicObject,
     health: &Health,
+    keys: &NodeKeys,
 ) -> anyhow::Result<Vec<String>> {
     let info = WorkloadInfo::from_object(workload);
     let name = pod.name_any();
@@ -359,6 +362,7 @@ async fn volume_release(
         &info.claim_templates,
         &info.uid,
         caches,
+        keys,
     )
     .await
     .context("reading the pod's claims")?;

@@ -99,8 +99,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let client = kube::Client::try_default()
                 .await
                 .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
-            let e =
-                explain::explain(&client, &args.namespace, &args.pod, args.node_lost_after).await?;
+            let e = explain::explain(
+                &client,
+                &args.namespace,
+                &args.pod,
+                args.node_lost_after,
+                &release::NodeKeys::with(&args.node_local_volume_keys),
+            )
+            .await?;
             match args.output {
                 OutputFormat::Text => print!("{}", e.text()),
                 OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&e)?),
@@ -111,7 +117,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let client = kube::Client::try_default()
                 .await
                 .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
-            let r = release::release_pod(&client, &args.namespace, &args.pod, args.dry_run).await?;
+            let keys = release::NodeKeys::with(&args.node_local_volume_keys);
+            let r = release::release_pod(&client, &args.namespace, &args.pod, args.dry_run, &keys)
+                .await?;
             match args.output {
                 OutputFormat::Text => print!("{}", r.text()),
                 OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&r)?),

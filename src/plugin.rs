@@ -15,7 +15,7 @@ use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 
 use crate::api::PersistentPodState;
-use crate::cli::parse_duration;
+use crate::cli::{parse_duration, parse_label_key};
 use crate::placement::{self, Health, PodDemands};
 use crate::state::Caches;
 use crate::{explain, release};
@@ -46,6 +46,10 @@ pub struct PluginCli {
     /// As `serve --node-lost-after` (what the webhook is run with).
     #[arg(long, global = true, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
     pub node_lost_after: Duration,
+    /// As `serve --node-local-volume-key` (what the controller is run with).
+    #[arg(long = "node-local-volume-key", global = true, env = "PPS_NODE_LOCAL_VOLUME_KEYS",
+          value_delimiter = ',', value_parser = parse_label_key)]
+    pub node_local_volume_keys: Vec<String>,
     /// What to do.
     #[command(subcommand)]
     pub command: PluginCommand,
@@ -281,11 +285,13 @@ pub async fn run(cli: PluginCli) -> anyhow::Result<()> {
             print(&rows, cli.output, text)
         }
         PluginCommand::Explain { pod } => {
-            let e = explain::explain(&client, &namespace, pod, cli.node_lost_after).await?;
+            let keys = release::NodeKeys::with(&cli.node_local_volume_keys);
+            let e = explain::explain(&client, &namespace, pod, cli.node_lost_after, &keys).await?;
             print(&e, cli.output, e.text())
         }
         PluginCommand::Release { pod, dry_run } => {
-            let r = release::release_pod(&client, &namespace, pod, *dry_run).await?;
+            let keys = release::NodeKeys::with(&cli.node_local_volume_keys);
+            let r = release::release_pod(&client, &namespace, pod, *dry_run, &keys).await?;
             print(&r, cli.output, r.text())
         }
     }

@@ -95,23 +95,63 @@ pub fn waiting_on_gone_nodes(
 }
 
 /// Node labels whose value names one node: the kubelet's hostname label, and the topology
-/// keys node-local volume drivers set to the node's name (TopoLVM, old and new, OpenEBS
-/// LocalPV LVM and ZFS, the CSI host-path driver). A volume is node-local only when its affinity
-/// names one node by one of these (or by `metadata.name`): a volume pinned by any other label
-/// (a zone, a rack) is not, even when one known node carries that label now.
-pub const NODE_IDENTITY_LABELS: [&str; 5] = [
+/// keys node-local volume drivers set to the node's name or identity (TopoLVM, old and new,
+/// OpenEBS LocalPV LVM and ZFS, the CSI host-path driver). A volume is node-local only when its
+/// affinity names one node by one of these, by a key the operator adds ([`NodeKeys`]) or by
+/// `metadata.name`: a volume pinned by any other label (a zone, a rack) is not, even when one
+/// known node carries that label now.
+pub const NODE_IDENTITY_LABELS: [&str; 6] = [
     HOSTNAME_LABEL,
     "topology.topolvm.io/node",
     "topology.topolvm.cybozu.com/node",
     "openebs.io/nodename",
+    "openebs.io/nodeid",
     "topology.hostpath.csi/node",
 ];
 
+/// The node labels that name one node in a volume's affinity: [`NODE_IDENTITY_LABELS`] and the
+/// node keys of other node-local drivers an operator names (`--node-local-volume-key`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeKeys(Vec<String>);
+
+impl Default for NodeKeys {
+    fn default() -> Self {
+        Self::with(&[])
+    }
+}
+
+impl NodeKeys {
+    /// [`NODE_IDENTITY_LABELS`] and `extra` (each once).
+    pub fn with(extra: &[String]) -> Self {
+        let mut keys: Vec<String> = NODE_IDENTITY_LABELS.map(str::to_owned).to_vec();
+        for key in extra {
+            if !keys.contains(key) {
+                keys.push(key.clone());
+            }
+        }
+        Self(keys)
+    }
+
+    /// Whether `key` names one node.
+    pub fn names_a_node(&self, key: &str) -> bool {
+        self.0.iter().any(|k| k == key)
+    }
+
+    /// The keys, comma-separated (for a message).
+    pub fn list(&self) -> String {
+        self.0.join(", ")
+    }
+}
+
 /// The one node the volume `pv` can be mounted on, or why it is not node-local: every term of
-/// its required node affinity names the same one node by a [`NODE_IDENTITY_LABELS`] label or
-/// by `metadata.name` (`In`, one value), and at most one known node matches it. The node's name
-/// when a known node matches, else (the node was deleted) the value named.
-pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, String> {
+/// its required node affinity names the same one node by one of `keys` or by `metadata.name`
+/// (`In`, one value), and at most one known node matches it. The node's name when a known node
+/// matches, else (the node was deleted) the value named.
+pub fn volume_node(
+    pv: &PersistentVolume,
+    nodes: &dyn Nodes,
+    keys: &NodeKeys,
+) -> Result<String, String> {
     let selector = pv
         .spec
         .as_ref()
@@ -132,7 +172,7 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
                 .match_expressions
                 .iter()
                 .flatten()
-                .filter(|r| NODE_IDENTITY_LABELS.contains(&r.key.as_str()));
+                .filter(|r| keys.names_a_node(&r.key));
             let by_name = term
                 .match_fields
                 .iter()
@@ -155,7 +195,7 @@ pub fn volume_node(pv: &PersistentVolume, nodes: &dyn Nodes) -> Result<String, S
                 "PersistentVolume {}'s node affinity does not name one node (by {} or \
                  metadata.name)",
                 pv.name_any(),
-                NODE_IDENTITY_LABELS.join(", ")
+                keys.list()
             ));
         }
     };
@@ -237,6 +277,7 @@ pub fn judge_claim(
     templates: &[String],
     workload_uid: &str,
     nodes: &dyn Nodes,
+    keys: &NodeKeys,
 ) -> Result<LocalClaim, Kept> {
     let kept = |why: String| Kept {
         claim: claim.name_any(),
@@ -265,7 +306,7 @@ pub fn judge_claim(
             claim.name_any()
         )));
     }
-    let node = volume_node(pv, nodes).map_err(kept)?;
+    let node = volume_node(pv, nodes, keys).map_err(kept)?;
     Ok(LocalClaim {
         claim: claim.name_any(),
         uid,
@@ -284,6 +325,7 @@ pub async fn local_claims(
     templates: &[String],
     workload_uid: &str,
     nodes: &(dyn Nodes + Sync),
+    keys: &NodeKeys,
 ) -> Result<Vec<Result<LocalClaim, Kept>>, kube::Error> {
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
     let volumes: Api<PersistentVolume> = Api::all(client.clone());
@@ -305,6 +347,7 @@ pub async fn local_claims(
             templates,
             workload_uid,
             nodes,
+            keys,
         ));
     }
     Ok(out)
@@ -388,6 +431,7 @@ pub async fn release_pod(
     namespace: &str,
     name: &str,
     dry_run: bool,
+    keys: &NodeKeys,
 ) -> anyhow::Result<ReleaseReport> {
     use anyhow::Context as _;
     use k8s_openapi::api::core::v1::Pod;
@@ -437,6 +481,7 @@ pub async fn release_pod(
         &templates,
         &workload_uid,
         caches.as_ref(),
+        keys,
     )
     .await
     .context("reading the pod's claims")?;
@@ -593,7 +638,7 @@ mod tests {
     fn a_volume_is_node_local_only_when_its_affinity_admits_one_node() {
         let host = |n: &str| json!({"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": [n]}]});
         let by = |key: &str, n: &str| json!({"matchExpressions": [{"key": key, "operator": "In", "values": [n]}]});
-        let cases: [(Value, Result<&str, &str>); 15] = [
+        let cases: [(Value, Result<&str, &str>); 16] = [
             (terms(json!([host("n1")])), Ok("n1")),
             // a node-local driver's node key, the node known or deleted
             (
@@ -604,6 +649,8 @@ mod tests {
                 terms(json!([by("openebs.io/nodename", "gone")])),
                 Ok("gone"),
             ),
+            // OpenEBS LocalPV ZFS
+            (terms(json!([by("openebs.io/nodeid", "n1")])), Ok("n1")),
             // the node named, and its zone as well
             (
                 terms(
@@ -658,7 +705,7 @@ mod tests {
             (terms(json!([{}])), Err("does not name one node")),
         ];
         for (affinity, want) in cases {
-            let got = volume_node(&pv(affinity.clone()), &fleet());
+            let got = volume_node(&pv(affinity.clone()), &fleet(), &NodeKeys::default());
             match want {
                 Ok(n) => assert_eq!(got.as_deref(), Ok(n), "{affinity}"),
                 Err(why) => assert!(
@@ -671,12 +718,47 @@ mod tests {
         let mut twin = (*node("n4", "z1")).clone();
         twin.labels_mut().insert(HOSTNAME_LABEL.into(), "n1".into());
         let twins = Fleet(vec![node("n1", "z1"), Arc::new(twin)]);
-        let got = volume_node(&pv(terms(json!([host("n1")]))), &twins);
+        let got = volume_node(
+            &pv(terms(json!([host("n1")]))),
+            &twins,
+            &NodeKeys::default(),
+        );
         assert!(
             got.as_ref()
                 .is_err_and(|e| e.contains("can be mounted on 2 nodes")),
             "{got:?}"
         );
+    }
+
+    #[test]
+    fn a_drivers_node_key_names_one_node_once_the_operator_adds_it() {
+        let by_driver = pv(terms(
+            json!([{"matchExpressions": [{"key": "directpv.min.io/node", "operator": "In", "values": ["n2"]}]}]),
+        ));
+        let built_in = volume_node(&by_driver, &fleet(), &NodeKeys::default());
+        assert!(
+            built_in
+                .as_ref()
+                .is_err_and(|e| e.contains("does not name one node")),
+            "{built_in:?}"
+        );
+        let keys = NodeKeys::with(&["directpv.min.io/node".to_owned(), HOSTNAME_LABEL.to_owned()]);
+        // the driver's label on node n3 carries the value n2: the node that carries it counts
+        let mut carrier = (*node("n3", "z2")).clone();
+        carrier
+            .labels_mut()
+            .insert("directpv.min.io/node".into(), "n2".into());
+        let carrying = Fleet(vec![node("n1", "z1"), node("n2", "z1"), Arc::new(carrier)]);
+        assert_eq!(
+            volume_node(&by_driver, &carrying, &keys).as_deref(),
+            Ok("n3")
+        );
+        // the built-in keys stay, each once; a zone is still no node's
+        assert_eq!(keys.list().matches(HOSTNAME_LABEL).count(), 1);
+        let zonal = pv(terms(
+            json!([{"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z2"]}]}]),
+        ));
+        assert!(volume_node(&zonal, &fleet(), &keys).is_err());
     }
 
     fn claim(name: &str, owners: Value, volume: Option<&str>) -> PersistentVolumeClaim {
@@ -692,7 +774,15 @@ mod tests {
             json!([{"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": ["n1"]}]}]),
         ));
         let judge = |c: &PersistentVolumeClaim, v: Option<&PersistentVolume>| {
-            judge_claim(c, v, ("web-0", "pod-uid"), &templates, "sts-uid", &fleet())
+            judge_claim(
+                c,
+                v,
+                ("web-0", "pod-uid"),
+                &templates,
+                "sts-uid",
+                &fleet(),
+                &NodeKeys::default(),
+            )
         };
         let sts_owned = json!([{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "sts-uid"}]);
         let got = judge(

@@ -21,6 +21,7 @@ use crate::events::Events;
 use crate::leader::{self, Ended, Fence, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::probes::{self, Health};
+use crate::release::NodeKeys;
 use crate::serving::{self, Limits, Server, ServerThreads};
 use crate::state::Caches;
 use crate::supervise;
@@ -182,7 +183,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 fence.clone(),
             )
             .releasing(args.max_releases_per_minute)
-            .observing(args.mode == Mode::Observe),
+            .observing(args.mode == Mode::Observe)
+            .naming_nodes_by(NodeKeys::with(&args.node_local_volume_keys)),
         );
         let shutdown = shutdown.clone();
         let client = client.clone();

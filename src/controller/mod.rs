@@ -29,6 +29,7 @@ use crate::events::Events;
 use crate::leader::{Fence, Fenced};
 use crate::metrics::Metrics;
 use crate::placement::{self, Health, PodDemands, Required};
+use crate::release::NodeKeys;
 use crate::state::{Caches, NodeHealthChange, WorkloadStore, pps_target};
 use crate::workload::GroupKind;
 pub use reconcile::{WorkloadContext, reconcile_pps, reconcile_workload};
@@ -214,6 +215,8 @@ pub struct Context {
     pacing: Pacing,
     /// `serve --mode observe`.
     observe_all: bool,
+    /// The node labels that name one node in a node-local volume's affinity.
+    node_keys: NodeKeys,
     /// Releases of waiting pods allowed, by PersistentPodState.
     releases: Releases,
 }
@@ -244,6 +247,7 @@ impl Context {
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
             observe_all: false,
+            node_keys: NodeKeys::default(),
         }
     }
 
@@ -251,6 +255,12 @@ impl Context {
     /// (a waiting pod pinned by this service is still released: the pin was its own).
     pub fn observing(mut self, observe_all: bool) -> Self {
         self.observe_all = observe_all;
+        self
+    }
+
+    /// The context with `keys` as the labels that name one node in a volume's affinity.
+    pub fn naming_nodes_by(mut self, keys: NodeKeys) -> Self {
+        self.node_keys = keys;
         self
     }
 

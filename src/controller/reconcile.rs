@@ -214,6 +214,7 @@ async fn release_local_volumes(
             &info.claim_templates,
             &info.uid,
             ctx.caches.as_ref(),
+            &ctx.node_keys,
         )
         .await
         {
