@@ -121,6 +121,9 @@ pub struct ExplainArgs {
     #[arg(long = "node-local-volume-key", env = "PPS_NODE_LOCAL_VOLUME_KEYS", value_delimiter = ',',
           value_parser = parse_label_key)]
     pub node_local_volume_keys: Vec<String>,
+    /// As `serve --mode` (what the replicas are run with).
+    #[arg(long, env = "PPS_MODE", value_enum, default_value_t = Mode::Active)]
+    pub mode: Mode,
     /// Output: human-readable text or JSON.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,

@@ -74,11 +74,22 @@ pub fn pod_from_template(name: &str, namespace: &str, workload: &DynamicObject) 
     }))
 }
 
+/// What the serving replicas are run with, as `explain` judges by it.
+#[derive(Clone, Debug, Default)]
+pub struct AsServed {
+    /// `serve --node-lost-after`.
+    pub node_lost_after: Duration,
+    /// `serve --node-local-volume-key` (with the built-in keys).
+    pub node_keys: NodeKeys,
+    /// `serve --mode observe`: every PersistentPodState observed only.
+    pub observe_all: bool,
+}
+
 /// Runs the webhook's decision for `object` (a pod being created in `namespace`) and says what
 /// it gives and leaves out. Pure over the caches.
 pub fn explain_with(
     caches: &Caches,
-    lost_after: Duration,
+    served: &AsServed,
     namespace: &str,
     object: Value,
     pod_source: &str,
@@ -110,7 +121,7 @@ pub fn explain_with(
     let lookup = CacheLookup {
         caches,
         kinds: Kinds::Any,
-        node_lost_after: lost_after,
+        node_lost_after: served.node_lost_after,
         reservations: None,
     };
     let decision = decide(&pod, namespace, &lookup);
@@ -136,7 +147,7 @@ pub fn explain_with(
             let observed = decision
                 .pps
                 .as_ref()
-                .is_some_and(|p| crate::api::observed_only(p, false));
+                .is_some_and(|p| crate::api::observed_only(p, served.observe_all));
             out.outcome = if observed {
                 "would inject (observed only)".into()
             } else {
@@ -205,8 +216,7 @@ pub async fn explain(
     client: &Client,
     namespace: &str,
     pod: &str,
-    lost_after: Duration,
-    keys: &NodeKeys,
+    served: &AsServed,
 ) -> anyhow::Result<Explanation> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let current = pods.get_opt(pod).await.context("reading the pod")?;
@@ -269,9 +279,9 @@ pub async fn explain(
         caches.apply_pod(watcher::Event::InitApply(p));
     }
     caches.apply_pod(watcher::Event::InitDone);
-    let mut out = explain_with(&caches, lost_after, namespace, object, source);
+    let mut out = explain_with(&caches, served, namespace, object, source);
     if let Some(current) = current.filter(waits_unscheduled) {
-        let health = Health::now(lost_after);
+        let health = Health::now(served.node_lost_after);
         out.release = pinned_release(&current, caches.as_ref(), &health)
             .into_iter()
             .collect();
@@ -281,7 +291,16 @@ pub async fn explain(
             .and_then(|p| caches.pps.get(&ObjectRef::new(p).within(namespace)));
         if let (Some(pps), Some(workload)) = (pps, &workload) {
             out.release.extend(
-                volume_release(client, &caches, &pps, &current, workload, &health, keys).await?,
+                volume_release(
+                    client,
+                    &caches,
+                    &pps,
+                    &current,
+                    workload,
+                    &health,
+                    &served.node_keys,
+                )
+                .await?,
             );
         }
     }
@@ -449,14 +468,25 @@ mod tests {
         }))
         .expect("sts");
         let object = pod_from_template("web-0", "ns", &sts).expect("template");
+        let served = AsServed {
+            node_lost_after: Duration::from_secs(300),
+            ..AsServed::default()
+        };
         let e = explain_with(
             &caches,
-            Duration::from_secs(300),
+            &served,
             "ns",
-            object,
+            object.clone(),
             "the workload's template",
         );
         assert_eq!(e.outcome, "inject");
+        // As replicas run with `--mode observe` would answer.
+        let observing = AsServed {
+            observe_all: true,
+            ..served.clone()
+        };
+        let observed = explain_with(&caches, &observing, "ns", object, "the template");
+        assert_eq!(observed.outcome, "would inject (observed only)");
         assert_eq!(e.persistent_pod_state.as_deref(), Some("web"));
         let whats: Vec<&str> = e.left_out.iter().map(|l| l.what.as_str()).collect();
         assert_eq!(

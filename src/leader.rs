@@ -96,6 +96,12 @@ impl Fence {
         *crate::sync::lock(&self.0) = until;
     }
 
+    /// Closes the fence (as a lost hold does).
+    #[cfg(test)]
+    pub fn close(&self) {
+        self.set(None);
+    }
+
     /// Right before a write to an object in `namespace`: `Ok` while writes are allowed.
     /// Built with the `e2e` feature (the suite's binaries, never the image), two test hooks
     /// act here first: `PPS_E2E_HOLD_WRITES_IN=NS` with `PPS_E2E_HOLD_FILE=PATH` holds each
@@ -157,6 +163,10 @@ pub enum Step {
     },
 }
 
+/// The longest lease duration a holder's record is taken at (a holder that wrote more is
+/// taken over after this long without a renewal).
+const LONGEST_LEASE_HONOURED: Duration = Duration::from_secs(3600);
+
 /// Decides the next step; remembers when each record was first observed, on the local clock.
 #[derive(Debug, Default)]
 pub struct Elector {
@@ -192,7 +202,15 @@ impl Elector {
                 now
             }
         };
-        if now.duration_since(since) >= duration {
+        // The holder's own duration, as it wrote it, when longer than ours (as client-go
+        // judges): a holder configured with a longer lease keeps its fence open that long.
+        let held_for = spec
+            .lease_duration_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map_or(duration, |s| {
+                duration.max(Duration::from_secs(s).min(LONGEST_LEASE_HONOURED))
+            });
+        if now.duration_since(since) >= held_for {
             Step::TakeOver
         } else {
             Step::Wait { holder }
@@ -559,6 +577,30 @@ mod tests {
             e.step(Some(&other("6")), "me", d, t0 + Duration::from_secs(29)),
             Step::TakeOver,
             "unchanged for the lease duration"
+        );
+    }
+
+    #[test]
+    fn a_holder_is_waited_for_as_long_as_the_lease_it_wrote() {
+        let d = Duration::from_secs(15);
+        let t0 = Instant::now();
+        let mut e = Elector::default();
+        let mut longer = lease(Some("other"), "7");
+        if let Some(spec) = longer.spec.as_mut() {
+            spec.lease_duration_seconds = Some(60);
+        }
+        let wait = Step::Wait {
+            holder: "other".into(),
+        };
+        assert_eq!(e.step(Some(&longer), "me", d, t0), wait);
+        assert_eq!(
+            e.step(Some(&longer), "me", d, t0 + Duration::from_secs(30)),
+            wait,
+            "past our 15 s, within its 60"
+        );
+        assert_eq!(
+            e.step(Some(&longer), "me", d, t0 + Duration::from_secs(60)),
+            Step::TakeOver
         );
     }
 

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use clap::Parser;
-use persistent_pod_state::cli::{Cli, Command, LogFormat, OutputFormat};
+use persistent_pod_state::cli::{Cli, Command, LogFormat, Mode, OutputFormat};
 #[cfg(target_os = "linux")]
 use persistent_pod_state::hot_code;
 use persistent_pod_state::{api, certs, explain, plugin, release, serve, serving, unregister};
@@ -99,14 +99,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let client = kube::Client::try_default()
                 .await
                 .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
-            let e = explain::explain(
-                &client,
-                &args.namespace,
-                &args.pod,
-                args.node_lost_after,
-                &release::NodeKeys::with(&args.node_local_volume_keys),
-            )
-            .await?;
+            let served = explain::AsServed {
+                node_lost_after: args.node_lost_after,
+                node_keys: release::NodeKeys::with(&args.node_local_volume_keys),
+                observe_all: args.mode == Mode::Observe,
+            };
+            let e = explain::explain(&client, &args.namespace, &args.pod, &served).await?;
             match args.output {
                 OutputFormat::Text => print!("{}", e.text()),
                 OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&e)?),

@@ -15,7 +15,7 @@ use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 
 use crate::api::PersistentPodState;
-use crate::cli::{parse_duration, parse_label_key};
+use crate::cli::{Mode, parse_duration, parse_label_key};
 use crate::placement::{self, Health, PodDemands};
 use crate::state::Caches;
 use crate::{explain, release};
@@ -50,6 +50,9 @@ pub struct PluginCli {
     #[arg(long = "node-local-volume-key", global = true, env = "PPS_NODE_LOCAL_VOLUME_KEYS",
           value_delimiter = ',', value_parser = parse_label_key)]
     pub node_local_volume_keys: Vec<String>,
+    /// As `serve --mode` (what the replicas are run with).
+    #[arg(long, global = true, env = "PPS_MODE", value_enum, default_value_t = Mode::Active)]
+    pub mode: Mode,
     /// What to do.
     #[command(subcommand)]
     pub command: PluginCommand,
@@ -285,8 +288,12 @@ pub async fn run(cli: PluginCli) -> anyhow::Result<()> {
             print(&rows, cli.output, text)
         }
         PluginCommand::Explain { pod } => {
-            let keys = release::NodeKeys::with(&cli.node_local_volume_keys);
-            let e = explain::explain(&client, &namespace, pod, cli.node_lost_after, &keys).await?;
+            let served = explain::AsServed {
+                node_lost_after: cli.node_lost_after,
+                node_keys: release::NodeKeys::with(&cli.node_local_volume_keys),
+                observe_all: cli.mode == Mode::Observe,
+            };
+            let e = explain::explain(&client, &namespace, pod, &served).await?;
             print(&e, cli.output, e.text())
         }
         PluginCommand::Release { pod, dry_run } => {

@@ -208,7 +208,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                     .await
                 }
                 None => {
+                    // Without election this replica always leads (what `pps_leader` and the
+                    // alerts on it say).
+                    metrics.leader.set(1);
                     controller::run(ctx, shutdown.clone()).await;
+                    metrics.leader.set(0);
                     if shutdown.is_cancelled() {
                         Ended::Shutdown
                     } else {

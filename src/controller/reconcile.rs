@@ -23,6 +23,7 @@ use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState,
     PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION,
 };
+use crate::leader::Fence;
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, Health, Nodes as _};
 use crate::release::{self, Kept, LocalClaim};
@@ -204,7 +205,9 @@ async fn release_local_volumes(
     let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
     let claim_api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), namespace);
     for w in &waiting {
-        if !allowed && !report::first_local_report(ctx, pps, &w.uid, &uids) {
+        // Not allowed, a pod's claims are read until once read (a failed read is tried again):
+        // what blocks it is said once.
+        if !allowed && report::local_reported(ctx, pps, &w.uid, &uids) {
             continue;
         }
         let judged = match release::local_claims(
@@ -225,6 +228,9 @@ async fn release_local_volumes(
                 continue;
             }
         };
+        if !allowed {
+            report::first_local_report(ctx, pps, &w.uid, &uids);
+        }
         let (local, kept): (Vec<_>, Vec<_>) = judged.into_iter().partition(Result::is_ok);
         let local: Vec<LocalClaim> = local
             .into_iter()
@@ -247,9 +253,11 @@ async fn release_local_volumes(
             out.later = Some(later);
             return Ok(out);
         }
-        ctx.fence.before_write(namespace).await?;
         let mut claims_gone = true;
         for claim in local.iter().filter(|c| !c.deleting) {
+            // Each delete passes the fence right before it is sent (by uid alone: a hold
+            // lost between two of them must stop the next).
+            ctx.fence.before_write(namespace).await?;
             let params = DeleteParams {
                 preconditions: Some(Preconditions {
                     uid: Some(claim.uid.clone()),
@@ -272,7 +280,8 @@ async fn release_local_volumes(
         // changed since (the StatefulSet controller and the scheduler write it often now).
         // Gone already counts: the StatefulSet controller may delete it itself, to create
         // both again.
-        if delete_waiting_pod(&pod_api, &w.pod, &w.uid, None).await? != Deleted::Kept {
+        let target = (namespace, w.pod.as_str());
+        if delete_waiting_pod(&pod_api, &ctx.fence, target, &w.uid, None).await? != Deleted::Kept {
             report::released_with_volumes(ctx, pps, w, &local);
             out.released.insert(w.pod.clone());
         }
@@ -301,10 +310,8 @@ async fn release_stranded(
             tracing::info!(pod = %pod.pod, ?later, "release rate reached; the pod waits for the next");
             return Ok(Some(later));
         }
-        ctx.fence.before_write(namespace).await?;
-        if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
-            == Deleted::Now
-        {
+        let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
+        if delete_waiting_pod(&api, &ctx.fence, target, &pod.uid, rv).await? == Deleted::Now {
             report::released(ctx, report::PinnedBy::Live(pps), pod);
         }
     }
@@ -382,10 +389,8 @@ async fn release_orphans_of(
             tracing::info!(pod = %pod.pod, "release rate reached; the pod waits for the next look");
             break;
         }
-        ctx.fence.before_write(namespace).await?;
-        if delete_waiting_pod(&api, &pod.pod, &pod.uid, pod.resource_version.clone()).await?
-            == Deleted::Now
-        {
+        let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
+        if delete_waiting_pod(&api, &ctx.fence, target, &pod.uid, rv).await? == Deleted::Now {
             report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod);
         }
     }
@@ -419,10 +424,12 @@ async fn creates_unpinned(ctx: &Context, workload: &WorkloadRef) -> Result<bool,
 /// being deleted, to create both again) is [`Deleted::Already`]; scheduled, [`Deleted::Kept`].
 pub(super) async fn delete_waiting_pod(
     api: &Api<Pod>,
-    name: &str,
+    fence: &Fence,
+    (namespace, name): (&str, &str),
     uid: &str,
     resource_version: Option<String>,
-) -> Result<Deleted, kube::Error> {
+) -> Result<Deleted, Error> {
+    // Each delete passes the fence right before it is sent, the second as the first.
     let delete = |resource_version: Option<String>| {
         let params = DeleteParams {
             preconditions: Some(Preconditions {
@@ -431,15 +438,18 @@ pub(super) async fn delete_waiting_pod(
             }),
             ..DeleteParams::default()
         };
-        async move { api.delete(name, &params).await }
+        async move {
+            fence.before_write(namespace).await?;
+            api.delete(name, &params).await.map_err(Error::from)
+        }
     };
     match delete(resource_version).await {
         Ok(_) => return Ok(Deleted::Now),
-        Err(kube::Error::Api(e)) if e.code == 404 => {
+        Err(Error::Kube(kube::Error::Api(e))) if e.code == 404 => {
             tracing::info!(pod = name, "the waiting pod is gone already");
             return Ok(Deleted::Already);
         }
-        Err(kube::Error::Api(e)) if e.code == 409 => {
+        Err(Error::Kube(kube::Error::Api(e))) if e.code == 409 => {
             tracing::info!(pod = name, message = %e.message, "the waiting pod changed since it was seen; reading it again");
         }
         Err(e) => return Err(e),
@@ -467,9 +477,9 @@ pub(super) async fn delete_waiting_pod(
     }
     match delete(pod.resource_version()).await {
         Ok(_) => Ok(Deleted::Now),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(Deleted::Already),
+        Err(Error::Kube(kube::Error::Api(e))) if e.code == 404 => Ok(Deleted::Already),
         // Changed again: looked at again from the cache.
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(Deleted::Kept),
+        Err(Error::Kube(kube::Error::Api(e))) if e.code == 409 => Ok(Deleted::Kept),
         Err(e) => Err(e),
     }
 }

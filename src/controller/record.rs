@@ -281,8 +281,11 @@ pub fn desired_status(
         }
     }
 
+    // Which ordinals are live is unknown where reserveOrdinals was read only in part: nothing
+    // is pruned then (a live pod's state must never go).
     if let Some(w) = workload
         && spec.retention() == RetentionPolicy::WhenScaled
+        && !w.reserved_truncated
     {
         status.pod_states.retain(|name, _| {
             let live = pod_ordinal(name).is_none_or(|o| w.is_live(o));
@@ -788,6 +791,25 @@ mod tests {
         assert_eq!(
             run(None, start_at_3, &current, &[], &[]),
             expect(&[("web-3", "node-1"), ("web-4", "node-2")])
+        );
+    }
+
+    #[test]
+    fn a_reserve_ordinals_list_read_in_part_prunes_nothing() {
+        // 0..=1000 reserved one by one (1,001 entries, the last unread): the live pods are
+        // 1001-1002, but read in part the list puts them at 1000-1001.
+        let truncated = Target::Live(WorkloadInfo {
+            uid: "u1".into(),
+            replicas: 2,
+            reserved: vec![(0, 999)],
+            reserved_truncated: true,
+            ..WorkloadInfo::default()
+        });
+        let current = [("web-1001", "node-1"), ("web-1002", "node-2")];
+        assert_eq!(
+            run(None, truncated, &current, &[], &[]),
+            expect(&current),
+            "web-1002's state is kept"
         );
     }
 

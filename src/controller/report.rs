@@ -142,7 +142,7 @@ pub(super) fn limits(ctx: &Context, pps: &PersistentPodState, target: &Target) {
         && w.reserved_truncated
     {
         over.push(format!(
-            "the workload's reserveOrdinals has more than {MAX_RESERVED_ENTRIES} entries (only the first are read)"
+            "the workload's reserveOrdinals has more than {MAX_RESERVED_ENTRIES} entries (only the first are read; no state is pruned on scale-down meanwhile)"
         ));
     }
     let key = ObjectRef::from_obj(pps);
@@ -399,6 +399,21 @@ pub(super) fn invalid_ip_request(
             "{IP_REQUEST_ANNOTATION}: {error}; not copied to the generated PersistentPodState, so its pods request no IP"
         ),
     );
+}
+
+/// Whether a note about waiting pod `uid` of `pps` was made already (uids of pods no longer
+/// `waiting` are forgotten).
+pub(super) fn local_reported(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    uid: &str,
+    waiting: &BTreeSet<String>,
+) -> bool {
+    let key = ObjectRef::from_obj(pps);
+    let (mut reported, _) = ctx.reported_local.lock(&ctx.caches);
+    let seen = reported.by_pps.entry(key).or_default();
+    seen.retain(|u| waiting.contains(u));
+    seen.contains(uid)
 }
 
 /// Whether a note about waiting pod `uid` of `pps` is new (then it is remembered; uids of pods

@@ -860,6 +860,36 @@ async fn without_the_annotation_a_blocking_local_volume_is_reported_once_and_not
 }
 
 #[tokio::test]
+async fn a_blocking_local_volume_is_still_reported_after_its_claims_could_not_be_read() {
+    let (ctx, mut handle, mut events) = context_with_events(waiting_world());
+    let pps = waiting_pps(json!({}));
+    ctx.caches
+        .apply_pps(watcher::Event::Apply(pps.as_ref().clone()));
+    let failed = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "reason": "InternalError", "code": 500, "message": "etcd timed out"});
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        vec![failed],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    // The next look reads the claims again, and says what blocks the pod.
+    let sent = drive(
+        reconcile_pps(pps, ctx.clone()),
+        &mut handle,
+        claim_and_volume(on_host("n1")),
+    )
+    .await;
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    let note = event_note(&mut events, "LocalVolumeBlocking").await;
+    assert!(
+        note.contains("data-web-0 (PersistentVolume pv-1)"),
+        "{note}"
+    );
+}
+
+#[tokio::test]
 async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
     let zone = json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
         {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1", "z2"]}]}]}});
@@ -1124,6 +1154,7 @@ mod waiting_pod_deletes {
 
     use super::*;
     use crate::controller::reconcile::{Deleted, delete_waiting_pod};
+    use crate::leader::Fence;
     use k8s_openapi::api::core::v1::Pod;
     use kube::Api;
 
@@ -1140,19 +1171,33 @@ mod waiting_pod_deletes {
     /// with a conflict and then shows `now` under that name (and accepts a second delete):
     /// what it made of it, and the methods of the requests sent.
     async fn delete_after_a_conflict(now: Value) -> (Deleted, Vec<Method>) {
+        let (result, methods) = delete_after_a_conflict_fenced(now, false).await;
+        (result.expect("no API error"), methods)
+    }
+
+    /// As [`delete_after_a_conflict`]; with `close`, this replica's hold on the Lease ends as
+    /// the conflict arrives.
+    async fn delete_after_a_conflict_fenced(
+        now: Value,
+        close: bool,
+    ) -> (Result<Deleted, Error>, Vec<Method>) {
         let (client, mut handle) = mock_client();
         let api: Api<Pod> = Api::namespaced(client, "ns");
-        let delete = delete_waiting_pod(&api, "web-0", "old", Some("1".into()));
+        let fence = Fence::open();
+        let delete = delete_waiting_pod(&api, &fence, ("ns", "web-0"), "old", Some("1".into()));
         tokio::pin!(delete);
         let mut methods = Vec::new();
         loop {
             tokio::select! {
-                result = &mut delete => return (result.expect("no API error"), methods),
+                result = &mut delete => return (result, methods),
                 request = handle.next_request() => {
                     let (request, respond) = request.expect("the client is alive");
                     let method = request.method().clone();
                     let first_delete = method == Method::DELETE && !methods.contains(&Method::DELETE);
                     let response = if first_delete {
+                        if close {
+                            fence.close();
+                        }
                         answer(409, &json!({"kind": "Status", "apiVersion": "v1",
                             "status": "Failure", "reason": "Conflict", "code": 409,
                             "message": "Precondition failed"}))
@@ -1164,6 +1209,13 @@ mod waiting_pod_deletes {
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_hold_on_the_lease_lost_between_the_two_deletes_stops_the_second() {
+        let (result, methods) = delete_after_a_conflict_fenced(pod("old", json!({})), true).await;
+        assert!(matches!(result, Err(Error::Fenced(_))), "{result:?}");
+        assert_eq!(methods, [Method::DELETE, Method::GET], "no second DELETE");
     }
 
     fn pod(uid: &str, extra: Value) -> Value {

@@ -209,10 +209,13 @@ impl Caches {
     /// Applies one PersistentPodState watch event: store, index, reconcile requests.
     pub fn apply_pps(&self, event: watcher::Event<PersistentPodState>) {
         let event = event.modify(trim::meta);
+        // A relist replaces the store at its end, with no Delete for what went meanwhile: the
+        // targets of the objects held before it are kept to tell which went.
+        let before = matches!(event, watcher::Event::InitDone).then(|| self.pps_targets());
         lock(&self.pps_writer).apply_watcher_event(&event);
         self.pps_by_target.apply(&event);
         self.listed_if_done(&event, &self.listed.pps);
-        self.trigger_for_pps(&event);
+        self.trigger_for_pps(&event, before);
     }
 
     /// Applies one Pod watch event (the pods kept as [`CachedPod`]).

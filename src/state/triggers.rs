@@ -2,7 +2,7 @@
 //! looked at again when an object changes. Requests go only to running controllers (on the
 //! leader); elsewhere they are dropped.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
@@ -78,21 +78,55 @@ impl Triggers {
 }
 
 impl Caches {
-    /// A PersistentPodState changed: reconcile it; one went: its workload may have waited for
-    /// it (a generated PPS is re-created).
-    pub(super) fn trigger_for_pps(&self, event: &watcher::Event<PersistentPodState>) {
+    /// A PersistentPodState changed: reconcile it; one went (deleted, or missing from a relist
+    /// that ended, `before` holding the targets of those cached until then): its workload may
+    /// have waited for it (a generated PPS is re-created), and another one targeting the same
+    /// workload takes over.
+    pub(super) fn trigger_for_pps(
+        &self,
+        event: &watcher::Event<PersistentPodState>,
+        before: Option<HashMap<ObjectRef<PersistentPodState>, WorkloadRef>>,
+    ) {
         match event {
             watcher::Event::Apply(p) => self.triggers.pps([ObjectRef::from_obj(p)]),
             watcher::Event::Delete(p) => {
                 if let Some(target) = pps_target(p) {
-                    self.trigger_workload(&target);
+                    self.gone(&target);
                 }
             }
             // A relist reaches the store only at its end: reconcile everything then (a request
             // for an object not yet in the store would be dropped).
-            watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
+            watcher::Event::InitDone => {
+                let now = self.pps_targets();
+                let went: HashSet<WorkloadRef> = before
+                    .into_iter()
+                    .flatten()
+                    .filter(|(key, target)| now.get(key) != Some(target))
+                    .map(|(_, target)| target)
+                    .collect();
+                for target in &went {
+                    self.trigger_workload(target);
+                }
+                self.triggers.pps(self.all_pps());
+            }
             watcher::Event::Init | watcher::Event::InitApply(_) => {}
         }
+    }
+
+    /// A PersistentPodState targeting `target` went: the workload's generator, and those left
+    /// targeting it, look again.
+    fn gone(&self, target: &WorkloadRef) {
+        self.trigger_workload(target);
+        self.triggers.pps(self.pps_targeting(Some(target.clone())));
+    }
+
+    /// Every cached PersistentPodState's target.
+    pub(super) fn pps_targets(&self) -> HashMap<ObjectRef<PersistentPodState>, WorkloadRef> {
+        self.pps
+            .state()
+            .iter()
+            .filter_map(|p| Some((ObjectRef::from_obj(p.as_ref()), pps_target(p)?)))
+            .collect()
     }
 
     /// A pod changed or went: the PersistentPodStates of its workload.
@@ -271,6 +305,48 @@ mod tests {
             Some(web),
             "the PPS of the deleted StatefulSet"
         );
+    }
+
+    #[test]
+    fn a_pps_gone_by_delete_or_missing_from_a_relist_wakes_its_workloads_generator_and_siblings() {
+        let caches = Caches::new();
+        let kind = GroupKind::native_statefulset();
+        caches.apply_workload(&kind, watcher::Event::Apply(sts(json!({}))));
+        let named = |name: &str| {
+            let mut p = pps();
+            p.metadata.name = Some(name.to_owned());
+            p
+        };
+        caches.apply_pps(watcher::Event::Apply(named("web")));
+        caches.apply_pps(watcher::Event::Apply(named("twin")));
+        let mut pps_requests = caches.triggers.subscribe_pps();
+        let mut generator = caches.triggers.subscribe_workloads(&kind);
+        // Deleted: the generator, and the one left targeting the same StatefulSet.
+        caches.apply_pps(watcher::Event::Delete(named("twin")));
+        assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("web".into())
+        );
+        assert_eq!(
+            pps_requests.try_recv().ok(),
+            Some(ObjectRef::new("web").within("ns"))
+        );
+        // Gone while the watch was down: the relist that ends without it says so.
+        caches.apply_pps(watcher::Event::Init);
+        assert!(
+            generator.try_recv().is_err(),
+            "nothing until the relist ends"
+        );
+        caches.apply_pps(watcher::Event::InitDone);
+        assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("web".into())
+        );
+        assert!(generator.try_recv().is_err(), "once");
+        // A relist that finds every object again wakes no generator.
+        caches.apply_pps(watcher::Event::Init);
+        caches.apply_pps(watcher::Event::InitDone);
+        assert!(generator.try_recv().is_err(), "nothing went");
     }
 
     #[test]
