@@ -3,8 +3,9 @@
 #
 #   charts/check.sh          helm lint --strict and helm template of the chart with every example
 #                            values file (charts/persistent-pod-state/ci/), on the newest and the
-#                            oldest supported Kubernetes; invalid values files refused by the
-#                            schema with the field's path; manifests/base equal to its rendering.
+#                            oldest supported Kubernetes; invalid values refused by the schema
+#                            with the field's path, or by the chart's templates with their
+#                            message; manifests/base equal to its rendering.
 #   charts/check.sh --write  renders manifests/base from the chart (after files/crd.yaml).
 #
 # helm is built at its pinned version by e2e/build-helm.sh.
@@ -62,6 +63,16 @@ for values in "$CHART"/ci/*-values.yaml; do
         fail "$name on Kubernetes $kube renders the CRD with selectableFields"
       fi
     fi
+    # The PodDisruptionBudget: only with more than one replica, in the version the cluster serves
+    # (policy/v1 from 1.21; 1.20 has only policy/v1beta1).
+    pdb=$(grep -x -B1 'kind: PodDisruptionBudget' <<<"$out" | head -n 1 || true)
+    if grep -qx 'replicaCount: 1' "$values"; then
+      [[ -z $pdb ]] || fail "$name on Kubernetes $kube renders a PodDisruptionBudget for one replica"
+    else
+      want="apiVersion: policy/v1"
+      [[ $kube == 1.20.0 ]] && want="apiVersion: policy/v1beta1"
+      [[ $pdb == "$want" ]] || fail "$name on Kubernetes $kube renders the PodDisruptionBudget as '$pdb', not '$want'"
+    fi
   done
   say "ok: $name"
 done
@@ -84,7 +95,45 @@ refused /certificates/mode --set certificates.mode=letsencrypt
 refused /nodeLostAfter --set nodeLostAfter=soon
 refused /nodeLocalVolumeKeys/0 --set 'nodeLocalVolumeKeys[0]=Not/A/Key'
 refused '' --set replicas=3
+refused /podDisruptionBudget/minAvailable --set podDisruptionBudget.minAvailable=half
 say "ok: invalid values refused with the field's path"
+
+# Values the schema cannot judge alone are refused by the templates (`fail`), saying why.
+refused_with() {
+  local want=$1
+  shift
+  local out
+  if out=$("$HELM" template t "$CHART" "$@" 2>&1); then
+    fail "accepted: $*"
+  fi
+  grep -qF "$want" <<<"$out" || fail "refused without saying '$want': $out"
+}
+refused_with 'leaderElection.enabled=false needs replicaCount=1 (it is 2)' --set leaderElection.enabled=false
+refused_with 'retryPeriodSeconds (10) < renewDeadlineSeconds (10) < leaseDurationSeconds (15)' \
+  --set leaderElection.retryPeriodSeconds=10
+refused_with 'retryPeriodSeconds (2) < renewDeadlineSeconds (15) < leaseDurationSeconds (15)' \
+  --set leaderElection.renewDeadlineSeconds=15
+refused_with 'podDisruptionBudget.minAvailable=2 with replicaCount=2 lets no replica be evicted' \
+  --set podDisruptionBudget.minAvailable=2
+refused_with 'podDisruptionBudget.minAvailable=51% with replicaCount=2 lets no replica be evicted' \
+  --set podDisruptionBudget.minAvailable=51%
+refused_with 'prometheusRule.enabled needs serviceMonitor.enabled' --set prometheusRule.enabled=true
+refused_with 'prometheusRule.certificateExpiryDays=14 is not below certificates.certManager.renewBefore=240h' \
+  -f "$CHART/ci/cert-manager-issuer-values.yaml" --set prometheusRule.enabled=true --set serviceMonitor.enabled=true
+say "ok: inconsistent values refused by the templates"
+
+# ... and their consistent counterparts accepted.
+out=$("$HELM" template t "$CHART" --set prometheusRule.enabled=true --set prometheusRule.jobLabel=pods) ||
+  fail "prometheusRule.jobLabel without serviceMonitor refused"
+grep -qF 'pps_leader{job="pods", namespace="default"}' <<<"$out" || fail "prometheusRule.jobLabel not in the alerts"
+"$HELM" template t "$CHART" -f "$CHART/ci/cert-manager-issuer-values.yaml" --set prometheusRule.enabled=true \
+  --set serviceMonitor.enabled=true --set prometheusRule.certificateExpiryDays=9 >/dev/null ||
+  fail "certificateExpiryDays below renewBefore refused"
+out=$("$HELM" template t "$CHART" --set webhook.validatePersistentPodStates=false) ||
+  fail "webhook.validatePersistentPodStates=false refused"
+! grep -q 'kind: ValidatingWebhookConfiguration' <<<"$out" ||
+  fail "webhook.validatePersistentPodStates=false renders the ValidatingWebhookConfiguration"
+say "ok: their consistent counterparts accepted"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -107,3 +107,14 @@ under that CA. Memoized in .Values so that every template of one render sees the
 {{- end -}}
 {{- toJson (get .Values "__selfSigned") -}}
 {{- end -}}
+
+{{/* A duration (Go's form with h, m, s and ms parts: 240h, 360h0m0s, 90s) in milliseconds. */}}
+{{- define "pps.durationMillis" -}}
+{{- $ms := 0 -}}
+{{- $unit := dict "h" 3600000 "m" 60000 "s" 1000 "ms" 1 -}}
+{{- range regexFindAll "[0-9]+(ms|h|m|s)" . -1 -}}
+{{- $n := regexFind "^[0-9]+" . -}}
+{{- $ms = add $ms (mul (int64 $n) (get $unit (trimPrefix $n .))) -}}
+{{- end -}}
+{{- $ms -}}
+{{- end -}}
