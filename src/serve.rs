@@ -255,8 +255,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_secs(args.shutdown_delay_seconds)).await;
     tracing::info!("no longer accepting; draining requests in flight");
     shutdown.cancel();
-    let _ = webhook_server.await;
-    let _ = tokio::time::timeout(drain, controllers).await;
+    // One deadline for both (they drain at once): the delay and one drain are what
+    // terminationGracePeriodSeconds must cover.
+    let deadline = tokio::time::Instant::now() + drain;
+    let _ = tokio::time::timeout_at(deadline, webhook_server).await;
+    let _ = tokio::time::timeout_at(deadline, controllers).await;
     probes_stop.cancel();
     let _ = probe_server.await;
     tracing::info!("stopped");

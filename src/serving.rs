@@ -409,7 +409,7 @@ impl RequestLimit {
             };
             limit.refused(path, result);
             // What is still coming is read and dropped, so the client gets the answer.
-            discard_body(chunks, limit.max_body, limit.body_timeout).await;
+            discard_body(chunks, limit.max_body, DISCARD_WITHIN).await;
             return error_response(status, &message);
         }
         let bytes = bytes.into_bytes();
@@ -452,7 +452,20 @@ impl RequestLimit {
             }
         }
     }
+
+    /// Answers `response` to `request` without reading it as a request: what is still coming
+    /// of its body is read and dropped first ([`discard_body`]), so the client gets the answer
+    /// (a refusal decided from the request's head alone).
+    pub async fn refuse(&self, request: Request, response: Response) -> Response {
+        let chunks = request.into_body().into_data_stream();
+        discard_body(chunks, self.0.max_body, DISCARD_WITHIN).await;
+        response
+    }
 }
+
+/// How long a refused request's body is read and dropped at most: a client still sending
+/// after that gets its answer on a connection that is then closed.
+const DISCARD_WITHIN: Duration = Duration::from_secs(1);
 
 /// A body whose bound on decoding ([`VALUE_COST`] per byte) leaves at least this many times
 /// that bound free in its share takes the bound without counting its JSON values.

@@ -891,6 +891,80 @@ async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
     server.stop.cancel();
 }
 
+#[tokio::test(start_paused = true)]
+async fn with_a_client_ca_an_upload_without_a_certificate_is_refused_before_its_body_is_read() {
+    use tower::ServiceExt;
+    let mut state = super::testing::state(true);
+    Arc::get_mut(&mut state).expect("unshared").client_auth = true;
+    let app = super::router(state);
+    for path in [endpoints::MUTATE_POD, endpoints::VALIDATE_PPS] {
+        // Its first bytes, then nothing more: never waited for to the body deadline.
+        let first = futures::stream::once(async {
+            Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"{\"request\":"))
+        });
+        let body = axum::body::Body::from_stream(futures::StreamExt::chain(
+            first,
+            futures::stream::pending(),
+        ));
+        let request = axum::http::Request::post(path)
+            .header("content-type", "application/json")
+            .body(body)
+            .expect("request");
+        let started = tokio::time::Instant::now();
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        assert_eq!(
+            response.status(),
+            axum::http::StatusCode::FORBIDDEN,
+            "{path}"
+        );
+        assert!(
+            started.elapsed() < super::REQUEST_TIMEOUT,
+            "{path}: {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_request_to_no_route_is_read_before_it_is_answered() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tower::ServiceExt;
+    let app = super::router(super::testing::state(true));
+    for (method, path, status) in [
+        ("POST", "/nowhere", axum::http::StatusCode::NOT_FOUND),
+        (
+            "PUT",
+            endpoints::MUTATE_POD,
+            axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        ),
+    ] {
+        let read = Arc::new(AtomicUsize::new(0));
+        let counted = read.clone();
+        let chunks = futures::StreamExt::map(futures::stream::iter(0..16), move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b' '; 16 << 10]))
+        });
+        let request = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from_stream(chunks))
+            .expect("request");
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        assert_eq!(response.status(), status, "{method} {path}");
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let answer: Value = serde_json::from_slice(&bytes).expect("a JSON message");
+        assert!(answer["error"].is_string(), "{answer}");
+        assert_eq!(
+            read.load(Ordering::Relaxed),
+            16,
+            "{method} {path}: the whole body read"
+        );
+    }
+}
+
 #[tokio::test]
 async fn uploads_stalled_on_other_endpoints_never_shed_pod_reviews() {
     use tower::ServiceExt;

@@ -147,7 +147,7 @@ pub fn router(state: Arc<WebhookState>) -> Router {
     Router::new()
         .route(
             endpoints::MUTATE_POD,
-            limited(&limit, |state, request, too_complex| async move {
+            limited(&limit, GATED, |state, request, too_complex| async move {
                 match review::Review::read(request, too_complex, &state) {
                     Ok(review) => mutate_pod::mutate_pod(&state, review),
                     Err(refused) => *refused,
@@ -156,7 +156,7 @@ pub fn router(state: Arc<WebhookState>) -> Router {
         )
         .route(
             endpoints::VALIDATE_PPS,
-            limited(&limit, |state, request, too_complex| async move {
+            limited(&limit, GATED, |state, request, too_complex| async move {
                 match review::Review::read(request, too_complex, &state) {
                     Ok(review) => validate_pps::validate_pps(&state, review).await,
                     Err(refused) => *refused,
@@ -165,23 +165,54 @@ pub fn router(state: Arc<WebhookState>) -> Router {
         )
         .route(
             endpoints::CONVERT,
-            limited(&limit, |state, request, too_complex| async move {
+            limited(&limit, !GATED, |state, request, too_complex| async move {
                 match review::Conversion::read(request, too_complex, &state) {
                     Ok(conversion) => convert::convert_objects(&state, conversion),
                     Err(refused) => *refused,
                 }
             }),
         )
-        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "no such path") })
-        .method_not_allowed_fallback(|| async {
-            error_response(StatusCode::METHOD_NOT_ALLOWED, "reviews are POSTed")
-        })
+        .fallback(answered_within(
+            &limit,
+            StatusCode::NOT_FOUND,
+            "no such path",
+        ))
+        .method_not_allowed_fallback(answered_within(
+            &limit,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "reviews are POSTed",
+        ))
         .with_state(state)
 }
 
+/// Whether a route answers from the caches, refused ([`refusal`]) before its body is read.
+const GATED: bool = true;
+
+/// A handler answering every request `status` with `message`, within `limit`'s share of other
+/// paths (its body read and dropped first, so the client gets the answer).
+fn answered_within(
+    limit: &RequestLimit,
+    status: StatusCode,
+    message: &'static str,
+) -> MethodRouter<Arc<WebhookState>> {
+    let limit = limit.clone();
+    axum::routing::any(move |request: axum::extract::Request| {
+        let limit = limit.clone();
+        async move {
+            limit
+                .run(
+                    request,
+                    |_, _| async move { error_response(status, message) },
+                )
+                .await
+        }
+    })
+}
+
 /// A POST route whose requests `limit` bounds ([`RequestLimit::run`]) before `handler` answers
-/// them, given the body whole.
-fn limited<F, Fut>(limit: &RequestLimit, handler: F) -> MethodRouter<Arc<WebhookState>>
+/// them, given the body whole. `gated`: a request [`refusal`] refuses (no verified client, the
+/// caches not synced) is answered before its body is read or takes any of the share.
+fn limited<F, Fut>(limit: &RequestLimit, gated: bool, handler: F) -> MethodRouter<Arc<WebhookState>>
 where
     F: Fn(Arc<WebhookState>, Request<Bytes>, Option<TooComplex>) -> Fut
         + Clone
@@ -195,6 +226,9 @@ where
         move |State(state): State<Arc<WebhookState>>, request: axum::extract::Request| {
             let (limit, handler) = (limit.clone(), handler.clone());
             async move {
+                if gated && let Some(refused) = refusal(&state, &request) {
+                    return limit.refuse(request, refused).await;
+                }
                 limit
                     .run(request, |request, too_complex| {
                         handler(state, request, too_complex)
