@@ -43,6 +43,7 @@ pub fn router(health: Arc<Health>) -> Router {
     let budget = Budget {
         in_flight: 8,
         bytes: 64 << 10,
+        pruned: &[],
     };
     let limit = RequestLimit::new(budget, Duration::from_secs(5), 64 << 10, None);
     Router::new()

@@ -111,6 +111,9 @@ pub struct Budget {
     /// Bytes: of the bodies being read or handled, plus what decoding them may build
     /// ([`VALUE_COST`] per JSON value).
     pub bytes: usize,
+    /// Object keys whose values the endpoint's decoder skips wherever they are (never built):
+    /// each counts as one value ([`json_values_pruned`]).
+    pub pruned: &'static [&'static str],
 }
 
 /// What decoding one JSON value may cost at most, in bytes (a one-entry map as a
@@ -328,6 +331,89 @@ pub fn json_values(body: &[u8]) -> usize {
     values
 }
 
+/// As [`json_values`], but the value of a key in `pruned` (written without escapes) counts as
+/// one, its contents skipped: what a decoder that skips those keys wherever they are may build
+/// (it skips at least these: a key spelt with escapes is counted in full here).
+pub fn json_values_pruned(body: &[u8], pruned: &[&str]) -> usize {
+    if pruned.is_empty() {
+        return json_values(body);
+    }
+    let (mut values, mut from) = (0usize, 0usize);
+    let mut i = 0usize;
+    while let Some(&b) = body.get(i) {
+        if b != b'"' {
+            i += 1;
+            continue;
+        }
+        let start = i + 1;
+        let Some(end) = string_end(body, start) else {
+            break;
+        };
+        i = end;
+        let key = &body[start..end - 1];
+        if !pruned.iter().any(|p| p.as_bytes() == key) {
+            continue;
+        }
+        let mut at = end;
+        while matches!(body.get(at), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+            at += 1;
+        }
+        if body.get(at) != Some(&b':') {
+            continue;
+        }
+        // The key and what precedes it as usual; its value as one; on after it.
+        values += json_values(&body[from..end]) + 1;
+        i = skip_value(body, at + 1);
+        from = i;
+    }
+    values + json_values(body.get(from..).unwrap_or_default())
+}
+
+/// Where the string whose contents begin at `start` ends (past its closing quote), if it does.
+fn string_end(body: &[u8], mut start: usize) -> Option<usize> {
+    loop {
+        let at = memchr::memchr2(b'"', b'\\', body.get(start..)?)?;
+        if body[start + at] == b'\\' {
+            start += at + 2;
+        } else {
+            return Some(start + at + 1);
+        }
+    }
+}
+
+/// Where the JSON value starting at or after `i` (past whitespace) ends: a string, an object or
+/// array with all it holds, or a scalar. The end of `body` if it does not.
+fn skip_value(body: &[u8], mut i: usize) -> usize {
+    while matches!(body.get(i), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+        i += 1;
+    }
+    let mut depth = 0usize;
+    while let Some(&b) = body.get(i) {
+        match b {
+            b'"' => match string_end(body, i + 1) {
+                Some(end) => i = end,
+                None => return body.len(),
+            },
+            b'{' | b'[' => {
+                depth += 1;
+                i += 1;
+            }
+            b'}' | b']' if depth > 0 => {
+                depth -= 1;
+                i += 1;
+            }
+            // The end of the value's container, or the next value of it (a scalar ends there).
+            b'}' | b']' => return i,
+            b',' if depth == 0 => return i,
+            _ => i += 1,
+        }
+        if depth == 0 && (b == b'"' || b == b'}' || b == b']') {
+            return i;
+        }
+    }
+    i
+}
+
 /// Middleware: [`RequestLimit::run`] around the rest of the app (the request's body handed on
 /// whole, a [`TooComplex`] mark in its extensions).
 pub async fn limit_requests(
@@ -421,7 +507,7 @@ impl RequestLimit {
         let (values, cost) = if quick {
             (bytes.len(), bound)
         } else {
-            let values = json_values(&bytes);
+            let values = json_values_pruned(&bytes, share.budget.pruned);
             (values, values.saturating_mul(VALUE_COST))
         };
         let mut too_complex = None;
@@ -1446,6 +1532,7 @@ mod tests {
         let none = Budget {
             in_flight: 0,
             bytes: 1 << 20,
+            pruned: &[],
         };
         let limit = RequestLimit::new(none, Duration::from_secs(1), 1 << 20, Some(metrics.clone()))
             .endpoint("/mutate-pod", none);
@@ -1632,6 +1719,7 @@ mod tests {
         let share = Share::new(Budget {
             in_flight: 1,
             bytes: 100,
+            pruned: &[],
         });
         let free = Free::available;
         let mut held = None;

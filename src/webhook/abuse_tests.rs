@@ -610,6 +610,7 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
                 crate::serving::Budget {
                     in_flight: 1,
                     bytes: 8 << 20,
+                    pruned: &[],
                 },
                 Duration::from_millis(500),
                 super::MAX_BODY,

@@ -35,22 +35,27 @@ pub const MAX_BODY: usize = 3 * 1024 * 1024;
 pub const POD_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 64 << 20,
+    pruned: &[],
 };
 /// What PersistentPodState validations may hold at once (a share of their own; creates come in
-/// bursts: an apply of many objects, the generator).
+/// bursts: an apply of many objects, the generator). Their objects' status and managed fields
+/// are never decoded (an update of one recording thousands of pods costs what its spec does).
 pub const VALIDATE_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
+    pruned: &validate_pps::UNREAD_KEYS,
 };
 /// What conversions may hold at once (a share of their own).
 pub const CONVERT_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
+    pruned: &[],
 };
 /// What requests to any other path may hold (answered 404 or 405).
 const OTHER_BUDGET: Budget = Budget {
     in_flight: 4,
     bytes: 4 << 20,
+    pruned: &[],
 };
 /// How long one admission may take (the API server gives up after the configured
 /// `timeoutSeconds`, at most 30 s, anyway).

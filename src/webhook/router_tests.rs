@@ -355,6 +355,31 @@ async fn validate_pps_allows_denies_and_rejects_bad_bodies() {
         Answer::Error(503),
         "uniqueness needs the caches"
     );
+    // An update of the main resource of one recording 3,000 pods (the API server copies the
+    // stored status and managed fields into both objects): judged on its spec, not refused as
+    // too large to decode.
+    let mut recorded = pps_object("v1beta1", "a", "a", 50);
+    let states: serde_json::Map<String, Value> = (0..3_000)
+        .map(|i| {
+            let state = json!({"nodeName": format!("n-{i}"), "podUID": format!("u-{i}"),
+                "nodeTopologyLabels": {"kubernetes.io/hostname": format!("n-{i}")}});
+            (format!("a-{i}"), state)
+        })
+        .collect();
+    let fields: serde_json::Map<String, Value> = states
+        .keys()
+        .map(|k| (format!("f:{k}"), json!({".": {}})))
+        .collect();
+    recorded["status"] = json!({"observedGeneration": 1, "podStates": states});
+    recorded["metadata"]["managedFields"] = json!([{"manager": "persistent-pod-state",
+        "operation": "Update", "subresource": "status",
+        "fieldsV1": {"f:status": {"f:podStates": fields}}}]);
+    let mut labelled = recorded.clone();
+    labelled["metadata"]["labels"] = json!({"team": "db"});
+    let update = body(review(kind("v1beta1"), "UPDATE", labelled, Some(recorded)));
+    assert!(update.len() < super::MAX_BODY, "{}", update.len());
+    let (status, json) = post(&synced, endpoints::VALIDATE_PPS, update).await;
+    assert_eq!(answer(status, &json), Answer::Allowed, "{json}");
 }
 
 fn conversion(desired: &str, objects: Vec<Value>) -> Vec<u8> {

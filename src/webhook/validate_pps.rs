@@ -20,6 +20,79 @@ use crate::api::{
 use crate::metrics::AdmissionResult;
 use crate::workload::{GroupKind, WorkloadRef};
 
+/// Keys whose values validation never reads, skipped wherever they are when an object is
+/// decoded ([`Unread`]): the status (the API server copies the stored one into an update of the
+/// main resource) and the managed fields (which name every recorded pod).
+pub const UNREAD_KEYS: [&str; 2] = ["status", "managedFields"];
+
+/// A JSON document decoded without the values of [`UNREAD_KEYS`], wherever they are.
+struct Unread(Value);
+
+impl<'de> Deserialize<'de> for Unread {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(UnreadVisitor).map(Unread)
+    }
+}
+
+struct UnreadVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UnreadVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Unread(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if UNREAD_KEYS.contains(&key.as_str()) {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            } else {
+                let Unread(value) = map.next_value()?;
+                object.insert(key, value);
+            }
+        }
+        Ok(Value::Object(object))
+    }
+}
+
 /// How long the live read of a namespace's PersistentPodStates may take before the cache answers
 /// (the API server gives the whole review `timeoutSeconds`, 5 in the manifests).
 const LIVE_READ_TIMEOUT: Duration = Duration::from_secs(2);
@@ -232,7 +305,7 @@ async fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, Adm
             AdmissionResult::InvalidObject,
         );
     }
-    let decode = |text: &str| serde_json::from_str::<Value>(text);
+    let decode = |text: &str| serde_json::from_str::<Unread>(text).map(|Unread(v)| v);
     let object = match decode(text) {
         Ok(object) => object,
         Err(e) => {
@@ -421,6 +494,99 @@ mod tests {
                 Some(String::new()),
                 Some(String::new())
             ]
+        );
+    }
+
+    /// The values and keys of a decoded document.
+    fn nodes(value: &Value) -> usize {
+        1 + match value {
+            Value::Array(items) => items.iter().map(nodes).sum(),
+            Value::Object(map) => map.values().map(|v| 1 + nodes(v)).sum(),
+            _ => 0,
+        }
+    }
+
+    fn documents() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i32>().prop_map(Value::from),
+            "[a-z\\\\\"{}:, ]{0,6}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(5, 64, 6, |inner| {
+            let key = prop_oneof![
+                Just("status".to_owned()),
+                Just("managedFields".to_owned()),
+                "[a-z:\"]{0,4}",
+            ];
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec((key, inner), 0..6)
+                    .prop_map(|entries| Value::Object(entries.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+        /// What the request limit charges a validation for is never less than what decoding
+        /// its object builds.
+        #[test]
+        fn the_pruned_count_bounds_what_the_decoder_builds(doc in documents(), pretty: bool) {
+            let text = if pretty {
+                serde_json::to_string_pretty(&doc)
+            } else {
+                serde_json::to_string(&doc)
+            }
+            .expect("json");
+            let Unread(decoded) = serde_json::from_str(&text).expect("decodes");
+            let counted = crate::serving::json_values_pruned(text.as_bytes(), &UNREAD_KEYS);
+            proptest::prop_assert!(counted >= nodes(&decoded), "{counted} < {}: {text}", nodes(&decoded));
+            proptest::prop_assert!(counted <= crate::serving::json_values(text.as_bytes()));
+        }
+
+        #[test]
+        fn the_pruned_count_takes_any_bytes(
+            body in proptest::collection::vec(proptest::sample::select(
+                b"\"\\{}[],: \nstaus1".to_vec()), 0..200),
+        ) {
+            let counted = crate::serving::json_values_pruned(&body, &["status"]);
+            proptest::prop_assert!(counted <= crate::serving::json_values(&body));
+        }
+    }
+
+    #[test]
+    fn an_update_recording_thousands_of_pods_costs_what_its_spec_does() {
+        let states: serde_json::Map<String, Value> = (0..5_000)
+            .map(|i| {
+                (
+                    format!("web-{i}"),
+                    json!({"nodeName": format!("node-{i}"), "nodeTopologyLabels": {"kubernetes.io/hostname": format!("node-{i}")}}),
+                )
+            })
+            .collect();
+        let object = json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns", "managedFields": [{"manager": "m", "fieldsV1": {"f:status": {"f:podStates": states.keys().map(|k| (format!("f:{k}"), json!({}))).collect::<serde_json::Map<_, _>>()}}}]},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}},
+            "status": {"podStates": states}
+        });
+        let review =
+            serde_json::to_vec(&json!({"request": {"object": object, "oldObject": object}}))
+                .expect("json");
+        let full = crate::serving::json_values(&review);
+        let pruned = crate::serving::json_values_pruned(&review, &UNREAD_KEYS);
+        assert!(
+            full * crate::serving::VALUE_COST > super::super::VALIDATE_BUDGET.bytes,
+            "{full}"
+        );
+        assert!(pruned < 100, "{pruned}");
+        let Unread(decoded) = serde_json::from_slice(&review).expect("decodes");
+        assert!(decoded.pointer("/request/object/status").is_none());
+        assert_eq!(
+            decoded.pointer("/request/object/spec/targetRef/name"),
+            Some(&json!("web"))
         );
     }
 }
