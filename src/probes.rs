@@ -28,11 +28,12 @@ pub struct Health {
 }
 
 impl Health {
-    /// Whether the process should receive traffic: its caches synced and every watch current
-    /// (none failed, ended or restarted without being relisted since), and not shutting down.
+    /// Whether the process should receive traffic: its caches synced and every watch its
+    /// answers read current (none failed, ended or restarted without being relisted since),
+    /// and not shutting down.
     pub fn is_ready(&self) -> bool {
         self.caches.is_synced()
-            && self.caches.watches.stale_now().is_empty()
+            && self.caches.watches.stale_serving().is_empty()
             && !self.shutting_down.load(Ordering::Acquire)
     }
 }
@@ -62,7 +63,7 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
     } else if !health.caches.is_synced() {
         (StatusCode::SERVICE_UNAVAILABLE, "caches not synced").into_response()
     } else {
-        let stale = health.caches.watches.stale_now().join("; ");
+        let stale = health.caches.watches.stale_serving().join("; ");
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("caches not current: {stale}"),

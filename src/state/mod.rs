@@ -179,8 +179,9 @@ impl Caches {
         // Decoded one by one, so one unreadable object (stored by an older schema, say) is
         // skipped instead of failing every list of the kind.
         let watches = caches.watches.clone();
+        let [pps_watch, pod_watch, node_watch] = SERVING_WATCHES;
         spawn_watch(
-            "PersistentPodState",
+            pps_watch,
             Api::<ReadPps>::all(client.clone()),
             move |ev| {
                 if let Some(ev) = decode_pps(ev) {
@@ -191,14 +192,14 @@ impl Caches {
         );
         let c = caches.clone();
         spawn_watch(
-            "Pod",
+            pod_watch,
             proto::PodSource::new(client.clone()),
             move |ev| c.apply_cached_pod(trim::map_event(ev, |w| Arc::new(w.pod))),
             watches.clone(),
         );
         let c = caches.clone();
         spawn_watch(
-            "Node",
+            node_watch,
             Api::<Read<Node>>::all(client.clone()),
             move |ev| c.apply_node(trim::map_event(ev, |node| node.0)),
             watches,
@@ -594,8 +595,13 @@ fn decode_pps(event: watcher::Event<ReadPps>) -> Option<watcher::Event<Persisten
 /// Objects per page of a paginated list (where streaming lists are refused).
 const PAGE_SIZE: u32 = 500;
 
+/// The watches whose caches the webhook's answers read (readiness waits for them to be
+/// current).
+pub const SERVING_WATCHES: [&str; 3] = ["PersistentPodState", "Pod", "Node"];
+
 /// Whether each watch is current: listed since it last failed. A watch that fails, ends or
-/// is restarted is stale until its relist is done; readiness is false while any is stale.
+/// is restarted is stale until its relist is done; readiness is false while any of
+/// [`SERVING_WATCHES`] is stale.
 #[derive(Default)]
 pub struct Watches {
     states: Mutex<BTreeMap<String, WatchState>>,
@@ -632,11 +638,23 @@ impl Watches {
         lock(&self.states).remove(kind);
     }
 
+    /// The watches of [`SERVING_WATCHES`] that are stale now, and why: what holds readiness
+    /// back. A workload kind's watch is not among them: the webhook's answers never read it,
+    /// so one refused for good (a custom kind whose plural or RBAC is wrong, say) holds up only
+    /// the controller's work for that kind, and is reported ([`Watches::stale_now`]).
+    pub fn stale_serving(&self) -> Vec<String> {
+        self.stale_where(|kind| SERVING_WATCHES.contains(&kind))
+    }
+
     /// The watches that are stale now, and why (empty: every cache is current).
     pub fn stale_now(&self) -> Vec<String> {
+        self.stale_where(|_| true)
+    }
+
+    fn stale_where(&self, of: impl Fn(&str) -> bool) -> Vec<String> {
         lock(&self.states)
             .iter()
-            .filter(|(_, s)| !s.current)
+            .filter(|(k, s)| !s.current && of(k))
             .map(|(k, s)| match &s.why {
                 Some(why) => format!("{k}: {why}"),
                 None => format!("{k}: not listed yet"),
@@ -940,6 +958,23 @@ mod tests {
             watches.clone(),
         );
         (listed, task)
+    }
+
+    #[test]
+    fn only_the_watches_the_webhook_reads_hold_readiness_back() {
+        let watches = Watches::default();
+        for kind in SERVING_WATCHES {
+            watches.current(kind);
+        }
+        let custom = watch_key(&GroupKind::new("example.com", "Proxy"));
+        watches.stale(&custom, "the list failed: 403 Forbidden".into());
+        assert!(
+            watches.stale_serving().is_empty(),
+            "a workload kind's watch"
+        );
+        assert_eq!(watches.stale_now().len(), 1, "reported all the same");
+        watches.stale("Pod", "the watch failed".into());
+        assert_eq!(watches.stale_serving(), ["Pod: the watch failed"]);
     }
 
     #[test]
