@@ -9,7 +9,9 @@ use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use serde_json::Value;
 
-use crate::api::{KRUISE_GROUP, TargetReference, api_group};
+use crate::api::{
+    INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, KRUISE_GROUP, TargetReference, api_group,
+};
 
 /// API group of the native StatefulSet.
 pub const APPS_GROUP: &str = "apps";
@@ -224,6 +226,9 @@ pub struct WorkloadInfo {
     pub deleting: bool,
     /// The names of its `volumeClaimTemplates` (its pods' own claims are `<name>-<pod>`).
     pub claim_templates: Vec<String>,
+    /// Whether its pod template carries either of the webhook's own annotations (copied from a
+    /// pinned pod): its pods then carry them whether the webhook pinned them or not.
+    pub template_pinned: bool,
 }
 
 impl WorkloadInfo {
@@ -250,6 +255,13 @@ impl WorkloadInfo {
             reserved_truncated,
             deleting: obj.metadata.deletion_timestamp.is_some(),
             claim_templates: claim_templates(spec),
+            template_pinned: spec
+                .and_then(|s| s.pointer("/template/metadata/annotations"))
+                .and_then(Value::as_object)
+                .is_some_and(|a| {
+                    a.contains_key(INJECTED_ANNOTATION)
+                        || a.contains_key(INJECTED_REQUIRED_ANNOTATION)
+                }),
         }
     }
 

@@ -146,8 +146,16 @@ pub async fn reconcile_pps(
     if let Some(later) = local.later {
         wait = wait.min(later);
     }
-    if let Some(later) =
-        release_stranded(&ctx, &pps, &namespace, &pods, &health, &local.released).await?
+    let copied = matches!(&workload_target, Target::Live(w) if w.template_pinned);
+    if let Some(later) = release_stranded(
+        &ctx,
+        &pps,
+        (&namespace, copied),
+        &pods,
+        &health,
+        &local.released,
+    )
+    .await?
     {
         wait = wait.min(later);
     }
@@ -296,13 +304,19 @@ async fn release_local_volumes(
 async fn release_stranded(
     ctx: &Context,
     pps: &PersistentPodState,
-    namespace: &str,
+    (namespace, template_pinned): (&str, bool),
     pods: &[&CachedPod],
     health: &Health,
     handled: &BTreeSet<String>,
 ) -> Result<Option<Duration>, Error> {
     let place = |values: &BTreeMap<String, String>| ctx.place_required(values, health);
     let stranded = record::stranded(&pps.name_any(), pods, &place);
+    // A template copied from a pinned pod gives every pod the webhook's annotations, pinned or
+    // not: none is released on their word (each would be released again and again).
+    if template_pinned && !stranded.is_empty() {
+        tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has, but the workload's pod template carries the webhook's annotations (copied from a pinned pod): none is released; remove kruise.io/injected-persistent-pod-state and persistent-pod-state.io/injected-required from the template");
+        return Ok(None);
+    }
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
     for pod in stranded.iter().filter(|p| !handled.contains(&p.pod)) {

@@ -959,6 +959,60 @@ async fn a_node_within_its_grace_period_releases_nothing_and_reads_nothing() {
 }
 
 #[tokio::test]
+async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webhooks_annotations() {
+    // web-0 waits pinned by the webhook to n1, deleted since; its StatefulSet's template plain,
+    // or copied from a pinned pod.
+    let world = |template: Value| {
+        let caches = Caches::new();
+        let sts = GroupKind::native_statefulset();
+        let mut workload = statefulset(json!({}));
+        workload.data["spec"]["template"] = template;
+        caches.apply_workload(&sts, watcher::Event::InitApply(workload));
+        caches.apply_workload(&sts, watcher::Event::InitDone);
+        caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+        caches.apply_pod(watcher::Event::Apply(
+            serde_json::from_value(json!({
+                "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+                    "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                        crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
+                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                        "uid": "sts-uid", "controller": true}]},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": []},
+                "status": {"phase": "Pending"}
+            }))
+            .expect("pod"),
+        ));
+        caches
+    };
+    let plain = json!({"metadata": {"labels": {"app": "web"}}});
+    let (ctx, mut handle) = context(world(plain));
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let sent = drive(
+        reconcile_pps(waiting_pps(json!({})), ctx),
+        &mut handle,
+        vec![deleted],
+    )
+    .await;
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
+    assert_eq!(calls, ["DELETE /api/v1/namespaces/ns/pods/web-0?"]);
+
+    let copied = json!({"metadata": {"annotations": {
+        crate::api::INJECTED_ANNOTATION: "web",
+        crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"}}});
+    let (ctx, mut handle) = context(world(copied));
+    let sent = drive(
+        reconcile_pps(waiting_pps(json!({})), ctx),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "{sent:?}");
+}
+
+#[tokio::test]
 async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() {
     let (ctx, mut handle) = context(waiting_world());
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));

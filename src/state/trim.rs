@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use crate::api::PersistentPodState;
+use crate::api::{INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState};
 use crate::shared::{Shared, intern};
 
 use k8s_openapi::api::core::v1::{
@@ -383,6 +383,24 @@ pub fn workload(obj: &mut DynamicObject) {
                 .map(|t| serde_json::json!({"metadata": {"name": t.pointer("/metadata/name")}}))
                 .collect();
             kept.insert("volumeClaimTemplates".to_owned(), names.into());
+        }
+        // Of the pod template, whether it carries the webhook's own annotations (a template
+        // copied from a pinned pod: its pods carry them whether the webhook pinned them or not).
+        let ours: serde_json::Map<String, serde_json::Value> = spec
+            .pointer("/template/metadata/annotations")
+            .and_then(|a| a.as_object())
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| {
+                [INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION].contains(&k.as_str())
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if !ours.is_empty() {
+            kept.insert(
+                "template".to_owned(),
+                serde_json::json!({"metadata": {"annotations": ours}}),
+            );
         }
         serde_json::Value::Object(kept)
     });
