@@ -153,9 +153,14 @@ impl Free {
             .is_ok()
     }
 
-    /// `n` units, if free now.
+    /// `n` units, if free now. (Built only once taken: a `Taken` dropped gives its units
+    /// back, so one built for a refusal would add units that were never taken.)
     fn take(&self, n: usize) -> Option<Taken<'_>> {
-        self.sub(n).then_some(Taken { free: self, n })
+        if self.sub(n) {
+            Some(Taken { free: self, n })
+        } else {
+            None
+        }
     }
 
     /// The units free now.
@@ -181,9 +186,100 @@ impl Taken<'_> {
     }
 }
 
+impl Taken<'_> {
+    /// Up to `n` of the units held, no longer given back by this one (handed to an
+    /// [`AnswerHold`]): how many.
+    fn hand_over(&mut self, n: usize) -> usize {
+        let n = n.min(self.n);
+        self.n -= n;
+        n
+    }
+}
+
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
         self.free.0.fetch_add(self.n, Ordering::AcqRel);
+    }
+}
+
+/// Bytes of an endpoint's share that an answer holds until it is sent (or dropped unsent): an
+/// answer its client does not read stays within the share, however long its connection lives.
+struct AnswerHold {
+    limit: Arc<LimitState>,
+    /// The share's place in `limit.shares` (`None`: the other paths').
+    share: Option<usize>,
+    n: usize,
+}
+
+impl Drop for AnswerHold {
+    fn drop(&mut self) {
+        let share = self
+            .share
+            .map_or(&self.limit.other, |i| &self.limit.shares[i].1);
+        share.bytes.0.fetch_add(self.n, Ordering::AcqRel);
+    }
+}
+
+/// The most of an answer handed to the connection at once: an answer is sent in pieces, so
+/// that what its connection has not sent yet stays within the endpoint's share ([`Held`]).
+const ANSWER_PIECE: usize = 16 << 10;
+
+/// An answer's body that holds its bytes of the endpoint's share ([`AnswerHold`]) until its
+/// last piece (at most [`ANSWER_PIECE`]) is handed to the connection, or until it is dropped
+/// unsent: a client that never reads its answers (HTTP/2 with a window of zero, say) holds at
+/// most the share, not the server's memory.
+struct Held {
+    inner: Body,
+    rest: Bytes,
+    hold: Option<AnswerHold>,
+}
+
+impl http_body::Body for Held {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        if this.rest.is_empty() {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => this.rest = data,
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                },
+                Poll::Ready(None) => {
+                    this.hold = None;
+                    return Poll::Ready(None);
+                }
+                other => return other,
+            }
+        }
+        // Most answers are one piece: handed over whole, without splitting the buffer.
+        let piece = if this.rest.len() <= ANSWER_PIECE {
+            std::mem::take(&mut this.rest)
+        } else {
+            this.rest.split_to(ANSWER_PIECE)
+        };
+        if this.rest.is_empty() && this.inner.is_end_stream() {
+            this.hold = None;
+        }
+        Poll::Ready(Some(Ok(http_body::Frame::data(piece))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut hint = self.inner.size_hint();
+        let rest = self.rest.len() as u64;
+        hint.set_lower(hint.lower() + rest);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + rest);
+        }
+        hint
     }
 }
 
@@ -275,12 +371,14 @@ impl RequestLimit {
 }
 
 impl LimitState {
-    /// The share of `path`, and the path it is kept under (`other` for the rest).
-    fn share(&self, path: &str) -> (&str, &Share) {
+    /// The share of `path`, the path it is kept under (`other` for the rest), and its place.
+    fn share(&self, path: &str) -> (&str, &Share, Option<usize>) {
         self.shares
             .iter()
-            .find(|(p, _)| p == path)
-            .map_or(("other", &self.other), |(p, s)| (p, s))
+            .position(|(p, _)| p == path)
+            .map_or(("other", &self.other, None), |i| {
+                (&self.shares[i].0, &self.shares[i].1, Some(i))
+            })
     }
 
     fn refused(&self, path: &str, result: AdmissionResult) {
@@ -446,7 +544,7 @@ impl RequestLimit {
     {
         let limit = &*self.0;
         // Refusals are counted under the share's own path (no copy of the request's is kept).
-        let (path, share) = limit.share(request.uri().path());
+        let (path, share, share_at) = limit.share(request.uri().path());
         let (parts, body) = request.into_parts();
         let mut chunks = body.into_data_stream();
         // Most bodies arrive as one chunk: kept as it came, copied only when a second one
@@ -529,14 +627,33 @@ impl RequestLimit {
         };
         let request = axum::http::Request::from_parts(parts, bytes);
         let answered = tokio::time::timeout(limit.timeout, handler(request, too_complex)).await;
-        drop(held);
-        match answered {
+        let response = match answered {
             Ok(response) => response,
             Err(_) => {
                 limit.refused(path, AdmissionResult::TimedOut);
                 error_response(StatusCode::SERVICE_UNAVAILABLE, "request timed out")
             }
+        };
+        // The answer keeps as many of the bytes the request held as it has, until it is sent.
+        let size = http_body::Body::size_hint(response.body());
+        let len = usize::try_from(size.upper().unwrap_or(size.lower())).unwrap_or(usize::MAX);
+        let kept = held.as_mut().map_or(0, |held| held.hand_over(len));
+        drop(held);
+        if kept == 0 {
+            return response;
         }
+        let hold = AnswerHold {
+            limit: self.0.clone(),
+            share: share_at,
+            n: kept,
+        };
+        response.map(|inner| {
+            Body::new(Held {
+                inner,
+                rest: Bytes::new(),
+                hold: Some(hold),
+            })
+        })
     }
 
     /// Answers `response` to `request` without reading it as a request: what is still coming
@@ -1362,7 +1479,17 @@ async fn serve_connection(
     match tls {
         None => run_http(tcp, peer, app, limits, activity, stops, None).await,
         Some(acceptor) => {
-            match tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp)).await {
+            // Closed when evicted at the cap, or at shutdown, in its handshake too: a slot held
+            // by a handshake that never ends makes room as an idle connection does.
+            let handshake = tokio::time::timeout(limits.handshake_timeout, acceptor.accept(tcp));
+            let accepted = tokio::select! {
+                accepted = handshake => accepted,
+                () = stops.shutdown.cancelled() => {
+                    tracing::debug!(%peer, "closed in its TLS handshake (evicted at the cap, or shutdown)");
+                    return;
+                }
+            };
+            match accepted {
                 Ok(Ok(stream)) => {
                     // A client that presented a certificate the configured CA verified (rustls
                     // refused the handshake if it presented a bad one) has its requests marked.
@@ -1524,6 +1651,67 @@ async fn run_http<IO>(
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn an_answer_holds_its_bytes_of_the_share_until_it_is_sent_or_dropped() {
+        use http_body_util::BodyExt;
+        let budget = Budget {
+            in_flight: 4,
+            bytes: 256 << 10,
+            pruned: &[],
+        };
+        let limit = RequestLimit::new(budget, Duration::from_secs(5), 1 << 20, None);
+        let request = || {
+            Request::post("/convert")
+                .body(Body::from(vec![b' '; 100 << 10]))
+                .expect("request")
+        };
+        let answer = || async { (StatusCode::OK, vec![b'a'; 100 << 10]).into_response() };
+        let free = |limit: &RequestLimit| limit.0.share("/convert").1.bytes.available();
+
+        let unread = limit.run(request(), |_, _| answer()).await;
+        assert_eq!(free(&limit), (256 - 100) << 10, "held while unsent");
+        // Sent in pieces; given back once the last is handed over.
+        let mut body = unread.into_body();
+        let mut pieces = 0;
+        while let Some(frame) = body.frame().await {
+            let data = frame.expect("frame").into_data().expect("data");
+            assert!(data.len() <= ANSWER_PIECE);
+            pieces += 1;
+        }
+        assert_eq!(pieces, 7);
+        assert_eq!(free(&limit), 256 << 10);
+        // Dropped unsent (its connection closed): given back too.
+        let dropped = limit.run(request(), |_, _| answer()).await;
+        assert_eq!(free(&limit), (256 - 100) << 10);
+        drop(dropped);
+        assert_eq!(free(&limit), 256 << 10);
+        // Two answers nobody reads fill the share: the next request is refused, not buffered.
+        let held = [
+            limit.run(request(), |_, _| answer()).await,
+            limit.run(request(), |_, _| answer()).await,
+        ];
+        assert_eq!(
+            (held[0].status(), held[1].status(), free(&limit)),
+            (StatusCode::OK, StatusCode::OK, (256 - 200) << 10)
+        );
+        let refused = limit.run(request(), |_, _| answer()).await;
+        let status = refused.status();
+        let said = refused
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{said:?}");
+        assert_eq!(
+            free(&limit),
+            (256 - 200) << 10,
+            "a refusal gives back nothing"
+        );
+        drop(held);
+        assert_eq!(free(&limit), 256 << 10);
+    }
 
     #[tokio::test]
     async fn refusals_are_counted_under_the_endpoint_or_other() {

@@ -1423,3 +1423,34 @@ async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_pl
     closing.finish_review(&rest, deadline).await;
     server.stop.cancel();
 }
+
+#[tokio::test]
+async fn at_the_connection_cap_a_handshake_that_never_ends_makes_room() {
+    let limits = Limits {
+        max_connections: 2,
+        handshake_timeout: Duration::from_secs(10),
+        ..NO_EARLY_BOUND
+    };
+    let server = start_with(None, limits).await;
+    // Two connections that never send a ClientHello hold both slots.
+    let stalled = [
+        tokio::net::TcpStream::connect(server.addr)
+            .await
+            .expect("tcp"),
+        tokio::net::TcpStream::connect(server.addr)
+            .await
+            .expect("tcp"),
+    ];
+    // Each new connection evicts one of them, within the eviction wait, and is served.
+    for _ in 0..2 {
+        let mut new = server.tls(&server.connector).await;
+        let head = send_review(&mut new).await;
+        assert!(
+            head.as_deref()
+                .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+            "the new connection is served: {head:?}"
+        );
+    }
+    drop(stalled);
+    server.stop.cancel();
+}
