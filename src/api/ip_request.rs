@@ -4,7 +4,7 @@
 
 use std::net::IpAddr;
 
-use super::keys::qualified_name_error;
+use super::keys::annotation_key_error;
 
 /// PersistentPodState annotation: which CNI annotation re-created pods request their recorded
 /// IPs with.
@@ -39,7 +39,7 @@ impl IpRequest {
             "kube-ovn" => Ok(Self::KubeOvn),
             "antrea" => Ok(Self::Antrea),
             other => match other.strip_prefix("annotation:") {
-                Some(key) => match qualified_name_error(key) {
+                Some(key) => match annotation_key_error(key) {
                     None => Ok(Self::Annotation(key.to_owned())),
                     Some(e) => Err(format!("{other:?}: the annotation key is invalid: {e}")),
                 },

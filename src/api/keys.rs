@@ -1,5 +1,11 @@
 //! Label and annotation keys: what Kubernetes accepts as one.
 
+/// Whether `key` is a valid annotation key, as Kubernetes checks one: [`qualified_name_error`]
+/// of its lower-case form (`Example.com/ip` is a valid annotation key, not a valid label key).
+pub fn annotation_key_error(key: &str) -> Option<String> {
+    qualified_name_error(&key.to_lowercase())
+}
+
 /// Whether `key` is a valid label (or annotation) key: an optional DNS subdomain prefix and
 /// `/`, then a name of at most 63 characters of `[A-Za-z0-9._-]`, alphanumeric at both ends.
 pub fn qualified_name_error(key: &str) -> Option<String> {
@@ -14,9 +20,10 @@ pub fn qualified_name_error(key: &str) -> Option<String> {
         if prefix.len() > 253 {
             return Some("prefix part must be no more than 253 characters".into());
         }
+        // Kubernetes checks the prefix as a whole (IsDNS1123Subdomain: 253 characters, the
+        // pattern), not the length of each of its labels.
         let label_ok = |l: &str| {
             !l.is_empty()
-                && l.len() <= 63
                 && l.bytes()
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !l.starts_with('-')
@@ -77,5 +84,13 @@ mod tests {
         ] {
             assert!(qualified_name_error(bad).is_some(), "{bad}");
         }
+        // The prefix is one DNS subdomain: a label of it may be longer than 63 characters.
+        let long_label = format!("{}.example.com/a", "b".repeat(70));
+        assert_eq!(qualified_name_error(&long_label), None);
+        assert!(qualified_name_error(&format!("{}/a", "b".repeat(254))).is_some());
+        // Annotation keys are checked lower-cased, as the API server does.
+        assert_eq!(annotation_key_error("Example.com/ip"), None);
+        assert!(qualified_name_error("Example.com/ip").is_some());
+        assert!(annotation_key_error("a b").is_some());
     }
 }

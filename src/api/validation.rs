@@ -6,7 +6,7 @@ use std::fmt;
 use serde_json::Value;
 
 use super::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
-use super::keys::qualified_name_error;
+use super::keys::{annotation_key_error, qualified_name_error};
 use super::{KRUISE_GROUP, MAX_KEYS, MAX_PERSISTENT_ANNOTATIONS, MAX_PREFERRED_TERMS, api_group};
 use crate::workload::GroupKind;
 
@@ -52,26 +52,34 @@ fn shown(value: &str) -> String {
     }
 }
 
-struct Errors {
+struct Errors<'a> {
     list: Vec<FieldError>,
     more: usize,
+    /// Whether an error at a path counts (on UPDATE: only in what changed), decided before
+    /// the list is cut at [`MAX_ERRORS`].
+    counts: &'a dyn Fn(&str) -> bool,
 }
 
-impl Errors {
-    fn new() -> Self {
+impl<'a> Errors<'a> {
+    fn new(counts: &'a dyn Fn(&str) -> bool) -> Self {
         Self {
             list: Vec::new(),
             more: 0,
+            counts,
         }
     }
 
     fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        let path = path.into();
+        if !(self.counts)(&path) {
+            return;
+        }
         if self.list.len() >= MAX_ERRORS {
             self.more += 1;
             return;
         }
         self.list.push(FieldError {
-            path: path.into(),
+            path,
             message: message.into(),
         });
     }
@@ -130,9 +138,9 @@ fn check_keys(errors: &mut Errors, path: &str, list: Option<&Vec<Value>>) {
 /// accepting metadata changes, finalizers and ownerReferences, and edits of its other fields.
 /// `targetRef` stays immutable.
 pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<FieldError> {
-    let mut errors = rules(object, ctx);
+    let counts = |path: &str| old.is_none_or(|old| changed(path, object, old));
+    let mut errors = rules(object, ctx, &counts);
     if let Some(old) = old {
-        errors.retain(|e| changed(&e.path, object, old));
         // The target is its group, kind and name (the version in apiVersion may differ).
         let identity = |o: &Value| {
             let part = |name: &str| {
@@ -191,8 +199,8 @@ fn changed(path: &str, new: &Value, old: &Value) -> bool {
 }
 
 /// Every rule, on the object alone.
-fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
-    let mut errors = Errors::new();
+fn rules(object: &Value, ctx: &Context<'_>, counts: &dyn Fn(&str) -> bool) -> Vec<FieldError> {
+    let mut errors = Errors::new(counts);
     let null = Value::Null;
     let spec = object.get("spec").unwrap_or(&null);
     let kf = ctx.keys_field;
@@ -291,7 +299,7 @@ fn rules(object: &Value, ctx: &Context<'_>) -> Vec<FieldError> {
         let path = format!("spec.persistentPodAnnotations[{i}].key");
         match a.get("key").and_then(Value::as_str) {
             Some(k) => {
-                if let Some(e) = qualified_name_error(k) {
+                if let Some(e) = annotation_key_error(k) {
                     errors.push(path, format!("Invalid value: {}: {e}", shown(k)));
                 }
             }
@@ -567,6 +575,14 @@ mod tests {
             check(&retained, Some(&legacy), &["first".into()]).is_empty(),
             "fixing one field does not require fixing the others"
         );
+        // More old errors than are listed: still none of them counts against a valid change.
+        let bad_keys: Vec<String> = (0..25).map(|i| format!("Bad Key {i}")).collect();
+        let crowded = with(json!({"spec": {"requiredPersistentTopology": {"keys": bad_keys}}}));
+        assert!(check(&crowded, None, &[]).len() > MAX_ERRORS);
+        let mut annotated = crowded.clone();
+        annotated["spec"]["persistentPodAnnotations"] = json!([{"key": "example.com/other"}]);
+        let errors = check(&annotated, Some(&crowded), &[]);
+        assert!(errors.is_empty(), "{errors:?}");
     }
 
     #[test]
