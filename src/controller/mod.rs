@@ -264,6 +264,19 @@ impl Context {
         self
     }
 
+    /// This replica's controllers stopped (its term as leader ended, or the process stops):
+    /// what only the leader keeps current is dropped, so that its gauges say nothing stale
+    /// beside the new leader's (the alerts take the largest over the replicas), and a next
+    /// term reports afresh.
+    fn term_ended(&self) {
+        crate::sync::lock(&self.reported_unplaceable.0)
+            .by_pps
+            .clear();
+        self.metrics.states_unplaceable.set(0);
+        crate::sync::lock(&self.reported_limits.0).by_pps.clear();
+        self.metrics.over_limits.set(0);
+    }
+
     /// At most `per_minute` waiting pods released per PersistentPodState per minute (0: none).
     pub fn releasing(mut self, per_minute: u32) -> Self {
         self.releases = Releases::new(per_minute);
@@ -340,6 +353,12 @@ pub enum Error {
 
 /// Runs every controller until `shutdown`; reconciles in flight finish first.
 pub async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
+    run_controllers(&ctx, shutdown).await;
+    ctx.term_ended();
+}
+
+/// [`run`], but for what ends with it.
+async fn run_controllers(ctx: &Arc<Context>, shutdown: CancellationToken) {
     let caches = ctx.caches.clone();
     let pps_requests = caches.triggers.subscribe_pps();
     let from_nodes = {

@@ -701,6 +701,11 @@ async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
         metrics.contains("pps_states_unplaceable 1"),
         "reported although the write waits: {metrics}"
     );
+    // The term ends (leadership lost, or the process stops: what `run` does as it returns):
+    // nothing stale is left beside the new leader's figure.
+    ctx.term_ended();
+    let metrics = ctx.metrics.encode();
+    assert!(metrics.contains("pps_states_unplaceable 0"), "{metrics}");
 }
 
 #[test]
