@@ -224,14 +224,16 @@ impl Drop for AnswerHold {
 /// that what its connection has not sent yet stays within the endpoint's share ([`Held`]).
 const ANSWER_PIECE: usize = 16 << 10;
 
-/// An answer's body that holds its bytes of the endpoint's share ([`AnswerHold`]) until its
-/// last piece (at most [`ANSWER_PIECE`]) is handed to the connection, or until it is dropped
-/// unsent: a client that never reads its answers (HTTP/2 with a window of zero, say) holds at
-/// most the share, not the server's memory.
+/// An answer's body that holds its bytes of the endpoint's share ([`AnswerHold`]) until the
+/// connection drops it: HTTP/2 once its last piece (at most [`ANSWER_PIECE`]) is sent, which
+/// needs the client's window; HTTP/1 once that piece is queued. A client that never reads its
+/// answers (HTTP/2 with a window of zero, say) holds at most the share, not the server's
+/// memory.
 struct Held {
     inner: Body,
     rest: Bytes,
-    hold: Option<AnswerHold>,
+    /// Given back when the connection drops the body.
+    _hold: AnswerHold,
 }
 
 impl http_body::Body for Held {
@@ -249,10 +251,7 @@ impl http_body::Body for Held {
                     Ok(data) => this.rest = data,
                     Err(frame) => return Poll::Ready(Some(Ok(frame))),
                 },
-                Poll::Ready(None) => {
-                    this.hold = None;
-                    return Poll::Ready(None);
-                }
+                Poll::Ready(None) => return Poll::Ready(None),
                 other => return other,
             }
         }
@@ -262,9 +261,6 @@ impl http_body::Body for Held {
         } else {
             this.rest.split_to(ANSWER_PIECE)
         };
-        if this.rest.is_empty() && this.inner.is_end_stream() {
-            this.hold = None;
-        }
         Poll::Ready(Some(Ok(http_body::Frame::data(piece))))
     }
 
@@ -275,10 +271,11 @@ impl http_body::Body for Held {
     fn size_hint(&self) -> http_body::SizeHint {
         let mut hint = self.inner.size_hint();
         let rest = self.rest.len() as u64;
-        hint.set_lower(hint.lower() + rest);
+        // The upper bound first: a lower one above it panics.
         if let Some(upper) = hint.upper() {
             hint.set_upper(upper + rest);
         }
+        hint.set_lower(hint.lower() + rest);
         hint
     }
 }
@@ -542,9 +539,31 @@ impl RequestLimit {
         F: FnOnce(axum::http::Request<Bytes>, Option<TooComplex>) -> Fut,
         Fut: Future<Output = Response>,
     {
+        self.run_in(request, false, handler).await
+    }
+
+    /// [`RequestLimit::run`] within the other paths' share, whatever the request's path (an
+    /// answer that is no endpoint's: a method it does not take, say).
+    pub async fn run_as_other<F, Fut>(&self, request: Request, handler: F) -> Response
+    where
+        F: FnOnce(axum::http::Request<Bytes>, Option<TooComplex>) -> Fut,
+        Fut: Future<Output = Response>,
+    {
+        self.run_in(request, true, handler).await
+    }
+
+    async fn run_in<F, Fut>(&self, request: Request, as_other: bool, handler: F) -> Response
+    where
+        F: FnOnce(axum::http::Request<Bytes>, Option<TooComplex>) -> Fut,
+        Fut: Future<Output = Response>,
+    {
         let limit = &*self.0;
         // Refusals are counted under the share's own path (no copy of the request's is kept).
-        let (path, share, share_at) = limit.share(request.uri().path());
+        let (path, share, share_at) = if as_other {
+            ("other", &limit.other, None)
+        } else {
+            limit.share(request.uri().path())
+        };
         let (parts, body) = request.into_parts();
         let mut chunks = body.into_data_stream();
         // Most bodies arrive as one chunk: kept as it came, copied only when a second one
@@ -651,7 +670,7 @@ impl RequestLimit {
             Body::new(Held {
                 inner,
                 rest: Bytes::new(),
-                hold: Some(hold),
+                _hold: hold,
             })
         })
     }
@@ -1678,8 +1697,17 @@ mod tests {
             let data = frame.expect("frame").into_data().expect("data");
             assert!(data.len() <= ANSWER_PIECE);
             pieces += 1;
+            // Exact between pieces too.
+            let hint = http_body::Body::size_hint(&body);
+            assert_eq!(hint.exact(), Some(hint.lower()));
         }
         assert_eq!(pieces, 7);
+        assert_eq!(
+            free(&limit),
+            (256 - 100) << 10,
+            "held until the connection drops it"
+        );
+        drop(body);
         assert_eq!(free(&limit), 256 << 10);
         // Dropped unsent (its connection closed): given back too.
         let dropped = limit.run(request(), |_, _| answer()).await;
@@ -1711,6 +1739,39 @@ mod tests {
         );
         drop(held);
         assert_eq!(free(&limit), 256 << 10);
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_is_no_endpoints_takes_nothing_of_the_endpoints_share() {
+        let small = Budget {
+            in_flight: 1,
+            bytes: 1 << 10,
+            pruned: &[],
+        };
+        let other = Budget {
+            bytes: 1 << 20,
+            ..small
+        };
+        let limit = RequestLimit::new(other, Duration::from_secs(5), 1 << 20, None)
+            .endpoint("/mutate-pod", small);
+        let put = || {
+            Request::put("/mutate-pod")
+                .body(Body::from(vec![b' '; 8 << 10]))
+                .expect("request")
+        };
+        let answer = |_, _| async { StatusCode::METHOD_NOT_ALLOWED.into_response() };
+        let refused = limit.run(put(), answer).await;
+        assert_eq!(
+            refused.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the endpoint's"
+        );
+        let answered = limit.run_as_other(put(), answer).await;
+        assert_eq!(
+            answered.status(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "the other paths'"
+        );
     }
 
     #[tokio::test]

@@ -138,7 +138,17 @@ fn check_keys(errors: &mut Errors, path: &str, list: Option<&Vec<Value>>) {
 /// accepting metadata changes, finalizers and ownerReferences, and edits of its other fields.
 /// `targetRef` stays immutable.
 pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<FieldError> {
-    let counts = |path: &str| old.is_none_or(|old| changed(path, object, old));
+    // Whether a field changed, looked at once per field (errors may be many).
+    let seen = std::cell::RefCell::new(std::collections::HashMap::<&'static str, bool>::new());
+    let counts = |path: &str| {
+        old.is_none_or(|old| match field_of(path) {
+            Some(field) => *seen
+                .borrow_mut()
+                .entry(field)
+                .or_insert_with(|| changed(path, object, old)),
+            None => changed(path, object, old),
+        })
+    };
     let mut errors = rules(object, ctx, &counts);
     if let Some(old) = old {
         // The target is its group, kind and name (the version in apiVersion may differ).
@@ -170,6 +180,28 @@ pub fn validate(object: &Value, old: Option<&Value>, ctx: &Context<'_>) -> Vec<F
 
 /// Whether the spec field an error at `path` belongs to differs between `new` and `old`. The
 /// error for "no topology at all" (path `spec`) belongs to the three topology fields together.
+/// What [`changed`] compares for an error at `path`, when it is one of a few: errors of one
+/// field share the answer.
+fn field_of(path: &str) -> Option<&'static str> {
+    const SPEC: [&str; 5] = [
+        "requiredPersistentTopology",
+        "preferredPersistentTopology",
+        "persistentPodAnnotations",
+        "persistentPodStateRetentionPolicy",
+        "targetRef",
+    ];
+    if path.starts_with("metadata.annotations") {
+        return Some(if path.contains(super::MODE_ANNOTATION) {
+            super::MODE_ANNOTATION
+        } else {
+            IP_REQUEST_ANNOTATION
+        });
+    }
+    let rest = path.strip_prefix("spec.")?;
+    let first = rest.split(['.', '[']).next().unwrap_or(rest);
+    SPEC.into_iter().find(|s| *s == first)
+}
+
 fn changed(path: &str, new: &Value, old: &Value) -> bool {
     if path.starts_with("metadata.annotations") {
         let key = if path.contains(super::MODE_ANNOTATION) {

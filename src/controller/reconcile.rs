@@ -146,7 +146,8 @@ pub async fn reconcile_pps(
     if let Some(later) = local.later {
         wait = wait.min(later);
     }
-    let copied = matches!(&workload_target, Target::Live(w) if w.template_pinned);
+    // Released only on the word of a workload known not to create pods pinned alike.
+    let copied = !matches!(&workload_target, Target::Live(w) if !w.template_pinned);
     if let Some(later) = release_stranded(
         &ctx,
         &pps,

@@ -205,7 +205,7 @@ fn answered_within(
         let limit = limit.clone();
         async move {
             limit
-                .run(
+                .run_as_other(
                     request,
                     |_, _| async move { error_response(status, message) },
                 )
