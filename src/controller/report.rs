@@ -409,11 +409,7 @@ pub(super) fn local_reported(
     uid: &str,
     waiting: &BTreeSet<String>,
 ) -> bool {
-    let key = ObjectRef::from_obj(pps);
-    let (mut reported, _) = ctx.reported_local.lock(&ctx.caches);
-    let seen = reported.by_pps.entry(key).or_default();
-    seen.retain(|u| waiting.contains(u));
-    seen.contains(uid)
+    with_local_notes(ctx, pps, waiting, |seen| seen.contains(uid))
 }
 
 /// Whether a note about waiting pod `uid` of `pps` is new (then it is remembered; uids of pods
@@ -424,11 +420,21 @@ pub(super) fn first_local_report(
     uid: &str,
     waiting: &BTreeSet<String>,
 ) -> bool {
+    with_local_notes(ctx, pps, waiting, |seen| seen.insert(uid.to_owned()))
+}
+
+/// `f` of the uids of `pps`'s waiting pods noted, those no longer `waiting` forgotten first.
+fn with_local_notes<T>(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    waiting: &BTreeSet<String>,
+    f: impl FnOnce(&mut BTreeSet<String>) -> T,
+) -> T {
     let key = ObjectRef::from_obj(pps);
     let (mut reported, _) = ctx.reported_local.lock(&ctx.caches);
     let seen = reported.by_pps.entry(key).or_default();
     seen.retain(|u| waiting.contains(u));
-    seen.insert(uid.to_owned())
+    f(seen)
 }
 
 /// A waiting pod held by claims on node-local volumes of a node that is gone, while the

@@ -892,6 +892,24 @@ async fn a_busy_keep_alive_connection_is_closed_at_its_maximum_age() {
     server.stop.cancel();
 }
 
+/// A POST to `path` whose body sends its first bytes (calling `started` as they are read), then
+/// nothing more.
+fn stalled_upload(
+    path: &str,
+    started: impl FnOnce() + Send + 'static,
+) -> axum::http::Request<axum::body::Body> {
+    let first = futures::stream::once(async move {
+        started();
+        Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"{\"request\":"))
+    });
+    let body =
+        axum::body::Body::from_stream(futures::StreamExt::chain(first, futures::stream::pending()));
+    axum::http::Request::post(path)
+        .header("content-type", "application/json")
+        .body(body)
+        .expect("request")
+}
+
 #[tokio::test(start_paused = true)]
 async fn with_a_client_ca_an_upload_without_a_certificate_is_refused_before_its_body_is_read() {
     use tower::ServiceExt;
@@ -900,17 +918,7 @@ async fn with_a_client_ca_an_upload_without_a_certificate_is_refused_before_its_
     let app = super::router(state);
     for path in [endpoints::MUTATE_POD, endpoints::VALIDATE_PPS] {
         // Its first bytes, then nothing more: never waited for to the body deadline.
-        let first = futures::stream::once(async {
-            Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"{\"request\":"))
-        });
-        let body = axum::body::Body::from_stream(futures::StreamExt::chain(
-            first,
-            futures::stream::pending(),
-        ));
-        let request = axum::http::Request::post(path)
-            .header("content-type", "application/json")
-            .body(body)
-            .expect("request");
+        let request = stalled_upload(path, || {});
         let started = tokio::time::Instant::now();
         let response = app.clone().oneshot(request).await.expect("infallible");
         assert_eq!(
@@ -978,18 +986,9 @@ async fn uploads_stalled_on_other_endpoints_never_shed_pod_reviews() {
     for path in [endpoints::CONVERT, endpoints::VALIDATE_PPS] {
         for _ in 0..24 {
             let tx = started_tx.clone();
-            let first = futures::stream::once(async move {
+            let request = stalled_upload(path, move || {
                 let _ = tx.send(());
-                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"{\"request\":"))
             });
-            let body = axum::body::Body::from_stream(futures::StreamExt::chain(
-                first,
-                futures::stream::pending(),
-            ));
-            let request = axum::http::Request::post(path)
-                .header("content-type", "application/json")
-                .body(body)
-                .expect("request");
             held.push(tokio::spawn(app.clone().oneshot(request)));
         }
     }
