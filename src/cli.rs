@@ -159,8 +159,9 @@ pub struct ServeArgs {
     /// PEM private key of the serving certificate.
     #[arg(long, env = "PPS_TLS_KEY", default_value = "certs/tls.key")]
     pub tls_key: PathBuf,
-    /// PEM CA bundle: when given, webhook clients must present a certificate it signed (the API
-    /// server's, set in its AdmissionConfiguration; see docs/install.md).
+    /// PEM CA bundle (re-read when it changes): when given, webhook clients must present a
+    /// certificate it signed (the API server's, set in its AdmissionConfiguration; see
+    /// docs/install.md).
     #[arg(long, env = "PPS_CLIENT_CA")]
     pub client_ca: Option<PathBuf>,
     /// Plain HTTP address of /healthz, /readyz and /metrics.

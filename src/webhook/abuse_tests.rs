@@ -46,23 +46,6 @@ async fn start() -> Server {
     start_with(None, TEST_LIMITS).await
 }
 
-/// A client CA (its PEM, to configure `--client-ca`) and a client certificate it signed, with
-/// its key (both PEM).
-fn client_identity() -> (String, String, String) {
-    use rcgen::{
-        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
-        KeyPair,
-    };
-    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().expect("key")).expect("ca");
-    let mut client = CertificateParams::new(vec!["kube-apiserver".to_string()]).expect("params");
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let key = KeyPair::generate().expect("key");
-    let cert = client.signed_by(&key, &ca).expect("client cert");
-    (ca.pem(), cert.pem(), key.serialize_pem())
-}
-
 async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> Server {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = std::env::temp_dir().join(format!(
@@ -467,7 +450,7 @@ async fn misbehaving_connections_are_closed_within_their_bounds() {
 
 #[tokio::test]
 async fn with_a_client_ca_admission_needs_a_verified_client_certificate() {
-    let (ca, cert, key) = client_identity();
+    let (ca, cert, key) = super::tls::tests::client_identity();
     let body = review(pod_request(json!({})));
     let with = start_with(Some((&ca, &cert, &key)), TEST_LIMITS).await;
     let got = with

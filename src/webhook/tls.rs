@@ -1,6 +1,6 @@
-//! TLS for the webhook: the certificate and key are re-read when their files change (checked at
-//! most once a second, on new connections), so a rotated Secret — including Kubernetes'
-//! symlink swap of a Secret volume — is used without a restart.
+//! TLS for the webhook: the certificate and key, and the client CA bundle, are re-read when
+//! their files change (checked at most once a second, on new connections), so a rotated Secret
+//! — including Kubernetes' symlink swap of a Secret volume — is used without a restart.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -9,23 +9,53 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use prometheus_client::metrics::gauge::Gauge;
-use rustls::ServerConfig;
+use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
+use rustls::{DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
 
 use crate::files::FileStamp;
 
 const RECHECK: Duration = Duration::from_secs(1);
 
+/// The stamps of files as last loaded, and when they were last looked at.
+struct Stamps {
+    loaded: Vec<FileStamp>,
+    checked: Instant,
+}
+
+impl Stamps {
+    fn new(loaded: Vec<FileStamp>) -> Self {
+        Self {
+            loaded,
+            checked: Instant::now(),
+        }
+    }
+
+    /// Whether `files` changed since they were loaded: looked at no more than once a
+    /// [`RECHECK`]; a file that cannot be read now counts as unchanged (a rotation in progress).
+    fn changed(&mut self, files: &[&Path]) -> bool {
+        if self.checked.elapsed() < RECHECK {
+            return false;
+        }
+        self.checked = Instant::now();
+        files
+            .iter()
+            .map(|f| FileStamp::of(f))
+            .collect::<Result<Vec<_>, _>>()
+            .is_ok_and(|now| now != self.loaded)
+    }
+}
+
 struct Loaded {
-    stamps: (FileStamp, FileStamp),
+    stamps: Stamps,
     /// When the served certificate expires (Unix seconds), if it could be read.
     expires: Option<i64>,
     key: Arc<CertifiedKey>,
-    checked: Instant,
 }
 
 /// Serves the certificate in `cert`/`key`, reloading them when the files change. A change that
@@ -59,11 +89,11 @@ fn load(
     cert: &Path,
     key: &Path,
     provider: &CryptoProvider,
-) -> anyhow::Result<((FileStamp, FileStamp), Arc<CertifiedKey>)> {
-    let stamps = (
+) -> anyhow::Result<(Vec<FileStamp>, Arc<CertifiedKey>)> {
+    let stamps = vec![
         FileStamp::of(cert).with_context(|| format!("reading {}", cert.display()))?,
         FileStamp::of(key).with_context(|| format!("reading {}", key.display()))?,
-    );
+    ];
     let chain = CertificateDer::pem_file_iter(cert)
         .with_context(|| format!("reading {}", cert.display()))?
         .collect::<Result<Vec<_>, _>>()
@@ -93,10 +123,9 @@ impl ReloadingCert {
             key,
             provider,
             loaded: Mutex::new(Loaded {
-                stamps,
+                stamps: Stamps::new(stamps),
                 expires,
                 key: certified,
-                checked: Instant::now(),
             }),
             expiry,
         })
@@ -110,25 +139,17 @@ impl ReloadingCert {
     /// The pair to serve now, reloaded first if the files changed.
     pub fn current(&self) -> Arc<CertifiedKey> {
         let mut loaded = crate::sync::lock(&self.loaded);
-        if loaded.checked.elapsed() >= RECHECK {
-            loaded.checked = Instant::now();
-            let now = (FileStamp::of(&self.cert), FileStamp::of(&self.key));
-            let changed = match now {
-                (Ok(c), Ok(k)) => (c, k) != loaded.stamps,
-                _ => false,
-            };
-            if changed {
-                match load(&self.cert, &self.key, &self.provider) {
-                    Ok((stamps, key)) => {
-                        tracing::info!(cert = %self.cert.display(), "serving certificate reloaded");
-                        loaded.stamps = stamps;
-                        loaded.expires = key.cert.first().and_then(not_after);
-                        self.expiry.set(loaded.expires.unwrap_or_default());
-                        loaded.key = key;
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "new serving certificate not usable yet; keeping the previous one")
-                    }
+        if loaded.stamps.changed(&[&self.cert, &self.key]) {
+            match load(&self.cert, &self.key, &self.provider) {
+                Ok((stamps, key)) => {
+                    tracing::info!(cert = %self.cert.display(), "serving certificate reloaded");
+                    loaded.stamps.loaded = stamps;
+                    loaded.expires = key.cert.first().and_then(not_after);
+                    self.expiry.set(loaded.expires.unwrap_or_default());
+                    loaded.key = key;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "new serving certificate not usable yet; keeping the previous one")
                 }
             }
         }
@@ -142,11 +163,149 @@ impl ResolvesServerCert for ReloadingCert {
     }
 }
 
+/// The CAs of the bundle at `path`, as a verifier that asks for a client certificate and
+/// accepts a connection without one (the admission routes then answer 403).
+fn load_client_ca(
+    path: &Path,
+    provider: &Arc<CryptoProvider>,
+) -> anyhow::Result<(FileStamp, Arc<dyn ClientCertVerifier>)> {
+    let stamp = FileStamp::of(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(path)
+        .with_context(|| format!("reading {}", path.display()))?
+    {
+        roots
+            .add(cert.with_context(|| format!("parsing {}", path.display()))?)
+            .with_context(|| format!("a CA of {}", path.display()))?;
+    }
+    anyhow::ensure!(!roots.is_empty(), "{} holds no certificate", path.display());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .allow_unauthenticated()
+    .build()
+    .context("client certificate verifier")?;
+    Ok((stamp, verifier))
+}
+
+struct LoadedCa {
+    stamps: Stamps,
+    verifier: Arc<dyn ClientCertVerifier>,
+}
+
+/// Verifies client certificates against the CA bundle at `path`, re-read when the file changes
+/// (looked at no more than once a second, on handshakes presenting a certificate), so that a
+/// rotated CA is trusted without a restart. A change that does not load (a half-written or
+/// empty bundle) keeps the previous CAs. No CA names are hinted to clients: the bundle may
+/// change between hint and certificate, and a client told none sends the certificate it has.
+pub struct ReloadingClientCa {
+    path: PathBuf,
+    provider: Arc<CryptoProvider>,
+    loaded: Mutex<LoadedCa>,
+}
+
+impl fmt::Debug for ReloadingClientCa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReloadingClientCa")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl ReloadingClientCa {
+    /// Loads the bundle once; fails if it holds no usable CA.
+    pub fn new(path: PathBuf, provider: Arc<CryptoProvider>) -> anyhow::Result<Self> {
+        let (stamp, verifier) = load_client_ca(&path, &provider)?;
+        Ok(Self {
+            path,
+            provider,
+            loaded: Mutex::new(LoadedCa {
+                stamps: Stamps::new(vec![stamp]),
+                verifier,
+            }),
+        })
+    }
+
+    /// The verifier of the CAs trusted now, reloaded first if the file changed.
+    fn current(&self) -> Arc<dyn ClientCertVerifier> {
+        let mut loaded = crate::sync::lock(&self.loaded);
+        if loaded.stamps.changed(&[&self.path]) {
+            match load_client_ca(&self.path, &self.provider) {
+                Ok((stamp, verifier)) => {
+                    tracing::info!(client_ca = %self.path.display(), "client CA bundle reloaded");
+                    loaded.stamps.loaded = vec![stamp];
+                    loaded.verifier = verifier;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "new client CA bundle not usable yet; keeping the previous one")
+                }
+            }
+        }
+        loaded.verifier.clone()
+    }
+}
+
+impl ClientCertVerifier for ReloadingClientCa {
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.current()
+            .verify_client_cert(end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
 /// A rustls server configuration (ring provider, TLS 1.2 and 1.3, h2 and http/1.1) serving the
-/// reloading certificate at `cert`/`key` (its expiry kept in `expiry`). With `client_ca`, a client certificate is verified
-/// against its CAs: a connection presenting an invalid one is refused; one presenting none is
-/// accepted, and the admission routes then answer 403 (see `webhook::refusal`),
-/// while `/convert` stays open (the API server presents admission client certificates from its
+/// reloading certificate at `cert`/`key` (its expiry kept in `expiry`). With `client_ca`, a
+/// client certificate is verified against the CAs of that bundle, re-read when it changes
+/// ([`ReloadingClientCa`]): a connection presenting an invalid one is refused; one presenting
+/// none is accepted, and the admission routes then answer 403 (see `webhook::refusal`), while
+/// `/convert` stays open (the API server presents admission client certificates from its
 /// AdmissionConfiguration, but none for CRD conversion).
 pub fn server_config(
     cert: &Path,
@@ -160,25 +319,10 @@ pub fn server_config(
         .with_safe_default_protocol_versions()?;
     let builder = match client_ca {
         None => builder.with_no_client_auth(),
-        Some(path) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in CertificateDer::pem_file_iter(path)
-                .with_context(|| format!("reading {}", path.display()))?
-            {
-                roots
-                    .add(cert.with_context(|| format!("parsing {}", path.display()))?)
-                    .with_context(|| format!("a CA of {}", path.display()))?;
-            }
-            anyhow::ensure!(!roots.is_empty(), "{} holds no certificate", path.display());
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots),
-                provider,
-            )
-            .allow_unauthenticated()
-            .build()
-            .context("client certificate verifier")?;
-            builder.with_client_cert_verifier(verifier)
-        }
+        Some(path) => builder.with_client_cert_verifier(Arc::new(ReloadingClientCa::new(
+            path.to_owned(),
+            provider,
+        )?)),
     };
     let mut config = builder.with_cert_resolver(Arc::new(resolver));
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
@@ -186,9 +330,137 @@ pub fn server_config(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::certs;
+
+    /// A client CA (its PEM, to configure `--client-ca`) and a client certificate it signed, with
+    /// its key (both PEM).
+    pub(crate) fn client_identity() -> (String, String, String) {
+        use rcgen::{
+            BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
+            KeyPair,
+        };
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().expect("key")).expect("ca");
+        let mut client =
+            CertificateParams::new(vec!["kube-apiserver".to_string()]).expect("params");
+        client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate().expect("key");
+        let cert = client.signed_by(&key, &ca).expect("client cert");
+        (ca.pem(), cert.pem(), key.serialize_pem())
+    }
+
+    fn der(pem: &str) -> CertificateDer<'static> {
+        CertificateDer::from_pem_slice(pem.as_bytes()).expect("pem")
+    }
+
+    #[test]
+    fn a_rotated_client_ca_is_trusted_and_an_unusable_one_keeps_the_previous() {
+        let dir = std::env::temp_dir().join(format!("pps-client-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("ca.crt");
+        let (old_ca, old_client, _) = client_identity();
+        let (new_ca, new_client, _) = client_identity();
+        std::fs::write(&path, &old_ca).expect("write");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let ca = ReloadingClientCa::new(path.clone(), provider).expect("loads");
+        let now = UnixTime::now();
+        let verify = |client: &str| ca.verify_client_cert(&der(client), &[], now).is_ok();
+        assert!(verify(&old_client));
+        assert!(!verify(&new_client), "not signed by the CA trusted now");
+        assert!(ca.root_hint_subjects().is_empty(), "no stale hints");
+
+        std::fs::write(&path, &new_ca).expect("write");
+        assert!(verify(&old_client), "looked at no more than once a second");
+        ca.loaded.lock().expect("lock").stamps.checked -= RECHECK;
+        assert!(verify(&new_client), "the rotated CA is trusted");
+        assert!(!verify(&old_client), "the old one no longer");
+
+        std::fs::write(&path, "garbage").expect("write");
+        ca.loaded.lock().expect("lock").stamps.checked -= RECHECK;
+        assert!(
+            verify(&new_client),
+            "an unusable bundle keeps the previous CAs"
+        );
+        std::fs::write(&path, "").expect("write");
+        ca.loaded.lock().expect("lock").stamps.checked -= RECHECK;
+        assert!(verify(&new_client), "so does an empty one");
+
+        let missing = ReloadingClientCa::new(
+            dir.join("missing.crt"),
+            Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .expect_err("fails");
+        assert!(
+            format!("{missing:#}").contains("missing.crt"),
+            "{missing:#}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Through the served configuration: a handshake presenting a certificate of a CA the
+    /// bundle was rotated to succeeds (within a few seconds of the rotation) and is verified.
+    #[tokio::test]
+    async fn the_served_configuration_trusts_a_rotated_client_ca() {
+        let dir = std::env::temp_dir().join(format!("pps-client-ca-tls-{}", std::process::id()));
+        let bundle = certs::generate(&["localhost".into()], None).expect("certs");
+        certs::write(&bundle, &dir).expect("write");
+        let path = dir.join("client-ca.crt");
+        let (old_ca, old_cert, old_key) = client_identity();
+        let (new_ca, new_cert, new_key) = client_identity();
+        std::fs::write(&path, &old_ca).expect("write");
+        let server = tokio_rustls::TlsAcceptor::from(
+            server_config(
+                &dir.join("tls.crt"),
+                &dir.join("tls.key"),
+                Some(&path),
+                Gauge::default(),
+            )
+            .expect("config"),
+        );
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der(&bundle.ca_cert)).expect("root");
+        // Whether a handshake presenting `cert` ends with the server holding it, verified.
+        let handshake = |cert: &str, key: &str| {
+            let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots.clone())
+            .with_client_auth_cert(
+                vec![der(cert)],
+                PrivateKeyDer::from_pem_slice(key.as_bytes()).expect("key"),
+            )
+            .expect("client auth");
+            let client = tokio_rustls::TlsConnector::from(Arc::new(config));
+            let server = server.clone();
+            async move {
+                let (a, b) = tokio::io::duplex(64 << 10);
+                let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+                let (accepted, _) = tokio::join!(server.accept(a), client.connect(name, b));
+                accepted.is_ok_and(|s| s.get_ref().1.peer_certificates().is_some())
+            }
+        };
+        assert!(handshake(&old_cert, &old_key).await);
+        assert!(!handshake(&new_cert, &new_key).await, "not trusted yet");
+        std::fs::write(&path, &new_ca).expect("write");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !handshake(&new_cert, &new_key).await {
+            assert!(
+                Instant::now() < deadline,
+                "the rotated CA was never trusted"
+            );
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            !handshake(&old_cert, &old_key).await,
+            "the old CA no longer"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     #[test]
     fn reloads_changed_files_and_keeps_the_old_pair_on_garbage() {
@@ -218,7 +490,7 @@ mod tests {
             &dir,
         )
         .expect("write");
-        r.loaded.lock().expect("lock").checked -= RECHECK;
+        r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         let second = r.current().cert[0].clone();
         assert_ne!(first, second, "new pair served");
 
@@ -229,13 +501,13 @@ mod tests {
         let cert = params.self_signed(&key).expect("cert");
         std::fs::write(dir.join("tls.crt"), cert.pem()).expect("write");
         std::fs::write(dir.join("tls.key"), key.serialize_pem()).expect("write");
-        r.loaded.lock().expect("lock").checked -= RECHECK;
+        r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         let third = r.current().cert[0].clone();
         assert_ne!(third, second, "new pair served");
         assert_eq!(expiry.get(), 1_925_078_400);
 
         std::fs::write(dir.join("tls.crt"), "garbage").expect("write");
-        r.loaded.lock().expect("lock").checked -= RECHECK;
+        r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         assert_eq!(r.current().cert[0], third, "previous pair kept");
         assert_eq!(expiry.get(), 1_925_078_400, "and its expiry");
         std::fs::remove_dir_all(&dir).ok();
