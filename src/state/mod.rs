@@ -54,8 +54,8 @@ struct WorkloadFeed {
     writer: Mutex<Writer<DynamicObject>>,
     /// Whether the first full list has arrived (until then, absence proves nothing).
     synced: AtomicBool,
-    /// The watch task, when one runs.
-    task: Mutex<Option<tokio::task::AbortHandle>>,
+    /// The watch task, when one runs, and its entry in [`Watches`].
+    task: Mutex<Option<(tokio::task::AbortHandle, WatchId)>>,
 }
 
 impl WorkloadStore {
@@ -68,10 +68,12 @@ impl WorkloadStore {
         self.feed.synced.load(Ordering::Acquire)
     }
 
-    fn stop(&self) {
-        if let Some(task) = lock(&self.feed.task).take() {
+    /// Stops the watch task, if one runs; returns its entry in [`Watches`].
+    fn stop(&self) -> Option<WatchId> {
+        lock(&self.feed.task).take().map(|(task, id)| {
             task.abort();
-        }
+            id
+        })
     }
 }
 
@@ -363,13 +365,13 @@ impl Caches {
         };
         if let Some(client) = &self.client {
             let (c, k, target) = (self.clone(), kind.clone(), ws.clone());
-            let task = spawn_watch(
+            let (task, id) = spawn_watch(
                 &watch_key(&kind),
                 Api::<DynamicObject>::all_with(client.clone(), &ar),
                 move |ev| c.apply_workload_to(&target, &k, ev),
                 self.watches.clone(),
             );
-            *lock(&ws.feed.task) = Some(task.abort_handle());
+            *lock(&ws.feed.task) = Some((task.abort_handle(), id));
             tracing::info!(group = %ar.group, version = %ar.version, kind = %ar.kind, "watching workload kind");
         }
         if let Some(old) = workloads.insert(kind, ws) {
@@ -384,8 +386,9 @@ impl Caches {
     pub fn remove_workload_kind(&self, kind: &GroupKind) {
         let removed = crate::sync::write(&self.workloads).remove(kind);
         if let Some(old) = removed {
-            old.stop();
-            self.watches.forget(&watch_key(kind));
+            if let Some(id) = old.stop() {
+                self.watches.forget(&watch_key(kind), id);
+            }
             tracing::info!(group = %kind.group, kind = %kind.kind, "no longer watching workload kind");
             self.kinds_changed.send_modify(|n| *n += 1);
         }
@@ -605,37 +608,72 @@ pub const SERVING_WATCHES: [&str; 3] = ["PersistentPodState", "Pod", "Node"];
 #[derive(Default)]
 pub struct Watches {
     states: Mutex<BTreeMap<String, WatchState>>,
+    /// The last [`WatchId`] handed out.
+    last_id: AtomicU64,
     /// Set once the API server refused a streaming list (before v1.34, or its `WatchList`
     /// feature gate off): every list is paginated from then on.
     paginate: AtomicBool,
 }
 
+/// Which watch task owns a kind's entry in [`Watches`]: only the task started last for a kind
+/// changes it, so one stopped (its kind removed, or replaced by another version's watch) that
+/// still reports as it is aborted neither marks its successor stale nor brings back a
+/// forgotten kind.
+pub(crate) type WatchId = u64;
+
 /// The state of one watch.
 #[derive(Clone, Debug, Default)]
 struct WatchState {
+    owner: WatchId,
     current: bool,
     restarts: u64,
     why: Option<String>,
 }
 
 impl Watches {
-    fn current(&self, kind: &str) {
+    /// A watch of `kind` is starting: it owns the kind's entry from now on (not current until
+    /// it has listed; restarts counted before are kept).
+    fn start(&self, kind: &str) -> WatchId {
+        let id = self.last_id.fetch_add(1, Ordering::Relaxed) + 1;
         let mut all = lock(&self.states);
         let state = all.entry(kind.to_owned()).or_default();
-        state.current = true;
-        state.why = None;
-    }
-
-    fn stale(&self, kind: &str, why: String) {
-        let mut all = lock(&self.states);
-        let state = all.entry(kind.to_owned()).or_default();
+        state.owner = id;
         state.current = false;
-        state.restarts += 1;
-        state.why = Some(why);
+        state.why = None;
+        id
     }
 
-    fn forget(&self, kind: &str) {
-        lock(&self.states).remove(kind);
+    /// Runs `change` on `kind`'s entry if the watch `id` still owns it.
+    fn owned(&self, kind: &str, id: WatchId, change: impl FnOnce(&mut WatchState)) {
+        if let Some(state) = lock(&self.states).get_mut(kind)
+            && state.owner == id
+        {
+            change(state);
+        }
+    }
+
+    fn current(&self, kind: &str, id: WatchId) {
+        self.owned(kind, id, |state| {
+            state.current = true;
+            state.why = None;
+        });
+    }
+
+    fn stale(&self, kind: &str, id: WatchId, why: String) {
+        self.owned(kind, id, |state| {
+            state.current = false;
+            state.restarts += 1;
+            state.why = Some(why);
+        });
+    }
+
+    /// The watch `id` of `kind` stopped for good: its entry goes, unless another watch of the
+    /// kind owns it by now.
+    fn forget(&self, kind: &str, id: WatchId) {
+        let mut all = lock(&self.states);
+        if all.get(kind).is_some_and(|state| state.owner == id) {
+            all.remove(kind);
+        }
     }
 
     /// The watches of [`SERVING_WATCHES`] that are stale now, and why: what holds readiness
@@ -682,7 +720,8 @@ const WATCH_BACKOFF: Duration = Duration::from_secs(1);
 /// Longest delay before a watch is started again.
 const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
-/// Runs one watch for the life of the process (until the returned task is aborted), handing
+/// Runs one watch for the life of the process (until the returned task is aborted; the
+/// [`WatchId`] returned owns the kind's entry in `watches` from the call on), handing
 /// each event to `apply`, supervised: when the watch fails, ends, or its task panics, it is
 /// marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
 /// at once when it expired after listing (410 Gone; once per [`WATCH_BACKOFF_MAX`]); it is
@@ -693,10 +732,11 @@ fn spawn_watch<K: Send + 'static>(
     source: impl Source<K>,
     apply: impl Fn(watcher::Event<K>) + Send + Sync + 'static,
     watches: Arc<Watches>,
-) -> tokio::task::JoinHandle<()> {
+) -> (tokio::task::JoinHandle<()>, WatchId) {
+    let id = watches.start(kind);
     let kind = kind.to_owned();
     let apply = Arc::new(apply);
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let mut backoff = WATCH_BACKOFF;
         let listed = Arc::new(AtomicBool::new(false));
         let mut relisted_at_once: Option<tokio::time::Instant> = None;
@@ -709,6 +749,7 @@ fn spawn_watch<K: Send + 'static>(
                 source.clone(),
                 apply.clone(),
                 watches.clone(),
+                id,
                 listed.clone(),
             )));
             let Stopped { why, relist_now } = match run.await {
@@ -716,7 +757,7 @@ fn spawn_watch<K: Send + 'static>(
                 Err(e) if e.is_panic() => Stopped::after("panicked".to_owned()),
                 Err(e) => Stopped::after(e.to_string()),
             };
-            watches.stale(&kind, why.clone());
+            watches.stale(&kind, id, why.clone());
             if started.elapsed() > Duration::from_secs(60) {
                 backoff = WATCH_BACKOFF;
             }
@@ -732,7 +773,8 @@ fn spawn_watch<K: Send + 'static>(
             tokio::time::sleep(jittered).await;
             backoff = (backoff * 2).min(WATCH_BACKOFF_MAX);
         }
-    })
+    });
+    (task, id)
 }
 
 /// A number in [0, 1), different each call.
@@ -811,6 +853,7 @@ async fn run_watch<K>(
     source: impl Source<K>,
     apply: Arc<impl Fn(watcher::Event<K>) + Send + Sync + 'static>,
     watches: Arc<Watches>,
+    id: WatchId,
     listed: Arc<AtomicBool>,
 ) -> Stopped {
     loop {
@@ -840,7 +883,7 @@ async fn run_watch<K>(
                         tracing::info!(%kind, objects, seconds = started.elapsed().as_secs_f64(), streamed = streaming, "listed");
                         listed.store(true, Ordering::Relaxed);
                         listed_here = true;
-                        watches.current(&kind);
+                        watches.current(&kind, id);
                     }
                 }
                 Ok(None) => return Stopped::after("the watch ended".to_owned()),
@@ -947,7 +990,7 @@ mod tests {
     ) -> (Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
         let listed = Arc::new(AtomicBool::new(false));
         let done = listed.clone();
-        let task = spawn_watch(
+        let (task, _) = spawn_watch(
             "Node",
             Api::<Node>::all(client),
             move |ev| {
@@ -963,18 +1006,49 @@ mod tests {
     #[test]
     fn only_the_watches_the_webhook_reads_hold_readiness_back() {
         let watches = Watches::default();
+        let mut ids = BTreeMap::new();
         for kind in SERVING_WATCHES {
-            watches.current(kind);
+            let id = watches.start(kind);
+            watches.current(kind, id);
+            ids.insert(kind, id);
         }
         let custom = watch_key(&GroupKind::new("example.com", "Proxy"));
-        watches.stale(&custom, "the list failed: 403 Forbidden".into());
+        let id = watches.start(&custom);
+        watches.stale(&custom, id, "the list failed: 403 Forbidden".into());
         assert!(
             watches.stale_serving().is_empty(),
             "a workload kind's watch"
         );
         assert_eq!(watches.stale_now().len(), 1, "reported all the same");
-        watches.stale("Pod", "the watch failed".into());
+        watches.stale("Pod", ids["Pod"], "the watch failed".into());
         assert_eq!(watches.stale_serving(), ["Pod: the watch failed"]);
+    }
+
+    /// A kind's watch replaced (another version of it) or removed (its CRD gone) may still
+    /// report as it is aborted: neither its successor's entry nor a forgotten kind's changes.
+    #[test]
+    fn a_stopped_watch_changes_neither_its_successor_nor_a_forgotten_kind() {
+        let watches = Watches::default();
+        let kind = watch_key(&GroupKind::new("example.com", "Proxy"));
+        let old = watches.start(&kind);
+        assert_eq!(watches.stale_now(), [format!("{kind}: not listed yet")]);
+        watches.current(&kind, old);
+        assert!(watches.stale_now().is_empty());
+        // Replaced: the new watch lists; the old one, aborted, reports its end late.
+        let new = watches.start(&kind);
+        watches.current(&kind, new);
+        watches.stale(&kind, old, "the watch ended".into());
+        assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
+        // The old one's forgetting leaves the new one's entry.
+        watches.forget(&kind, old);
+        watches.stale(&kind, new, "the watch failed".into());
+        assert_eq!(watches.stale_now(), [format!("{kind}: the watch failed")]);
+        // Removed: forgotten, and a late report of its end does not bring it back.
+        watches.forget(&kind, new);
+        watches.stale(&kind, new, "the watch ended".into());
+        watches.current(&kind, new);
+        assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
+        assert!(watches.restarts().is_empty());
     }
 
     #[test]
@@ -1089,7 +1163,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_watch_goes_stale_and_is_current_again_once_relisted() {
         let (client, mut handle, watches) = mock_paginated_watch();
-        let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
         let (request, answer) = handle.next_request().await.expect("the first list");
@@ -1138,7 +1212,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_watch_expired_after_listing_is_relisted_at_once_once_per_longest_backoff() {
         let (client, mut handle, watches) = mock_paginated_watch();
-        let task = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
         let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -1200,7 +1274,7 @@ mod tests {
         let applied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = applied.clone();
         // Applying the first event panics; later ones do not.
-        let task = spawn_watch(
+        let (task, _) = spawn_watch(
             "Node",
             Api::<Node>::all(client),
             move |_| {
