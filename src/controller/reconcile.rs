@@ -146,12 +146,10 @@ pub async fn reconcile_pps(
     if let Some(later) = local.later {
         wait = wait.min(later);
     }
-    // Released only on the word of a workload known not to create pods pinned alike.
-    let copied = !matches!(&workload_target, Target::Live(w) if !w.template_pinned);
     if let Some(later) = release_stranded(
         &ctx,
         &pps,
-        (&namespace, copied),
+        (&namespace, release_held(&workload_target)),
         &pods,
         &health,
         &local.released,
@@ -298,24 +296,40 @@ async fn release_local_volumes(
     Ok(out)
 }
 
+/// Why no pod pinned on a PersistentPodState's word is released while its workload is
+/// `target`, if none is: pods are released only on the word of a workload in the cache whose
+/// pod template does not carry the webhook's annotations. A template copied from a pinned pod
+/// gives every pod those annotations, pinned or not (each would be released again and again);
+/// a workload not in the cache may be such a one.
+fn release_held(target: &Target) -> Option<&'static str> {
+    match target {
+        Target::Live(w) if !w.template_pinned => None,
+        Target::Live(_) => Some(
+            "the workload's pod template carries the webhook's annotations (copied from a pinned pod): remove kruise.io/injected-persistent-pod-state and persistent-pod-state.io/injected-required from the template",
+        ),
+        Target::Gone => Some("the workload is gone"),
+        Target::Unknown => {
+            Some("the workload's kind is not watched, so whether its template is pinned is unknown")
+        }
+    }
+}
+
 /// Deletes the pods the webhook pinned to required values no usable node has any more (only
 /// unscheduled ones, each by uid and resourceVersion), as many as the rate allows, so that
-/// their workload re-creates them and the webhook injects what is still usable. When the rate
-/// holds some back, how long until the next may go.
+/// their workload re-creates them and the webhook injects what is still usable; none while
+/// `held` ([`release_held`]). When the rate holds some back, how long until the next may go.
 async fn release_stranded(
     ctx: &Context,
     pps: &PersistentPodState,
-    (namespace, template_pinned): (&str, bool),
+    (namespace, held): (&str, Option<&str>),
     pods: &[&CachedPod],
     health: &Health,
     handled: &BTreeSet<String>,
 ) -> Result<Option<Duration>, Error> {
     let place = |values: &BTreeMap<String, String>| ctx.place_required(values, health);
     let stranded = record::stranded(&pps.name_any(), pods, &place);
-    // A template copied from a pinned pod gives every pod the webhook's annotations, pinned or
-    // not: none is released on their word (each would be released again and again).
-    if template_pinned && !stranded.is_empty() {
-        tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has, but the workload's pod template carries the webhook's annotations (copied from a pinned pod): none is released; remove kruise.io/injected-persistent-pod-state and persistent-pod-state.io/injected-required from the template");
+    if let Some(why) = held.filter(|_| !stranded.is_empty()) {
+        tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has; none is released: {why}");
         return Ok(None);
     }
     let key = ObjectRef::from_obj(pps);
@@ -671,4 +685,32 @@ pub async fn reconcile_workload(
     ctx.failures
         .succeeded(&failure_key("generator", obj.as_ref()));
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod release_tests {
+    use super::*;
+    use crate::workload::WorkloadInfo;
+
+    #[test]
+    fn pods_are_released_only_on_the_word_of_a_workload_in_the_cache_whose_template_is_not_pinned()
+    {
+        let live = |template_pinned| {
+            Target::Live(WorkloadInfo {
+                template_pinned,
+                ..WorkloadInfo::default()
+            })
+        };
+        assert_eq!(release_held(&live(false)), None);
+        let held = [live(true), Target::Gone, Target::Unknown].map(|t| release_held(&t));
+        let [Some(pinned), Some(gone), Some(unknown)] = held else {
+            panic!("held: {held:?}");
+        };
+        assert!(pinned.contains("pod template carries"), "{pinned}");
+        // Neither names a template it has not seen.
+        for why in [gone, unknown] {
+            assert!(!why.contains("template carries"), "{why}");
+        }
+        assert!(unknown.contains("not watched"), "{unknown}");
+    }
 }
