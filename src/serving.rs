@@ -114,6 +114,9 @@ pub struct Budget {
     /// Object keys whose values the endpoint's decoder skips wherever they are (never built):
     /// each counts as one value ([`json_values_pruned`]).
     pub pruned: &'static [&'static str],
+    /// Bytes an answer may hold per byte of its request, charged with the request (a
+    /// conversion answers with its objects; a review's answer is small).
+    pub answer_per_byte: usize,
 }
 
 /// What decoding one JSON value may cost at most, in bytes (a one-entry map as a
@@ -621,12 +624,14 @@ impl RequestLimit {
         let bound = bytes.len().saturating_mul(VALUE_COST);
         let quick = bound.saturating_add(bytes.len()) <= share.budget.bytes
             && share.bytes.available() >= bound.saturating_mul(QUICK_SLACK);
-        let (values, cost) = if quick {
+        let (values, decoded) = if quick {
             (bytes.len(), bound)
         } else {
             let values = json_values_pruned(&bytes, share.budget.pruned);
             (values, values.saturating_mul(VALUE_COST))
         };
+        let answer = bytes.len().saturating_mul(share.budget.answer_per_byte);
+        let cost = decoded.saturating_add(answer);
         let mut too_complex = None;
         if cost.saturating_add(bytes.len()) > share.budget.bytes {
             too_complex = Some(TooComplex { values });
@@ -1678,6 +1683,7 @@ mod tests {
             in_flight: 4,
             bytes: 256 << 10,
             pruned: &[],
+            answer_per_byte: 0,
         };
         let limit = RequestLimit::new(budget, Duration::from_secs(5), 1 << 20, None);
         let request = || {
@@ -1742,11 +1748,49 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_endpoint_answering_with_its_request_is_charged_for_both() {
+        let budget = Budget {
+            in_flight: 4,
+            bytes: 256 << 10,
+            pruned: &[],
+            answer_per_byte: 1,
+        };
+        let limit = RequestLimit::new(budget, Duration::from_secs(5), 1 << 20, None);
+        let free = |limit: &RequestLimit| limit.0.share("/convert").1.bytes.available();
+        let request = |n: usize| {
+            Request::post("/convert")
+                .body(Body::from(vec![b' '; n]))
+                .expect("request")
+        };
+        let (seen, complex) = (AtomicUsize::new(0), AtomicBool::new(false));
+        let handle = |too_complex: Option<TooComplex>| {
+            seen.store(free(&limit), Ordering::Relaxed);
+            complex.store(too_complex.is_some(), Ordering::Relaxed);
+            async { (StatusCode::OK, vec![b'a'; 100 << 10]).into_response() }
+        };
+        let answer = limit.run(request(100 << 10), |_, t| handle(t)).await;
+        assert!(!complex.load(Ordering::Relaxed));
+        assert_eq!(
+            seen.load(Ordering::Relaxed),
+            (256 - 200) << 10,
+            "the request and the answer it may make, while it is handled"
+        );
+        assert_eq!(free(&limit), (256 - 100) << 10, "then the answer alone");
+        drop(answer);
+        assert_eq!(free(&limit), 256 << 10);
+        // Twice 130 KiB is more than the share: not handled as it is.
+        drop(limit.run(request(130 << 10), |_, t| handle(t)).await);
+        assert!(complex.load(Ordering::Relaxed));
+        assert_eq!(free(&limit), 256 << 10);
+    }
+
+    #[tokio::test]
     async fn an_answer_that_is_no_endpoints_takes_nothing_of_the_endpoints_share() {
         let small = Budget {
             in_flight: 1,
             bytes: 1 << 10,
             pruned: &[],
+            answer_per_byte: 0,
         };
         let other = Budget {
             bytes: 1 << 20,
@@ -1782,6 +1826,7 @@ mod tests {
             in_flight: 0,
             bytes: 1 << 20,
             pruned: &[],
+            answer_per_byte: 0,
         };
         let limit = RequestLimit::new(none, Duration::from_secs(1), 1 << 20, Some(metrics.clone()))
             .endpoint("/mutate-pod", none);
@@ -1969,6 +2014,7 @@ mod tests {
             in_flight: 1,
             bytes: 100,
             pruned: &[],
+            answer_per_byte: 0,
         });
         let free = Free::available;
         let mut held = None;

@@ -1,5 +1,5 @@
 //! `POST /convert`: the CRD conversion webhook between v1alpha1 and v1beta1. The conversion
-//! itself is the pure [`crate::api::conversion::convert`].
+//! itself is the pure [`crate::api::conversion::convert`], on each object's JSON text.
 
 use axum::response::Response;
 
@@ -7,6 +7,11 @@ use super::review::{Conversion, conversion_response};
 use super::{WebhookState, endpoints};
 use crate::api::conversion::convert;
 use crate::metrics::AdmissionResult;
+
+/// Keys whose values conversion never decodes (it copies them as text): each counts as one
+/// value of what a conversion request may build ([`crate::serving::json_values_pruned`]), so
+/// that converting an object that records thousands of pods costs what its spec does.
+pub const UNREAD_KEYS: [&str; 2] = ["metadata", "status"];
 
 /// Answers one ConversionReview. Conversion does not need the caches, so it is served from the
 /// first moment (the API server needs it to read v1alpha1 objects at all).

@@ -443,6 +443,49 @@ async fn convert_works_both_ways_before_sync_and_rejects_bad_bodies() {
     }
 }
 
+/// An object recording 15,000 pods (about 2 MB, as the API server would store a PersistentPodState
+/// of a StatefulSet that large) converts both ways: its status and metadata are copied as text,
+/// never decoded, so it costs what its spec does (before, it was refused as too complex).
+#[tokio::test]
+async fn an_object_recording_thousands_of_pods_converts_both_ways() {
+    let unsynced = state(false);
+    let states: serde_json::Map<String, Value> = (0..15_000)
+        .map(|i| {
+            let node = format!("node-{i}");
+            let labels =
+                json!({"kubernetes.io/hostname": node, "topology.kubernetes.io/zone": "zone-a"});
+            (
+                format!("a-{i}"),
+                json!({"nodeName": node, "nodeTopologyLabels": labels}),
+            )
+        })
+        .collect();
+    let status = json!({"observedGeneration": 1, "podStates": states});
+    let mut alpha = pps_object("v1alpha1", "a", "a", 50);
+    alpha["status"] = status.clone();
+    let mut beta = pps_object("v1beta1", "a", "a", 50);
+    beta["status"] = status;
+    for (from, to, want) in [
+        (&alpha, "apps.kruise.io/v1beta1", &beta),
+        (&beta, "apps.kruise.io/v1alpha1", &alpha),
+    ] {
+        let body = conversion(to, vec![from.clone()]);
+        assert!(
+            body.len() > 1 << 20 && body.len() <= super::MAX_BODY,
+            "{}",
+            body.len()
+        );
+        let (status, json) = post(&unsynced, endpoints::CONVERT, body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            json["response"]["result"]["status"], "Success",
+            "{}",
+            json["response"]["result"]
+        );
+        assert!(&json["response"]["convertedObjects"][0] == want, "{to}");
+    }
+}
+
 #[tokio::test]
 async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
     let synced = state(true);

@@ -599,8 +599,8 @@ fn json_response(status: StatusCode, body: &impl Serialize, size: usize) -> Resp
     }
 }
 
-/// A conversion request: what the conversion handler reads of it. The objects stay raw text
-/// until [`ConversionRequest::objects`] decodes them.
+/// A conversion request: what the conversion handler reads of it. The objects stay raw text,
+/// split into objects by [`ConversionRequest::objects`].
 #[derive(Debug)]
 pub struct ConversionRequest {
     /// The request uid, echoed in every answer.
@@ -614,10 +614,9 @@ pub struct ConversionRequest {
 }
 
 impl ConversionRequest {
-    /// The objects to convert, decoded (none when `objects` is missing or null), or why they
-    /// cannot be (not an array, or an object serde_json does not read: a lone surrogate, a
-    /// number out of range, nesting too deep): never fewer objects than were sent.
-    pub fn objects(&self) -> Result<Vec<Value>, String> {
+    /// The objects to convert, each as its JSON text (none when `objects` is missing or null),
+    /// or why they cannot be told apart (not an array): never fewer objects than were sent.
+    pub fn objects(&self) -> Result<Vec<&RawValue>, String> {
         let Some(bytes) = self.objects.clone().and_then(|r| self.body.get(r)) else {
             return Ok(Vec::new());
         };
@@ -672,18 +671,47 @@ pub fn parse_conversion(body: Bytes) -> Result<ConversionRequest, ReviewError> {
     })
 }
 
-/// The ConversionReview response: the converted objects, or a failure with a message.
-pub fn conversion_response(uid: &str, result: Result<Vec<Value>, String>) -> Response {
-    let response = match result {
-        Ok(objects) => {
-            json!({"uid": uid, "result": {"status": "Success"}, "convertedObjects": objects})
-        }
-        Err(message) => json!({"uid": uid, "result": {"status": "Failure", "message": message}}),
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ConversionReviewAnswer<'a> {
+    api_version: &'static str,
+    kind: &'static str,
+    response: ConversionResponse<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ConversionResponse<'a> {
+    uid: &'a str,
+    result: Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    converted_objects: Option<Vec<Box<RawValue>>>,
+}
+
+/// The ConversionReview response: the converted objects (their JSON text), or a failure with a
+/// message.
+pub fn conversion_response(uid: &str, result: Result<Vec<Box<RawValue>>, String>) -> Response {
+    let (result, converted_objects) = match result {
+        Ok(objects) => (json!({"status": "Success"}), Some(objects)),
+        Err(message) => (json!({"status": "Failure", "message": message}), None),
     };
+    let size = converted_objects
+        .iter()
+        .flatten()
+        .map(|o| o.get().len() + 1)
+        .sum::<usize>();
     json_response(
         StatusCode::OK,
-        &json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview", "response": response}),
-        1024,
+        &ConversionReviewAnswer {
+            api_version: "apiextensions.k8s.io/v1",
+            kind: "ConversionReview",
+            response: ConversionResponse {
+                uid,
+                result,
+                converted_objects,
+            },
+        },
+        size + 1024,
     )
 }
 
@@ -1027,26 +1055,33 @@ mod tests {
             ))
             .is_err()
         );
-        // Objects that cannot all be decoded: the uid is read, and the objects are a failure
-        // to say, never fewer objects converted than were sent.
-        let deep = format!("{}{}", "[".repeat(130), "]".repeat(130));
-        let unreadable = [
-            "7".to_owned(),
-            r#"[{"spec":{"s":"\ud800"}}]"#.to_owned(),
-            r#"[{"spec":{"n":1e400}}]"#.to_owned(),
-            format!(r#"[{{"spec":{{"d":{deep}}}}}]"#),
-        ];
-        for objects in unreadable {
+        // Objects that are not an array: the uid is read, and the objects are a failure to
+        // say, never fewer objects converted than were sent.
+        for objects in ["7", r#"{"a":[1]}"#] {
             let body = format!(r#"{{"request":{{"uid":"c","objects":{objects}}}}}"#);
             let request = parse_conversion(Bytes::from(body)).expect("uid read");
             assert_eq!(request.uid, "c");
-            let why = request.objects().expect_err(&objects);
+            let why = request.objects().expect_err(objects);
             assert!(why.contains("not an array of readable objects"), "{why}");
         }
+        // What serde_json would not decode is kept as text, each object as it was sent.
+        let deep = format!("{}{}", "[".repeat(130), "]".repeat(130));
+        let kept = [
+            r#"{"spec":{"s":"\ud800"}}"#.to_owned(),
+            r#"{"spec":{"n":1e400}}"#.to_owned(),
+            format!(r#"{{"spec":{{"d":{deep}}}}}"#),
+        ];
+        let body = format!(
+            r#"{{"request":{{"uid":"c","objects":[{}]}}}}"#,
+            kept.join(",")
+        );
+        let request = parse_conversion(Bytes::from(body)).expect("uid read");
+        let objects = request.objects().expect("split");
+        assert_eq!(objects.iter().map(|o| o.get()).collect::<Vec<_>>(), kept);
         for objects in ["", r#","objects":null"#] {
             let body = format!(r#"{{"request":{{"uid":"c"{objects}}}}}"#);
             let request = parse_conversion(Bytes::from(body)).expect("uid read");
-            assert_eq!(request.objects(), Ok(Vec::new()), "{objects}");
+            assert!(request.objects().is_ok_and(|o| o.is_empty()), "{objects}");
         }
     }
 
