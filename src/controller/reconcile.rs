@@ -308,9 +308,9 @@ fn release_held(target: &Target) -> Option<&'static str> {
             "the workload's pod template carries the webhook's annotations (copied from a pinned pod): remove kruise.io/injected-persistent-pod-state and persistent-pod-state.io/injected-required from the template",
         ),
         Target::Gone => Some("the workload is gone"),
-        Target::Unknown => {
-            Some("the workload's kind is not watched, so whether its template is pinned is unknown")
-        }
+        Target::Unknown => Some(
+            "whether the workload exists is not known (its kind is not watched, or not listed yet)",
+        ),
     }
 }
 
@@ -711,6 +711,6 @@ mod release_tests {
         for why in [gone, unknown] {
             assert!(!why.contains("template carries"), "{why}");
         }
-        assert!(unknown.contains("not watched"), "{unknown}");
+        assert!(unknown.contains("not known"), "{unknown}");
     }
 }

@@ -20,18 +20,21 @@ pub fn convert_objects(state: &WebhookState, conversion: Conversion) -> Response
         request,
         received: start,
     } = conversion;
-    let span = tracing::info_span!("conversion", uid = %request.uid, desired = %request.desired_api_version);
+    let shown: String = request.desired_api_version.chars().take(64).collect();
+    let span = tracing::info_span!("conversion", uid = %request.uid, desired = %shown);
     let _entered = span.enter();
     let desired = &request.desired_api_version;
-    let converted: Result<Vec<_>, String> = if let Some(t) = request.too_complex {
-        Err(t.message())
-    } else if desired.is_empty() {
-        Err("the request has no desiredAPIVersion".into())
-    } else {
-        request
-            .objects()
-            .and_then(|objects| objects.into_iter().map(|o| convert(o, desired)).collect())
+    let objects = match request.too_complex {
+        Some(t) => Err(t.message()),
+        None if desired.is_empty() => Err("the request has no desiredAPIVersion".into()),
+        None => request.objects(),
     };
+    // The answer is about as long as the objects sent.
+    let size = objects
+        .as_ref()
+        .map_or(0, |o| o.iter().map(|o| o.get().len() + 1).sum());
+    let converted: Result<Vec<_>, String> =
+        objects.and_then(|objects| objects.into_iter().map(|o| convert(o, desired)).collect());
     let result = match &converted {
         Ok(_) => AdmissionResult::Allowed,
         Err(message) => {
@@ -40,5 +43,5 @@ pub fn convert_objects(state: &WebhookState, conversion: Conversion) -> Response
         }
     };
     state.metrics.admission(endpoints::CONVERT, result, start);
-    conversion_response(&request.uid, converted)
+    conversion_response(&request.uid, converted, size)
 }

@@ -303,7 +303,8 @@ impl ClientCertVerifier for ReloadingClientCa {
 /// A rustls server configuration (ring provider, TLS 1.2 and 1.3, h2 and http/1.1) serving the
 /// reloading certificate at `cert`/`key` (its expiry kept in `expiry`). With `client_ca`, a
 /// client certificate is verified against the CAs of that bundle, re-read when it changes
-/// ([`ReloadingClientCa`]): a connection presenting an invalid one is refused; one presenting
+/// ([`ReloadingClientCa`]), on every connection (no session is resumed): a connection
+/// presenting an invalid one is refused; one presenting
 /// none is accepted, and the admission routes then answer 403 (see `webhook::refusal`), while
 /// `/convert` stays open (the API server presents admission client certificates from its
 /// AdmissionConfiguration, but none for CRD conversion).
@@ -325,6 +326,13 @@ pub fn server_config(
         )?)),
     };
     let mut config = builder.with_cert_resolver(Arc::new(resolver));
+    if client_ca.is_some() {
+        // A resumed session keeps the client certificate verified when it began, whatever CAs
+        // are trusted now: every connection verifies its certificate afresh (the API server
+        // keeps its connections, so full handshakes are rare).
+        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
+    }
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
@@ -352,6 +360,14 @@ pub(crate) mod tests {
         (ca.pem(), cert.pem(), key.serialize_pem())
     }
 
+    /// Replaces the file at `path` with one holding `content`, as a Secret volume's update does
+    /// (another file put in its place), so that it looks changed whatever the clock's grain.
+    fn replace(path: &Path, content: &str) {
+        let next = path.with_extension("next");
+        std::fs::write(&next, content).expect("write");
+        std::fs::rename(&next, path).expect("rename");
+    }
+
     fn der(pem: &str) -> CertificateDer<'static> {
         CertificateDer::from_pem_slice(pem.as_bytes()).expect("pem")
     }
@@ -372,19 +388,19 @@ pub(crate) mod tests {
         assert!(!verify(&new_client), "not signed by the CA trusted now");
         assert!(ca.root_hint_subjects().is_empty(), "no stale hints");
 
-        std::fs::write(&path, &new_ca).expect("write");
+        replace(&path, &new_ca);
         assert!(verify(&old_client), "looked at no more than once a second");
         ca.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         assert!(verify(&new_client), "the rotated CA is trusted");
         assert!(!verify(&old_client), "the old one no longer");
 
-        std::fs::write(&path, "garbage").expect("write");
+        replace(&path, "garbage");
         ca.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         assert!(
             verify(&new_client),
             "an unusable bundle keeps the previous CAs"
         );
-        std::fs::write(&path, "").expect("write");
+        replace(&path, "");
         ca.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         assert!(verify(&new_client), "so does an empty one");
 
@@ -422,8 +438,8 @@ pub(crate) mod tests {
         );
         let mut roots = rustls::RootCertStore::empty();
         roots.add(der(&bundle.ca_cert)).expect("root");
-        // Whether a handshake presenting `cert` ends with the server holding it, verified.
-        let handshake = |cert: &str, key: &str| {
+        // A client of each CA, each keeping what it is given to resume its sessions.
+        let client = |cert: &str, key: &str| {
             let config = rustls::ClientConfig::builder_with_provider(Arc::new(
                 rustls::crypto::ring::default_provider(),
             ))
@@ -435,29 +451,46 @@ pub(crate) mod tests {
                 PrivateKeyDer::from_pem_slice(key.as_bytes()).expect("key"),
             )
             .expect("client auth");
-            let client = tokio_rustls::TlsConnector::from(Arc::new(config));
-            let server = server.clone();
+            tokio_rustls::TlsConnector::from(Arc::new(config))
+        };
+        let (old, new) = (client(&old_cert, &old_key), client(&new_cert, &new_key));
+        // Whether a handshake of `client` ends with the server holding its certificate,
+        // verified; the server then sends a byte, which the client reads (and with it what
+        // the server sent after the handshake: a session ticket, were there one).
+        let handshake = |client: &tokio_rustls::TlsConnector| {
+            let (server, client) = (server.clone(), client.clone());
             async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
                 let (a, b) = tokio::io::duplex(64 << 10);
                 let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
-                let (accepted, _) = tokio::join!(server.accept(a), client.connect(name, b));
-                accepted.is_ok_and(|s| s.get_ref().1.peer_certificates().is_some())
+                let (accepted, connected) = tokio::join!(server.accept(a), client.connect(name, b));
+                let (Ok(mut accepted), Ok(mut connected)) = (accepted, connected) else {
+                    return false;
+                };
+                let verified = accepted.get_ref().1.peer_certificates().is_some();
+                let mut byte = [0u8];
+                let (sent, read) = tokio::join!(
+                    async { accepted.write_all(b"x").await.and(accepted.flush().await) },
+                    connected.read_exact(&mut byte)
+                );
+                sent.is_ok() && read.is_ok() && verified
             }
         };
-        assert!(handshake(&old_cert, &old_key).await);
-        assert!(!handshake(&new_cert, &new_key).await, "not trusted yet");
-        std::fs::write(&path, &new_ca).expect("write");
+        assert!(handshake(&old).await);
+        assert!(handshake(&old).await, "again, as a client resuming would");
+        assert!(!handshake(&new).await, "not trusted yet");
+        replace(&path, &new_ca);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !handshake(&new_cert, &new_key).await {
+        while !handshake(&new).await {
             assert!(
                 Instant::now() < deadline,
                 "the rotated CA was never trusted"
             );
-            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert!(
-            !handshake(&old_cert, &old_key).await,
-            "the old CA no longer"
+            !handshake(&old).await,
+            "the old CA no longer, not even by resuming a session it verified"
         );
         std::fs::remove_dir_all(&dir).ok();
     }

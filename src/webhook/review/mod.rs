@@ -27,6 +27,7 @@ mod compact;
 
 use super::patch::PodPatch;
 use super::{WebhookState, endpoints};
+use crate::api::conversion::Converted;
 use crate::api::json_error_summary;
 use crate::metrics::AdmissionResult;
 use crate::workload::{PodView, SpecView};
@@ -329,8 +330,18 @@ pub enum ReviewError {
     #[error("{0} has no request")]
     NoRequest(&'static str),
     /// A request without a readable uid: no answer could carry it.
-    #[error("{0} request has no uid (a string)")]
+    #[error("{0} request has no uid (a string of 1 to 1024 bytes)")]
     NoUid(&'static str),
+}
+
+/// Longest uid read as one (the API server's are UUIDs, 36 bytes): a longer one would be copied
+/// into the answer and every log line about the request, so the request is refused (HTTP 400)
+/// as one without a uid.
+const MAX_UID: usize = 1024;
+
+/// The request's uid, if it reads as one ([`MAX_UID`]).
+fn uid_of(uid: Option<String>) -> Option<String> {
+    uid.filter(|u| !u.is_empty() && u.len() <= MAX_UID)
 }
 
 impl ReviewError {
@@ -387,7 +398,7 @@ fn uid_alone(body: &[u8]) -> Option<(Option<String>, String)> {
         request: Option<Request>,
     }
     let review: Review = from_body(body).ok()?;
-    let uid = review.request?.uid.filter(|u| !u.is_empty())?;
+    let uid = uid_of(review.request?.uid)?;
     Some((review.api_version, uid))
 }
 
@@ -456,10 +467,7 @@ fn request_of<O>(
     api_version: &'static str,
     body: Bytes,
 ) -> Result<AdmissionRequest, ReviewError> {
-    let uid = request
-        .uid
-        .filter(|u| !u.is_empty())
-        .ok_or(ReviewError::NoUid("AdmissionReview"))?;
+    let uid = uid_of(request.uid).ok_or(ReviewError::NoUid("AdmissionReview"))?;
     Ok(AdmissionRequest {
         api_version,
         uid,
@@ -657,10 +665,7 @@ pub fn parse_conversion(body: Bytes) -> Result<ConversionRequest, ReviewError> {
     let request = review
         .request
         .ok_or(ReviewError::NoRequest("ConversionReview"))?;
-    let uid = request
-        .uid
-        .filter(|u| !u.is_empty())
-        .ok_or(ReviewError::NoUid("ConversionReview"))?;
+    let uid = uid_of(request.uid).ok_or(ReviewError::NoUid("ConversionReview"))?;
     let objects = range_in(&body, request.objects);
     Ok(ConversionRequest {
         uid,
@@ -685,21 +690,20 @@ struct ConversionResponse<'a> {
     uid: &'a str,
     result: Value,
     #[serde(skip_serializing_if = "Option::is_none")]
-    converted_objects: Option<Vec<Box<RawValue>>>,
+    converted_objects: Option<Vec<Converted<'a>>>,
 }
 
-/// The ConversionReview response: the converted objects (their JSON text), or a failure with a
-/// message.
-pub fn conversion_response(uid: &str, result: Result<Vec<Box<RawValue>>, String>) -> Response {
+/// The ConversionReview response: the converted objects (about `size` bytes; written straight
+/// into the answer, each value copied once from the request), or a failure with a message.
+pub fn conversion_response<'a>(
+    uid: &'a str,
+    result: Result<Vec<Converted<'a>>, String>,
+    size: usize,
+) -> Response {
     let (result, converted_objects) = match result {
         Ok(objects) => (json!({"status": "Success"}), Some(objects)),
         Err(message) => (json!({"status": "Failure", "message": message}), None),
     };
-    let size = converted_objects
-        .iter()
-        .flatten()
-        .map(|o| o.get().len() + 1)
-        .sum::<usize>();
     json_response(
         StatusCode::OK,
         &ConversionReviewAnswer {
@@ -875,7 +879,7 @@ impl Conversion {
                     ..
                 } => {
                     rejected(state, path, received, &e, Some(uid));
-                    conversion_response(uid, Err(e.log_summary()))
+                    conversion_response(uid, Err(e.log_summary()), 0)
                 }
                 _ => bad_request(state, path, received, &e),
             })),
@@ -969,6 +973,31 @@ mod tests {
             let raw: Value = serde_json::from_str(parsed.object().expect("object")).expect("raw");
             assert_eq!(raw, object);
             assert!(parsed.old_object().is_none());
+        }
+    }
+
+    #[test]
+    fn a_uid_longer_than_any_the_api_server_sends_is_not_read() {
+        for (len, read) in [(MAX_UID, true), (MAX_UID + 1, false), (3 << 20, false)] {
+            let uid = "u".repeat(len);
+            let admission = format!(
+                r#"{{"apiVersion":"admission.k8s.io/v1","request":{{"uid":"{uid}","object":{{}}}}}}"#
+            );
+            let conversion = format!(r#"{{"request":{{"uid":"{uid}","objects":[]}}}}"#);
+            let parsed = [
+                parse(Bytes::from(admission.clone())).map(|r| r.uid),
+                parse_pod(Bytes::from(admission.clone())).map(|r| r.uid),
+                parse_conversion(Bytes::from(conversion)).map(|r| r.uid),
+            ];
+            for got in parsed {
+                match got {
+                    Ok(got) => assert!(read && got == uid, "{len}"),
+                    Err(e) => assert!(!read && matches!(e, ReviewError::NoUid(_)), "{len}: {e}"),
+                }
+            }
+            // Nor is it read alone from a body that is not a review.
+            let broken = admission.replacen(r#""object":{}"#, r#""object":{},"kind":1e400"#, 1);
+            assert_eq!(uid_alone(broken.as_bytes()).is_some(), read, "{len}");
         }
     }
 
