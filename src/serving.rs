@@ -114,8 +114,9 @@ pub struct Budget {
     /// Object keys whose values the endpoint's decoder skips wherever they are (never built):
     /// each counts as one value ([`json_values_pruned`]).
     pub pruned: &'static [&'static str],
-    /// Bytes an answer may hold per byte of its request, charged with the request (a
-    /// conversion answers with its objects; a review's answer is small).
+    /// Bytes handling a request may hold beyond its body and its counted values, per byte of
+    /// the body, charged with it (a conversion copies strings out of it and answers with its
+    /// objects; a review's answer is small).
     pub answer_per_byte: usize,
 }
 

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Serialize, Serializer};
 use serde_json::value::RawValue;
 
-use super::{KRUISE_GROUP, VERSIONS, keys_field};
+use super::{KRUISE_GROUP, VERSIONS, keys_field, shown};
 
 /// A converted object, written out as it is serialized: every value is copied from the text
 /// sent, except what differs between the versions.
@@ -117,15 +117,6 @@ fn spec_renamed<'a>(
         return Ok(None);
     }
     Ok(Some(rewritten(spec, changed)))
-}
-
-/// At most the first 64 characters of `text`, for a message (an echoed field may be as large as
-/// the request).
-fn shown(text: &str) -> String {
-    match text.char_indices().nth(64) {
-        Some((at, _)) => format!("{:?}...", &text[..at]),
-        None => format!("{text:?}"),
-    }
 }
 
 /// Converts one PersistentPodState object (its JSON text) to `desired_api_version`.

@@ -364,6 +364,40 @@ pub fn crd_yaml(
     serde_yaml_ng::to_string(&crd(endpoint, ca_bundle, selectable_fields))
 }
 
+/// Characters of an offending value shown in a message.
+const MAX_SHOWN: usize = 64;
+
+/// An offending value as a message shows it: quoted, and cut after [`MAX_SHOWN`] characters
+/// (a value echoed from a request may be as large as the request).
+pub fn shown(value: &str) -> String {
+    match value.char_indices().nth(MAX_SHOWN) {
+        None => format!("{value:?}"),
+        Some((cut, _)) => format!(
+            "{:?}... ({} more characters)",
+            &value[..cut],
+            value.chars().count() - MAX_SHOWN
+        ),
+    }
+}
+
+/// A name from a request as a log line shows it: at most its first 253 bytes (the longest
+/// name Kubernetes allows), then `...`; written without being copied first.
+pub struct Cut<'a>(pub &'a str);
+
+impl std::fmt::Display for Cut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const MAX: usize = 253;
+        if self.0.len() <= MAX {
+            return f.write_str(self.0);
+        }
+        let mut at = MAX;
+        while !self.0.is_char_boundary(at) {
+            at -= 1;
+        }
+        write!(f, "{}...", &self.0[..at])
+    }
+}
+
 /// What is wrong with JSON, without quoting it (a parse error may quote part of a pod spec,
 /// which stays out of logs): the kind of error and where.
 pub fn json_error_summary(e: &serde_json::Error) -> String {
@@ -379,6 +413,23 @@ pub fn json_error_summary(e: &serde_json::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_is_logged_cut_after_the_longest_kubernetes_allows() {
+        assert_eq!(Cut("web-0").to_string(), "web-0");
+        let at_most = "n".repeat(253);
+        assert_eq!(Cut(&at_most).to_string(), at_most);
+        // 2-byte characters: cut on a character's boundary, never inside one.
+        let long = "é".repeat(1_000_000);
+        let logged = Cut(&long).to_string();
+        assert!(
+            logged.len() <= 256 && logged.ends_with("..."),
+            "{}",
+            logged.len()
+        );
+        assert!(long.starts_with(logged.trim_end_matches("...")));
+        assert!(shown(&long).len() < 200);
+    }
 
     #[test]
     fn the_chart_holds_the_generated_crd() {

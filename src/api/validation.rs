@@ -7,7 +7,9 @@ use serde_json::Value;
 
 use super::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use super::keys::{annotation_key_error, qualified_name_error};
-use super::{KRUISE_GROUP, MAX_KEYS, MAX_PERSISTENT_ANNOTATIONS, MAX_PREFERRED_TERMS, api_group};
+use super::{
+    KRUISE_GROUP, MAX_KEYS, MAX_PERSISTENT_ANNOTATIONS, MAX_PREFERRED_TERMS, api_group, shown,
+};
 use crate::workload::GroupKind;
 
 /// One invalid field.
@@ -37,20 +39,6 @@ pub struct Context<'a> {
 
 /// Errors listed at most (a message stays readable and bounded); the rest are counted.
 const MAX_ERRORS: usize = 20;
-/// Characters of an offending value shown in a message.
-const MAX_SHOWN: usize = 64;
-
-/// An offending value as a message shows it: quoted, and cut after [`MAX_SHOWN`] characters.
-fn shown(value: &str) -> String {
-    match value.char_indices().nth(MAX_SHOWN) {
-        None => format!("{value:?}"),
-        Some((cut, _)) => format!(
-            "{:?}... ({} more characters)",
-            &value[..cut],
-            value.chars().count() - MAX_SHOWN
-        ),
-    }
-}
 
 struct Errors<'a> {
     list: Vec<FieldError>,

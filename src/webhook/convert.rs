@@ -29,10 +29,6 @@ pub fn convert_objects(state: &WebhookState, conversion: Conversion) -> Response
         None if desired.is_empty() => Err("the request has no desiredAPIVersion".into()),
         None => request.objects(),
     };
-    // The answer is about as long as the objects sent.
-    let size = objects
-        .as_ref()
-        .map_or(0, |o| o.iter().map(|o| o.get().len() + 1).sum());
     let converted: Result<Vec<_>, String> =
         objects.and_then(|objects| objects.into_iter().map(|o| convert(o, desired)).collect());
     let result = match &converted {
@@ -43,5 +39,5 @@ pub fn convert_objects(state: &WebhookState, conversion: Conversion) -> Response
         }
     };
     state.metrics.admission(endpoints::CONVERT, result, start);
-    conversion_response(&request.uid, converted, size)
+    conversion_response(&request.uid, converted)
 }

@@ -48,12 +48,15 @@ pub const VALIDATE_BUDGET: Budget = Budget {
     answer_per_byte: 0,
 };
 /// What conversions may hold at once (a share of their own). Only the objects' specs and
-/// their own keys are decoded; an answer holds about as many bytes as its request.
+/// their own keys are decoded; what a request holds beyond its body is at most twice its
+/// length: the strings decoded from it (keys, the uid, versions: parts of the body that never
+/// overlap) and the answer, as long as the objects sent (plus a few bytes per renamed key list,
+/// within what its counted values are charged).
 pub const CONVERT_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
     pruned: &convert::UNREAD_KEYS,
-    answer_per_byte: 1,
+    answer_per_byte: 2,
 };
 /// What requests to any other path may hold (answered 404 or 405).
 const OTHER_BUDGET: Budget = Budget {

@@ -16,7 +16,7 @@ use super::patch::PodPatch;
 pub use super::review::decode_pod;
 use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
-use crate::api::{PersistentPodState, json_error_summary};
+use crate::api::{Cut, PersistentPodState, json_error_summary};
 use crate::ip_request::IpDecision;
 use crate::metrics::{
     AdmissionResult, DropLabels, InjectionKind, InjectionLabels, IpRequestLabels, IpRequestResult,
@@ -89,7 +89,7 @@ pub fn mutate_pod(state: &WebhookState, review: Review) -> Response {
     let Review { request, received } = review;
     // At debug only: an info span costs every review its fields' formatting; the few events
     // above debug on this path name the review themselves.
-    let span = tracing::debug_span!("admission", uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(), name = %request.name);
+    let span = tracing::debug_span!("admission", uid = %request.uid, namespace = %Cut(request.namespace.as_deref().unwrap_or_default()), name = %Cut(&request.name));
     let _entered = span.enter();
     let lookup = state.lookup();
     let mut outcome = admit(&request, &lookup);
@@ -164,8 +164,8 @@ fn respond(
     let decision = match outcome {
         Outcome::NotPodCreate => return skipped(state, SkipReason::NotPodCreate),
         Outcome::Invalid(error) => {
-            tracing::warn!(uid = %request.uid, namespace = request.namespace.as_deref().unwrap_or_default(),
-                name = %request.name, %error, "object is not a readable Pod; allowed without patch");
+            tracing::warn!(uid = %request.uid, namespace = %Cut(request.namespace.as_deref().unwrap_or_default()),
+                name = %Cut(&request.name), %error, "object is not a readable Pod; allowed without patch");
             return (Admission::allow(), AdmissionResult::InvalidObject);
         }
         Outcome::Decided(decision) => decision,

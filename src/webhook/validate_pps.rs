@@ -15,7 +15,8 @@ use super::review::{Admission, AdmissionRequest, Review};
 use super::{WebhookState, endpoints};
 use crate::api::validation::{Context, validate};
 use crate::api::{
-    KRUISE_GROUP, PersistentPodState, TARGET_NAME_FIELD, TargetReference, api_group, keys_field,
+    Cut, KRUISE_GROUP, PersistentPodState, TARGET_NAME_FIELD, TargetReference, api_group,
+    keys_field,
 };
 use crate::metrics::AdmissionResult;
 use crate::workload::{GroupKind, WorkloadRef};
@@ -105,7 +106,7 @@ pub async fn validate_pps(state: &WebhookState, review: Review) -> Response {
         received: start,
     } = review;
     let metrics = &state.metrics;
-    let span = tracing::info_span!("admission", uid = %req.uid, namespace = req.namespace.as_deref().unwrap_or_default(), name = %req.name);
+    let span = tracing::info_span!("admission", uid = %req.uid, namespace = %Cut(req.namespace.as_deref().unwrap_or_default()), name = %Cut(&req.name));
     // Attached to the future, not entered: a guard held across the await would stay entered on
     // the worker thread while this review waits, and wrap whatever else runs there.
     let (answer, result) = decide(state, &req).instrument(span).await;

@@ -693,30 +693,43 @@ struct ConversionResponse<'a> {
     converted_objects: Option<Vec<Converted<'a>>>,
 }
 
-/// The ConversionReview response: the converted objects (about `size` bytes; written straight
-/// into the answer, each value copied once from the request), or a failure with a message.
+/// Counts the bytes written to it.
+struct Counted(usize);
+
+impl std::io::Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The ConversionReview response: the converted objects (each value copied once from the
+/// request, straight into the answer), or a failure with a message. The answer is measured
+/// before it is written, so its buffer is exactly as long as it (the share counts its length).
 pub fn conversion_response<'a>(
     uid: &'a str,
     result: Result<Vec<Converted<'a>>, String>,
-    size: usize,
 ) -> Response {
     let (result, converted_objects) = match result {
         Ok(objects) => (json!({"status": "Success"}), Some(objects)),
         Err(message) => (json!({"status": "Failure", "message": message}), None),
     };
-    json_response(
-        StatusCode::OK,
-        &ConversionReviewAnswer {
-            api_version: "apiextensions.k8s.io/v1",
-            kind: "ConversionReview",
-            response: ConversionResponse {
-                uid,
-                result,
-                converted_objects,
-            },
+    let answer = ConversionReviewAnswer {
+        api_version: "apiextensions.k8s.io/v1",
+        kind: "ConversionReview",
+        response: ConversionResponse {
+            uid,
+            result,
+            converted_objects,
         },
-        size + 1024,
-    )
+    };
+    let mut counted = Counted(0);
+    let size = serde_json::to_writer(&mut counted, &answer).map_or(0, |()| counted.0);
+    json_response(StatusCode::OK, &answer, size)
 }
 
 /// The 415 answer (counted) to a request that does not say its body is JSON.
@@ -879,7 +892,7 @@ impl Conversion {
                     ..
                 } => {
                     rejected(state, path, received, &e, Some(uid));
-                    conversion_response(uid, Err(e.log_summary()), 0)
+                    conversion_response(uid, Err(e.log_summary()))
                 }
                 _ => bad_request(state, path, received, &e),
             })),
