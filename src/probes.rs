@@ -45,7 +45,7 @@ pub fn router(health: Arc<Health>) -> Router {
         in_flight: 8,
         bytes: 64 << 10,
         pruned: &[],
-        answer_per_byte: 0,
+        held_per_byte: 0,
     };
     let limit = RequestLimit::new(budget, Duration::from_secs(5), 64 << 10, None);
     Router::new()

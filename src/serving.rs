@@ -117,7 +117,7 @@ pub struct Budget {
     /// Bytes handling a request may hold beyond its body and its counted values, per byte of
     /// the body, charged with it (a conversion copies strings out of it and answers with its
     /// objects; a review's answer is small).
-    pub answer_per_byte: usize,
+    pub held_per_byte: usize,
 }
 
 /// What decoding one JSON value may cost at most, in bytes (a one-entry map as a
@@ -631,8 +631,8 @@ impl RequestLimit {
             let values = json_values_pruned(&bytes, share.budget.pruned);
             (values, values.saturating_mul(VALUE_COST))
         };
-        let answer = bytes.len().saturating_mul(share.budget.answer_per_byte);
-        let cost = decoded.saturating_add(answer);
+        let beyond = bytes.len().saturating_mul(share.budget.held_per_byte);
+        let cost = decoded.saturating_add(beyond);
         let mut too_complex = None;
         if cost.saturating_add(bytes.len()) > share.budget.bytes {
             too_complex = Some(TooComplex { values });
@@ -1684,7 +1684,7 @@ mod tests {
             in_flight: 4,
             bytes: 256 << 10,
             pruned: &[],
-            answer_per_byte: 0,
+            held_per_byte: 0,
         };
         let limit = RequestLimit::new(budget, Duration::from_secs(5), 1 << 20, None);
         let request = || {
@@ -1754,7 +1754,7 @@ mod tests {
             in_flight: 4,
             bytes: 256 << 10,
             pruned: &[],
-            answer_per_byte: 1,
+            held_per_byte: 1,
         };
         let limit = RequestLimit::new(budget, Duration::from_secs(5), 1 << 20, None);
         let free = |limit: &RequestLimit| limit.0.share("/convert").1.bytes.available();
@@ -1791,7 +1791,7 @@ mod tests {
             in_flight: 1,
             bytes: 1 << 10,
             pruned: &[],
-            answer_per_byte: 0,
+            held_per_byte: 0,
         };
         let other = Budget {
             bytes: 1 << 20,
@@ -1827,7 +1827,7 @@ mod tests {
             in_flight: 0,
             bytes: 1 << 20,
             pruned: &[],
-            answer_per_byte: 0,
+            held_per_byte: 0,
         };
         let limit = RequestLimit::new(none, Duration::from_secs(1), 1 << 20, Some(metrics.clone()))
             .endpoint("/mutate-pod", none);
@@ -2015,7 +2015,7 @@ mod tests {
             in_flight: 1,
             bytes: 100,
             pruned: &[],
-            answer_per_byte: 0,
+            held_per_byte: 0,
         });
         let free = Free::available;
         let mut held = None;

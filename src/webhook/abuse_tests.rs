@@ -594,7 +594,7 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once_and_slow_ones_tim
                     in_flight: 1,
                     bytes: 8 << 20,
                     pruned: &[],
-                    answer_per_byte: 0,
+                    held_per_byte: 0,
                 },
                 Duration::from_millis(500),
                 super::MAX_BODY,

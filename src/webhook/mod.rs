@@ -36,7 +36,7 @@ pub const POD_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 64 << 20,
     pruned: &[],
-    answer_per_byte: 0,
+    held_per_byte: 0,
 };
 /// What PersistentPodState validations may hold at once (a share of their own; creates come in
 /// bursts: an apply of many objects, the generator). Their objects' status and managed fields
@@ -45,7 +45,7 @@ pub const VALIDATE_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
     pruned: &validate_pps::UNREAD_KEYS,
-    answer_per_byte: 0,
+    held_per_byte: 0,
 };
 /// What conversions may hold at once (a share of their own). Only the objects' specs and
 /// their own keys are decoded; what a request holds beyond its body is at most twice its
@@ -56,14 +56,14 @@ pub const CONVERT_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
     pruned: &convert::UNREAD_KEYS,
-    answer_per_byte: 2,
+    held_per_byte: 2,
 };
 /// What requests to any other path may hold (answered 404 or 405).
 const OTHER_BUDGET: Budget = Budget {
     in_flight: 4,
     bytes: 4 << 20,
     pruned: &[],
-    answer_per_byte: 0,
+    held_per_byte: 0,
 };
 /// How long one admission may take (the API server gives up after the configured
 /// `timeoutSeconds`, at most 30 s, anyway).
