@@ -46,7 +46,8 @@ E2E_CLUSTER_DIR="$CLUSTER_DIR" E2E_REPLICAS="$REPLICAS" E2E_LEASE_DURATION="${LE
   E2E_NODE_LOST_AFTER="$NODE_LOST_AFTER" \
   E2E_WEBHOOK_URL="https://$WEBHOOK_HOST:$WEBHOOK_PORT" E2E_PPS_BIN="$PPS_BIN" \
   E2E_RELEASE_BIN="$ROOT/target/release/persistent-pod-state" \
-  E2E_SA_KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" E2E_HELM="$HELM" \
+  E2E_SA_KUBECONFIG="$CLUSTER_DIR/sa-kubeconfig" E2E_HELM="$HELM" E2E_LB_BIN="$LB_BIN" \
+  E2E_ETCD_URL="http://127.0.0.1:$ETCD_PORT" \
   cargo test --locked --features e2e --test e2e -- --test-threads 1 --nocapture "$@"
 
 # The replicas ran as the manifests' ServiceAccount throughout: it was refused nothing (a 403

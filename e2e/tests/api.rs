@@ -1,5 +1,6 @@
 //! The API surface: both versions through the conversion webhook, and validation.
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::discovery::ApiResource;
 use kube::{Api, Client};
@@ -412,4 +413,268 @@ async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
         }
     }
     delete_namespace(c, &ns).await;
+}
+
+const CRD: &str = "persistentpodstates.apps.kruise.io";
+
+/// The API version `ns/name` is stored at in etcd (read through etcd's JSON gateway), if it
+/// is stored.
+async fn stored_version(env: &Env, ns: &str, name: &str) -> Option<String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let key = format!("/registry/apps.kruise.io/persistentpodstates/{ns}/{name}");
+    let body = json!({"key": b64.encode(key)}).to_string();
+    let url = format!("{}/v3/kv/range", env.etcd_url);
+    let (code, text) = curl(&[
+        "-s",
+        "-w",
+        "\n%{http_code}",
+        "-X",
+        "POST",
+        &url,
+        "-d",
+        &body,
+    ])
+    .await;
+    assert_eq!(code, 200, "etcd range: {text}");
+    let range: Value = serde_json::from_str(&text).expect("etcd's answer");
+    let value = b64
+        .decode(range["kvs"][0]["value"].as_str()?)
+        .expect("base64");
+    let object: Value =
+        serde_json::from_slice(&value).expect("a custom resource is stored as JSON");
+    object["apiVersion"].as_str().map(str::to_owned)
+}
+
+/// Puts the CRD's versions and conversion back as they were, also when the test fails half-way.
+struct CrdBack {
+    client: Client,
+    spec: Value,
+    done: bool,
+}
+
+impl CrdBack {
+    async fn restore(client: Client, spec: Value) {
+        let crds: Api<CustomResourceDefinition> = Api::all(client);
+        crds.patch(
+            CRD,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": spec})),
+        )
+        .await
+        .expect("the CRD put back");
+    }
+
+    async fn finish(mut self) {
+        Self::restore(self.client.clone(), self.spec.clone()).await;
+        self.done = true;
+    }
+}
+
+impl Drop for CrdBack {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // A client of its own: the test's runs its connections on the test's runtime, which
+        // is blocked here.
+        let spec = self.spec.clone();
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Runtime::new() {
+                rt.block_on(async {
+                    if let Ok(client) = Client::try_default().await {
+                        CrdBack::restore(client, spec).await;
+                    }
+                });
+            }
+        })
+        .join();
+    }
+}
+
+/// A loopback load balancer in front of `backend` (killed when dropped): with `probe`, it
+/// goes to the backend only while its `/readyz` answers 200, as a Service of ready endpoints;
+/// without, always, as a Service that publishes not-ready addresses.
+/// Its stderr (a line for each connection it had nowhere to send) goes to `log`.
+fn service(
+    env: &Env,
+    listen: u16,
+    backend: u16,
+    probe: Option<u16>,
+    log: &std::path::Path,
+) -> tokio::process::Child {
+    let target = match probe {
+        Some(p) => [
+            "--ready-backend".to_owned(),
+            format!("127.0.0.1:{backend}=127.0.0.1:{p}"),
+        ],
+        None => ["--backend".to_owned(), format!("127.0.0.1:{backend}")],
+    };
+    tokio::process::Command::new(&env.lb_bin)
+        .args(["--listen".to_owned(), format!("127.0.0.1:{listen}")])
+        .args(target)
+        .stderr(std::fs::File::create(log).expect("log file"))
+        .kill_on_drop(true)
+        .spawn()
+        .expect("loopback-lb starts")
+}
+
+/// The conversion deadlock, and the chart's way out of it (its conversion Service publishes
+/// not-ready addresses, `crd.conversionService`). A PersistentPodState stored as v1alpha1 (as
+/// OpenKruise's releases that served only v1alpha1 stored them) is read, by the API server's own
+/// cache and by a replica's list, only through this service's conversion webhook. Reached only
+/// through ready replicas, as through a plain Service, a replica that is not ready yet cannot
+/// list it, and so never becomes ready: with every replica down at once (a first install over
+/// OpenKruise's objects, a cluster restart) none ever does. Reached through a Service that also
+/// publishes replicas not ready, its own conversion answers and it becomes ready.
+#[tokio::test]
+async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-conversion-ready").await;
+    let crds: Api<CustomResourceDefinition> = Api::all(c.clone());
+    let ours = crds.get(CRD).await.expect("our CRD");
+    let spec = json!({"versions": ours.spec.versions, "conversion": ours.spec.conversion});
+    let back = CrdBack {
+        client: c.clone(),
+        spec: spec.clone(),
+        done: false,
+    };
+    let versions = |storage: &str| {
+        let mut versions = spec["versions"].clone();
+        for v in versions.as_array_mut().expect("versions") {
+            v["storage"] = json!(v["name"] == storage);
+        }
+        versions
+    };
+    let conversion_at = |port: u16| {
+        let mut conversion = spec["conversion"].clone();
+        conversion["webhook"]["clientConfig"]["url"] =
+            json!(format!("https://{}:{port}/convert", env.webhook_host()));
+        conversion
+    };
+
+    // An object stored as v1alpha1: the CRD stores v1alpha1 for a moment (the API server's
+    // handler takes up a CRD change a moment later: the object is created again until etcd
+    // holds it at v1alpha1).
+    crds.patch(
+        CRD,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"versions": versions("v1alpha1")}})),
+    )
+    .await
+    .expect("v1alpha1 stored");
+    let alpha = api(c, &ns, "v1alpha1");
+    let old = object(
+        "v1alpha1",
+        "stored-old",
+        json!({"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+               "requiredPersistentTopology": {"nodeTopologyKeys": ["kubernetes.io/hostname"]}}),
+    );
+    wait_for("an object stored as v1alpha1", TIMEOUT, || async {
+        match alpha.create(&PostParams::default(), &old).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("create: {e}"),
+        }
+        if stored_version(&env, &ns, "stored-old").await.as_deref()
+            == Some("apps.kruise.io/v1alpha1")
+        {
+            return Some(());
+        }
+        let _ = alpha.delete("stored-old", &Default::default()).await;
+        None
+    })
+    .await;
+
+    // v1beta1 stored again, and conversion reached only through ready replicas: a replica
+    // (this test's, the only one behind that Service) starts, lists, fails on the conversion
+    // and stays unready.
+    let (webhook, probe, ready_only, publishing) = (19460, 18096, 19461, 19462);
+    let logs = env.cluster_dir.join("logs");
+    let refusals = logs.join("conversion-ready-only-lb.log");
+    let _ready_only = service(&env, ready_only, webhook, Some(probe), &refusals);
+    let _publishing = service(
+        &env,
+        publishing,
+        webhook,
+        None,
+        &logs.join("conversion-publishing-lb.log"),
+    );
+    crds.patch(
+        CRD,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"versions": versions("v1beta1"), "conversion": conversion_at(ready_only)}})),
+    )
+    .await
+    .expect("v1beta1 stored, conversion through ready replicas");
+    let log = std::fs::File::create(logs.join("conversion-ready-replica.log")).expect("log file");
+    let mut command = serve_command(&env, &env.sa_kubeconfig, webhook, probe);
+    command
+        .env("PPS_LEADER_IDENTITY", "e2e-conversion-ready")
+        .env("PPS_SHUTDOWN_DELAY_SECONDS", "0")
+        .stderr(log);
+    let _replica = tokio::process::Command::from(command)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve starts");
+    let readyz = format!("http://127.0.0.1:{probe}/readyz");
+    // The API server finds no ready replica to convert with, again and again (its cache of
+    // PersistentPodStates cannot be filled, and the replica's list waits on it): the replica
+    // has listed everything else, and stays unready.
+    let metrics_url = format!("http://127.0.0.1:{probe}/metrics");
+    wait_for(
+        "conversions refused for want of a ready replica, the other watches listed",
+        TIMEOUT,
+        || async {
+            let text = std::fs::read_to_string(&refusals).unwrap_or_default();
+            let refused = text.lines().filter(|l| l.contains("no backend")).count();
+            let (code, metrics) = http_get(&metrics_url).await;
+            let only_pps_stale = code == 200
+                && metric(&metrics, "pps_stale_watches") == 1.0
+                && metric(&metrics, "pps_cached_nodes") > 0.0;
+            (refused >= 5 && only_pps_stale).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        http_get(&readyz).await.0,
+        503,
+        "not ready while the API server cannot convert"
+    );
+
+    // The same replica behind a Service that publishes it not ready: it converts for the API
+    // server, lists, and becomes ready, holding the object.
+    crds.patch(
+        CRD,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"conversion": conversion_at(publishing)}})),
+    )
+    .await
+    .expect("conversion through every replica");
+    wait_for("the replica ready", TIMEOUT, || async {
+        (http_get(&readyz).await.0 == 200).then_some(())
+    })
+    .await;
+    let metrics = http_get(&format!("http://127.0.0.1:{probe}/metrics"))
+        .await
+        .1;
+    assert!(
+        metric(&metrics, "pps_cached_persistent_pod_states") >= 1.0,
+        "the replica holds the object stored as v1alpha1"
+    );
+
+    back.finish().await;
+    delete_namespace(c, &ns).await;
+    // The suite's replicas, whose lists failed too while conversion went to this test's
+    // replica alone, are ready again before the next test.
+    for r in &env.replicas {
+        let url = format!("{}/readyz", r.probe_url());
+        wait_for(
+            &format!("replica {} ready again", r.name),
+            TIMEOUT,
+            || async { (http_get(&url).await.0 == 200).then_some(()) },
+        )
+        .await;
+    }
 }

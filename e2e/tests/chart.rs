@@ -556,7 +556,7 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
 
 /// Issue 21.1, self-signed certificates: a CA made at install and read back on upgrade (the CA
 /// bundles do not change, so replicas still serving the previous certificate stay trusted), a
-/// serving certificate issued anew on every upgrade under it, for the Service's name.
+/// serving certificate issued anew on every upgrade under it, for both Services' names.
 #[tokio::test]
 async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
     let env = env().await;
@@ -628,7 +628,6 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
     let ca_cert = ca_der.parse_x509().expect("CA");
     let cert = crt_der.parse_x509().expect("cert");
     assert_eq!(cert.issuer(), ca_cert.subject());
-    let host = format!("{release}-persistent-pod-state.{ns}.svc");
     let sans: Vec<String> = cert
         .subject_alternative_name()
         .expect("SAN")
@@ -638,7 +637,13 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
         .iter()
         .map(|n| n.to_string())
         .collect();
-    assert!(sans.iter().any(|n| n.contains(&host)), "{sans:?}");
+    // Both Services: the webhooks' and the conversion webhook's.
+    for host in [
+        format!("{release}-persistent-pod-state.{ns}.svc"),
+        format!("{release}-persistent-pod-state-conversion.{ns}.svc"),
+    ] {
+        assert!(sans.iter().any(|n| n.contains(&host)), "{host}: {sans:?}");
+    }
     run(vec![
         "uninstall".into(),
         release.into(),
@@ -655,4 +660,114 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
             .is_none()
     );
     delete_namespace(c, &ns).await;
+}
+
+/// The CRD's conversion webhook goes to a Service of its own that publishes replicas not ready
+/// yet (`api::a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas` shows
+/// why), named by the serving certificate, where the chart makes or requests the certificate;
+/// with an external certificate (which would have to name it) only when asked, and never with
+/// `webhook.url`.
+#[tokio::test]
+async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certificate_names() {
+    let env = env().await;
+    let find = |objects: &[Value], kind: &str, name: &str| {
+        objects
+            .iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .cloned()
+    };
+    let conversion_of = |objects: &[Value]| {
+        find(
+            objects,
+            "CustomResourceDefinition",
+            "persistentpodstates.apps.kruise.io",
+        )
+        .expect("the CRD")["spec"]["conversion"]["webhook"]["clientConfig"]
+            .clone()
+    };
+    let own = "t-persistent-pod-state-conversion";
+    let sans = |objects: &[Value]| -> Vec<String> {
+        if let Some(certificate) = find(objects, "Certificate", "t-persistent-pod-state") {
+            return serde_json::from_value(certificate["spec"]["dnsNames"].clone()).expect("names");
+        }
+        let secret = find(objects, "Secret", "t-persistent-pod-state-tls").expect("the Secret");
+        let pem = base64::engine::general_purpose::STANDARD
+            .decode(secret["data"]["tls.crt"].as_str().expect("tls.crt"))
+            .expect("base64");
+        let (_, der) = x509_parser::pem::parse_x509_pem(&pem).expect("PEM");
+        let cert = der.parse_x509().expect("certificate");
+        cert.subject_alternative_name()
+            .expect("SAN")
+            .expect("SAN present")
+            .value
+            .general_names
+            .iter()
+            .map(|n| n.to_string())
+            .collect()
+    };
+    let ca = "certificates.external.caBundle=eA==";
+    for (values, set, on) in [
+        ("default-values.yaml", vec![], true),
+        ("cert-manager-values.yaml", vec![], true),
+        (
+            "default-values.yaml",
+            vec!["certificates.mode=external", ca],
+            false,
+        ),
+        (
+            "default-values.yaml",
+            vec![
+                "certificates.mode=external",
+                ca,
+                "crd.conversionService=true",
+            ],
+            true,
+        ),
+        (
+            "default-values.yaml",
+            vec!["crd.conversionService=false"],
+            false,
+        ),
+        (
+            "default-values.yaml",
+            vec!["webhook.url=https://pps.example:8443"],
+            false,
+        ),
+    ] {
+        let objects = template(&env, values, &set).await;
+        let service = find(&objects, "Service", own);
+        let client = conversion_of(&objects);
+        if set.iter().any(|s| s.starts_with("webhook.url")) {
+            assert_eq!(client["url"], "https://pps.example:8443/convert");
+            assert!(service.is_none(), "{values} {set:?}");
+            continue;
+        }
+        if !on {
+            assert!(service.is_none(), "{values} {set:?}");
+            assert_eq!(
+                client["service"]["name"], "t-persistent-pod-state",
+                "{values} {set:?}"
+            );
+            continue;
+        }
+        let service = service.expect("the conversion Service");
+        assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
+        assert_eq!(
+            service["spec"]["selector"],
+            find(&objects, "Deployment", "t-persistent-pod-state").expect("the Deployment")["spec"]
+                ["selector"]["matchLabels"],
+            "it selects the replicas"
+        );
+        assert_eq!(service["spec"]["ports"][0]["targetPort"], "webhook");
+        assert_eq!(client["service"]["name"], own, "{values} {set:?}");
+        if !set.contains(&"certificates.mode=external") {
+            let names = sans(&objects);
+            assert!(
+                names
+                    .iter()
+                    .any(|n| n.contains("t-persistent-pod-state-conversion.ops.svc")),
+                "{values}: {names:?}"
+            );
+        }
+    }
 }

@@ -43,6 +43,8 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
             certs.to_str().expect("path"),
             "--host",
             "persistent-pod-state.persistent-pod-state.svc",
+            "--host",
+            "persistent-pod-state-conversion.persistent-pod-state.svc",
         ])
         .status()
         .expect("certs");
@@ -61,6 +63,17 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
     assert!(pod["affinity"]["podAntiAffinity"].is_object());
     find(&base, "PodDisruptionBudget", "persistent-pod-state");
     find(&base, "Service", "persistent-pod-state");
+    // Conversion through a Service of its own, which publishes replicas not ready yet.
+    let conversion = find(&base, "Service", "persistent-pod-state-conversion");
+    assert_eq!(conversion["spec"]["publishNotReadyAddresses"], true);
+    assert_eq!(
+        find(
+            &base,
+            "CustomResourceDefinition",
+            "persistentpodstates.apps.kruise.io"
+        )["spec"]["conversion"]["webhook"]["clientConfig"]["service"]["name"],
+        "persistent-pod-state-conversion"
+    );
     // Issue 10.7: ingress limited to the webhook and metrics ports.
     let policy = find(&base, "NetworkPolicy", "persistent-pod-state");
     let ports: Vec<i64> = policy["spec"]["ingress"]
@@ -136,6 +149,19 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
         assert_eq!(
             annotation, "persistent-pod-state/persistent-pod-state",
             "{kind}"
+        );
+    }
+    // The serving certificate names both Services.
+    let names = &find(&cert_manager, "Certificate", "persistent-pod-state")["spec"]["dnsNames"];
+    for host in [
+        "persistent-pod-state.persistent-pod-state.svc",
+        "persistent-pod-state-conversion.persistent-pod-state.svc",
+    ] {
+        assert!(
+            names
+                .as_array()
+                .is_some_and(|n| n.iter().any(|n| n == host)),
+            "{host} in {names}"
         );
     }
     find(&cert_manager, "Certificate", "persistent-pod-state");

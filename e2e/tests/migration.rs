@@ -105,10 +105,16 @@ impl Drop for Switch {
         if self.done {
             return;
         }
-        let (client, ours, hook) = (self.client.clone(), self.ours.clone(), self.hook.clone());
+        // A client of its own: the test's runs its connections on the test's runtime, which
+        // is blocked here.
+        let (ours, hook) = (self.ours.clone(), self.hook.clone());
         let _ = std::thread::spawn(move || {
             if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(Switch::to_ours(client, ours, hook));
+                rt.block_on(async {
+                    if let Ok(client) = Client::try_default().await {
+                        Switch::to_ours(client, ours, hook).await;
+                    }
+                });
             }
         })
         .join();

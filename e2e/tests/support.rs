@@ -39,6 +39,10 @@ pub struct Env {
     pub node_lost_after: String,
     /// helm, built at its pinned version.
     pub helm: PathBuf,
+    /// The loopback load balancer standing in for a Service (e2e/loopback_lb.rs).
+    pub lb_bin: PathBuf,
+    /// etcd's client URL (its JSON gateway shows how an object is stored).
+    pub etcd_url: String,
 }
 
 impl Env {
@@ -111,6 +115,8 @@ pub async fn env() -> Env {
         sa_kubeconfig: setting("E2E_SA_KUBECONFIG").into(),
         node_lost_after: setting("E2E_NODE_LOST_AFTER"),
         helm: setting("E2E_HELM").into(),
+        lb_bin: setting("E2E_LB_BIN").into(),
+        etcd_url: setting("E2E_ETCD_URL"),
     }
 }
 

@@ -41,6 +41,40 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s.%s.svc" (include "pps.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{/* Whether the conversion webhook has a Service of its own that publishes replicas not ready
+yet (crd.conversionService): auto is on unless the certificate is external (it would have to
+name that Service too); never with webhook.url (no Service is called). */}}
+{{- define "pps.conversionService" -}}
+{{- $setting := .Values.crd.conversionService | toString -}}
+{{- if .Values.webhook.url -}}
+false
+{{- else if eq $setting "auto" -}}
+{{- ne .Values.certificates.mode "external" -}}
+{{- else -}}
+{{- eq $setting "true" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The conversion webhook's Service. */}}
+{{- define "pps.conversionName" -}}
+{{- printf "%s-conversion" (include "pps.fullname" . | trunc 52 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* The DNS names the serving certificate names: the Service's, and the conversion Service's
+where it is on. */}}
+{{- define "pps.dnsNames" -}}
+{{- $hosts := list (include "pps.serviceHost" .) -}}
+{{- if eq (include "pps.conversionService" .) "true" -}}
+{{- $hosts = append $hosts (printf "%s.%s.svc" (include "pps.conversionName" .) .Release.Namespace) -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range $hosts -}}
+{{- $names = append $names . -}}
+{{- $names = append $names (printf "%s.cluster.local" .) -}}
+{{- end -}}
+{{- toJson $names -}}
+{{- end -}}
+
 {{/* The workload kinds whose pods the webhook handles: GROUP/KIND, built-in first. */}}
 {{- define "pps.kinds" -}}
 {{- $kinds := list (list "apps" "StatefulSet") (list "apps.kruise.io" "StatefulSet") -}}
@@ -101,7 +135,7 @@ under that CA. Memoized in .Values so that every template of one render sees the
 {{- $ca = genCA (printf "%s CA" (include "pps.fullname" .)) 3650 -}}
 {{- end -}}
 {{- $host := include "pps.serviceHost" . -}}
-{{- $dns := list $host (printf "%s.cluster.local" $host) -}}
+{{- $dns := include "pps.dnsNames" . | fromJsonArray -}}
 {{- $cert := genSignedCert $host nil $dns (int .Values.certificates.selfSigned.validityDays) $ca -}}
 {{- $_ := set .Values "__selfSigned" (dict "ca" $ca.Cert "caKey" $ca.Key "crt" $cert.Cert "key" $cert.Key) -}}
 {{- end -}}
