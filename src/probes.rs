@@ -62,7 +62,12 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
     } else if health.shutting_down.load(Ordering::Acquire) {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
     } else if !health.caches.is_synced() {
-        (StatusCode::SERVICE_UNAVAILABLE, "caches not synced").into_response()
+        let waiting = health.caches.watches.stale_serving().join("; ");
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("caches not synced: {waiting}"),
+        )
+            .into_response()
     } else {
         let stale = health.caches.watches.stale_serving().join("; ");
         (

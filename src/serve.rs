@@ -37,9 +37,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.client_ca.as_deref(),
         metrics.serving_certificate_expiry.clone(),
     )?;
-    let client = kube::Client::try_default()
+    let mut config = kube::Config::infer()
         .await
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
+    config.read_timeout = Some(API_READ_TIMEOUT);
+    let client = kube::Client::try_from(config).context("a Kubernetes client")?;
     // As they sync, what the sync freed is returned to the OS (see `crate::alloc`).
     let caches = Caches::start(&client, crate::alloc::synced);
     let health = Arc::new(Health {
@@ -191,7 +193,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let metrics = metrics.clone();
         async move {
             tokio::select! {
-                () = ctx.caches.wait_synced() => {}
+                () = waiting_for_sync(&ctx.caches) => {}
                 () = shutdown.cancelled() => return Ended::Shutdown,
             }
             tracing::info!("caches synced; ready");
@@ -278,5 +280,35 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// How long a read of an answer from the API server may wait (kube's client waits for ever by
+/// default): a request the API server holds without answering (a watch resumed while its own
+/// cache of the kind cannot be filled) fails instead of leaving a cache silently behind. A
+/// healthy watch is ended by the API server after 290 s, and sends bookmarks meanwhile.
+const API_READ_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How often a replica whose caches have not synced says what it still waits for.
+const SYNC_WAIT_WARNING: Duration = Duration::from_secs(30);
+
+/// Waits until the caches are synced, saying every [`SYNC_WAIT_WARNING`] which watches have not
+/// listed yet (a replica that stays unready says why in its log, not only on `/readyz`).
+async fn waiting_for_sync(caches: &Caches) {
+    let mut waited = Duration::ZERO;
+    loop {
+        tokio::select! {
+            () = caches.wait_synced() => return,
+            () = tokio::time::sleep(SYNC_WAIT_WARNING) => {
+                waited += SYNC_WAIT_WARNING;
+                tracing::warn!(
+                    seconds = waited.as_secs(),
+                    waiting_for = %caches.watches.stale_serving().join("; "),
+                    "caches not synced yet, so not ready (a PersistentPodState list that never \
+                     ends: the API server cannot reach the conversion webhook, see \
+                     docs/troubleshooting.md)"
+                );
+            }
+        }
     }
 }

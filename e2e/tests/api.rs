@@ -621,7 +621,8 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
     )
     .await
     .expect("v1beta1 stored, conversion through ready replicas");
-    let log = std::fs::File::create(logs.join("conversion-ready-replica.log")).expect("log file");
+    let replica_log = logs.join("conversion-ready-replica.log");
+    let log = std::fs::File::create(&replica_log).expect("log file");
     let mut command = serve_command(&env, &env.sa_kubeconfig, webhook, probe);
     command
         .env("PPS_LEADER_IDENTITY", "e2e-conversion-ready")
@@ -650,11 +651,24 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
         },
     )
     .await;
+    let (code, body) = http_get(&readyz).await;
+    assert_eq!(code, 503, "not ready while the API server cannot convert");
     assert_eq!(
-        http_get(&readyz).await.0,
-        503,
-        "not ready while the API server cannot convert"
+        body, "caches not synced: PersistentPodState: not listed yet",
+        "/readyz names what it waits for"
     );
+    // And so does its log, every 30 s while it waits.
+    wait_for("the replica saying what it waits for", TIMEOUT, || async {
+        let text = std::fs::read_to_string(&replica_log).unwrap_or_default();
+        text.lines()
+            .any(|l| {
+                l.contains("caches not synced yet")
+                    && l.contains("PersistentPodState: not listed yet")
+            })
+            .then_some(())
+    })
+    .await;
+    assert_eq!(http_get(&readyz).await.0, 503, "still not ready");
 
     // The same replica behind a Service that publishes it not ready: it converts for the API
     // server, lists, and becomes ready, holding the object.
@@ -669,9 +683,7 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
         (http_get(&readyz).await.0 == 200).then_some(())
     })
     .await;
-    let metrics = http_get(&format!("http://127.0.0.1:{probe}/metrics"))
-        .await
-        .1;
+    let metrics = http_get(&metrics_url).await.1;
     assert!(
         metric(&metrics, "pps_cached_persistent_pod_states") >= 1.0,
         "the replica holds the object stored as v1alpha1"
@@ -679,9 +691,12 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
 
     back.finish().await;
     delete_namespace(c, &ns).await;
-    // The suite's replicas, whose lists failed too while conversion went to this test's
-    // replica alone, are ready again before the next test.
+    // The suite's replicas saw the API server's cache of PersistentPodStates fail to fill too,
+    // while conversion went to this test's replica alone; a watch the API server resumed then
+    // may stay silent until its timeout (290 s). They start afresh before the next test.
     for r in &env.replicas {
+        let name = format!("persistent-pod-state-{}", r.name);
+        restart_component(&env, &name, false, std::time::Duration::ZERO).await;
         let url = format!("{}/readyz", r.probe_url());
         wait_for(
             &format!("replica {} ready again", r.name),
