@@ -62,12 +62,13 @@ async fn readyz(State(health): State<Arc<Health>>) -> Response {
     } else if health.shutting_down.load(Ordering::Acquire) {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
     } else if !health.caches.is_synced() {
-        let waiting = health.caches.watches.stale_serving().join("; ");
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("caches not synced: {waiting}"),
-        )
-            .into_response()
+        let waiting = health.caches.watches.stale_now();
+        let body = if waiting.is_empty() {
+            "caches not synced".to_owned()
+        } else {
+            format!("caches not synced: {}", waiting.join("; "))
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
     } else {
         let stale = health.caches.watches.stale_serving().join("; ");
         (

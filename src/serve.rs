@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 use crate::probes::{self, Health};
 use crate::release::NodeKeys;
 use crate::serving::{self, Limits, Server, ServerThreads};
-use crate::state::Caches;
+use crate::state::{self, Caches};
 use crate::supervise;
 use crate::webhook::{self, WebhookState};
 use crate::workload::CustomKinds;
@@ -41,9 +41,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
     config.read_timeout = Some(API_READ_TIMEOUT);
-    let client = kube::Client::try_from(config).context("a Kubernetes client")?;
+    config.reset_reader_on_write = true;
+    let client = kube::Client::try_from(config.clone()).context("a Kubernetes client")?;
+    let watch_client =
+        kube::Client::try_from(state::watch_config(config)).context("a Kubernetes client")?;
     // As they sync, what the sync freed is returned to the OS (see `crate::alloc`).
-    let caches = Caches::start(&client, crate::alloc::synced);
+    let caches = Caches::start(&watch_client, crate::alloc::synced);
     let health = Arc::new(Health {
         caches: caches.clone(),
         shutting_down: false.into(),
@@ -91,7 +94,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     {
         let (client, caches, custom, changed, stop) = (
-            client.clone(),
+            watch_client.clone(),
             caches.clone(),
             custom_kinds.clone(),
             kinds_changed.clone(),
@@ -284,10 +287,11 @@ async fn wait_for_signal() {
 }
 
 /// How long a read of an answer from the API server may wait (kube's client waits for ever by
-/// default): a request the API server holds without answering (a watch resumed while its own
-/// cache of the kind cannot be filled) fails instead of leaving a cache silently behind. A
-/// healthy watch is ended by the API server after 290 s, and sends bookmarks meanwhile.
-const API_READ_TIMEOUT: Duration = Duration::from_secs(300);
+/// default), from the request on (`reset_reader_on_write`: not counting the time its connection
+/// sat idle in the pool): a request on a connection that went dead without a reset fails instead
+/// of hanging. Longer than the API server keeps a watch open (290 s; it sends bookmarks
+/// meanwhile).
+const API_READ_TIMEOUT: Duration = Duration::from_secs(330);
 
 /// How often a replica whose caches have not synced says what it still waits for.
 const SYNC_WAIT_WARNING: Duration = Duration::from_secs(30);
@@ -301,13 +305,17 @@ async fn waiting_for_sync(caches: &Caches) {
             () = caches.wait_synced() => return,
             () = tokio::time::sleep(SYNC_WAIT_WARNING) => {
                 waited += SYNC_WAIT_WARNING;
-                tracing::warn!(
-                    seconds = waited.as_secs(),
-                    waiting_for = %caches.watches.stale_serving().join("; "),
-                    "caches not synced yet, so not ready (a PersistentPodState list that never \
-                     ends: the API server cannot reach the conversion webhook, see \
-                     docs/troubleshooting.md)"
-                );
+                let waiting = caches.watches.stale_now();
+                let seconds = waited.as_secs();
+                if waiting.iter().any(|w| w.starts_with("PersistentPodState:")) {
+                    tracing::warn!(seconds, waiting_for = %waiting.join("; "),
+                        "caches not synced yet, so not ready (PersistentPodStates not listed: \
+                         if no watch stopped, the API server may be unable to reach the \
+                         conversion webhook, see docs/troubleshooting.md)");
+                } else {
+                    tracing::warn!(seconds, waiting_for = %waiting.join("; "),
+                        "caches not synced yet, so not ready");
+                }
             }
         }
     }

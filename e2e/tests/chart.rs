@@ -662,11 +662,46 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
     delete_namespace(c, &ns).await;
 }
 
+/// Puts the CRD's `status.storedVersions` back, also when the test fails half-way.
+struct StoredVersionsBack(Value);
+
+impl StoredVersionsBack {
+    async fn set(client: &kube::Client, versions: &Value) {
+        Api::<CustomResourceDefinition>::all(client.clone())
+            .patch_status(
+                "persistentpodstates.apps.kruise.io",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"storedVersions": versions}})),
+            )
+            .await
+            .expect("storedVersions");
+    }
+}
+
+impl Drop for StoredVersionsBack {
+    fn drop(&mut self) {
+        // A client of its own: the test's runs its connections on the test's runtime, which
+        // is blocked here.
+        let versions = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Runtime::new() {
+                rt.block_on(async {
+                    if let Ok(client) = kube::Client::try_default().await {
+                        StoredVersionsBack::set(&client, &versions).await;
+                    }
+                });
+            }
+        })
+        .join();
+    }
+}
+
 /// The CRD's conversion webhook goes to a Service of its own that publishes replicas not ready
 /// yet (`api::a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas` shows
-/// why), named by the serving certificate, where the chart makes or requests the certificate;
-/// with an external certificate (which would have to name it) only when asked, and never with
-/// `webhook.url`.
+/// why), named by the serving certificate, where the chart makes or requests the certificate:
+/// by default while the cluster's CRD says objects may be stored as v1alpha1 (read with
+/// `lookup`: `helm template` reads nothing), or when asked; with an external certificate (which
+/// would have to name it) only when asked, and never with `webhook.url`.
 #[tokio::test]
 async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certificate_names() {
     let env = env().await;
@@ -675,15 +710,6 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
             .iter()
             .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
             .cloned()
-    };
-    let conversion_of = |objects: &[Value]| {
-        find(
-            objects,
-            "CustomResourceDefinition",
-            "persistentpodstates.apps.kruise.io",
-        )
-        .expect("the CRD")["spec"]["conversion"]["webhook"]["clientConfig"]
-            .clone()
     };
     let own = "t-persistent-pod-state-conversion";
     let sans = |objects: &[Value]| -> Vec<String> {
@@ -705,10 +731,51 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
             .map(|n| n.to_string())
             .collect()
     };
+    // Whether `objects` send conversion to the Service of its own (with the certificate naming
+    // it, unless `external`), else to the replicas' Service.
+    let check = |objects: &[Value], on: bool, external: bool, what: &str| {
+        let service = find(objects, "Service", own);
+        let client = find(
+            objects,
+            "CustomResourceDefinition",
+            "persistentpodstates.apps.kruise.io",
+        )
+        .expect("the CRD")["spec"]["conversion"]["webhook"]["clientConfig"]
+            .clone();
+        if !on {
+            assert!(service.is_none(), "{what}");
+            assert_eq!(
+                client["service"]["name"], "t-persistent-pod-state",
+                "{what}"
+            );
+            return;
+        }
+        let service = service.unwrap_or_else(|| panic!("{what}: the conversion Service"));
+        assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
+        assert_eq!(
+            service["spec"]["selector"],
+            find(objects, "Deployment", "t-persistent-pod-state").expect("the Deployment")["spec"]
+                ["selector"]["matchLabels"],
+            "it selects the replicas"
+        );
+        assert_eq!(service["spec"]["ports"][0]["targetPort"], "webhook");
+        assert_eq!(client["service"]["name"], own, "{what}");
+        if !external {
+            let names = sans(objects);
+            assert!(
+                names
+                    .iter()
+                    .any(|n| n.contains("t-persistent-pod-state-conversion.ops.svc")),
+                "{what}: {names:?}"
+            );
+        }
+    };
     let ca = "certificates.external.caBundle=eA==";
-    for (values, set, on) in [
-        ("default-values.yaml", vec![], true),
-        ("cert-manager-values.yaml", vec![], true),
+    let on = "crd.conversionService=true";
+    for (values, set, want) in [
+        ("default-values.yaml", vec![], false),
+        ("default-values.yaml", vec![on], true),
+        ("cert-manager-values.yaml", vec![on], true),
         (
             "default-values.yaml",
             vec!["certificates.mode=external", ca],
@@ -716,11 +783,7 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
         ),
         (
             "default-values.yaml",
-            vec![
-                "certificates.mode=external",
-                ca,
-                "crd.conversionService=true",
-            ],
+            vec!["certificates.mode=external", ca, on],
             true,
         ),
         (
@@ -728,46 +791,56 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
             vec!["crd.conversionService=false"],
             false,
         ),
-        (
-            "default-values.yaml",
-            vec!["webhook.url=https://pps.example:8443"],
-            false,
-        ),
     ] {
         let objects = template(&env, values, &set).await;
-        let service = find(&objects, "Service", own);
-        let client = conversion_of(&objects);
-        if set.iter().any(|s| s.starts_with("webhook.url")) {
-            assert_eq!(client["url"], "https://pps.example:8443/convert");
-            assert!(service.is_none(), "{values} {set:?}");
-            continue;
-        }
-        if !on {
-            assert!(service.is_none(), "{values} {set:?}");
-            assert_eq!(
-                client["service"]["name"], "t-persistent-pod-state",
-                "{values} {set:?}"
-            );
-            continue;
-        }
-        let service = service.expect("the conversion Service");
-        assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
-        assert_eq!(
-            service["spec"]["selector"],
-            find(&objects, "Deployment", "t-persistent-pod-state").expect("the Deployment")["spec"]
-                ["selector"]["matchLabels"],
-            "it selects the replicas"
+        let external = set.contains(&"certificates.mode=external");
+        check(&objects, want, external, &format!("{values} {set:?}"));
+    }
+    let objects = template(
+        &env,
+        "default-values.yaml",
+        &["webhook.url=https://pps.example:8443", on],
+    )
+    .await;
+    assert!(find(&objects, "Service", own).is_none());
+
+    // auto, reading the cluster's CRD (`--dry-run=server`): on while it lists v1alpha1 as
+    // stored, off once only v1beta1 is.
+    let crds: Api<CustomResourceDefinition> = Api::all(env.client.clone());
+    let stored = serde_json::to_value(
+        crds.get("persistentpodstates.apps.kruise.io")
+            .await
+            .expect("the CRD")
+            .status
+            .expect("status")
+            .stored_versions,
+    )
+    .expect("versions");
+    let _back = StoredVersionsBack(stored);
+    let chart = chart();
+    for (versions, want) in [
+        (json!(["v1beta1"]), false),
+        (json!(["v1alpha1", "v1beta1"]), true),
+    ] {
+        StoredVersionsBack::set(&env.client, &versions).await;
+        let (ok, out) = helm(
+            &env,
+            &[
+                "template",
+                "t",
+                chart.to_str().expect("path"),
+                "-n",
+                "ops",
+                "--dry-run=server",
+            ],
+        )
+        .await;
+        assert!(ok, "helm template --dry-run=server: {out}");
+        check(
+            &yaml_documents(&out),
+            want,
+            false,
+            &format!("stored {versions}"),
         );
-        assert_eq!(service["spec"]["ports"][0]["targetPort"], "webhook");
-        assert_eq!(client["service"]["name"], own, "{values} {set:?}");
-        if !set.contains(&"certificates.mode=external") {
-            let names = sans(&objects);
-            assert!(
-                names
-                    .iter()
-                    .any(|n| n.contains("t-persistent-pod-state-conversion.ops.svc")),
-                "{values}: {names:?}"
-            );
-        }
     }
 }

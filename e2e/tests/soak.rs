@@ -461,13 +461,24 @@ async fn a_random_schedule_of_faults_keeps_every_invariant() {
     // At the end every pod runs and every live ordinal's state is there.
     println!("faults over; the cluster now:");
     report(&env, &ns).await;
-    // Sampled meanwhile, so that a stalled scheduler is seen and restarted here too.
+    // Sampled meanwhile, so that a stalled scheduler is seen and restarted here too. Every pod
+    // is asked after too: a StatefulSet's status can still count a pod deleted a moment ago.
     let settle_by = Instant::now() + TIMEOUT + STALL + Duration::from_secs(30);
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
     loop {
         watch.sample(&env, &ns, bound).await;
         let mut all = true;
         for (name, replicas) in SETS {
             all &= sts_rolled(c, &ns, name, replicas).await;
+            for pod in pod_names(name, replicas) {
+                let ready = pods.get_opt(&pod).await.ok().flatten().is_some_and(|p| {
+                    p.metadata.deletion_timestamp.is_none()
+                        && p.status.and_then(|s| s.conditions).is_some_and(|cs| {
+                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+                });
+                all &= ready;
+            }
         }
         if all {
             break;

@@ -714,6 +714,17 @@ fn watch_key(kind: &GroupKind) -> String {
     format!("{}/{}", kind.group, kind.kind)
 }
 
+/// The client configuration watches run with: `config` without the client's own retries of
+/// 429, 503 and 504 answers. kube's client retries them inside one request, up to 15 times over
+/// minutes: a watch resumed while the API server's cache of its kind is not ready (429) then
+/// waits silently, its cache behind while it still counts as current. Unretried, the answer
+/// reaches the watch's supervisor, which marks the cache stale (the replica unready for a
+/// PersistentPodState, pod or node watch) and starts the watch again after its backoff.
+pub fn watch_config(mut config: kube::Config) -> kube::Config {
+    config.default_retry = false;
+    config
+}
+
 /// First delay before a failed or ended watch is started again; doubled each time up to
 /// [`WATCH_BACKOFF_MAX`], back to the first after a watch ran well for a minute.
 const WATCH_BACKOFF: Duration = Duration::from_secs(1);
@@ -950,6 +961,69 @@ mod tests {
     fn mock_watch() -> (Client, MockHandle, Arc<Watches>) {
         let (service, handle) = tower_test::mock::pair();
         (Client::new(service, "default"), handle, Arc::default())
+    }
+
+    /// A watch answered 429 (the API server's cache of its kind not ready) fails at that first
+    /// answer, so its cache is marked stale at once. kube's client, left to retry, would send
+    /// it again up to 15 times over minutes, the cache counting as current meanwhile. (The
+    /// API server here is a socket answering every request 429: the client's retries live in
+    /// the layers a real connection goes through, which a mock service bypasses.)
+    #[tokio::test]
+    async fn a_watch_answered_429_is_stale_at_the_first_answer() {
+        use std::sync::atomic::AtomicUsize;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let requests = Arc::new(AtomicUsize::new(0));
+        let answered = requests.clone();
+        let server = tokio::spawn(async move {
+            let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "message": "storage is (re)initializing", "reason": "TooManyRequests",
+                "code": 429})
+            .to_string();
+            let answer = format!(
+                "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let (answered, answer) = (answered.clone(), answer.clone());
+                tokio::spawn(async move {
+                    let (mut head, mut buf) = (Vec::new(), [0u8; 4096]);
+                    // Requests without a body (GETs), one after another on the connection.
+                    while let Ok(n @ 1..) = stream.read(&mut buf).await {
+                        head.extend_from_slice(&buf[..n]);
+                        while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                            head.drain(..end + 4);
+                            answered.fetch_add(1, Ordering::SeqCst);
+                            if stream.write_all(answer.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let url = format!("http://{address}").parse().expect("URL");
+        let client = Client::try_from(watch_config(kube::Config::new(url))).expect("client");
+        let watches = Arc::<Watches>::default();
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !watches.stale_now().iter().any(|w| w.contains("429")) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no failure reached the watch after {} requests: {:?}",
+                requests.load(Ordering::SeqCst),
+                watches.stale_now()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The next attempt waits for the supervisor's backoff (at least 0.5 s).
+        assert_eq!(requests.load(Ordering::SeqCst), 1, "not retried");
+        task.abort();
+        server.abort();
     }
 
     /// As [`mock_watch`], for an API server known to refuse streaming lists.

@@ -42,14 +42,22 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/* Whether the conversion webhook has a Service of its own that publishes replicas not ready
-yet (crd.conversionService): auto is on unless the certificate is external (it would have to
-name that Service too); never with webhook.url (no Service is called). */}}
+yet (crd.conversionService). auto: on while the cluster's CRD says objects may be stored as
+v1alpha1 (status.storedVersions, read with lookup: an install over OpenKruise's objects), which
+only conversion reads, and a replica must read to become ready; off otherwise (a fresh install,
+or `helm template`, which reads nothing), and with an external certificate (it would have to
+name that Service too). Never with webhook.url (no Service is called). */}}
 {{- define "pps.conversionService" -}}
 {{- $setting := .Values.crd.conversionService | toString -}}
 {{- if .Values.webhook.url -}}
 false
 {{- else if eq $setting "auto" -}}
-{{- ne .Values.certificates.mode "external" -}}
+{{- $crd := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" "persistentpodstates.apps.kruise.io" -}}
+{{- $stored := list -}}
+{{- if and $crd $crd.status -}}
+{{- $stored = $crd.status.storedVersions | default list -}}
+{{- end -}}
+{{- and (ne .Values.certificates.mode "external") (has "v1alpha1" $stored) -}}
 {{- else -}}
 {{- eq $setting "true" -}}
 {{- end -}}
