@@ -754,7 +754,12 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     anyhow::ensure!(!node_args.is_empty(), "give at least one --node NAME=ZONE");
-    let client = Client::try_default().await?;
+    let config = kube::Config::infer().await?;
+    let client = Client::try_from(config.clone())?;
+    // Watches without the client's own retries of 429, 503 and 504 (as the replicas' run): a
+    // watch refused for the moment (after an API server restart) would wait inside them for
+    // minutes, missing pod deletions a kubelet (client-go watches again at once) would see.
+    let watch_client = Client::try_from(persistent_pod_state::state::watch_config(config))?;
     let version = client.apiserver_version().await?.git_version;
     let nodes: Api<Node> = Api::all(client.clone());
     for (i, (name, zone)) in node_args.iter().enumerate() {
@@ -780,9 +785,11 @@ async fn main() -> anyhow::Result<()> {
             version,
         },
     });
-    let node_events = reflector::reflector(writer, watcher(nodes, watcher::Config::default()))
-        .default_backoff()
-        .applied_objects();
+    let watched_nodes: Api<Node> = Api::all(watch_client.clone());
+    let node_events =
+        reflector::reflector(writer, watcher(watched_nodes, watcher::Config::default()))
+            .default_backoff()
+            .applied_objects();
     // The node store is fed for the kubelet's loops.
     let node_feed = tokio::spawn(async move {
         futures::pin_mut!(node_events);
@@ -804,7 +811,7 @@ async fn main() -> anyhow::Result<()> {
         let names = node_args.iter().map(|(n, _)| n.clone()).collect();
         async move { kubelet.heartbeat(names).await }
     });
-    let pods: Api<Pod> = Api::all(client.clone());
+    let pods: Api<Pod> = Api::all(watch_client);
     let events = watcher(pods, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
     loop {

@@ -310,8 +310,9 @@ async fn waiting_for_sync(caches: &Caches) {
                 if waiting.iter().any(|w| w.starts_with("PersistentPodState:")) {
                     tracing::warn!(seconds, waiting_for = %waiting.join("; "),
                         "caches not synced yet, so not ready (PersistentPodStates not listed: \
-                         if no watch stopped, the API server may be unable to reach the \
-                         conversion webhook, see docs/troubleshooting.md)");
+                         a watch refused with 429 means the API server cannot fill its own \
+                         cache of them, often for want of a conversion webhook to reach, see \
+                         docs/troubleshooting.md)");
                 } else {
                     tracing::warn!(seconds, waiting_for = %waiting.join("; "),
                         "caches not synced yet, so not ready");

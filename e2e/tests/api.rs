@@ -659,7 +659,8 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
         "/readyz names what it waits for: {body}"
     );
     // And so does its log, every 30 s while it waits, with the API server's answer: its cache
-    // of PersistentPodStates is not ready (429, passed on at once rather than retried).
+    // of PersistentPodStates is not ready (429, passed on at once rather than retried; the
+    // first list is a streaming list, a watch, from v1.34: a paginated one gets a 500).
     wait_for("the replica saying what it waits for", TIMEOUT, || async {
         let text = std::fs::read_to_string(&replica_log).unwrap_or_default();
         text.lines()
@@ -701,18 +702,23 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
     // while conversion went to this test's replica alone: their watches failed with it (429,
     // not retried silently inside the request) and were marked stale, so they catch up, and
     // hold an object created after it, within the watch backoff (30 s at most) and a list.
-    alpha
-        .create(
-            &PostParams::default(),
-            &object(
-                "v1alpha1",
-                "after",
-                json!({"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "after"},
-                       "requiredPersistentTopology": {"nodeTopologyKeys": ["kubernetes.io/hostname"]}}),
-            ),
-        )
-        .await
-        .expect("created after");
+    // (Created as v1beta1, stored so without conversion; tried again while the API server
+    // takes up the CRD put back and the suite's replicas, which validate it, catch up.)
+    let after = object(
+        "v1beta1",
+        "after",
+        json!({"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "after"},
+               "requiredPersistentTopology": {"keys": ["kubernetes.io/hostname"]}}),
+    );
+    let beta = api(c, &ns, "v1beta1");
+    wait_for("an object created after", TIMEOUT, || async {
+        match beta.create(&PostParams::default(), &after).await {
+            Ok(_) => Some(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => Some(()),
+            Err(_) => None,
+        }
+    })
+    .await;
     let all = Api::<DynamicObject>::all_with(
         c.clone(),
         &ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
@@ -741,4 +747,11 @@ async fn a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas(
         .await;
     }
     delete_namespace(c, &ns).await;
+    // The test replica's own Lease (it led its own election, apart from the suite's).
+    let _ = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
+        c.clone(),
+        "persistent-pod-state",
+    )
+    .delete("e2e-conversion-ready", &Default::default())
+    .await;
 }

@@ -575,6 +575,8 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
             "--set".into(),
             "crd.install=false".into(),
             "--set".into(),
+            "crd.conversionService=true".into(),
+            "--set".into(),
             "webhook.namespaceSelector[0].key=e2e-never".into(),
             "--set".into(),
             "webhook.namespaceSelector[0].operator=Exists".into(),

@@ -717,9 +717,10 @@ fn watch_key(kind: &GroupKind) -> String {
 /// The client configuration watches run with: `config` without the client's own retries of
 /// 429, 503 and 504 answers. kube's client retries them inside one request, up to 15 times over
 /// minutes: a watch resumed while the API server's cache of its kind is not ready (429) then
-/// waits silently, its cache behind while it still counts as current. Unretried, the answer
-/// reaches the watch's supervisor, which marks the cache stale (the replica unready for a
-/// PersistentPodState, pod or node watch) and starts the watch again after its backoff.
+/// waited silently, its cache behind while it still counted as current. Unretried, the answer
+/// reaches the watch's supervisor: a listed watch is asked again from where it was for
+/// [`WATCH_REFUSED_GRACE`], then its cache is marked stale (the replica unready for a
+/// PersistentPodState, pod or node watch) and listed again after the backoff.
 pub fn watch_config(mut config: kube::Config) -> kube::Config {
     config.default_retry = false;
     config
@@ -878,6 +879,7 @@ async fn run_watch<K>(
         let mut events = source.events(config);
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
+        let mut refused = Refused::default();
         loop {
             match events.try_next().await {
                 Ok(Some(ev)) => {
@@ -909,6 +911,11 @@ async fn run_watch<K>(
                     watches.paginate.store(true, Ordering::Relaxed);
                     break;
                 }
+                // Refused for the moment after listing: asked again from where it was.
+                Err(error) if listed_here && refused_for_now(&error) && refused.again() => {
+                    tracing::info!(%kind, why = %error, "watch refused for the moment; resuming it from where it was");
+                    tokio::time::sleep(WATCH_REFUSED_PAUSE).await;
+                }
                 Err(error) => {
                     return Stopped {
                         relist_now: listed_here && expired(&error),
@@ -917,6 +924,45 @@ async fn run_watch<K>(
                 }
             }
         }
+    }
+}
+
+/// How long a listed watch refused for the moment (429, 503, 504: the API server's cache of its
+/// kind being filled again, after a change of its CRD or a restart) is asked again from where it
+/// was, before its cache is taken as stale and listed again: meanwhile the cache may be this
+/// much behind, and still counts as current.
+const WATCH_REFUSED_GRACE: Duration = Duration::from_secs(10);
+/// The pause before such a watch is asked again.
+const WATCH_REFUSED_PAUSE: Duration = Duration::from_secs(1);
+
+/// Whether `error` is a watch's request refused for the moment.
+fn refused_for_now(error: &watcher::Error) -> bool {
+    matches!(error, watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        if matches!(status.code, 429 | 503 | 504))
+}
+
+/// The refusals of one watch: an episode starts with a refusal more than
+/// [`WATCH_REFUSED_GRACE`] after the previous one (a watch asked again without a refusal is
+/// running again).
+#[derive(Default)]
+struct Refused {
+    since: Option<tokio::time::Instant>,
+    last: Option<tokio::time::Instant>,
+}
+
+impl Refused {
+    /// Counts one more refusal; whether its episode is still within the grace.
+    fn again(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        if self
+            .last
+            .is_none_or(|last| now.duration_since(last) > WATCH_REFUSED_GRACE)
+        {
+            self.since = Some(now);
+        }
+        self.last = Some(now);
+        self.since
+            .is_some_and(|since| now.duration_since(since) < WATCH_REFUSED_GRACE)
     }
 }
 
@@ -1280,6 +1326,61 @@ mod tests {
         })
         .await;
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        task.abort();
+    }
+
+    /// A listed watch refused for the moment (the API server's cache of the kind being filled
+    /// again) is asked again from its version, without a list and without going stale, for
+    /// the grace; refused beyond it, its cache goes stale and is listed again.
+    #[tokio::test(start_paused = true)]
+    async fn a_listed_watch_refused_for_the_moment_resumes_and_goes_stale_only_after_the_grace() {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let refused = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "storage is (re)initializing", "reason": "TooManyRequests", "code": 429});
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, list.clone());
+        let first = tokio::time::Instant::now();
+        let mut watches_asked = 0;
+        loop {
+            let (request, answer) = handle.next_request().await.expect("a request");
+            let uri = request.uri().to_string();
+            if !uri.contains("watch=true") {
+                // Listed again: only once the refusals outlasted the grace.
+                assert!(
+                    first.elapsed() >= WATCH_REFUSED_GRACE,
+                    "relisted after {:?}",
+                    first.elapsed()
+                );
+                assert!(watches_asked >= 10, "{watches_asked}");
+                respond(answer, 200, list);
+                break;
+            }
+            assert!(uri.contains("resourceVersion=1"), "{uri}");
+            if first.elapsed() < WATCH_REFUSED_GRACE {
+                assert!(watches.stale_now().is_empty(), "current within the grace");
+            }
+            watches_asked += 1;
+            respond(answer, 429, refused.clone());
+        }
+        until("the watch to be current again", || {
+            watches.stale_now().is_empty()
+        })
+        .await;
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        // A later refusal is a new episode: asked again, not relisted.
+        let (request, answer) = handle.next_request().await.expect("the watch");
+        assert!(request.uri().to_string().contains("watch=true"));
+        respond(answer, 429, refused);
+        let (request, _answer) = handle.next_request().await.expect("asked again");
+        let uri = request.uri().to_string();
+        assert!(
+            uri.contains("watch=true") && uri.contains("resourceVersion=1"),
+            "{uri}"
+        );
+        assert!(watches.stale_now().is_empty());
         task.abort();
     }
 

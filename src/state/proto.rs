@@ -534,9 +534,20 @@ impl PodSource {
                 Ok(None) => (Some(Vec::new()), State::Empty),
                 Err(e) => (one(Err(e)), State::Done),
             },
+            // A watch refused for the moment may be asked again from the same version (as
+            // kube-runtime's); any other failure ends the stream.
             State::Listed(rv) => match self.watch(config, &rv, false).await {
                 Ok(frames) => (Some(Vec::new()), State::Watching(rv, frames)),
-                Err(e) => (one(Err(watcher::Error::WatchStartFailed(e))), State::Done),
+                Err(e) => {
+                    let for_now =
+                        matches!(&e, kube::Error::Api(s) if matches!(s.code, 429 | 503 | 504));
+                    let next = if for_now {
+                        State::Listed(rv)
+                    } else {
+                        State::Done
+                    };
+                    (one(Err(watcher::Error::WatchStartFailed(e))), next)
+                }
             },
             State::Watching(rv, mut frames) => match next_event(config, &mut frames).await {
                 Ok(Some(Read::Object(rv, object))) => {
@@ -828,6 +839,21 @@ mod tests {
                 q.contains("watch=true") && q.contains("resourceVersion=21"),
                 "{q}"
             );
+            // Refused for the moment: asked again from the same version.
+            let refused = failure(429, "TooManyRequests", "storage is (re)initializing");
+            respond.send_response(
+                Response::builder()
+                    .status(429)
+                    .header(http::header::CONTENT_TYPE, PROTOBUF)
+                    .body(Body::from(envelope(&refused)))
+                    .expect("a response"),
+            );
+            let (request, respond) = handle.next_request().await.expect("the watch again");
+            let q = query(&request);
+            assert!(
+                q.contains("watch=true") && q.contains("resourceVersion=21"),
+                "{q}"
+            );
             let forbidden = failure(403, "Forbidden", "pods is forbidden");
             respond.send_response(
                 Response::builder()
@@ -846,6 +872,7 @@ mod tests {
                 "init-apply a@3",
                 "init-apply b@4",
                 "init-done",
+                "start-failed 429 TooManyRequests",
                 "start-failed 403 Forbidden",
             ]
         );

@@ -267,7 +267,7 @@ fn count_ip(state: &WebhookState, decision: &Decision, ip: &IpDecision) {
                 .get_or_create(&IpSkipLabels { reason: *reason })
                 .inc();
             // The detail may quote a tenant's annotation value: below info only.
-            tracing::info!(namespace = %decision.namespace, pod = %decision.pod,
+            tracing::info!(namespace = %Cut(&decision.namespace), pod = %Cut(&decision.pod),
                 reason = reason.describe(), "recorded IPs not requested");
             tracing::debug!(%detail, "why the recorded IPs were not requested");
             IpRequestResult::Skipped
@@ -310,7 +310,7 @@ fn report(
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
-        tracing::warn!(namespace = %decision.namespace, pod = %decision.pod,
+        tracing::warn!(namespace = %Cut(&decision.namespace), pod = %Cut(&decision.pod),
             pps = pps.metadata.name.as_deref().unwrap_or_default(),
             values = %values.join(","), reason = dropped.reason.describe(),
             "recorded required values left out so the pod is not stranded");
@@ -318,7 +318,7 @@ fn report(
     count_ip(state, decision, ip);
     for c in &injection.conflicts {
         m.injection_conflicts.inc();
-        tracing::info!(namespace = %decision.namespace, pod = %decision.pod, key = %c.key,
+        tracing::info!(namespace = %Cut(&decision.namespace), pod = %Cut(&decision.pod), key = %c.key,
             "pod sets its own nodeSelector value; recorded value not injected");
     }
     let Some(events) = state.events.as_ref().filter(|_| !dry_run) else {
