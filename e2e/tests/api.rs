@@ -489,19 +489,8 @@ impl Drop for CrdBack {
         if self.done {
             return;
         }
-        // A client of its own: the test's runs its connections on the test's runtime, which
-        // is blocked here.
         let spec = self.spec.clone();
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(async {
-                    if let Ok(client) = Client::try_default().await {
-                        CrdBack::restore(client, spec).await;
-                    }
-                });
-            }
-        })
-        .join();
+        put_back(move |client| CrdBack::restore(client, spec));
     }
 }
 

@@ -630,15 +630,7 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
     let ca_cert = ca_der.parse_x509().expect("CA");
     let cert = crt_der.parse_x509().expect("cert");
     assert_eq!(cert.issuer(), ca_cert.subject());
-    let sans: Vec<String> = cert
-        .subject_alternative_name()
-        .expect("SAN")
-        .expect("SAN present")
-        .value
-        .general_names
-        .iter()
-        .map(|n| n.to_string())
-        .collect();
+    let sans = names_of(&cert);
     // Both Services: the webhooks' and the conversion webhook's.
     for host in [
         format!("{release}-persistent-pod-state.{ns}.svc"),
@@ -664,6 +656,18 @@ async fn self_signed_certificates_keep_their_ca_and_rotate_on_upgrade() {
     delete_namespace(c, &ns).await;
 }
 
+/// The names a certificate is for (its subject alternative names).
+fn names_of(cert: &x509_parser::certificate::X509Certificate<'_>) -> Vec<String> {
+    cert.subject_alternative_name()
+        .expect("SAN")
+        .expect("SAN present")
+        .value
+        .general_names
+        .iter()
+        .map(|n| n.to_string())
+        .collect()
+}
+
 /// Puts the CRD's `status.storedVersions` back, also when the test fails half-way.
 struct StoredVersionsBack(Value);
 
@@ -682,19 +686,8 @@ impl StoredVersionsBack {
 
 impl Drop for StoredVersionsBack {
     fn drop(&mut self) {
-        // A client of its own: the test's runs its connections on the test's runtime, which
-        // is blocked here.
         let versions = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(async {
-                    if let Ok(client) = kube::Client::try_default().await {
-                        StoredVersionsBack::set(&client, &versions).await;
-                    }
-                });
-            }
-        })
-        .join();
+        put_back(move |client| async move { StoredVersionsBack::set(&client, &versions).await });
     }
 }
 
@@ -723,15 +716,7 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
             .decode(secret["data"]["tls.crt"].as_str().expect("tls.crt"))
             .expect("base64");
         let (_, der) = x509_parser::pem::parse_x509_pem(&pem).expect("PEM");
-        let cert = der.parse_x509().expect("certificate");
-        cert.subject_alternative_name()
-            .expect("SAN")
-            .expect("SAN present")
-            .value
-            .general_names
-            .iter()
-            .map(|n| n.to_string())
-            .collect()
+        names_of(&der.parse_x509().expect("certificate"))
     };
     // Whether `objects` send conversion to the Service of its own (with the certificate naming
     // it, unless `external`), else to the replicas' Service.

@@ -105,19 +105,8 @@ impl Drop for Switch {
         if self.done {
             return;
         }
-        // A client of its own: the test's runs its connections on the test's runtime, which
-        // is blocked here.
         let (ours, hook) = (self.ours.clone(), self.hook.clone());
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(async {
-                    if let Ok(client) = Client::try_default().await {
-                        Switch::to_ours(client, ours, hook).await;
-                    }
-                });
-            }
-        })
-        .join();
+        put_back(move |client| Switch::to_ours(client, ours, hook));
     }
 }
 

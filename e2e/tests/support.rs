@@ -627,6 +627,26 @@ pub fn serve_command_of(
     command
 }
 
+/// Runs `put_back` to its end on a runtime and with a client of its own, as a guard does when a
+/// failing test unwinds through it: the test's client runs its connections on the test's
+/// runtime, which is blocked there.
+pub fn put_back<F, Fut>(put_back: F)
+where
+    F: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    let _ = std::thread::spawn(move || {
+        if let Ok(rt) = tokio::runtime::Runtime::new() {
+            rt.block_on(async {
+                if let Ok(client) = Client::try_default().await {
+                    put_back(client).await;
+                }
+            });
+        }
+    })
+    .join();
+}
+
 /// A node marked lost by [`mark_node_lost`]; [`LostNode::revive`] brings it back (and so does
 /// dropping it, should the test fail first), so later tests find every node Ready.
 pub struct LostNode {
@@ -740,19 +760,8 @@ impl Drop for LostNode {
         }
         let node = self.node.clone();
         drop(self.kubelet.take());
-        // A failing test unwinds here: revive on a runtime of its own, with a client of its own
-        // (the test's client needs the test's runtime, which is blocked here), so the next test
-        // has the node.
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(async {
-                    if let Ok(client) = Client::try_default().await {
-                        set_node_health(&client, &node, None).await;
-                    }
-                });
-            }
-        })
-        .join();
+        // A failing test unwinds here: revived, so the next test has the node.
+        put_back(move |client| async move { set_node_health(&client, &node, None).await });
     }
 }
 
@@ -1003,18 +1012,7 @@ impl Drop for OutOfService {
             return;
         }
         let node = self.node.clone();
-        // A failing test unwinds here: restore on a runtime of its own, with a client of its
-        // own (the test's client needs the test's runtime, which is blocked here).
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Runtime::new() {
-                rt.block_on(async {
-                    if let Ok(client) = Client::try_default().await {
-                        out_of_service(&client, &node, false).await;
-                    }
-                });
-            }
-        })
-        .join();
+        put_back(move |client| async move { out_of_service(&client, &node, false).await });
     }
 }
 
