@@ -693,10 +693,11 @@ impl Drop for StoredVersionsBack {
 
 /// The CRD's conversion webhook goes to a Service of its own that publishes replicas not ready
 /// yet (`api::a_replica_becomes_ready_only_where_conversion_reaches_unready_replicas` shows
-/// why), named by the serving certificate, where the chart makes or requests the certificate:
-/// by default while the cluster's CRD says objects may be stored as v1alpha1 (read with
-/// `lookup`: `helm template` reads nothing), or when asked; with an external certificate (which
-/// would have to name it) only when asked, and never with `webhook.url`.
+/// why), named by the serving certificate where the chart makes or requests it, whether on or
+/// not (an upgrade turning it on needs no new certificate). It is on by default while the
+/// cluster's CRD says objects may be stored as v1alpha1 (read with `lookup`: `helm template`
+/// reads nothing), or when asked; with an external certificate (which would have to name it)
+/// only when asked, and never with `webhook.url`.
 #[tokio::test]
 async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certificate_names() {
     let env = env().await;
@@ -718,9 +719,19 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
         let (_, der) = x509_parser::pem::parse_x509_pem(&pem).expect("PEM");
         names_of(&der.parse_x509().expect("certificate"))
     };
-    // Whether `objects` send conversion to the Service of its own (with the certificate naming
-    // it, unless `external`), else to the replicas' Service.
+    // Whether `objects` send conversion to the Service of its own, else to the replicas'
+    // Service; either way (unless `external`) the certificate names it, so that turning it on
+    // later needs no new certificate.
     let check = |objects: &[Value], on: bool, external: bool, what: &str| {
+        if !external {
+            let names = sans(objects);
+            assert!(
+                names
+                    .iter()
+                    .any(|n| n.contains("t-persistent-pod-state-conversion.ops.svc")),
+                "{what}: {names:?}"
+            );
+        }
         let service = find(objects, "Service", own);
         let client = find(
             objects,
@@ -747,15 +758,6 @@ async fn conversion_reaches_replicas_not_ready_yet_through_a_service_the_certifi
         );
         assert_eq!(service["spec"]["ports"][0]["targetPort"], "webhook");
         assert_eq!(client["service"]["name"], own, "{what}");
-        if !external {
-            let names = sans(objects);
-            assert!(
-                names
-                    .iter()
-                    .any(|n| n.contains("t-persistent-pod-state-conversion.ops.svc")),
-                "{what}: {names:?}"
-            );
-        }
     };
     let ca = "certificates.external.caBundle=eA==";
     let on = "crd.conversionService=true";

@@ -68,13 +68,13 @@ false
 {{- printf "%s-conversion" (include "pps.fullname" . | trunc 52 | trimSuffix "-") -}}
 {{- end -}}
 
-{{/* The DNS names the serving certificate names: the Service's, and the conversion Service's
-where it is on. */}}
+{{/* The DNS names the serving certificate names: the Service's and the conversion Service's,
+the latter whether it is on or not, so that an upgrade turning it on (auto, once the cluster's
+CRD lists v1alpha1) finds it named by the certificate the replicas already serve: the kubelet
+brings a Secret's new certificate to the pods only a minute or so later. */}}
 {{- define "pps.dnsNames" -}}
 {{- $hosts := list (include "pps.serviceHost" .) -}}
-{{- if eq (include "pps.conversionService" .) "true" -}}
 {{- $hosts = append $hosts (printf "%s.%s.svc" (include "pps.conversionName" .) .Release.Namespace) -}}
-{{- end -}}
 {{- $names := list -}}
 {{- range $hosts -}}
 {{- $names = append $names . -}}
