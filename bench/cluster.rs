@@ -1850,7 +1850,7 @@ fn print_controller(ctl: &ControllerFigures) -> anyhow::Result<()> {
 
 fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
     println!(
-        "\nMemory (issues 11.5, 22.3): a fresh standby replica after its initial sync (first lists streamed from v1.34, else paginated 500 a page) of {} pods (StatefulSet-like, ~4 KB each), {} PPS x {} states, {} nodes; heap per object counted in process\n",
+        "\nMemory (issues 11.5, 22.3): a fresh standby replica after its initial sync (first lists streamed from v1.34, pods one whole list from the watch cache read as it arrives; else paginated 500 a page) of {} pods (StatefulSet-like, ~4 KB each), {} PPS x {} states, {} nodes; heap per object counted in process\n",
         mem.pods, mem.pps, mem.states, mem.nodes
     );
     println!("| figure | value | target |");

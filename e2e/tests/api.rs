@@ -337,8 +337,9 @@ async fn pps_uniqueness_is_read_live_and_narrowed_to_the_target_where_the_server
 }
 
 /// The pod cache reads pods as protobuf (src/state/proto.rs, its messages numbered by hand):
-/// every pod of a StatefulSet, listed streamed and in pages and then watched, is kept exactly
-/// as the same pod read as JSON from the same API server.
+/// every pod of a StatefulSet, listed whole (from the watch cache, read as it arrives) and in
+/// pages and then watched, is kept exactly as the same pod read as JSON from the same API
+/// server.
 #[tokio::test]
 async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
     use futures::StreamExt;

@@ -856,10 +856,12 @@ fn expired(error: &watcher::Error) -> bool {
 ///
 /// Until the watch has once been listed (`listed`), its list is a streaming list: a watch that
 /// first sends every object from the API server's watch cache, decoded as it arrives, and ends
-/// them with a bookmark. Where the API server refuses that, and for every relist once the cache
-/// holds objects, the list is paginated (500 objects a page) and consistent: a streaming list
-/// is served at whatever version the API server's watch cache has (kube-runtime asks from
-/// resourceVersion 0), which after a failure could be older than what the cache already holds.
+/// them with a bookmark (the pods' source reads one whole list from that cache instead, pod
+/// by pod as it arrives: `proto.rs`). Where the API server refuses that, and for every relist
+/// once the cache holds objects, the list is paginated (500 objects a page) and consistent: a
+/// streaming list (or the pods' whole list) is served at whatever version the API server's
+/// watch cache has (kube-runtime asks from resourceVersion 0), which after a failure could be
+/// older than what the cache already holds.
 async fn run_watch<K>(
     kind: String,
     source: impl Source<K>,
@@ -893,7 +895,7 @@ async fn run_watch<K>(
                     let done = matches!(ev, watcher::Event::InitDone);
                     apply(ev);
                     if done {
-                        tracing::info!(%kind, objects, seconds = started.elapsed().as_secs_f64(), streamed = streaming, "listed");
+                        tracing::info!(%kind, objects, seconds = started.elapsed().as_secs_f64(), paginated = !streaming, "listed");
                         listed.store(true, Ordering::Relaxed);
                         listed_here = true;
                         watches.current(&kind, id);

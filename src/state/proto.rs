@@ -7,10 +7,17 @@
 //! every other field is skipped by its length while decoding, never read.
 //!
 //! The list and watch follow kube-runtime's watcher (the same [`watcher::Event`]s, the same
-//! requests built by kube): a streaming list or pages, then a watch from the listed
-//! resourceVersion, resumed from the last one seen when it ends. Any error ends the stream; the
-//! supervisor starts it again. Where an answer is not protobuf (a proxy that only speaks JSON),
-//! the pods are watched as JSON from then on.
+//! requests built by kube): a first list, then a watch from the listed resourceVersion, resumed
+//! from the last one seen when it ends. Any error ends the stream; the supervisor starts it
+//! again. Where an answer is not protobuf (a proxy that only speaks JSON), the pods are watched
+//! as JSON from then on.
+//!
+//! Where the other kinds' first list is a streaming list, the pods' is one whole list from the
+//! API server's watch cache (`resourceVersion=0`, as client-go's informers list), read pod by
+//! pod as it arrives ([`ListDecoder`]): the API server streams its encoding (v1.33 on) and
+//! allocated about a seventh of what the same pods cost it as a streaming list's events (0.17
+//! against 1.19 GB for 100,000 pods, BENCHMARKS.md part 5), which is what brings its garbage
+//! collector into a replica's start. A relist after a failure is paginated, as for every kind.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -27,8 +34,8 @@ use kube::core::Status;
 use kube::runtime::watcher::{self, InitialListStrategy};
 use kube::{Api, Client};
 use prost::Message;
-use prost::bytes::{Bytes, BytesMut};
-use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
+use prost::bytes::{Buf, Bytes, BytesMut};
+use tokio_util::codec::{Decoder, FramedRead, LengthDelimitedCodec};
 
 use super::trim::WatchedPod;
 
@@ -41,7 +48,7 @@ const ACCEPT_WATCH: &str =
 const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 /// What starts every enveloped protobuf object.
 const MAGIC: &[u8] = b"k8s\0";
-/// The largest watch event read (etcd keeps objects up to 1.5 MiB by default).
+/// The largest watch event or listed pod read (etcd keeps objects up to 1.5 MiB by default).
 const MAX_EVENT: usize = 16 << 20;
 /// Added to the watch's timeout before a silent connection is taken as dead (as kube-runtime).
 const IDLE_MARGIN: Duration = Duration::from_secs(5);
@@ -356,8 +363,9 @@ enum State {
         continue_token: Option<String>,
         resource_version: Option<String>,
     },
-    /// A streaming list, until its bookmark that ends the initial events.
-    Streaming(Frames),
+    /// One whole list, read as it arrives: its parts not read yet, and its resourceVersion
+    /// once read.
+    Whole(ListParts, Option<String>),
     /// Listed; the watch is (re)started from `resource_version`.
     Listed(String),
     /// Watching, from the last resourceVersion seen.
@@ -414,14 +422,13 @@ impl PodSource {
         &self,
         config: &watcher::Config,
         resource_version: &str,
-        initial_events: bool,
     ) -> Result<Frames, kube::Error> {
         let params = WatchParams {
             label_selector: config.label_selector.clone(),
             field_selector: config.field_selector.clone(),
             timeout: config.timeout,
             bookmarks: config.bookmarks,
-            send_initial_events: initial_events,
+            send_initial_events: false,
         };
         let request = request().watch(&params, resource_version);
         let body = self.send(request, ACCEPT_WATCH).await?;
@@ -434,6 +441,21 @@ impl PodSource {
             .max_frame_length(MAX_EVENT)
             .new_codec();
         Ok(FramedRead::new(reader, codec).boxed())
+    }
+
+    /// The whole list from the API server's watch cache, as its parts arrive.
+    async fn whole_list(&self, config: &watcher::Config) -> Result<ListParts, kube::Error> {
+        let params = ListParams {
+            label_selector: config.label_selector.clone(),
+            field_selector: config.field_selector.clone(),
+            resource_version: Some("0".to_owned()),
+            ..ListParams::default()
+        };
+        let body = self.send(request().list(&params), ACCEPT).await?;
+        let reader = tokio_util::io::StreamReader::new(
+            http_body_util::BodyDataStream::new(body).map_err(std::io::Error::other),
+        );
+        Ok(FramedRead::new(reader, ListDecoder::default()).boxed())
     }
 
     /// One page of the list.
@@ -469,9 +491,10 @@ impl PodSource {
                         resource_version: None,
                     },
                 ),
-                InitialListStrategy::StreamingList => match self.watch(config, "0", true).await {
-                    Ok(frames) => (one(Ok(Event::Init)), State::Streaming(frames)),
-                    Err(e) => (one(Err(watcher::Error::WatchStartFailed(e))), State::Done),
+                // Where the other kinds stream, the pods' first list is one whole list.
+                InitialListStrategy::StreamingList => match self.whole_list(config).await {
+                    Ok(parts) => (one(Ok(Event::Init)), State::Whole(parts, None)),
+                    Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
                 },
             },
             State::Pages {
@@ -518,25 +541,10 @@ impl PodSource {
                     Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
                 }
             }
-            State::Streaming(mut frames) => match next_event(config, &mut frames).await {
-                Ok(Some(Read::Object(_, object))) => {
-                    (one(Ok(Event::InitApply(object))), State::Streaming(frames))
-                }
-                // Never sent in a streaming list's initial events (as kube-runtime, ignored).
-                Ok(Some(Read::Deleted(..))) => (Some(Vec::new()), State::Streaming(frames)),
-                Ok(Some(Read::Bookmark { rv, initial_end })) => {
-                    if initial_end {
-                        (one(Ok(Event::InitDone)), State::Watching(rv, frames))
-                    } else {
-                        (Some(Vec::new()), State::Streaming(frames))
-                    }
-                }
-                Ok(None) => (Some(Vec::new()), State::Empty),
-                Err(e) => (one(Err(e)), State::Done),
-            },
+            State::Whole(parts, resource_version) => whole_step(parts, resource_version).await,
             // A watch refused for the moment may be asked again from the same version (as
             // kube-runtime's); any other failure ends the stream.
-            State::Listed(rv) => match self.watch(config, &rv, false).await {
+            State::Listed(rv) => match self.watch(config, &rv).await {
                 Ok(frames) => (Some(Vec::new()), State::Watching(rv, frames)),
                 Err(e) => {
                     let for_now =
@@ -556,9 +564,7 @@ impl PodSource {
                 Ok(Some(Read::Deleted(rv, object))) => {
                     (one(Ok(Event::Delete(object))), State::Watching(rv, frames))
                 }
-                Ok(Some(Read::Bookmark { rv, .. })) => {
-                    (Some(Vec::new()), State::Watching(rv, frames))
-                }
+                Ok(Some(Read::Bookmark(rv))) => (Some(Vec::new()), State::Watching(rv, frames)),
                 Ok(None) => (Some(Vec::new()), State::Listed(rv)),
                 Err(e) => (one(Err(e)), State::Done),
             },
@@ -591,9 +597,8 @@ enum Read {
     Object(String, WatchedPod),
     /// Deleted, with its resourceVersion.
     Deleted(String, WatchedPod),
-    /// A bookmark: the resourceVersion reached, and whether it ends a streaming list's
-    /// initial events.
-    Bookmark { rv: String, initial_end: bool },
+    /// A bookmark: the resourceVersion reached.
+    Bookmark(String),
 }
 
 /// A watch event from its frame (the object in it is decoded from a view of the frame).
@@ -620,20 +625,253 @@ fn read_event(frame: Bytes) -> watcher::Result<Option<Read>> {
         }
         "BOOKMARK" => {
             let pod = object()?;
-            let initial_end = pod
-                .pod
-                .annotations
-                .get("k8s.io/initial-events-end")
-                .is_some();
-            Ok(Some(Read::Bookmark {
-                rv: resource_version(&pod)?,
-                initial_end,
-            }))
+            Ok(Some(Read::Bookmark(resource_version(&pod)?)))
         }
         "ERROR" => Err(watcher::Error::WatchError(decode_status(raw, 500).boxed())),
         other => Err(failed(unreadable(format!(
             "a watch event of unknown type {other:?}"
         )))),
+    }
+}
+
+/// The parts of a whole list, as read from the answer's body.
+type ListParts = BoxStream<'static, std::io::Result<ListPart>>;
+
+/// A part of a whole protobuf pod list.
+#[derive(Debug, PartialEq)]
+enum ListPart {
+    /// The list's metadata (its resourceVersion).
+    Meta(Bytes),
+    /// One pod's encoding (without an envelope).
+    Pod(Bytes),
+    /// The list's last byte was read.
+    End,
+}
+
+/// Reads a whole pod list (`k8s\0`, a `runtime.Unknown` whose `raw` is a `PodList`) as it
+/// arrives: the list's metadata and its pods one at a time, so that only one pod's bytes are
+/// held however many the list holds. Every other field is skipped by its wire type.
+#[derive(Debug, Default)]
+struct ListDecoder {
+    stage: ListStage,
+}
+
+/// Where a [`ListDecoder`] is.
+#[derive(Debug, Default, PartialEq)]
+enum ListStage {
+    /// Before the four bytes that start an enveloped object.
+    #[default]
+    Magic,
+    /// In the envelope, before its `raw` field (and after it, once the list was read).
+    Envelope { listed: bool },
+    /// In the list, with this many of its bytes not read yet (at 0, its end is handed on next).
+    List(u64),
+}
+
+/// A field's key and how much it takes: the key's and length's bytes, and the payload's.
+struct FieldHead {
+    field: u64,
+    wire: u64,
+    head: usize,
+    payload: u64,
+}
+
+/// A varint at the start of `buf`, and its length; `None` while it is incomplete.
+fn read_varint(buf: &[u8]) -> std::io::Result<Option<(u64, usize)>> {
+    let mut value = 0u64;
+    for (i, byte) in buf.iter().take(10).enumerate() {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Ok(Some((value, i + 1)));
+        }
+    }
+    if buf.len() >= 10 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a protobuf varint longer than 10 bytes",
+        ));
+    }
+    Ok(None)
+}
+
+/// The field that starts `buf`; `None` while its key or length is incomplete.
+fn read_field_head(buf: &[u8]) -> std::io::Result<Option<FieldHead>> {
+    let Some((key, n)) = read_varint(buf)? else {
+        return Ok(None);
+    };
+    let (field, wire) = (key >> 3, key & 7);
+    let (head, payload) = match wire {
+        0 => match read_varint(&buf[n..])? {
+            Some((_, m)) => (n, m as u64),
+            None => return Ok(None),
+        },
+        1 => (n, 8),
+        2 => match read_varint(&buf[n..])? {
+            Some((len, m)) => (n + m, len),
+            None => return Ok(None),
+        },
+        5 => (n, 4),
+        other => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a protobuf field of wire type {other}"),
+            ));
+        }
+    };
+    Ok(Some(FieldHead {
+        field,
+        wire,
+        head,
+        payload,
+    }))
+}
+
+impl Decoder for ListDecoder {
+    type Item = ListPart;
+    type Error = std::io::Error;
+
+    fn decode(&mut self, src: &mut BytesMut) -> std::io::Result<Option<ListPart>> {
+        let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+        loop {
+            match self.stage {
+                ListStage::Magic => {
+                    if src.len() < MAGIC.len() {
+                        return Ok(None);
+                    }
+                    if !src.starts_with(MAGIC) {
+                        return Err(invalid("a protobuf list without its k8s envelope"));
+                    }
+                    src.advance(MAGIC.len());
+                    self.stage = ListStage::Envelope { listed: false };
+                }
+                ListStage::Envelope { listed } => {
+                    let Some(f) = read_field_head(src)? else {
+                        return Ok(None);
+                    };
+                    if f.field == 2 && f.wire == 2 && !listed {
+                        src.advance(f.head);
+                        self.stage = ListStage::List(f.payload);
+                        continue;
+                    }
+                    // The envelope's other fields (type, encodings) are small.
+                    let size = usize::try_from(f.payload)
+                        .ok()
+                        .filter(|n| *n <= MAX_EVENT)
+                        .ok_or_else(|| invalid("an envelope field larger than 16 MiB"))?;
+                    if src.len() < f.head + size {
+                        src.reserve(f.head + size - src.len());
+                        return Ok(None);
+                    }
+                    src.advance(f.head + size);
+                }
+                ListStage::List(0) => {
+                    self.stage = ListStage::Envelope { listed: true };
+                    return Ok(Some(ListPart::End));
+                }
+                ListStage::List(left) => {
+                    let Some(f) = read_field_head(src)? else {
+                        return Ok(None);
+                    };
+                    let size = usize::try_from(f.payload)
+                        .ok()
+                        .filter(|n| *n <= MAX_EVENT)
+                        .ok_or_else(|| invalid("a listed pod larger than 16 MiB"))?;
+                    let taken = (f.head + size) as u64;
+                    if taken > left {
+                        return Err(invalid("a protobuf field past the list's end"));
+                    }
+                    if src.len() < f.head + size {
+                        src.reserve(f.head + size - src.len());
+                        return Ok(None);
+                    }
+                    src.advance(f.head);
+                    let payload = src.split_to(size).freeze();
+                    self.stage = ListStage::List(left - taken);
+                    match (f.field, f.wire) {
+                        (1, 2) => return Ok(Some(ListPart::Meta(payload))),
+                        (2, 2) => return Ok(Some(ListPart::Pod(payload))),
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> std::io::Result<Option<ListPart>> {
+        match self.decode(src)? {
+            Some(part) => Ok(Some(part)),
+            None if src.is_empty() && self.stage == (ListStage::Envelope { listed: true }) => {
+                Ok(None)
+            }
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the pod list ended before its last byte",
+            )),
+        }
+    }
+}
+
+/// The next step of a whole list: its next pod (one at a time, as a streaming list's events
+/// come: a batch of decoded pods held at once left the cache's records spread over more of the
+/// allocator's pages), and once its last byte is read, the end of the list and the watch from
+/// its resourceVersion.
+async fn whole_step(mut parts: ListParts, mut resource_version: Option<String>) -> Step {
+    use watcher::Event;
+    let failed = |e: kube::Error| Some(vec![Err(watcher::Error::InitialListFailed(e))]);
+    loop {
+        match parts.next().await {
+            Some(Ok(ListPart::Pod(bytes))) => match ProtoPod::decode(bytes) {
+                Ok(pod) => {
+                    let pod = WatchedPod::from(Pod::from(pod));
+                    return (
+                        Some(vec![Ok(Event::InitApply(pod))]),
+                        State::Whole(parts, resource_version),
+                    );
+                }
+                Err(e) => {
+                    return (
+                        failed(unreadable(format!("a listed pod: {e}"))),
+                        State::Done,
+                    );
+                }
+            },
+            Some(Ok(ListPart::Meta(bytes))) => match ListMeta::decode(bytes) {
+                Ok(meta)
+                    if meta
+                        .continue_token
+                        .as_deref()
+                        .is_some_and(|t| !t.is_empty()) =>
+                {
+                    return (
+                        failed(unreadable("a whole list answered in part")),
+                        State::Done,
+                    );
+                }
+                Ok(meta) => resource_version = meta.resource_version.filter(|v| !v.is_empty()),
+                Err(e) => {
+                    return (
+                        failed(unreadable(format!("a list's metadata: {e}"))),
+                        State::Done,
+                    );
+                }
+            },
+            Some(Ok(ListPart::End)) => {
+                return match resource_version {
+                    Some(rv) => (Some(vec![Ok(Event::InitDone)]), State::Listed(rv)),
+                    None => (
+                        Some(vec![Err(watcher::Error::NoResourceVersion)]),
+                        State::Done,
+                    ),
+                };
+            }
+            Some(Err(e)) => return (failed(unreadable(e)), State::Done),
+            None => {
+                return (
+                    failed(unreadable("the pod list ended before its last byte")),
+                    State::Done,
+                );
+            }
+        }
     }
 }
 
@@ -691,14 +929,10 @@ mod tests {
         [&length.to_be_bytes()[..], &event].concat()
     }
 
-    fn bookmark(rv: &str, initial_end: bool) -> ProtoPod {
+    fn bookmark(rv: &str) -> ProtoPod {
         let mut pod = pod("", rv);
         if let Some(m) = pod.metadata.as_mut() {
             m.name = None;
-            if initial_end {
-                m.annotations
-                    .insert("k8s.io/initial-events-end".into(), "true".into());
-            }
         }
         pod
     }
@@ -755,37 +989,66 @@ mod tests {
         }
     }
 
+    /// `list` enveloped as the API server sends it: its type first, then the list, then the
+    /// (empty) encoding fields.
+    fn go_envelope(list: &PodList) -> Vec<u8> {
+        let raw = list.encode_to_vec();
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(b"\x0a\x0d\x0a\x02v1\x12\x07PodList");
+        out.push(0x12);
+        prost::encoding::encode_varint(raw.len() as u64, &mut out);
+        out.extend_from_slice(&raw);
+        out.extend_from_slice(b"\x1a\x00\x22\x00");
+        out
+    }
+
+    fn pod_list(rv: Option<&str>, token: Option<&str>, items: Vec<ProtoPod>) -> PodList {
+        PodList {
+            metadata: Some(ListMeta {
+                resource_version: rv.map(str::to_owned),
+                continue_token: token.map(str::to_owned),
+            }),
+            items,
+        }
+    }
+
     #[tokio::test]
-    async fn a_streaming_list_and_its_watch_hand_on_what_kube_runtimes_watcher_would() {
+    async fn the_first_list_is_read_whole_from_the_cache_then_watched_from_its_version() {
         let (source, mut handle) = source();
         let events = source.events(watcher::Config::default().streaming_lists());
         let server = tokio::spawn(async move {
-            let (request, respond) = handle.next_request().await.expect("the streaming list");
+            let (request, respond) = handle.next_request().await.expect("the whole list");
             let q = query(&request);
-            assert!(q.contains("sendInitialEvents=true"), "{q}");
             assert!(q.contains("resourceVersion=0"), "{q}");
+            assert!(!q.contains("limit=") && !q.contains("watch="), "{q}");
+            assert!(accept(&request).starts_with("application/vnd.kubernetes.protobuf,"));
+            // Many pods, in order, then the list's end.
+            let items = (0..600)
+                .map(|i| pod(&format!("p{i}"), &i.to_string()))
+                .collect();
+            let list = pod_list(Some("800"), None, items);
+            respond.send_response(answer(PROTOBUF, go_envelope(&list)));
+            let (request, respond) = handle.next_request().await.expect("the watch");
+            let q = query(&request);
             assert!(
-                accept(&request).starts_with("application/vnd.kubernetes.protobuf;stream=watch")
+                q.contains("watch=true") && q.contains("resourceVersion=800"),
+                "{q}"
             );
+            assert!(!q.contains("sendInitialEvents"), "{q}");
             let body = [
-                frame("ADDED", &pod("a", "5")),
-                frame("BOOKMARK", &bookmark("6", false)),
-                frame("ADDED", &pod("b", "7")),
-                frame("BOOKMARK", &bookmark("8", true)),
-                frame("MODIFIED", &pod("a", "9")),
-                frame("DELETED", &pod("b", "10")),
-                frame("BOOKMARK", &bookmark("11", false)),
+                frame("MODIFIED", &pod("p0", "801")),
+                frame("DELETED", &pod("p1", "802")),
+                frame("BOOKMARK", &bookmark("803")),
             ]
             .concat();
             respond.send_response(answer(
                 "application/vnd.kubernetes.protobuf;stream=watch",
                 body,
             ));
-            // The watch ended: resumed from the last resourceVersion seen, without initial events.
+            // The watch ended: resumed from the last resourceVersion seen.
             let (request, respond) = handle.next_request().await.expect("the resumed watch");
             let q = query(&request);
-            assert!(q.contains("resourceVersion=11"), "{q}");
-            assert!(!q.contains("sendInitialEvents=true"), "{q}");
+            assert!(q.contains("resourceVersion=803"), "{q}");
             let gone = failure(410, "Expired", "too old resource version");
             respond.send_response(answer(
                 "application/vnd.kubernetes.protobuf;stream=watch",
@@ -793,18 +1056,124 @@ mod tests {
             ));
         });
         let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
+        // Without a client the mock's requests end, so a stream that stops early fails here.
+        drop(source);
         server.await.expect("the mock API server");
-        assert_eq!(
-            seen,
+        let mut want = vec!["init".to_owned()];
+        want.extend((0..600).map(|i| format!("init-apply p{i}@{i}")));
+        want.extend(
             [
-                "init",
-                "init-apply a@5",
-                "init-apply b@7",
                 "init-done",
-                "apply a@9",
-                "delete b@10",
+                "apply p0@801",
+                "delete p1@802",
                 "watch-error 410",
             ]
+            .map(str::to_owned),
+        );
+        assert_eq!(seen, want);
+    }
+
+    #[tokio::test]
+    async fn a_whole_list_without_its_version_or_in_part_or_cut_short_is_an_error() {
+        let no_version = go_envelope(&pod_list(None, None, vec![pod("a", "1")]));
+        let in_part = go_envelope(&pod_list(Some("5"), Some("next"), vec![pod("a", "1")]));
+        let mut cut = go_envelope(&pod_list(Some("5"), None, vec![pod("a", "1")]));
+        cut.truncate(cut.len() - 8);
+        for (body, want) in [
+            (no_version, "no metadata.resourceVersion"),
+            (in_part, "answered in part"),
+            (cut, "before its last byte"),
+        ] {
+            let (source, mut handle) = source();
+            let events = source.events(watcher::Config::default().streaming_lists());
+            let server = tokio::spawn(async move {
+                let (_, respond) = handle.next_request().await.expect("the whole list");
+                respond.send_response(answer(PROTOBUF, body));
+            });
+            let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
+            server.await.expect("the mock API server");
+            assert!(!seen.iter().any(|e| e == "init-done"), "{seen:?}");
+            let last = seen.last().expect("an error");
+            assert!(last.contains(want), "{want}: {seen:?}");
+        }
+    }
+
+    /// Every part `decoder` reads from `chunks` fed one by one, then the end of the body.
+    fn feed(chunks: &[&[u8]]) -> std::io::Result<Vec<ListPart>> {
+        let mut decoder = ListDecoder::default();
+        let mut buf = BytesMut::new();
+        let mut parts = Vec::new();
+        for chunk in chunks {
+            buf.extend_from_slice(chunk);
+            while let Some(part) = decoder.decode(&mut buf)? {
+                parts.push(part);
+            }
+        }
+        while let Some(part) = decoder.decode_eof(&mut buf)? {
+            parts.push(part);
+        }
+        Ok(parts)
+    }
+
+    proptest::proptest! {
+        /// However the body arrives in chunks, the same parts come out, an unknown field
+        /// skipped; cut anywhere before the list's end, it is an error and never an end.
+        #[test]
+        fn a_whole_list_reads_the_same_however_it_arrives(
+            n in 0usize..12,
+            cuts in proptest::collection::vec(0usize..4096, 0..12),
+            cut_at in 0usize..4096,
+        ) {
+            let items: Vec<ProtoPod> = (0..n).map(|i| pod(&format!("p{i}"), "1")).collect();
+            let mut raw = pod_list(Some("9"), None, items.clone()).encode_to_vec();
+            // An unknown varint field (7) in the list.
+            raw.extend_from_slice(b"\x38\x96\x01");
+            let mut body = MAGIC.to_vec();
+            body.push(0x12);
+            prost::encoding::encode_varint(raw.len() as u64, &mut body);
+            let list_end = body.len() + raw.len();
+            body.extend_from_slice(&raw);
+            body.extend_from_slice(b"\x1a\x00\x22\x00");
+            let mut points: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
+            points.sort_unstable();
+            let mut chunks = Vec::new();
+            let mut from = 0;
+            for p in points {
+                chunks.push(&body[from..p]);
+                from = p;
+            }
+            chunks.push(&body[from..]);
+            let parts = feed(&chunks).expect("read");
+            let meta = ListMeta { resource_version: Some("9".into()), continue_token: None };
+            let mut want = vec![ListPart::Meta(meta.encode_to_vec().into())];
+            want.extend(items.iter().map(|p| ListPart::Pod(p.encode_to_vec().into())));
+            want.push(ListPart::End);
+            proptest::prop_assert_eq!(parts, want);
+
+            let cut = cut_at % list_end;
+            match feed(&[&body[..cut]]) {
+                Ok(parts) => proptest::prop_assert!(false, "cut at {}: {:?}", cut, parts),
+                Err(e) => proptest::prop_assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof),
+            }
+        }
+    }
+
+    #[test]
+    fn a_malformed_list_is_an_error_before_anything_large_is_held() {
+        let read = |body: &[u8]| feed(&[body]).map(|_| ()).expect_err("an error").to_string();
+        assert!(read(b"{\"kind\":").contains("envelope"));
+        // A pod that says it is 20 MiB: refused on its length alone.
+        let mut big = MAGIC.to_vec();
+        big.extend_from_slice(b"\x12\x80\x80\x80\x10\x12");
+        prost::encoding::encode_varint(20 << 20, &mut big);
+        assert!(read(&big).contains("larger than 16 MiB"));
+        // A field that runs past the list's end.
+        assert!(read(b"k8s\0\x12\x02\x12\x05abcde").contains("past the list's end"));
+        // Wire types 3 and 4 (groups) and an endless varint.
+        assert!(read(b"k8s\0\x12\x02\x13\x00").contains("wire type 3"));
+        assert!(
+            read(b"k8s\0\x12\x0c\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01")
+                .contains("longer than 10")
         );
     }
 
