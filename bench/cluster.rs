@@ -1416,6 +1416,155 @@ async fn restarts(client: &Client, opts: &Opts, pods: usize) -> anyhow::Result<V
     Ok(done)
 }
 
+/// One way of reading every object of a kind, as a replica's first list does.
+#[derive(Clone, Copy)]
+enum ListWay {
+    /// A streaming list: a watch that sends every object, ended by a bookmark.
+    Streaming,
+    /// One whole list from the watch cache (`resourceVersion=0`, with a limit it ignores).
+    Whole,
+}
+
+/// Reads every object at `path` (`accept` for the whole list, `accept_watch` for the
+/// streaming list's events) the `way` given; the bytes read.
+async fn read_every(
+    client: &Client,
+    path: &str,
+    accept: &str,
+    accept_watch: &str,
+    way: ListWay,
+) -> anyhow::Result<u64> {
+    use http_body_util::BodyExt;
+    let (uri, accept) = match way {
+        ListWay::Streaming => (
+            format!(
+                "{path}?watch=true&sendInitialEvents=true&allowWatchBookmarks=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&timeoutSeconds=600"
+            ),
+            accept_watch,
+        ),
+        // As a replica asks (src/state/proto.rs): the watch cache ignores the limit.
+        ListWay::Whole => (format!("{path}?limit=500&resourceVersion=0"), accept),
+    };
+    let request = axum::http::Request::get(uri)
+        .header(axum::http::header::ACCEPT, accept)
+        .body(kube::client::Body::empty())?;
+    let response = client.send(request).await?;
+    anyhow::ensure!(
+        response.status().is_success(),
+        "{path}: {}",
+        response.status()
+    );
+    // The streaming list ends with a bookmark annotated `k8s.io/initial-events-end`.
+    const END: &[u8] = b"k8s.io/initial-events-end";
+    let mut body = response.into_body();
+    let (mut read, mut tail) = (0u64, Vec::new());
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        read += data.len() as u64;
+        if matches!(way, ListWay::Streaming) {
+            tail.extend_from_slice(&data);
+            if tail.windows(END.len()).any(|w| w == END) {
+                return Ok(read);
+            }
+            tail.drain(..tail.len().saturating_sub(END.len()));
+        }
+    }
+    anyhow::ensure!(
+        matches!(way, ListWay::Whole),
+        "{path}: the streaming list ended before its initial events did"
+    );
+    Ok(read)
+}
+
+/// With `BENCH_LIST_COST=N` (after the starts): what the API server spends serving one read of
+/// every pod (protobuf) and of every PersistentPodState (JSON), as a streaming list and as one
+/// whole list from its watch cache, in N rounds alternated (A B, then B A), each once the
+/// control plane is at rest: its CPU and what it allocated (the garbage that brings its
+/// collector into a replica's start), with the medians. Why a replica reads pods whole and the
+/// rest streamed.
+async fn list_costs(client: &Client, opts: &Opts, pods: usize) -> anyhow::Result<()> {
+    let rounds: usize = match std::env::var("BENCH_LIST_COST") {
+        Ok(v) => v.parse().context("BENCH_LIST_COST")?,
+        Err(_) => return Ok(()),
+    };
+    let apiserver = pid_file(&opts.cluster_dir, "kube-apiserver")?;
+    let kinds = [
+        (
+            "pods",
+            "/api/v1/pods",
+            "application/vnd.kubernetes.protobuf",
+            "application/vnd.kubernetes.protobuf;stream=watch",
+        ),
+        (
+            "PersistentPodStates",
+            "/apis/apps.kruise.io/v1beta1/persistentpodstates",
+            "application/json",
+            "application/json",
+        ),
+    ];
+    /// One read's cost: seconds, the API server's CPU, what it allocated (GB), its collections.
+    struct Cost([f64; 4]);
+    let mut rows: HashMap<(&str, &str), Vec<Cost>> = HashMap::new();
+    println!(
+        "\nReading every object of a kind (BENCH_LIST_COST): the API server's CPU and allocation per read, each once the control plane was at rest\n\n| round | kind | way | seconds | the API server's CPU (s) | it allocated (GB) | its collections | MB read |\n|---|---|---|---|---|---|---|---|"
+    );
+    for round in 0..rounds {
+        for (kind, path, accept, accept_watch) in kinds {
+            let mut ways = [
+                ("streaming list", ListWay::Streaming),
+                ("whole list", ListWay::Whole),
+            ];
+            if round % 2 == 1 {
+                ways.reverse();
+            }
+            for (name, way) in ways {
+                at_rest(opts, pods).await?;
+                let before = apiserver_runtime(client).await?;
+                let cpu = cpu_seconds(apiserver)?;
+                let started = Instant::now();
+                let read = read_every(client, path, accept, accept_watch, way).await?;
+                let seconds = started.elapsed().as_secs_f64();
+                let cpu = cpu_seconds(apiserver)? - cpu;
+                let after = apiserver_runtime(client).await?;
+                let allocated = (after.allocated - before.allocated) / 1e9;
+                let collections = after.collections - before.collections;
+                println!(
+                    "| {round} | {kind} | {name} | {seconds:.2} | {cpu:.2} | {allocated:.3} | {collections:.0} | {:.1} |",
+                    read as f64 / 1e6
+                );
+                rows.entry((kind, name)).or_default().push(Cost([
+                    seconds,
+                    cpu,
+                    allocated,
+                    collections,
+                ]));
+            }
+        }
+    }
+    println!(
+        "\n| kind | way | reads | seconds | the API server's CPU (s) | it allocated (GB) | its collections |\n|---|---|---|---|---|---|---|"
+    );
+    let mut keys: Vec<_> = rows.keys().copied().collect();
+    keys.sort_unstable();
+    for key in keys {
+        let r = &rows[&key];
+        let col = |i: usize| median(&r.iter().map(|c| c.0[i]).collect::<Vec<_>>());
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2} | {:.3} | {:.0} in all |",
+            key.0,
+            key.1,
+            r.len(),
+            col(0),
+            col(1),
+            col(2),
+            r.iter().map(|c| c.0[3]).sum::<f64>()
+        );
+    }
+    Ok(())
+}
+
 /// Runs `make` for each of `0..n`, 16 at a time.
 async fn create_all<K, F>(api: &Api<K>, n: std::ops::Range<usize>, make: F) -> anyhow::Result<()>
 where
@@ -1515,6 +1664,7 @@ async fn memory(client: &Client, opts: &Opts) -> anyhow::Result<MemoryFigures> {
     let rest = at_rest(opts, pods).await?;
     let synced = fresh_replica(client, opts, &opts.serve_bin, "bench-memory", 19660).await?;
     let restarts = restarts(client, opts, pods).await?;
+    list_costs(client, opts, pods).await?;
     for s in [&busy, &synced]
         .into_iter()
         .chain(restarts.iter().map(|r| &r.start))
@@ -1850,7 +2000,7 @@ fn print_controller(ctl: &ControllerFigures) -> anyhow::Result<()> {
 
 fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
     println!(
-        "\nMemory (issues 11.5, 22.3): a fresh standby replica after its initial sync (first lists streamed from v1.34, pods one whole list from the watch cache read as it arrives; else paginated 500 a page) of {} pods (StatefulSet-like, ~4 KB each), {} PPS x {} states, {} nodes; heap per object counted in process\n",
+        "\nMemory (issues 11.5, 22.3): a fresh standby replica after its initial sync (pods: one whole list from the watch cache, read as it arrives; the other kinds: a streaming list from v1.34, else paginated 500 a page) of {} pods (StatefulSet-like, ~4 KB each), {} PPS x {} states, {} nodes; heap per object counted in process\n",
         mem.pods, mem.pps, mem.states, mem.nodes
     );
     println!("| figure | value | target |");

@@ -13,11 +13,16 @@
 //! as JSON from then on.
 //!
 //! Where the other kinds' first list is a streaming list, the pods' is one whole list from the
-//! API server's watch cache (`resourceVersion=0`, as client-go's informers list), read pod by
-//! pod as it arrives ([`ListDecoder`]): the API server streams its encoding (v1.33 on) and
-//! allocated about a seventh of what the same pods cost it as a streaming list's events (0.17
-//! against 1.19 GB for 100,000 pods, BENCHMARKS.md part 5), which is what brings its garbage
-//! collector into a replica's start. A relist after a failure is paginated, as for every kind.
+//! API server's watch cache (`resourceVersion=0` with a limit, as client-go's reflector asks
+//! without WatchList: the cache ignores the limit and answers whole), read pod by pod as it
+//! arrives ([`ListDecoder`]): from v1.33 the API server streams its encoding, and it allocated
+//! about a seventh of what the same pods cost it as a streaming list's events (0.17 against
+//! 1.19 GB for 100,000 pods, BENCHMARKS.md part 5), the garbage that brings its collector into
+//! a replica's start (before v1.33 it encodes the whole list first, as for any informer's
+//! list). Where the list goes to etcd instead (the cache not ready yet, or off), it comes in
+//! pages, which are followed. A whole list cut short after it began (the API server ends a list
+//! at its request timeout, 60 s by default) makes every later first list paginated; a relist
+//! after a failed watch is paginated, as for every kind.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -312,6 +317,8 @@ pub struct PodSource {
     client: Client,
     /// Set once an answer came as JSON: kube-runtime's watcher is used from then on.
     json: Arc<AtomicBool>,
+    /// Set once a whole list failed after it began: first lists are paginated from then on.
+    whole_failed: Arc<AtomicBool>,
 }
 
 impl PodSource {
@@ -320,6 +327,7 @@ impl PodSource {
         Self {
             client,
             json: Arc::new(AtomicBool::new(false)),
+            whole_failed: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -363,9 +371,13 @@ enum State {
         continue_token: Option<String>,
         resource_version: Option<String>,
     },
-    /// One whole list, read as it arrives: its parts not read yet, and its resourceVersion
-    /// once read.
-    Whole(ListParts, Option<String>),
+    /// One whole list, read as it arrives: its parts not read yet, and its resourceVersion and
+    /// next page's token once read.
+    Whole {
+        parts: ListParts,
+        resource_version: Option<String>,
+        continue_token: Option<String>,
+    },
     /// Listed; the watch is (re)started from `resource_version`.
     Listed(String),
     /// Watching, from the last resourceVersion seen.
@@ -448,10 +460,16 @@ impl PodSource {
         let params = ListParams {
             label_selector: config.label_selector.clone(),
             field_selector: config.field_selector.clone(),
-            resource_version: Some("0".to_owned()),
+            limit: config.page_size,
             ..ListParams::default()
         };
-        let body = self.send(request().list(&params), ACCEPT).await?;
+        let mut request = request().list(&params).map_err(kube::Error::BuildRequest)?;
+        // kube leaves `resourceVersion=0` out beside a limit; client-go's reflector sends both.
+        let uri = format!("{}&resourceVersion=0", request.uri());
+        *request.uri_mut() = uri
+            .parse()
+            .map_err(|e| unreadable(format!("the list's URI {uri}: {e}")))?;
+        let body = self.send(Ok(request), ACCEPT).await?;
         let reader = tokio_util::io::StreamReader::new(
             http_body_util::BodyDataStream::new(body).map_err(std::io::Error::other),
         );
@@ -483,7 +501,23 @@ impl PodSource {
         let one = |e| Some(vec![e]);
         match state {
             State::Empty => match config.initial_list_strategy {
-                InitialListStrategy::ListWatch => (
+                // Where the other kinds stream, the pods' first list is one whole list.
+                InitialListStrategy::StreamingList
+                    if !self.whole_failed.load(Ordering::Relaxed) =>
+                {
+                    match self.whole_list(config).await {
+                        Ok(parts) => (
+                            one(Ok(Event::Init)),
+                            State::Whole {
+                                parts,
+                                resource_version: None,
+                                continue_token: None,
+                            },
+                        ),
+                        Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
+                    }
+                }
+                _ => (
                     one(Ok(Event::Init)),
                     State::Pages {
                         objects: VecDeque::new(),
@@ -491,11 +525,6 @@ impl PodSource {
                         resource_version: None,
                     },
                 ),
-                // Where the other kinds stream, the pods' first list is one whole list.
-                InitialListStrategy::StreamingList => match self.whole_list(config).await {
-                    Ok(parts) => (one(Ok(Event::Init)), State::Whole(parts, None)),
-                    Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
-                },
             },
             State::Pages {
                 mut objects,
@@ -541,7 +570,19 @@ impl PodSource {
                     Err(e) => (one(Err(watcher::Error::InitialListFailed(e))), State::Done),
                 }
             }
-            State::Whole(parts, resource_version) => whole_step(parts, resource_version).await,
+            State::Whole {
+                parts,
+                resource_version,
+                continue_token,
+            } => {
+                let (events, next) = whole_step(parts, resource_version, continue_token).await;
+                if matches!(next, State::Done) && !self.whole_failed.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "the whole list of pods failed after it began; the first lists of pods are paginated from now on"
+                    );
+                }
+                (events, next)
+            }
             // A watch refused for the moment may be asked again from the same version (as
             // kube-runtime's); any other failure ends the stream.
             State::Listed(rv) => match self.watch(config, &rv).await {
@@ -814,40 +855,37 @@ impl Decoder for ListDecoder {
 /// The next step of a whole list: its next pod (one at a time, as a streaming list's events
 /// come: a batch of decoded pods held at once left the cache's records spread over more of the
 /// allocator's pages), and once its last byte is read, the end of the list and the watch from
-/// its resourceVersion.
-async fn whole_step(mut parts: ListParts, mut resource_version: Option<String>) -> Step {
+/// its resourceVersion, or the pages that follow (a list that went to etcd comes in pages).
+async fn whole_step(
+    mut parts: ListParts,
+    mut resource_version: Option<String>,
+    mut continue_token: Option<String>,
+) -> Step {
     use watcher::Event;
     let failed = |e: kube::Error| Some(vec![Err(watcher::Error::InitialListFailed(e))]);
     loop {
         match parts.next().await {
-            Some(Ok(ListPart::Pod(bytes))) => match ProtoPod::decode(bytes) {
-                Ok(pod) => {
-                    let pod = WatchedPod::from(Pod::from(pod));
-                    return (
-                        Some(vec![Ok(Event::InitApply(pod))]),
-                        State::Whole(parts, resource_version),
-                    );
-                }
-                Err(e) => {
-                    return (
+            Some(Ok(ListPart::Pod(bytes))) => {
+                return match ProtoPod::decode(bytes) {
+                    Ok(pod) => (
+                        Some(vec![Ok(Event::InitApply(WatchedPod::from(Pod::from(pod))))]),
+                        State::Whole {
+                            parts,
+                            resource_version,
+                            continue_token,
+                        },
+                    ),
+                    Err(e) => (
                         failed(unreadable(format!("a listed pod: {e}"))),
                         State::Done,
-                    );
-                }
-            },
+                    ),
+                };
+            }
             Some(Ok(ListPart::Meta(bytes))) => match ListMeta::decode(bytes) {
-                Ok(meta)
-                    if meta
-                        .continue_token
-                        .as_deref()
-                        .is_some_and(|t| !t.is_empty()) =>
-                {
-                    return (
-                        failed(unreadable("a whole list answered in part")),
-                        State::Done,
-                    );
+                Ok(meta) => {
+                    resource_version = meta.resource_version.filter(|v| !v.is_empty());
+                    continue_token = meta.continue_token.filter(|t| !t.is_empty());
                 }
-                Ok(meta) => resource_version = meta.resource_version.filter(|v| !v.is_empty()),
                 Err(e) => {
                     return (
                         failed(unreadable(format!("a list's metadata: {e}"))),
@@ -856,9 +894,19 @@ async fn whole_step(mut parts: ListParts, mut resource_version: Option<String>) 
                 }
             },
             Some(Ok(ListPart::End)) => {
-                return match resource_version {
-                    Some(rv) => (Some(vec![Ok(Event::InitDone)]), State::Listed(rv)),
-                    None => (
+                // The envelope's last fields: read, so that the connection can serve the watch.
+                while let Some(Ok(_)) = parts.next().await {}
+                return match (continue_token, resource_version) {
+                    (Some(token), rv) => (
+                        Some(Vec::new()),
+                        State::Pages {
+                            objects: VecDeque::new(),
+                            continue_token: Some(token),
+                            resource_version: rv,
+                        },
+                    ),
+                    (None, Some(rv)) => (Some(vec![Ok(Event::InitDone)]), State::Listed(rv)),
+                    (None, None) => (
                         Some(vec![Err(watcher::Error::NoResourceVersion)]),
                         State::Done,
                     ),
@@ -1019,8 +1067,12 @@ mod tests {
         let server = tokio::spawn(async move {
             let (request, respond) = handle.next_request().await.expect("the whole list");
             let q = query(&request);
-            assert!(q.contains("resourceVersion=0"), "{q}");
-            assert!(!q.contains("limit=") && !q.contains("watch="), "{q}");
+            // As client-go's reflector asks: the watch cache ignores the limit.
+            assert!(
+                q.contains("resourceVersion=0") && q.contains("limit=500"),
+                "{q}"
+            );
+            assert!(!q.contains("watch="), "{q}");
             assert!(accept(&request).starts_with("application/vnd.kubernetes.protobuf,"));
             // Many pods, in order, then the list's end.
             let items = (0..600)
@@ -1074,14 +1126,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_whole_list_without_its_version_or_in_part_or_cut_short_is_an_error() {
+    async fn a_whole_list_without_its_version_or_cut_short_fails_and_first_lists_are_paged_after() {
         let no_version = go_envelope(&pod_list(None, None, vec![pod("a", "1")]));
-        let in_part = go_envelope(&pod_list(Some("5"), Some("next"), vec![pod("a", "1")]));
         let mut cut = go_envelope(&pod_list(Some("5"), None, vec![pod("a", "1")]));
         cut.truncate(cut.len() - 8);
         for (body, want) in [
             (no_version, "no metadata.resourceVersion"),
-            (in_part, "answered in part"),
             (cut, "before its last byte"),
         ] {
             let (source, mut handle) = source();
@@ -1089,51 +1139,149 @@ mod tests {
             let server = tokio::spawn(async move {
                 let (_, respond) = handle.next_request().await.expect("the whole list");
                 respond.send_response(answer(PROTOBUF, body));
+                handle
             });
             let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
-            server.await.expect("the mock API server");
+            let mut handle = server.await.expect("the mock API server");
             assert!(!seen.iter().any(|e| e == "init-done"), "{seen:?}");
             let last = seen.last().expect("an error");
             assert!(last.contains(want), "{want}: {seen:?}");
+            // The next first list is paginated and consistent.
+            let events = source.events(watcher::Config::default().streaming_lists());
+            let next = tokio::spawn(events.take(2).collect::<Vec<_>>());
+            let (request, _) = handle.next_request().await.expect("the next list");
+            let q = query(&request);
+            assert!(
+                q.contains("limit=500") && !q.contains("resourceVersion"),
+                "{q}"
+            );
+            next.abort();
         }
     }
 
-    /// Every part `decoder` reads from `chunks` fed one by one, then the end of the body.
-    fn feed(chunks: &[&[u8]]) -> std::io::Result<Vec<ListPart>> {
+    #[tokio::test]
+    async fn a_whole_list_answered_in_pages_is_followed_page_by_page() {
+        let (source, mut handle) = source();
+        let events = source.events(watcher::Config::default().streaming_lists());
+        let server = tokio::spawn(async move {
+            // Served from etcd (the watch cache not ready): the first page, with a token.
+            let (_, respond) = handle.next_request().await.expect("the whole list");
+            let first = pod_list(Some("5"), Some("next"), vec![pod("a", "1")]);
+            respond.send_response(answer(PROTOBUF, go_envelope(&first)));
+            let (request, respond) = handle.next_request().await.expect("the next page");
+            let q = query(&request);
+            assert!(
+                q.contains("continue=next") && q.contains("limit=500"),
+                "{q}"
+            );
+            let last = pod_list(Some("6"), None, vec![pod("b", "2")]);
+            respond.send_response(answer(PROTOBUF, envelope(&last)));
+            let (request, respond) = handle.next_request().await.expect("the watch");
+            let q = query(&request);
+            assert!(
+                q.contains("watch=true") && q.contains("resourceVersion=6"),
+                "{q}"
+            );
+            let gone = failure(410, "Expired", "too old resource version");
+            respond.send_response(answer(
+                "application/vnd.kubernetes.protobuf;stream=watch",
+                frame("ERROR", &gone),
+            ));
+        });
+        let seen: Vec<String> = events.take(5).map(|e| describe(&e)).collect().await;
+        assert_eq!(
+            seen,
+            [
+                "init",
+                "init-apply a@1",
+                "init-apply b@2",
+                "init-done",
+                "watch-error 410"
+            ]
+        );
+        drop(source);
+        server.await.expect("the mock API server");
+    }
+
+    /// Every part a decoder reads from `chunks` fed one by one, then the end of the body, and
+    /// how reading ended.
+    fn feed(chunks: &[&[u8]]) -> (Vec<ListPart>, std::io::Result<()>) {
         let mut decoder = ListDecoder::default();
         let mut buf = BytesMut::new();
         let mut parts = Vec::new();
         for chunk in chunks {
             buf.extend_from_slice(chunk);
-            while let Some(part) = decoder.decode(&mut buf)? {
-                parts.push(part);
+            loop {
+                match decoder.decode(&mut buf) {
+                    Ok(Some(part)) => parts.push(part),
+                    Ok(None) => break,
+                    Err(e) => return (parts, Err(e)),
+                }
             }
         }
-        while let Some(part) = decoder.decode_eof(&mut buf)? {
-            parts.push(part);
+        loop {
+            match decoder.decode_eof(&mut buf) {
+                Ok(Some(part)) => parts.push(part),
+                Ok(None) => return (parts, Ok(())),
+                Err(e) => return (parts, Err(e)),
+            }
         }
-        Ok(parts)
+    }
+
+    /// `fields` (already encoded) as a list in the API server's envelope; where the list ends.
+    fn enveloped(fields: &[Vec<u8>]) -> (Vec<u8>, usize) {
+        let raw = fields.concat();
+        let mut body = MAGIC.to_vec();
+        body.extend_from_slice(b"\x0a\x0d\x0a\x02v1\x12\x07PodList");
+        body.push(0x12);
+        prost::encoding::encode_varint(raw.len() as u64, &mut body);
+        body.extend_from_slice(&raw);
+        let list_end = body.len();
+        body.extend_from_slice(b"\x1a\x00\x22\x00");
+        (body, list_end)
+    }
+
+    /// `message` as field `tag` of its parent (length-delimited).
+    fn field(tag: u32, message: &impl Message) -> Vec<u8> {
+        let mut out = Vec::new();
+        prost::encoding::encode_key(tag, prost::encoding::WireType::LengthDelimited, &mut out);
+        prost::encoding::encode_varint(message.encoded_len() as u64, &mut out);
+        message.encode(&mut out).expect("encoded");
+        out
     }
 
     proptest::proptest! {
-        /// However the body arrives in chunks, the same parts come out, an unknown field
-        /// skipped; cut anywhere before the list's end, it is an error and never an end.
+        /// However the body arrives in chunks, the same parts come out (pods small and large,
+        /// the list's metadata first or last, fields of every other wire type skipped); cut
+        /// anywhere before the list's end, it is an error and never an end.
         #[test]
         fn a_whole_list_reads_the_same_however_it_arrives(
-            n in 0usize..12,
-            cuts in proptest::collection::vec(0usize..4096, 0..12),
-            cut_at in 0usize..4096,
+            sizes in proptest::collection::vec(proptest::prop_oneof![0usize..64, 100usize..300, 9000usize..30000], 0..8),
+            meta_last in proptest::bool::ANY,
+            cuts in proptest::collection::vec(0usize..1 << 17, 0..16),
+            cut_at in 0usize..1 << 17,
         ) {
-            let items: Vec<ProtoPod> = (0..n).map(|i| pod(&format!("p{i}"), "1")).collect();
-            let mut raw = pod_list(Some("9"), None, items.clone()).encode_to_vec();
-            // An unknown varint field (7) in the list.
-            raw.extend_from_slice(b"\x38\x96\x01");
-            let mut body = MAGIC.to_vec();
-            body.push(0x12);
-            prost::encoding::encode_varint(raw.len() as u64, &mut body);
-            let list_end = body.len() + raw.len();
-            body.extend_from_slice(&raw);
-            body.extend_from_slice(b"\x1a\x00\x22\x00");
+            let items: Vec<ProtoPod> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, size)| {
+                    let mut p = pod(&format!("p{i}"), "1");
+                    if let Some(m) = p.metadata.as_mut() {
+                        m.annotations.insert("a".into(), "x".repeat(*size));
+                    }
+                    p
+                })
+                .collect();
+            let meta = ListMeta { resource_version: Some("9".into()), continue_token: None };
+            let mut fields: Vec<Vec<u8>> = items.iter().map(|p| field(2, p)).collect();
+            // Unknown fields (7, 8, 9) of wire types 0, 1 and 5.
+            fields.insert(fields.len() / 2, b"\x38\x96\x01\x41\x01\x02\x03\x04\x05\x06\x07\x08\x4d\x01\x02\x03\x04".to_vec());
+            if meta_last {
+                fields.push(field(1, &meta));
+            } else {
+                fields.insert(0, field(1, &meta));
+            }
+            let (body, list_end) = enveloped(&fields);
             let mut points: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
             points.sort_unstable();
             let mut chunks = Vec::new();
@@ -1143,16 +1291,26 @@ mod tests {
                 from = p;
             }
             chunks.push(&body[from..]);
-            let parts = feed(&chunks).expect("read");
-            let meta = ListMeta { resource_version: Some("9".into()), continue_token: None };
-            let mut want = vec![ListPart::Meta(meta.encode_to_vec().into())];
-            want.extend(items.iter().map(|p| ListPart::Pod(p.encode_to_vec().into())));
+            let (parts, read) = feed(&chunks);
+            proptest::prop_assert!(read.is_ok(), "{:?}", read);
+            let pods = items.iter().map(|p| ListPart::Pod(p.encode_to_vec().into()));
+            let meta = ListPart::Meta(meta.encode_to_vec().into());
+            let mut want: Vec<ListPart> = Vec::new();
+            if !meta_last {
+                want.push(meta);
+                want.extend(pods);
+            } else {
+                want.extend(pods);
+                want.push(meta);
+            }
             want.push(ListPart::End);
             proptest::prop_assert_eq!(parts, want);
 
             let cut = cut_at % list_end;
-            match feed(&[&body[..cut]]) {
-                Ok(parts) => proptest::prop_assert!(false, "cut at {}: {:?}", cut, parts),
+            let (parts, read) = feed(&[&body[..cut]]);
+            proptest::prop_assert!(!parts.contains(&ListPart::End), "cut at {}: {:?}", cut, parts);
+            match read {
+                Ok(()) => proptest::prop_assert!(false, "cut at {}: no error", cut),
                 Err(e) => proptest::prop_assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof),
             }
         }
@@ -1160,11 +1318,16 @@ mod tests {
 
     #[test]
     fn a_malformed_list_is_an_error_before_anything_large_is_held() {
-        let read = |body: &[u8]| feed(&[body]).map(|_| ()).expect_err("an error").to_string();
+        let read = |body: &[u8]| feed(&[body]).1.expect_err("an error").to_string();
         assert!(read(b"{\"kind\":").contains("envelope"));
         // A pod that says it is 20 MiB: refused on its length alone.
         let mut big = MAGIC.to_vec();
         big.extend_from_slice(b"\x12\x80\x80\x80\x10\x12");
+        prost::encoding::encode_varint(20 << 20, &mut big);
+        assert!(read(&big).contains("larger than 16 MiB"));
+        // An envelope field (before the list) that says it is 20 MiB.
+        let mut big = MAGIC.to_vec();
+        big.push(0x0a);
         prost::encoding::encode_varint(20 << 20, &mut big);
         assert!(read(&big).contains("larger than 16 MiB"));
         // A field that runs past the list's end.
