@@ -465,7 +465,12 @@ impl PodSource {
         };
         let mut request = request().list(&params).map_err(kube::Error::BuildRequest)?;
         // kube leaves `resourceVersion=0` out beside a limit; client-go's reflector sends both.
-        let uri = format!("{}&resourceVersion=0", request.uri());
+        let joint = if request.uri().query().is_some() {
+            '&'
+        } else {
+            '?'
+        };
+        let uri = format!("{}{joint}resourceVersion=0", request.uri());
         *request.uri_mut() = uri
             .parse()
             .map_err(|e| unreadable(format!("the list's URI {uri}: {e}")))?;
@@ -1040,14 +1045,7 @@ mod tests {
     /// `list` enveloped as the API server sends it: its type first, then the list, then the
     /// (empty) encoding fields.
     fn go_envelope(list: &PodList) -> Vec<u8> {
-        let raw = list.encode_to_vec();
-        let mut out = MAGIC.to_vec();
-        out.extend_from_slice(b"\x0a\x0d\x0a\x02v1\x12\x07PodList");
-        out.push(0x12);
-        prost::encoding::encode_varint(raw.len() as u64, &mut out);
-        out.extend_from_slice(&raw);
-        out.extend_from_slice(b"\x1a\x00\x22\x00");
-        out
+        enveloped(&[list.encode_to_vec()]).0
     }
 
     fn pod_list(rv: Option<&str>, token: Option<&str>, items: Vec<ProtoPod>) -> PodList {
