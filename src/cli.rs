@@ -177,9 +177,10 @@ pub struct ServeArgs {
     /// pin to it is left out of re-created pods (e.g. `5m`, `90s`, `1h`).
     #[arg(long, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
     pub node_lost_after: Duration,
-    /// `active` injects; `observe` records and computes everything and injects nothing (and
-    /// deletes nothing), reporting what it would have injected: a `WouldInject` Event per pod,
-    /// `pps_observed_total`, `explain`. One PersistentPodState can be observed on its own with
+    /// `active` injects; `observe` records and computes everything and injects nothing,
+    /// reporting what it would have injected: a `WouldInject` Event per pod,
+    /// `pps_observed_total`, `explain`. It still writes statuses and generated
+    /// PersistentPodStates, and releases only pods it pinned itself (never a claim). One PersistentPodState can be observed on its own with
     /// the annotation `persistent-pod-state.io/mode: observe`.
     #[arg(long, env = "PPS_MODE", value_enum, default_value_t = Mode::Active)]
     pub mode: Mode,
@@ -290,8 +291,9 @@ pub struct CrdArgs {
     /// PEM CA bundle the API server trusts the webhook with (left out: injected by cert-manager).
     #[arg(long, env = "PPS_CA_BUNDLE_FILE")]
     pub ca_bundle_file: Option<PathBuf>,
-    /// Leave out `selectableFields` (`spec.targetRef.name`), for Kubernetes before 1.30, whose
-    /// API servers do not know it (strict clients refuse the CRD). Without it, validating a
+    /// Leave out `selectableFields` (`spec.targetRef.name`), for Kubernetes before 1.31 (1.30
+    /// without its CustomResourceFieldSelectors gate on), whose API servers do not serve it (strict
+    /// clients refuse the CRD). Without it, validating a
     /// PersistentPodState CREATE reads its namespace's whole list.
     #[arg(long, env = "PPS_CRD_WITHOUT_SELECTABLE_FIELDS")]
     pub without_selectable_fields: bool,
@@ -300,7 +302,7 @@ pub struct CrdArgs {
 /// Flags of `certs`.
 #[derive(Debug, Args)]
 pub struct CertsArgs {
-    /// Directory to write ca.crt, tls.crt and tls.key into.
+    /// Directory to write ca.crt, ca.key (the CA's private key), tls.crt and tls.key into.
     #[arg(long, env = "PPS_CERTS_OUT_DIR")]
     pub out_dir: PathBuf,
     /// DNS name or IP address the certificate is for (repeatable; comma list in the env var).

@@ -610,7 +610,7 @@ impl Metrics {
         registry.register("cached_nodes", "Nodes in the cache", m.cached_nodes.clone());
         registry.register(
             "stale_watches",
-            "Watches that failed, ended or were restarted and are not relisted yet (readiness is false meanwhile)",
+            "Watches that failed, ended or were restarted and are not relisted yet (readiness is false meanwhile when one is the PersistentPodState, Pod or Node watch)",
             m.stale_watches.clone(),
         );
         registry.register(
