@@ -363,6 +363,18 @@ async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
     )
     .await
     .expect("annotate web-0");
+    store_text_outside_utf8(c, &ns, "web-0").await;
+    let stored = pods.get("web-0").await.expect("web-0");
+    assert_eq!(
+        stored
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("example.com/bytes"))
+            .map(String::as_str),
+        Some("\u{fffd}|\u{fffd}"),
+        "the API server stores the bytes and writes each as U+FFFD in JSON"
+    );
     let as_json = |list: Vec<Pod>| -> BTreeMap<String, CachedPod> {
         list.into_iter()
             .map(|p| {
@@ -427,6 +439,61 @@ async fn pods_read_as_protobuf_are_kept_as_pods_read_as_json() {
         }
     }
     delete_namespace(c, &ns).await;
+}
+
+/// Gives pod `ns/name` the annotation `example.com/bytes` with a value that is not UTF-8, as
+/// any client allowed to update pods can: the pod read and sent back as protobuf (the API
+/// server's protobuf decoder stores text unchecked) with one more `metadata` field after the
+/// rest, which protobuf merges into the first.
+async fn store_text_outside_utf8(c: &Client, ns: &str, name: &str) {
+    use prost::Message as _;
+    /// `runtime.Unknown`, the envelope after `k8s\0`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Unknown {
+        #[prost(bytes = "vec", tag = "1")]
+        type_meta: Vec<u8>,
+        #[prost(bytes = "vec", tag = "2")]
+        raw: Vec<u8>,
+        #[prost(string, tag = "3")]
+        content_encoding: String,
+        #[prost(string, tag = "4")]
+        content_type: String,
+    }
+    const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+    let uri = format!("/api/v1/namespaces/{ns}/pods/{name}");
+    let get = http::Request::get(&uri)
+        .header(http::header::ACCEPT, PROTOBUF)
+        .body(Vec::new())
+        .expect("a GET");
+    let body = c.request_stream(get).await.expect("the pod as protobuf");
+    let mut bytes = Vec::new();
+    futures::AsyncReadExt::read_to_end(&mut Box::pin(body), &mut bytes)
+        .await
+        .expect("read the pod");
+    let raw = bytes.strip_prefix(b"k8s\0").expect("the k8s envelope");
+    let mut envelope = Unknown::decode(raw).expect("runtime.Unknown");
+    // ObjectMeta { annotations (12): { "example.com/bytes": "\xff|\xfe" } } as Pod field 1.
+    let (key, value) = (b"example.com/bytes", b"\xff|\xfe");
+    let entry = [
+        &[0x0a, key.len() as u8][..],
+        key,
+        &[0x12, value.len() as u8],
+        value,
+    ]
+    .concat();
+    let annotations = [&[0x62, entry.len() as u8][..], &entry].concat();
+    envelope
+        .raw
+        .extend_from_slice(&[0x0a, annotations.len() as u8]);
+    envelope.raw.extend_from_slice(&annotations);
+    let put = http::Request::put(&uri)
+        .header(http::header::CONTENT_TYPE, PROTOBUF)
+        .header(http::header::ACCEPT, "application/json")
+        .body([&b"k8s\0"[..], &envelope.encode_to_vec()].concat())
+        .expect("a PUT");
+    c.request_text(put)
+        .await
+        .expect("the pod updated from protobuf");
 }
 
 const CRD: &str = "persistentpodstates.apps.kruise.io";

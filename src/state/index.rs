@@ -42,20 +42,29 @@ impl<S> Relisting<S> {
     where
         S: Indexer<K>,
     {
+        self.apply_replacing(event).0
+    }
+
+    /// [`Relisting::apply`], handing back the index a relist's end replaced, for the caller to
+    /// free outside its lock.
+    fn apply_replacing<K>(&mut self, event: &watcher::Event<K>) -> (bool, Option<S>)
+    where
+        S: Indexer<K>,
+    {
         match event {
-            watcher::Event::Apply(obj) => self.current.upsert(obj),
-            watcher::Event::Delete(obj) => self.current.remove(obj),
+            watcher::Event::Apply(obj) => (self.current.upsert(obj), None),
+            watcher::Event::Delete(obj) => (self.current.remove(obj), None),
             watcher::Event::Init => {
                 self.rebuilding = Some(S::default());
-                false
+                (false, None)
             }
             watcher::Event::InitApply(obj) => {
                 self.rebuilding.get_or_insert_with(S::default).upsert(obj);
-                false
+                (false, None)
             }
             watcher::Event::InitDone => {
-                self.current = self.rebuilding.take().unwrap_or_default();
-                true
+                let rebuilt = self.rebuilding.take().unwrap_or_default();
+                (true, Some(std::mem::replace(&mut self.current, rebuilt)))
             }
         }
     }
@@ -81,7 +90,10 @@ impl<S> Shared<S> {
     where
         S: Indexer<K>,
     {
-        crate::sync::write(&self.0).apply(event)
+        let (changed, replaced) = crate::sync::write(&self.0).apply_replacing(event);
+        // Freed once the lock is let go: a large index takes a while, and readers wait on it.
+        drop(replaced);
+        changed
     }
 
     /// Read access to the current index.

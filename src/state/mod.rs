@@ -215,10 +215,19 @@ impl Caches {
         // A relist replaces the store at its end, with no Delete for what went meanwhile: the
         // targets of the objects held before it are kept to tell which went.
         let before = matches!(event, watcher::Event::InitDone).then(|| self.pps_targets());
+        // What one that went targeted, from its cached copy: the event's may not read (an
+        // object whose spec no longer decodes comes as a Delete of its metadata alone).
+        let went_from = match &event {
+            watcher::Event::Delete(p) => self
+                .pps
+                .get(&ObjectRef::from_obj(p))
+                .and_then(|cached| pps_target(&cached)),
+            _ => None,
+        };
         lock(&self.pps_writer).apply_watcher_event(&event);
         self.pps_by_target.apply(&event);
         self.listed_if_done(&event, &self.listed.pps);
-        self.trigger_for_pps(&event, before);
+        self.trigger_for_pps(&event, before, went_from);
     }
 
     /// Applies one Pod watch event (the pods kept as [`CachedPod`]).

@@ -83,7 +83,10 @@ struct PodList {
     items: Vec<ProtoPod>,
 }
 
-/// `core.v1.Pod`.
+/// `core.v1.Pod`. Its text fields are read as bytes and made text as the API server's JSON
+/// makes them ([`text`]): its protobuf decoder stores them unchecked, so one pod created with
+/// invalid UTF-8 (in an annotation's value, say) is read as JSON clients read it instead of
+/// failing every list and watch of pods.
 #[derive(Clone, PartialEq, Message)]
 struct ProtoPod {
     #[prost(message, optional, tag = "1")]
@@ -97,18 +100,18 @@ struct ProtoPod {
 /// `meta.v1.ObjectMeta`.
 #[derive(Clone, PartialEq, Message)]
 struct ObjectMeta {
-    #[prost(string, optional, tag = "1")]
-    name: Option<String>,
-    #[prost(string, optional, tag = "3")]
-    namespace: Option<String>,
-    #[prost(string, optional, tag = "5")]
-    uid: Option<String>,
-    #[prost(string, optional, tag = "6")]
-    resource_version: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "1")]
+    name: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "3")]
+    namespace: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "5")]
+    uid: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "6")]
+    resource_version: Option<Vec<u8>>,
     #[prost(message, optional, tag = "9")]
     deletion_timestamp: Option<Time>,
-    #[prost(btree_map = "string, string", tag = "12")]
-    annotations: BTreeMap<String, String>,
+    #[prost(btree_map = "string, bytes", tag = "12")]
+    annotations: BTreeMap<String, Vec<u8>>,
     #[prost(message, repeated, tag = "13")]
     owner_references: Vec<OwnerReference>,
 }
@@ -125,14 +128,14 @@ struct Time {
 /// `meta.v1.OwnerReference`.
 #[derive(Clone, PartialEq, Message)]
 struct OwnerReference {
-    #[prost(string, optional, tag = "1")]
-    kind: Option<String>,
-    #[prost(string, optional, tag = "3")]
-    name: Option<String>,
-    #[prost(string, optional, tag = "4")]
-    uid: Option<String>,
-    #[prost(string, optional, tag = "5")]
-    api_version: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "1")]
+    kind: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "3")]
+    name: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "4")]
+    uid: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "5")]
+    api_version: Option<Vec<u8>>,
     #[prost(bool, optional, tag = "6")]
     controller: Option<bool>,
 }
@@ -140,19 +143,19 @@ struct OwnerReference {
 /// `core.v1.PodSpec`.
 #[derive(Clone, PartialEq, Message)]
 struct ProtoPodSpec {
-    #[prost(string, optional, tag = "10")]
-    node_name: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "10")]
+    node_name: Option<Vec<u8>>,
 }
 
 /// `core.v1.PodStatus`.
 #[derive(Clone, PartialEq, Message)]
 struct ProtoPodStatus {
-    #[prost(string, optional, tag = "1")]
-    phase: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "1")]
+    phase: Option<Vec<u8>>,
     #[prost(message, repeated, tag = "2")]
     conditions: Vec<ProtoPodCondition>,
-    #[prost(string, optional, tag = "6")]
-    pod_ip: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "6")]
+    pod_ip: Option<Vec<u8>>,
     #[prost(message, repeated, tag = "12")]
     pod_ips: Vec<ProtoPodIp>,
 }
@@ -160,17 +163,17 @@ struct ProtoPodStatus {
 /// `core.v1.PodCondition`.
 #[derive(Clone, PartialEq, Message)]
 struct ProtoPodCondition {
-    #[prost(string, optional, tag = "1")]
-    type_: Option<String>,
-    #[prost(string, optional, tag = "2")]
-    status: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "1")]
+    type_: Option<Vec<u8>>,
+    #[prost(bytes = "vec", optional, tag = "2")]
+    status: Option<Vec<u8>>,
 }
 
 /// `core.v1.PodIP`.
 #[derive(Clone, PartialEq, Message)]
 struct ProtoPodIp {
-    #[prost(string, optional, tag = "1")]
-    ip: Option<String>,
+    #[prost(bytes = "vec", optional, tag = "1")]
+    ip: Option<Vec<u8>>,
 }
 
 /// `meta.v1.WatchEvent`.
@@ -205,13 +208,14 @@ impl From<ProtoPod> for Pod {
     /// same conversion into what is kept.
     fn from(p: ProtoPod) -> Self {
         let m = p.metadata.unwrap_or_default();
-        let non_empty = |map: BTreeMap<String, String>| (!map.is_empty()).then_some(map);
+        let opt = |b: Option<Vec<u8>>| b.map(text);
+        let req = |b: Option<Vec<u8>>| b.map(text).unwrap_or_default();
         Pod {
             metadata: meta::ObjectMeta {
-                name: m.name,
-                namespace: m.namespace,
-                uid: m.uid,
-                resource_version: m.resource_version,
+                name: opt(m.name),
+                namespace: opt(m.namespace),
+                uid: opt(m.uid),
+                resource_version: opt(m.resource_version),
                 deletion_timestamp: m.deletion_timestamp.map(|t| {
                     meta::Time(
                         k8s_openapi::jiff::Timestamp::new(
@@ -221,15 +225,20 @@ impl From<ProtoPod> for Pod {
                         .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
                     )
                 }),
-                annotations: non_empty(m.annotations),
+                annotations: (!m.annotations.is_empty()).then(|| {
+                    m.annotations
+                        .into_iter()
+                        .map(|(k, v)| (k, text(v)))
+                        .collect()
+                }),
                 owner_references: (!m.owner_references.is_empty()).then(|| {
                     m.owner_references
                         .into_iter()
                         .map(|o| meta::OwnerReference {
-                            api_version: o.api_version.unwrap_or_default(),
-                            kind: o.kind.unwrap_or_default(),
-                            name: o.name.unwrap_or_default(),
-                            uid: o.uid.unwrap_or_default(),
+                            api_version: req(o.api_version),
+                            kind: req(o.kind),
+                            name: req(o.name),
+                            uid: req(o.uid),
                             controller: o.controller,
                             block_owner_deletion: None,
                         })
@@ -238,34 +247,46 @@ impl From<ProtoPod> for Pod {
                 ..meta::ObjectMeta::default()
             },
             spec: p.spec.map(|s| PodSpec {
-                node_name: s.node_name,
+                node_name: opt(s.node_name),
                 ..PodSpec::default()
             }),
             status: p.status.map(|s| PodStatus {
-                phase: s.phase,
+                phase: opt(s.phase),
                 conditions: (!s.conditions.is_empty()).then(|| {
                     s.conditions
                         .into_iter()
                         .map(|c| PodCondition {
-                            type_: c.type_.unwrap_or_default(),
-                            status: c.status.unwrap_or_default(),
+                            type_: req(c.type_),
+                            status: req(c.status),
                             ..PodCondition::default()
                         })
                         .collect()
                 }),
-                pod_ip: s.pod_ip,
+                pod_ip: opt(s.pod_ip),
                 pod_ips: (!s.pod_ips.is_empty()).then(|| {
                     s.pod_ips
                         .into_iter()
-                        .map(|ip| PodIP {
-                            ip: ip.ip.unwrap_or_default(),
-                        })
+                        .map(|ip| PodIP { ip: req(ip.ip) })
                         .collect()
                 }),
                 ..PodStatus::default()
             }),
         }
     }
+}
+
+/// `bytes` as text, as the API server's JSON encoder (Go's) writes a string: each byte that is
+/// not part of valid UTF-8 becomes U+FFFD (without a copy when the bytes are valid).
+fn text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| {
+        let bytes = e.into_bytes();
+        let mut out = String::with_capacity(bytes.len() + 8);
+        for chunk in bytes.utf8_chunks() {
+            out.push_str(chunk.valid());
+            out.extend(chunk.invalid().iter().map(|_| char::REPLACEMENT_CHARACTER));
+        }
+        out
+    })
 }
 
 /// An answer that cannot be read.
@@ -956,10 +977,10 @@ mod tests {
     fn pod(name: &str, rv: &str) -> ProtoPod {
         ProtoPod {
             metadata: Some(ObjectMeta {
-                name: Some(name.to_owned()),
-                namespace: Some("ns".to_owned()),
-                uid: Some(format!("uid-{name}")),
-                resource_version: Some(rv.to_owned()),
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(format!("uid-{name}").into()),
+                resource_version: Some(rv.into()),
                 deletion_timestamp: None,
                 annotations: BTreeMap::new(),
                 owner_references: Vec::new(),
@@ -1265,7 +1286,7 @@ mod tests {
                 .map(|(i, size)| {
                     let mut p = pod(&format!("p{i}"), "1");
                     if let Some(m) = p.metadata.as_mut() {
-                        m.annotations.insert("a".into(), "x".repeat(*size));
+                        m.annotations.insert("a".into(), "x".repeat(*size).into());
                     }
                     p
                 })
@@ -1510,6 +1531,41 @@ mod tests {
         assert!(decoded.deleting && decoded.ready);
         assert_eq!(&*decoded.ips, [Box::from("10.0.0.1"), Box::from("fd00::1")]);
         assert_eq!(decoded.controller.as_ref().map(|o| &*o.name), Some("web"));
+    }
+
+    #[test]
+    fn text_outside_utf8_is_read_as_the_api_servers_json_writes_it() {
+        // The API server's protobuf decoder stores text unchecked: a pod created with these
+        // bytes is served so, and must not fail the list or watch that carries it.
+        let mut p = pod("web-0", "7");
+        if let Some(m) = p.metadata.as_mut() {
+            m.annotations
+                .insert("note".into(), b"caf\xc3\xa9 \xff|\xf0\x9f\x98".to_vec());
+            m.owner_references = vec![OwnerReference {
+                kind: Some("StatefulSet".into()),
+                name: Some(b"w\xfeb".to_vec()),
+                uid: Some("u".into()),
+                api_version: Some("apps/v1".into()),
+                controller: Some(true),
+            }];
+        }
+        let decoded = decode_pod(envelope(&p).into())
+            .expect("read, not refused")
+            .pod;
+        // Go's encoding/json writes one U+FFFD per byte outside valid UTF-8.
+        let json: WatchedPod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "web-0", "namespace": "ns", "uid": "uid-web-0", "resourceVersion": "7",
+                "annotations": {"note": "caf\u{e9} \u{fffd}|\u{fffd}\u{fffd}\u{fffd}"},
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "w\u{fffd}b", "uid": "u", "controller": true}
+                ]
+            },
+            "spec": {"containers": []}
+        }))
+        .expect("a JSON pod");
+        assert_eq!(decoded, json.pod);
+        assert_eq!(text(b"valid \xe2\x9c\x93".to_vec()), "valid \u{2713}");
     }
 
     #[test]

@@ -78,19 +78,20 @@ impl Triggers {
 }
 
 impl Caches {
-    /// A PersistentPodState changed: reconcile it; one went (deleted, or missing from a relist
-    /// that ended, `before` holding the targets of those cached until then): its workload may
-    /// have waited for it (a generated PPS is re-created), and another one targeting the same
-    /// workload takes over.
+    /// A PersistentPodState changed: reconcile it; one went (deleted, `went_from` the target of
+    /// its cached copy, or missing from a relist that ended, `before` holding the targets of
+    /// those cached until then): its workload may have waited for it (a generated PPS is
+    /// re-created), and another one targeting the same workload takes over.
     pub(super) fn trigger_for_pps(
         &self,
         event: &watcher::Event<PersistentPodState>,
         before: Option<HashMap<ObjectRef<PersistentPodState>, WorkloadRef>>,
+        went_from: Option<WorkloadRef>,
     ) {
         match event {
             watcher::Event::Apply(p) => self.triggers.pps([ObjectRef::from_obj(p)]),
             watcher::Event::Delete(p) => {
-                if let Some(target) = pps_target(p) {
+                if let Some(target) = went_from.or_else(|| pps_target(p)) {
                     self.gone(&target);
                 }
             }
@@ -323,6 +324,21 @@ mod tests {
         let mut generator = caches.triggers.subscribe_workloads(&kind);
         // Deleted: the generator, and the one left targeting the same StatefulSet.
         caches.apply_pps(watcher::Event::Delete(named("twin")));
+        assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("web".into())
+        );
+        assert_eq!(
+            pps_requests.try_recv().ok(),
+            Some(ObjectRef::new("web").within("ns"))
+        );
+        // Changed to a spec that no longer reads: it comes as a Delete of its metadata alone,
+        // and still wakes what its cached copy targeted.
+        caches.apply_pps(watcher::Event::Apply(named("twin")));
+        let _ = pps_requests.try_recv();
+        let mut unreadable = named("twin");
+        unreadable.spec = Default::default();
+        caches.apply_pps(watcher::Event::Delete(unreadable));
         assert_eq!(
             generator.try_recv().ok().map(|r| r.name),
             Some("web".into())
