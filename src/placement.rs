@@ -82,7 +82,10 @@ impl Health {
 /// (`Timestamp::MIN` for an unknown time, and when tainted out-of-service); `None` while it is
 /// ready and untainted. Node loss is judged from this alone, so a change of a node's health
 /// fields that leaves it unchanged (the node lifecycle controller's taints, added after the
-/// `Ready` condition they follow) changes no judgement.
+/// `Ready` condition they follow) changes no judgement. On a node whose `Ready` is `True`, an
+/// unreachable or not-ready taint with no date (the NoSchedule one, before its twin is added or
+/// after the node came back, until the node lifecycle controller takes it off) does not count:
+/// the node is back, not lost since an unknown time.
 pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
     let mut since: Option<Timestamp> = None;
     let mut earliest = |t: Timestamp| since = Some(since.map_or(t, |s| s.min(t)));
@@ -91,6 +94,7 @@ pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    let ready_now = ready.is_some_and(|c| c.status == "True");
     // Not ready since (`Some(None)`: not ready, since when unknown).
     let not_ready_since = ready
         .filter(|c| c.status != "True")
@@ -113,7 +117,11 @@ pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
                         .find_map(added)
                 })
                 .or(not_ready_since.flatten());
-            earliest(dated.unwrap_or(Timestamp::MIN));
+            match dated {
+                Some(t) => earliest(t),
+                None if ready_now => {}
+                None => earliest(Timestamp::MIN),
+            }
         }
     }
     since
@@ -173,6 +181,25 @@ impl<'a> PodDemands<'a> {
             .required
             .is_none_or(|sel| selector_matches(sel, &node.name_any(), labels));
         selector_ok && affinity_ok && self.tolerates(taints(node))
+    }
+
+    /// At most how many values judging one node against these demands compares (each of the
+    /// pod's selector entries, requirements and their values, and tolerations).
+    fn weight(&self) -> usize {
+        let required = self.required.map_or(0, |r| {
+            r.node_selector_terms
+                .iter()
+                .flat_map(|t| {
+                    let expressions = t.match_expressions.iter().flatten();
+                    let fields = t.match_fields.iter().flatten();
+                    expressions
+                        .map(|e| e.values.as_ref().map_or(0, Vec::len))
+                        .chain(fields.map(|f| f.values.as_ref().map_or(0, Vec::len)))
+                        .map(|values| values + 1)
+                })
+                .sum::<usize>()
+        });
+        1 + self.node_selector.map_or(0, BTreeMap::len) + required + self.tolerations.len()
     }
 
     fn tolerates(&self, taints: &[Taint]) -> bool {
@@ -347,10 +374,18 @@ pub fn required_owned(
     }
 }
 
+/// How many values judging nodes against a pod's demands may compare in one decision (a few
+/// milliseconds): a pod whose own constraints would cost more, judged on every node, is not
+/// degraded to a subset of its values (see [`required`]).
+pub const JUDGING_WORK: usize = 4_000_000;
+
 /// Decides which of the `recorded` required values to inject: all of them when a usable node
 /// meeting `demands` has them all (the usual case, answered from the label index); otherwise
 /// the largest subset some such node has (ties: the subset more nodes have, then key order),
 /// so a lost hostname degrades to its zone. What is left out is reported with its reason.
+/// Judging stops past [`JUDGING_WORK`] (a pod with huge constraints of its own, on a large
+/// cluster): then every value not found usable by then is left out, injecting less, with the
+/// reason known by then.
 pub fn required<'a>(
     recorded: BTreeMap<&'a str, &'a str>,
     demands: &PodDemands<'_>,
@@ -361,15 +396,20 @@ pub fn required<'a>(
         return Required::default();
     }
     let usable = |n: &Node| !health.is_lost(n) && demands.admit(n);
+    let weight = demands.weight();
     // The usual case: a carrier of every recorded value is usable (stops at the first).
-    let (mut carriers, mut alive) = (0usize, false);
+    let (mut carriers, mut alive, mut over) = (0usize, false, false);
     let found = nodes.visit_with_labels(&recorded, &mut |n| {
         carriers += 1;
+        if carriers.saturating_mul(weight) > JUDGING_WORK {
+            over = true;
+            return true;
+        }
         let not_lost = !health.is_lost(n);
         alive |= not_lost;
         not_lost && demands.admit(n)
     });
-    if found {
+    if found && !over {
         return Required {
             kept: recorded,
             dropped: None,
@@ -382,10 +422,20 @@ pub fn required<'a>(
     } else {
         DropReason::NodeLost
     };
+    let all = nodes.all();
+    if over || all.len().saturating_mul(weight) > JUDGING_WORK {
+        return Required {
+            kept: BTreeMap::new(),
+            dropped: Some(Dropped {
+                values: owned(&recorded),
+                reason,
+            }),
+        };
+    }
     // Degrade: the largest subset of the recorded values some usable node still has.
     let pairs: Vec<(&str, &str)> = recorded.iter().map(|(k, v)| (*k, *v)).collect();
     let mut subsets: HashMap<Vec<bool>, usize> = HashMap::new();
-    for node in nodes.all().iter().filter(|n| usable(n)) {
+    for node in all.iter().filter(|n| usable(n)) {
         let labels = node.labels();
         let mask: Vec<bool> = pairs
             .iter()
@@ -538,6 +588,18 @@ mod tests {
             Some(at("2026-11-22T12:04:59Z"))
         );
         assert!(h.is_lost(&node("n", "z", unreachable("2026-11-22T11:00:00Z"))));
+        // Back: Ready True again while the undated NoSchedule taint is still on (the node
+        // lifecycle controller takes it off next): not lost, and not unhealthy at all.
+        let back = json!({"spec": {"taints": [{"key": UNREACHABLE_TAINT, "effect": "NoSchedule"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-22T11:59:59Z"}]}});
+        assert!(!h.is_lost(&node("n", "z", back.clone())));
+        assert_eq!(unhealthy_since(&node("n", "z", back)), None);
+        // Back with the dated NoExecute twin still on: judged by its date (a second ago).
+        let back_dated = json!({"spec": {"taints": [
+                {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"},
+                {"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": "2026-11-22T11:59:59Z"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-22T12:00:00Z"}]}});
+        assert!(!h.is_lost(&node("n", "z", back_dated)));
         // Only the NoSchedule taint, Ready False since a minute: dated by the condition.
         let not_ready = json!({"spec": {"taints": [{"key": NOT_READY_TAINT, "effect": "NoSchedule"}]},
             "status": {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": "2026-11-22T11:59:00Z"}]}});
@@ -822,5 +884,39 @@ mod tests {
 
         let nothing = choose(&[], &free);
         assert_eq!(nothing, Required::default());
+    }
+
+    #[test]
+    fn a_pod_too_costly_to_judge_on_every_node_is_not_degraded_but_left_without_the_values() {
+        // 400 nodes in zone b, the recorded host gone: degrading judges every node.
+        let fleet = Fleet(
+            (0..400)
+                .map(|i| Arc::new(node(&format!("b{i}"), "b", json!({}))))
+                .collect(),
+        );
+        let h = health();
+        let values = recorded(&[(HOST, "gone"), (ZONE, "b")]);
+        // The pod's own affinity admits every node, with a value list of its own.
+        let admitting = |count: usize| {
+            let mut listed: Vec<String> = (0..count).map(|i| format!("x{i}")).collect();
+            listed.push("b".to_owned());
+            let listed: Vec<&str> = listed.iter().map(String::as_str).collect();
+            pod(affinity(
+                json!([{"matchExpressions": [expr(ZONE, "In", &listed)]}]),
+            ))
+        };
+        let small = required_owned(&values, &PodDemands::of(&admitting(10)), &fleet, &h);
+        assert_eq!(small.kept, recorded(&[(ZONE, "b")]), "degraded to the zone");
+        // 400 nodes x over 10,000 values: past the work bound, so nothing required is kept.
+        let huge = admitting(JUDGING_WORK / 400);
+        let placed = required_owned(&values, &PodDemands::of(&huge), &fleet, &h);
+        assert_eq!(placed.kept, BTreeMap::new());
+        assert_eq!(
+            placed.dropped,
+            Some(Dropped {
+                values,
+                reason: DropReason::NodeGone
+            })
+        );
     }
 }

@@ -267,6 +267,11 @@ pub struct Kept {
     pub claim: String,
     /// Why it is kept.
     pub why: String,
+    /// Whether its volume was left unjudged (another owner's claim, or one not bound as it
+    /// says): it may hold the pod to the lost node too, so the controller releases none of the
+    /// pod's claims, which would be deleted for nothing.
+    #[serde(skip)]
+    pub unjudged: bool,
 }
 
 /// Judges one claim of a pod, given the volume it is bound to (if any).
@@ -282,6 +287,7 @@ pub fn judge_claim(
     let kept = |why: String| Kept {
         claim: claim.name_any(),
         why,
+        unjudged: true,
     };
     own_claim(claim, pod.0, pod.1, templates, workload_uid).map_err(kept)?;
     let uid = claim
@@ -306,7 +312,10 @@ pub fn judge_claim(
             claim.name_any()
         )));
     }
-    let node = volume_node(pv, nodes, keys).map_err(kept)?;
+    let node = volume_node(pv, nodes, keys).map_err(|why| Kept {
+        unjudged: false,
+        ..kept(why)
+    })?;
     Ok(LocalClaim {
         claim: claim.name_any(),
         uid,
@@ -503,6 +512,7 @@ pub async fn release_pod(
                         local.node
                     ),
                     claim: local.claim,
+                    unjudged: false,
                 }),
                 _ => report.claims.push(local),
             },

@@ -255,6 +255,14 @@ async fn release_local_volumes(
             report::local_volume_blocking(ctx, pps, w, &local);
             continue;
         }
+        // A claim whose volume was not judged may hold the pod to that node as well: deleting
+        // the others would lose their data and leave the pod waiting.
+        if kept.iter().any(|k| k.unjudged) {
+            if report::first_local_report(ctx, pps, &w.uid, &uids) {
+                report::local_volume_kept(ctx, pps, w, &kept);
+            }
+            continue;
+        }
         if let Err(later) = ctx.releases.take(&key) {
             tracing::info!(pod = %w.pod, ?later, "release rate reached; the pod waits for the next");
             out.later = Some(later);

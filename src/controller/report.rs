@@ -231,7 +231,12 @@ pub(super) fn unplaceable_changed<'a>(
             Some((pod.as_str(), print?))
         })
         .collect();
-    let (reported, _) = ctx.reported_unplaceable.lock(&ctx.caches);
+    let (reported, forgot) = ctx.reported_unplaceable.lock(&ctx.caches);
+    if forgot {
+        // PersistentPodStates deleted since were forgotten in this look: counted again.
+        let left = reported.by_pps.values().map(BTreeMap::len).sum::<usize>();
+        ctx.metrics.states_unplaceable.set(left as i64);
+    }
     let before = reported.by_pps.get(&ObjectRef::from_obj(pps));
     before.map_or(0, BTreeMap::len) != now.len()
         || now

@@ -948,6 +948,45 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
 }
 
 #[tokio::test]
+async fn a_local_claim_beside_an_unjudged_one_is_not_released_for_nothing() {
+    let caches = waiting_world();
+    let mut workload = statefulset(json!({}));
+    workload.data["spec"]["volumeClaimTemplates"] =
+        json!([{"metadata": {"name": "data"}}, {"metadata": {"name": "logs"}}]);
+    caches.apply_workload(
+        &GroupKind::native_statefulset(),
+        watcher::Event::Apply(workload),
+    );
+    // data-web-0 is the pod's own, on n1's local volume; logs-web-0, on another of n1's, is
+    // another owner's: it would hold the re-created pod to n1 still.
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.push(json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid",
+            "ownerReferences": [{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "b-uid"}]},
+        "spec": {"volumeName": "pv-2"}}));
+    answers.push(
+        json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-2"},
+        "spec": {"claimRef": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid"},
+                 "nodeAffinity": on_host("n1")}}),
+    );
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
+    assert_eq!(sent.len(), 4, "{sent:?}");
+    let note = event_note(&mut events, "LocalVolumeKept").await;
+    assert!(
+        note.contains("owned by Backup b") && note.contains("web-0"),
+        "{note}"
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 0")
+    );
+}
+
+#[tokio::test]
 async fn a_node_within_its_grace_period_releases_nothing_and_reads_nothing() {
     let caches = waiting_world();
     let since = k8s_openapi::jiff::Timestamp::now().to_string();
