@@ -98,6 +98,13 @@ impl Limits {
     };
 }
 
+/// hyper's read buffer for an HTTP/1 connection (`max_buf_size`): a request's head not complete
+/// once this much is read is answered 431 and its connection closed, so a connection holds at
+/// most about twice this (one more read) before its body is counted by a [`Budget`]. hyper's own
+/// default is about 400 KiB; a review's head is under 1 KiB. (HTTP/2 heads are bounded by
+/// hyper's 16 KiB header list.)
+pub const HEADER_BYTES: usize = 32 << 10;
+
 /// A JSON error body `{"error": message}` with `status`.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()
@@ -1379,7 +1386,11 @@ async fn accept(listener: TcpListener, server: Server, threads: Spread) {
             // connections open cannot lock others out), if one frees in time.
             Err(_) => {
                 live.evict_most_idle();
-                match tokio::time::timeout(EVICTION_WAIT, slots.clone().acquire_owned()).await {
+                let freed = tokio::select! {
+                    freed = tokio::time::timeout(EVICTION_WAIT, slots.clone().acquire_owned()) => freed,
+                    () = shutdown.cancelled() => break,
+                };
+                match freed {
                     Ok(Ok(slot)) => slot,
                     _ => {
                         tracing::debug!(%peer, "connection limit reached; closing the new connection");
@@ -1580,7 +1591,10 @@ async fn run_http<IO>(
         },
     };
     // The header deadline is this loop's own ([`Activity::past_bound`]), not hyper's.
-    builder.http1().header_read_timeout(None);
+    builder
+        .http1()
+        .header_read_timeout(None)
+        .max_buf_size(HEADER_BYTES);
     builder
         .http2()
         .timer(TokioTimer::new())

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::testing::state;
 use super::{MAX_BODY, endpoints, router};
 use crate::certs;
-use crate::serving::{self, Limits, serve};
+use crate::serving::{self, HEADER_BYTES, Limits, serve};
 
 const TEST_LIMITS: Limits = Limits {
     max_connections: 64,
@@ -267,7 +267,8 @@ fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
     vec![
         ("empty body", Vec::new(), Want::Error(400)),
         ("not JSON", b"hello".to_vec(), Want::Error(400)),
-        ("truncated JSON", br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"u-bad""#.to_vec(), Want::Error(400)),
+        ("truncated JSON, the uid read", br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"u-bad""#.to_vec(), Want::Uid),
+        ("truncated JSON, within the uid", br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"u-b"#.to_vec(), Want::Error(400)),
         ("a JSON array", b"[]".to_vec(), Want::Error(400)),
         ("a JSON number", b"42".to_vec(), Want::Error(400)),
         ("a JSON string", br#""review""#.to_vec(), Want::Error(400)),
@@ -281,7 +282,7 @@ fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
         ("deep nesting in the object", deep_object, Want::UidOrError),
         ("invalid UTF-8", bad_utf8, Want::UidOrError),
         ("over 3 MiB", huge, Want::Error(413)),
-        ("trailing garbage", [review(pod_request(json!({}))), b"garbage".to_vec()].concat(), Want::Error(400)),
+        ("trailing garbage", [review(pod_request(json!({}))), b"garbage".to_vec()].concat(), Want::Uid),
         ("wrong review kind", serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "Pod", "request": pod_request(json!({}))})).expect("json"), Want::Uid),
         ("unknown apiVersion", serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v9", "request": pod_request(json!({}))})).expect("json"), Want::Uid),
         ("unknown operation", review(pod_request(json!({"operation": "TELEPORT"}))), Want::Uid),
@@ -445,6 +446,35 @@ async fn misbehaving_connections_are_closed_within_their_bounds() {
         )
         .await;
     assert!(matches!(got, Got::Answer(200, _)), "{got:?}");
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_request_head_over_its_bound_is_refused_before_it_is_handled() {
+    let server = start().await;
+    let body = review(pod_request(json!({})));
+    let head = |extra: usize| {
+        let mut request = format!(
+            "POST {} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\nx-pad: {}\r\n\r\n",
+            endpoints::MUTATE_POD,
+            body.len(),
+            "a".repeat(extra)
+        )
+        .into_bytes();
+        request.extend_from_slice(&body);
+        request
+    };
+    // Within the bound: answered.
+    let got = server.raw(&head(HEADER_BYTES / 2)).await;
+    assert!(matches!(got, Got::Answer(200, _)), "{got:?}");
+    // Over twice it (hyper alone would hold about 400 KiB of head per connection): never
+    // handled.
+    let over = 2 * HEADER_BYTES + (16 << 10);
+    let got = server.raw(&head(over)).await;
+    assert!(
+        matches!(got, Got::Closed | Got::Answer(431, _)),
+        "a head of {over} bytes: {got:?}"
+    );
     server.stop.cancel();
 }
 

@@ -41,11 +41,14 @@ pub const POD_BUDGET: Budget = Budget {
 /// What PersistentPodState validations may hold at once (a share of their own; creates come in
 /// bursts: an apply of many objects, the generator). Their objects' status and managed fields
 /// are never decoded (an update of one recording thousands of pods costs what its spec does).
+/// What a request holds beyond its body is at most twice its length: the strings decoded from
+/// the object and the old object (parts of the body that never overlap), and a refusal's
+/// message, which quotes them.
 pub const VALIDATE_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
     pruned: &validate_pps::UNREAD_KEYS,
-    held_per_byte: 0,
+    held_per_byte: 2,
 };
 /// What conversions may hold at once (a share of their own). Only the objects' specs and
 /// their own keys are decoded; what a request holds beyond its body is at most twice its

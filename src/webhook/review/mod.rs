@@ -379,27 +379,101 @@ fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> serde_json::Result<T> {
 }
 
 /// The uid (and review version) of a body not read as a review, read alone with every other
-/// field skipped: a body the API server would never send (a field repeated, a number out of
-/// range where a field is read) still gets an answer carrying its uid. `None` when even that
-/// does not read (not JSON, no request, its uid missing, repeated or not a string).
+/// field skipped, as far as the body reads: a body the API server would never send (a field
+/// repeated, a number out of range where a field is read, garbage after the review, a body cut
+/// short after the uid) still gets an answer carrying its uid. `None` when even that does not
+/// read (not JSON, no request, its uid missing, given twice or not a string).
 fn uid_alone(body: &[u8]) -> Option<(Option<String>, String)> {
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct Request {
-        #[serde(default, deserialize_with = "lenient")]
-        uid: Option<String>,
+    let mut alone = Alone::default();
+    // What was read before an error still counts.
+    let _ = serde::de::DeserializeSeed::deserialize(
+        ReviewSeed(&mut alone),
+        &mut serde_json::Deserializer::from_slice(body),
+    );
+    if alone.ambiguous {
+        return None;
     }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct Review {
-        #[serde(default, deserialize_with = "lenient")]
-        api_version: Option<String>,
-        #[serde(default)]
-        request: Option<Request>,
+    let uid = uid_of(alone.uid.flatten())?;
+    Some((alone.api_version.flatten(), uid))
+}
+
+/// What [`uid_alone`] has read so far: the first `apiVersion`, and the request's uid.
+#[derive(Default)]
+struct Alone {
+    api_version: Option<Option<String>>,
+    /// Whether a `request` was read (or begun).
+    request: bool,
+    uid: Option<Option<String>>,
+    /// A second `request`, or a second uid in it: which uid is meant is not known.
+    ambiguous: bool,
+}
+
+/// Reads a review's top-level object into an [`Alone`], field by field.
+struct ReviewSeed<'a>(&'a mut Alone);
+
+/// Reads a review's `request` object into an [`Alone`], field by field.
+struct RequestSeed<'a>(&'a mut Alone);
+
+impl<'de> serde::de::DeserializeSeed<'de> for ReviewSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
     }
-    let review: Review = from_body(body).ok()?;
-    let uid = uid_of(review.request?.uid)?;
-    Some((review.api_version, uid))
+}
+
+impl<'de> Visitor<'de> for ReviewSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a review object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "apiVersion" if self.0.api_version.is_none() => {
+                    self.0.api_version = Some(map.next_value::<Loose<String>>()?.0);
+                }
+                "request" if self.0.request => {
+                    self.0.ambiguous = true;
+                    map.next_value::<IgnoredAny>()?;
+                }
+                "request" => {
+                    self.0.request = true;
+                    map.next_value_seed(RequestSeed(&mut *self.0))?;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for RequestSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for RequestSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a request object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "uid" {
+                if self.0.uid.is_some() {
+                    self.0.ambiguous = true;
+                }
+                self.0.uid = Some(map.next_value::<Loose<String>>()?.0);
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Parses a request body as an AdmissionReview, in one pass.
@@ -1011,6 +1085,55 @@ mod tests {
             // Nor is it read alone from a body that is not a review.
             let broken = admission.replacen(r#""object":{}"#, r#""object":{},"kind":1e400"#, 1);
             assert_eq!(uid_alone(broken.as_bytes()).is_some(), read, "{len}");
+        }
+    }
+
+    #[test]
+    fn the_uid_is_read_alone_from_bodies_that_are_not_reviews_as_far_as_they_read() {
+        let review =
+            r#"{"apiVersion":"admission.k8s.io/v1beta1","request":{"uid":"u-9","object":{}}}"#;
+        let read = |body: &str| uid_alone(body.as_bytes());
+        let with_uid = Some((
+            Some("admission.k8s.io/v1beta1".to_owned()),
+            "u-9".to_owned(),
+        ));
+        for (what, body) in [
+            ("garbage after it", format!("{review}xyz")),
+            ("a second document after it", format!("{review} {review}")),
+            (
+                "cut short after the uid",
+                review[..review.len() - 5].to_owned(),
+            ),
+            (
+                "apiVersion given twice (the first counts)",
+                review.replacen(r#""request""#, r#""apiVersion":"x","request""#, 1),
+            ),
+        ] {
+            assert_eq!(read(&body), with_uid, "{what}: {body}");
+            assert!(
+                parse(Bytes::from(body.clone())).is_err(),
+                "{what}: not a review"
+            );
+        }
+        for (what, body) in [
+            (
+                "the uid given twice",
+                review.replacen(r#""uid":"u-9""#, r#""uid":"u-9","uid":"u-8""#, 1),
+            ),
+            (
+                "the request given twice",
+                format!(
+                    r#"{},"request":{{"uid":"u-8"}}}}"#,
+                    &review[..review.len() - 1]
+                ),
+            ),
+            (
+                "cut short within the uid",
+                review[..review.find("u-9").unwrap_or_default() + 2].to_owned(),
+            ),
+            ("not JSON", "uid: u-9".to_owned()),
+        ] {
+            assert_eq!(read(&body), None, "{what}: {body}");
         }
     }
 
