@@ -167,10 +167,24 @@ pub enum Step {
 /// taken over after this long without a renewal).
 const LONGEST_LEASE_HONOURED: Duration = Duration::from_secs(3600);
 
-/// Decides the next step; remembers when each record was first observed, on the local clock.
+/// Decides the next step; remembers when each record of another holder was first observed, on
+/// the local clock.
 #[derive(Debug, Default)]
 pub struct Elector {
-    observed: Option<(String, Instant)>,
+    observed: Option<Observed>,
+}
+
+/// Another holder's record as last observed.
+#[derive(Debug)]
+struct Observed {
+    /// Its resourceVersion (any renewal changes it).
+    record: String,
+    /// When it was first observed.
+    at: Instant,
+    /// Who held it.
+    holder: String,
+    /// How long it holds without a renewal.
+    held_for: Duration,
 }
 
 impl Elector {
@@ -183,25 +197,27 @@ impl Elector {
         now: Instant,
     ) -> Step {
         let Some(lease) = lease else {
-            return Step::Create;
+            // Deleted under a live holder (`kubectl delete lease`): its fence stays open until
+            // its hold expires, so the Lease is created again only then, not at once.
+            return match self.observed.take() {
+                Some(seen) if now.duration_since(seen.at) < seen.held_for => {
+                    let holder = seen.holder.clone();
+                    self.observed = Some(seen);
+                    Step::Wait { holder }
+                }
+                _ => Step::Create,
+            };
         };
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.unwrap_or_default();
         if holder == identity {
+            self.observed = None;
             return Step::Renew;
         }
         if holder.is_empty() {
+            self.observed = None;
             return Step::TakeOver;
         }
-        // A record is its resourceVersion: any renewal changes it.
-        let record = lease.resource_version().unwrap_or_default();
-        let since = match &self.observed {
-            Some((seen, at)) if *seen == record => *at,
-            _ => {
-                self.observed = Some((record, now));
-                now
-            }
-        };
         // The holder's own duration, as it wrote it, when longer than ours (as client-go
         // judges): a holder configured with a longer lease keeps its fence open that long.
         let held_for = spec
@@ -210,6 +226,20 @@ impl Elector {
             .map_or(duration, |s| {
                 duration.max(Duration::from_secs(s).min(LONGEST_LEASE_HONOURED))
             });
+        // A record is its resourceVersion: any renewal changes it.
+        let record = lease.resource_version().unwrap_or_default();
+        let since = match &self.observed {
+            Some(seen) if seen.record == record => seen.at,
+            _ => {
+                self.observed = Some(Observed {
+                    record,
+                    at: now,
+                    holder: holder.clone(),
+                    held_for,
+                });
+                now
+            }
+        };
         if now.duration_since(since) >= held_for {
             Step::TakeOver
         } else {
@@ -278,9 +308,10 @@ async fn acquire_or_renew(
     }
 }
 
-/// Gives the Lease up (at shutdown), so another replica takes over at once.
+/// Gives the Lease up (at shutdown), so another replica takes over at once: read and written
+/// again on a conflict (a renewal sent just before may land first), within [`RELEASE_WITHIN`].
 async fn release(api: &Api<Lease>, config: &LeaseConfig) {
-    let result = async {
+    let once = || async {
         let Some(mut lease) = api.get_opt(&config.name).await? else {
             return Ok(());
         };
@@ -293,13 +324,26 @@ async fn release(api: &Api<Lease>, config: &LeaseConfig) {
         api.replace(&config.name, &PostParams::default(), &lease)
             .await
             .map(|_| ())
-    }
-    .await;
-    match result {
-        Ok(()) => tracing::info!(lease = %config.name, "Lease released"),
-        Err(error) => tracing::warn!(%error, "releasing the Lease failed; it expires by itself"),
+    };
+    let tries = async {
+        loop {
+            match once().await {
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                other => break other,
+            }
+        }
+    };
+    match tokio::time::timeout(RELEASE_WITHIN, tries).await {
+        Ok(Ok(())) => tracing::info!(lease = %config.name, "Lease released"),
+        Ok(Err(error)) => {
+            tracing::warn!(%error, "releasing the Lease failed; it expires by itself")
+        }
+        Err(_) => tracing::warn!("releasing the Lease took too long; it expires by itself"),
     }
 }
+
+/// How long giving the Lease up may take at shutdown.
+const RELEASE_WITHIN: Duration = Duration::from_secs(2);
 
 /// A watch of the Lease that wakes a candidate whenever it is released or deleted; stopped
 /// when dropped.
@@ -578,6 +622,39 @@ mod tests {
             Step::TakeOver,
             "unchanged for the lease duration"
         );
+    }
+
+    #[test]
+    fn a_lease_deleted_under_a_live_holder_is_created_again_only_once_its_hold_expired() {
+        let d = Duration::from_secs(15);
+        let t0 = Instant::now();
+        let mut e = Elector::default();
+        let wait = Step::Wait {
+            holder: "other".into(),
+        };
+        assert_eq!(e.step(Some(&lease(Some("other"), "5")), "me", d, t0), wait);
+        // Deleted 3 s after the holder's last renewal seen: its fence may be open for 12 s more.
+        assert_eq!(e.step(None, "me", d, t0 + Duration::from_secs(3)), wait);
+        assert_eq!(e.step(None, "me", d, t0 + Duration::from_secs(14)), wait);
+        assert_eq!(
+            e.step(None, "me", d, t0 + Duration::from_secs(15)),
+            Step::Create
+        );
+        // Held by this replica, then deleted: created again at once (its own fence).
+        let mut held = Elector::default();
+        assert_eq!(
+            held.step(Some(&lease(Some("other"), "5")), "me", d, t0),
+            wait
+        );
+        assert_eq!(
+            held.step(Some(&lease(None, "6")), "me", d, t0),
+            Step::TakeOver
+        );
+        assert_eq!(
+            held.step(Some(&lease(Some("me"), "7")), "me", d, t0),
+            Step::Renew
+        );
+        assert_eq!(held.step(None, "me", d, t0), Step::Create);
     }
 
     #[test]

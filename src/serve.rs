@@ -192,6 +192,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             .naming_nodes_by(NodeKeys::with(&args.node_local_volume_keys)),
         );
         let shutdown = shutdown.clone();
+        // The Lease is given up as readiness turns off (SIGTERM), not after the shutdown
+        // delay: another replica leads at once while this one still answers admission.
+        let stepping_down = draining.clone();
         let client = client.clone();
         let metrics = metrics.clone();
         async move {
@@ -207,9 +210,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             });
             match lease {
                 Some(lease) => {
-                    leader::run_when_leading(client, lease, &metrics, fence, shutdown, |stop| {
-                        controller::run(ctx.clone(), stop)
-                    })
+                    leader::run_when_leading(
+                        client,
+                        lease,
+                        &metrics,
+                        fence,
+                        stepping_down,
+                        |stop| controller::run(ctx.clone(), stop),
+                    )
                     .await
                 }
                 None => {
@@ -244,7 +252,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(why) = failed {
         tracing::error!(%why, "exiting so that the process is restarted");
         health.shutting_down.store(true, Ordering::Release);
+        draining.cancel();
         shutdown.cancel();
+        // A leader gives the Lease up as it stops (draining), so another replica takes over
+        // at once.
+        if !controllers.is_finished() {
+            let _ = tokio::time::timeout(drain, &mut controllers).await;
+        }
         if !webhook_server.is_finished() {
             let _ = tokio::time::timeout(drain, webhook_server).await;
         }

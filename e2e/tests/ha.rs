@@ -26,6 +26,11 @@ fn generated_statefulset(name: &str, replicas: i32) -> StatefulSet {
 /// Starts a replica again the way e2e/lib.sh does, recording its pid where the teardown finds it,
 /// and waits until it is ready.
 async fn restart(env: &Env, replica: &Replica) {
+    restart_with_delay(env, replica, 0).await;
+}
+
+/// [`restart`] with `--shutdown-delay-seconds` at `delay` (the suite's replicas run with 0).
+async fn restart_with_delay(env: &Env, replica: &Replica, delay: u64) {
     let log = std::fs::File::create(env.cluster_dir.join(format!(
         "logs/persistent-pod-state-{}-restarted.log",
         replica.name
@@ -37,7 +42,7 @@ async fn restart(env: &Env, replica: &Replica) {
         replica.webhook_port,
         replica.probe_port,
     )
-    .env("PPS_SHUTDOWN_DELAY_SECONDS", "0")
+    .env("PPS_SHUTDOWN_DELAY_SECONDS", delay.to_string())
     .env("PPS_LEADER_IDENTITY", replica.identity())
     .env(
         "PPS_LEASE_DURATION_SECONDS",
@@ -241,35 +246,63 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_two_seconds() {
     let c = &env.client;
     let ns = namespace(c, "e2e-handover").await;
     let (_, states_before) = start_recorded(c, &ns, &generated_statefulset("handover", 2)).await;
+    // The leader to stop keeps the shipped shutdown delay (3 s of serving with readiness off):
+    // the follower is restarted with it, then made the leader.
+    let delay = 3;
     let (leader, follower) = leader_and_follower(&env).await;
+    let (pid, _) = replica_process(&env, &follower);
+    signal(&pid, "-TERM");
+    wait_for("the follower to exit", TIMEOUT, || async {
+        exited(&pid).then_some(())
+    })
+    .await;
+    restart_with_delay(&env, &follower, delay).await;
     let (pid, _) = replica_process(&env, &leader);
     signal(&pid, "-TERM");
-    let stopped = Instant::now();
-    // The old leader has gone (so the write below can only be the new leader's).
+    wait_for("the delayed replica to lead", TIMEOUT, || async {
+        (holder(c).await.as_deref() == Some(follower.identity().as_str())).then_some(())
+    })
+    .await;
     wait_for("the old leader to exit", TIMEOUT, || async {
         exited(&pid).then_some(())
     })
     .await;
-    let exited = stopped.elapsed();
+    restart(&env, &leader).await;
+    let (leader, follower) = (follower, leader);
+
+    let (pid, _) = replica_process(&env, &leader);
+    signal(&pid, "-TERM");
+    let stopped = Instant::now();
+    // The Lease changes hands while the old leader still serves (its shutdown delay): it stops
+    // its controllers (its fence closed) before it releases the Lease, so a write after that
+    // can only be the new leader's.
+    wait_for("the Lease to change hands", TIMEOUT, || async {
+        (holder(c).await.as_deref() == Some(follower.identity().as_str())).then_some(())
+    })
+    .await;
+    let handed_over = stopped.elapsed();
     spec_change_written(c, &ns, "handover", "e2e.example/handover").await;
     let written = stopped.elapsed();
-    let new_holder = holder(c).await;
+    let still_serving = !exited(&pid);
     println!(
-        "leader {} stopped (SIGTERM): exited after {:.2}s; {} wrote its first status {:.2}s after the SIGTERM",
+        "leader {} stopped (SIGTERM, shutdown delay {delay} s): the Lease changed hands after {:.2}s; {} wrote its first status {:.2}s after the SIGTERM (the old leader still serving then: {still_serving})",
         leader.identity(),
-        exited.as_secs_f64(),
+        handed_over.as_secs_f64(),
         follower.identity(),
         written.as_secs_f64()
-    );
-    assert_eq!(
-        new_holder.as_deref(),
-        Some(follower.identity().as_str()),
-        "the other replica holds the Lease"
     );
     assert!(
         written <= Duration::from_secs(2),
         "first status write of the new leader {written:?} after the SIGTERM (at most 2 s)"
     );
+    assert!(
+        written < Duration::from_secs(delay),
+        "handed over within the old leader's shutdown delay"
+    );
+    wait_for("the old leader to exit", TIMEOUT, || async {
+        exited(&pid).then_some(())
+    })
+    .await;
     let (_, states) =
         wait_recorded(c, &ns, "handover", &pod_names("handover", 2), "handover").await;
     assert_eq!(states, states_before, "nothing recorded was lost");
