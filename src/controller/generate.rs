@@ -20,19 +20,37 @@ use crate::api::{
 /// Weight of the preferred term generated from `kruise.io/preferred-persistent-topology`.
 pub const GENERATED_PREFERRED_WEIGHT: i32 = 100;
 
-fn comma_list(annotations: &BTreeMap<String, String>, key: &str) -> Vec<String> {
+/// The most distinct items read from one comma list: more than any list may hold (the
+/// validation refuses the spec, and says so), and few enough that reading an annotation of
+/// any length costs little.
+const MOST_ITEMS: usize = 64;
+
+/// The items of a comma list: trimmed, empty ones and repeats left out, at most [`MOST_ITEMS`].
+fn items(list: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
-    for item in annotations.get(key).into_iter().flat_map(|v| v.split(',')) {
+    for item in list.split(',') {
         let item = item.trim();
         if !item.is_empty() && !out.iter().any(|o| o == item) {
+            if out.len() == MOST_ITEMS {
+                break;
+            }
             out.push(item.to_owned());
         }
     }
     out
 }
 
+fn comma_list(annotations: &BTreeMap<String, String>, key: &str) -> Vec<String> {
+    annotations.get(key).map(|v| items(v)).unwrap_or_default()
+}
+
+/// `keys` as [`items`] reads them (trimmed, without empty ones and repeats).
+fn normalised(keys: &[String]) -> Vec<String> {
+    items(&keys.join(","))
+}
+
 /// The spec a workload's annotations ask for, or `None` if they ask for no PersistentPodState
-/// (auto-generation off, or neither required nor preferred topology given).
+/// (auto-generation off, or neither required nor preferred topology given: see [`plan`]).
 pub fn desired_spec(
     api_version: &str,
     kind: &str,
@@ -117,6 +135,10 @@ pub enum Leave {
     /// The generated PersistentPodState is as the annotations ask (fields they cannot express,
     /// such as the retention policy, are the user's).
     UpToDate,
+    /// Generation is asked for with neither required nor preferred topology (the annotations
+    /// being edited, one removed before the other is added): the generated PersistentPodState
+    /// and its recorded states are kept, as upstream keeps them.
+    Incomplete,
 }
 
 impl Leave {
@@ -130,6 +152,7 @@ impl Leave {
             }
             Self::OtherTargets => "another PersistentPodState targets the workload",
             Self::UpToDate => "up to date",
+            Self::Incomplete => "generation asked for with neither required nor preferred topology",
         }
     }
 }
@@ -224,8 +247,13 @@ fn plan_spec(
     copied: &[(&str, Option<&str>)],
 ) -> Plan {
     let generated = existing.is_some_and(|p| generated_for(p.owner_references(), workload.uid));
+    let asked = workload
+        .annotations
+        .get(AUTO_GENERATE_ANNOTATION)
+        .is_some_and(|v| v == "true");
     let Some(mut spec) = desired else {
         return match existing {
+            Some(_) if generated && asked => Plan::Leave(Leave::Incomplete),
             Some(p) if generated => Plan::Delete {
                 uid: p.uid().unwrap_or_default(),
                 resource_version: p.resource_version(),
@@ -274,8 +302,23 @@ fn plan_spec(
     // What the annotations express follows them exactly, a field they no longer give included;
     // the rest (the retention policy, labels, other annotations) is the user's and stays. The
     // steady state sends nothing.
+    // Key lists compare as the annotations read (trimmed, without repeats): one written by
+    // another generator from the same annotations (OpenKruise's, beside it) is as asked.
     let mut expressed = current.spec.clone();
     expressed.persistent_pod_state_retention_policy = None;
+    if let Some(required) = expressed.required_persistent_topology.as_mut() {
+        required.keys = normalised(&required.keys);
+    }
+    for term in &mut expressed.preferred_persistent_topology {
+        term.preference.keys = normalised(&term.preference.keys);
+    }
+    let annotation_keys: Vec<String> = (expressed.persistent_pod_annotations.iter())
+        .map(|a| a.key.clone())
+        .collect();
+    expressed.persistent_pod_annotations = normalised(&annotation_keys)
+        .into_iter()
+        .map(|key| PersistentPodAnnotation { key })
+        .collect();
     let written = current.annotations();
     let copied_as_written = copied
         .iter()
@@ -512,10 +555,40 @@ mod tests {
                 "Leave(NotAsked)",
             ),
             (plan(&workload(&nothing), None, &[]).plan, "Leave(NotAsked)"),
+            // Asked for, with no topology yet (one annotation removed before the other is
+            // added): what was generated and recorded stays.
+            (
+                plan(&workload(&asking("")), Some(&mine), &["web".into()]).plan,
+                "Leave(Incomplete)",
+            ),
+            (
+                plan(&workload(&asking(" , ")), None, &[]).plan,
+                "Leave(NotAsked)",
+            ),
+            // Written by another generator from the same annotations, untrimmed and repeated
+            // (OpenKruise's, beside it): as asked, nothing sent.
+            (
+                plan(
+                    &workload(&asking("zone")),
+                    Some(&existing(Some("u1"), "apps/v1", &[" zone", "zone"])),
+                    &["web".into()],
+                )
+                .plan,
+                "Leave(UpToDate)",
+            ),
         ];
         for (i, (got, want)) in cases.into_iter().enumerate() {
             assert_eq!(format!("{got:?}"), want, "case {i}");
         }
+    }
+
+    #[test]
+    fn a_comma_list_of_any_length_is_read_to_a_bound() {
+        let long: Vec<String> = (0..100_000).map(|i| format!("k{i}")).collect();
+        let keys = items(&long.join(","));
+        assert_eq!(keys.len(), MOST_ITEMS);
+        assert_eq!(keys.first().map(String::as_str), Some("k0"));
+        assert_eq!(items(" a, ,b,a ,"), ["a", "b"]);
     }
 
     #[test]
