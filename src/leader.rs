@@ -188,6 +188,14 @@ struct Observed {
 }
 
 impl Elector {
+    /// How long, from `now`, until the other holder's record last observed may be taken over
+    /// (none observed: `None`).
+    pub fn expires_in(&self, now: Instant) -> Option<Duration> {
+        self.observed
+            .as_ref()
+            .map(|seen| seen.held_for.saturating_sub(now.duration_since(seen.at)))
+    }
+
     /// The step for `lease` (as read at `now`) and this replica's `identity`.
     pub fn step(
         &mut self,
@@ -345,8 +353,9 @@ async fn release(api: &Api<Lease>, config: &LeaseConfig) {
 /// How long giving the Lease up may take at shutdown.
 const RELEASE_WITHIN: Duration = Duration::from_secs(2);
 
-/// A watch of the Lease that wakes a candidate whenever it is released or deleted; stopped
-/// when dropped.
+/// A watch of the Lease that wakes a candidate whenever it changes (renewed: its record is
+/// timed from then, not from the candidate's next look; released or deleted: taken at once);
+/// stopped when dropped.
 struct Released {
     notify: Arc<tokio::sync::Notify>,
     watch: tokio::task::JoinHandle<()>,
@@ -358,16 +367,7 @@ impl Drop for Released {
     }
 }
 
-/// Whether `lease` is free to take: no holder.
-fn is_free(lease: &Lease) -> bool {
-    lease
-        .spec
-        .as_ref()
-        .and_then(|s| s.holder_identity.as_deref())
-        .is_none_or(str::is_empty)
-}
-
-/// Starts watching the Lease for its release.
+/// Starts watching the Lease for its changes.
 fn watch_released(api: &Api<Lease>, config: &LeaseConfig) -> Released {
     use futures::StreamExt as _;
     use kube::runtime::{WatchStreamExt as _, watcher};
@@ -382,12 +382,11 @@ fn watch_released(api: &Api<Lease>, config: &LeaseConfig) -> Released {
         tokio::pin!(events);
         while let Some(event) = events.next().await {
             match event {
-                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease))
-                    if is_free(&lease) =>
-                {
-                    wake.notify_one();
-                }
-                Ok(watcher::Event::Delete(_)) => wake.notify_one(),
+                Ok(
+                    watcher::Event::Apply(_)
+                    | watcher::Event::InitApply(_)
+                    | watcher::Event::Delete(_),
+                ) => wake.notify_one(),
                 Ok(_) => {}
                 Err(error) => tracing::debug!(%error, "watching the Lease; retrying"),
             }
@@ -443,8 +442,12 @@ where
                 // Someone else holds it: besides looking every retry period, watch the Lease,
                 // so that a release (a holder shutting down) is taken at once.
                 let released = released.get_or_insert_with(|| watch_released(&api, &config));
+                // Looked at again when the record may be taken over, if sooner.
+                let next = elector
+                    .expires_in(Instant::now())
+                    .map_or(config.retry_period, |left| left.min(config.retry_period));
                 tokio::select! {
-                    () = tokio::time::sleep(config.retry_period) => continue,
+                    () = tokio::time::sleep(next) => continue,
                     () = released.notify.notified() => continue,
                     () = shutdown.cancelled() => return Ended::Shutdown,
                 }
@@ -634,6 +637,10 @@ mod tests {
         };
         assert_eq!(e.step(Some(&lease(Some("other"), "5")), "me", d, t0), wait);
         // Deleted 3 s after the holder's last renewal seen: its fence may be open for 12 s more.
+        assert_eq!(
+            e.expires_in(t0 + Duration::from_secs(3)),
+            Some(Duration::from_secs(12))
+        );
         assert_eq!(e.step(None, "me", d, t0 + Duration::from_secs(3)), wait);
         assert_eq!(e.step(None, "me", d, t0 + Duration::from_secs(14)), wait);
         assert_eq!(
