@@ -525,6 +525,8 @@ where
             }
             StepDown::Ended => {
                 tracing::error!("the controllers stopped by themselves");
+                // The process exits: another replica takes over at once.
+                release(&api, &config).await;
                 return Ended::Unexpectedly;
             }
             StepDown::DeadlinePassed | StepDown::Lost => {

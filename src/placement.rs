@@ -415,9 +415,10 @@ pub fn required<'a>(
             dropped: None,
         };
     }
+    // Judging stopped among the carriers: it is the pod's own constraints that cost too much.
     let reason = if carriers == 0 {
         DropReason::NodeGone
-    } else if alive {
+    } else if alive || over {
         DropReason::PodConstraints
     } else {
         DropReason::NodeLost
@@ -917,6 +918,30 @@ mod tests {
                 values,
                 reason: DropReason::NodeGone
             })
+        );
+        // The zone alone recorded, its first 300 carriers lost: judging stops among them, so
+        // what stopped it is the pod's own constraints, not the zone being lost.
+        let lost = ready("Unknown", Some("2026-11-22T11:00:00Z"));
+        let mixed = Fleet(
+            (0..400)
+                .map(|i| {
+                    let health = if i < 300 { lost.clone() } else { json!({}) };
+                    Arc::new(node(&format!("b{i}"), "b", health))
+                })
+                .collect(),
+        );
+        let zone = recorded(&[(ZONE, "b")]);
+        let heavy = admitting(JUDGING_WORK / 200);
+        let placed = required_owned(&zone, &PodDemands::of(&heavy), &mixed, &h);
+        assert_eq!(
+            (placed.kept, placed.dropped),
+            (
+                BTreeMap::new(),
+                Some(Dropped {
+                    values: zone,
+                    reason: DropReason::PodConstraints
+                })
+            )
         );
     }
 }

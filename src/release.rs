@@ -267,11 +267,12 @@ pub struct Kept {
     pub claim: String,
     /// Why it is kept.
     pub why: String,
-    /// Whether its volume was left unjudged (another owner's claim, or one not bound as it
-    /// says): it may hold the pod to the lost node too, so the controller releases none of the
-    /// pod's claims, which would be deleted for nothing.
+    /// The one node its volume can be mounted on, when it is another owner's claim on such a
+    /// volume: where that is the node the pod waits for, the pod is held there whatever is
+    /// released, so the controller releases none of its claims (they would be deleted for
+    /// nothing).
     #[serde(skip)]
-    pub unjudged: bool,
+    pub local_to: Option<String>,
 }
 
 /// Judges one claim of a pod, given the volume it is bound to (if any).
@@ -287,9 +288,23 @@ pub fn judge_claim(
     let kept = |why: String| Kept {
         claim: claim.name_any(),
         why,
-        unjudged: true,
+        local_to: None,
     };
-    own_claim(claim, pod.0, pod.1, templates, workload_uid).map_err(kept)?;
+    if let Err(why) = own_claim(claim, pod.0, pod.1, templates, workload_uid) {
+        // Another owner's: kept, but the node its volume holds the pod to still counts.
+        let bound = claim.spec.as_ref().and_then(|s| s.volume_name.as_deref());
+        let local_to = volume
+            .filter(|pv| Some(pv.name_any().as_str()) == bound)
+            .filter(|pv| {
+                let claimed_by = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+                claimed_by.and_then(|r| r.uid.as_deref()) == claim.uid().as_deref()
+            })
+            .and_then(|pv| volume_node(pv, nodes, keys).ok());
+        return Err(Kept {
+            local_to,
+            ..kept(why)
+        });
+    }
     let uid = claim
         .uid()
         .ok_or_else(|| kept(format!("claim {} has no uid", claim.name_any())))?;
@@ -312,10 +327,7 @@ pub fn judge_claim(
             claim.name_any()
         )));
     }
-    let node = volume_node(pv, nodes, keys).map_err(|why| Kept {
-        unjudged: false,
-        ..kept(why)
-    })?;
+    let node = volume_node(pv, nodes, keys).map_err(kept)?;
     Ok(LocalClaim {
         claim: claim.name_any(),
         uid,
@@ -365,7 +377,13 @@ pub async fn local_claims(
 /// Whether `local` is on the node `waiting` waits for (by name, or by its recorded hostname
 /// when the volume names its node by that label).
 pub fn on_node(local: &LocalClaim, waiting: &Waiting) -> bool {
-    local.node == waiting.node || waiting.hostname.as_deref() == Some(local.node.as_str())
+    holds_on(&local.node, waiting)
+}
+
+/// Whether a volume whose affinity names `node` holds the pod `waiting` to the node it waits
+/// for (by name, or by its recorded hostname).
+pub fn holds_on(node: &str, waiting: &Waiting) -> bool {
+    node == waiting.node || waiting.hostname.as_deref() == Some(node)
 }
 
 /// What a released pod's local claims were, for a message: `claim (PersistentVolume pv)`, ...
@@ -512,7 +530,7 @@ pub async fn release_pod(
                         local.node
                     ),
                     claim: local.claim,
-                    unjudged: false,
+                    local_to: None,
                 }),
                 _ => report.claims.push(local),
             },

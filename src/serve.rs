@@ -1,10 +1,11 @@
 //! `serve`: wires the caches, the controllers, the admission server and the probe server under
 //! one shutdown signal.
 //!
-//! Shutdown (SIGTERM or SIGINT): readiness turns false at once and each kept-alive HTTP/1
-//! connection closes with its next answer; after the shutdown delay the listeners stop
-//! accepting, requests in flight are answered, controllers finish their reconciles, and the
-//! process exits 0.
+//! Shutdown (SIGTERM or SIGINT): readiness turns false at once, each kept-alive HTTP/1
+//! connection closes with its next answer, and a leader stops its controllers and gives the
+//! Lease up (another replica leads while this one still answers admission); after the shutdown
+//! delay the listeners stop accepting, requests in flight are answered, and the process exits
+//! 0. Without leader election the controllers run until then.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -44,11 +44,6 @@ fn comma_list(annotations: &BTreeMap<String, String>, key: &str) -> Vec<String> 
     annotations.get(key).map(|v| items(v)).unwrap_or_default()
 }
 
-/// `keys` as [`items`] reads them (trimmed, without empty ones and repeats).
-fn normalised(keys: &[String]) -> Vec<String> {
-    items(&keys.join(","))
-}
-
 /// The spec a workload's annotations ask for, or `None` if they ask for no PersistentPodState
 /// (auto-generation off, or neither required nor preferred topology given: see [`plan`]).
 pub fn desired_spec(
@@ -302,23 +297,8 @@ fn plan_spec(
     // What the annotations express follows them exactly, a field they no longer give included;
     // the rest (the retention policy, labels, other annotations) is the user's and stays. The
     // steady state sends nothing.
-    // Key lists compare as the annotations read (trimmed, without repeats): one written by
-    // another generator from the same annotations (OpenKruise's, beside it) is as asked.
     let mut expressed = current.spec.clone();
     expressed.persistent_pod_state_retention_policy = None;
-    if let Some(required) = expressed.required_persistent_topology.as_mut() {
-        required.keys = normalised(&required.keys);
-    }
-    for term in &mut expressed.preferred_persistent_topology {
-        term.preference.keys = normalised(&term.preference.keys);
-    }
-    let annotation_keys: Vec<String> = (expressed.persistent_pod_annotations.iter())
-        .map(|a| a.key.clone())
-        .collect();
-    expressed.persistent_pod_annotations = normalised(&annotation_keys)
-        .into_iter()
-        .map(|key| PersistentPodAnnotation { key })
-        .collect();
     let written = current.annotations();
     let copied_as_written = copied
         .iter()
@@ -565,21 +545,22 @@ mod tests {
                 plan(&workload(&asking(" , ")), None, &[]).plan,
                 "Leave(NotAsked)",
             ),
-            // Written by another generator from the same annotations, untrimmed and repeated
-            // (OpenKruise's, beside it): as asked, nothing sent.
-            (
-                plan(
-                    &workload(&asking("zone")),
-                    Some(&existing(Some("u1"), "apps/v1", &[" zone", "zone"])),
-                    &["web".into()],
-                )
-                .plan,
-                "Leave(UpToDate)",
-            ),
         ];
         for (i, (got, want)) in cases.into_iter().enumerate() {
             assert_eq!(format!("{got:?}"), want, "case {i}");
         }
+    }
+
+    #[test]
+    fn keys_written_untrimmed_or_repeated_are_rewritten_as_the_annotations_read() {
+        // As OpenKruise's generator writes "zone, zone": " zone" would match no node label.
+        let untrimmed = existing(Some("u1"), "apps/v1", &["zone", " zone"]);
+        let planned = plan(
+            &workload(&asking("zone, zone")),
+            Some(&untrimmed),
+            &["web".into()],
+        );
+        assert_eq!(applied_keys(&planned.plan), Some(vec!["zone".to_string()]));
     }
 
     #[test]

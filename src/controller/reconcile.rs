@@ -255,9 +255,13 @@ async fn release_local_volumes(
             report::local_volume_blocking(ctx, pps, w, &local);
             continue;
         }
-        // A claim whose volume was not judged may hold the pod to that node as well: deleting
+        // Another owner's claim on a volume of that node holds the pod there as well: deleting
         // the others would lose their data and leave the pod waiting.
-        if kept.iter().any(|k| k.unjudged) {
+        if kept.iter().any(|k| {
+            k.local_to
+                .as_deref()
+                .is_some_and(|n| release::holds_on(n, w))
+        }) {
             if report::first_local_report(ctx, pps, &w.uid, &uids) {
                 report::local_volume_kept(ctx, pps, w, &kept);
             }

@@ -947,8 +947,8 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
     }
 }
 
-#[tokio::test]
-async fn a_local_claim_beside_an_unjudged_one_is_not_released_for_nothing() {
+/// Caches as [`waiting_world`], the StatefulSet with the claim templates `data` and `logs`.
+fn two_claims_world() -> Arc<Caches> {
     let caches = waiting_world();
     let mut workload = statefulset(json!({}));
     workload.data["spec"]["volumeClaimTemplates"] =
@@ -957,18 +957,53 @@ async fn a_local_claim_beside_an_unjudged_one_is_not_released_for_nothing() {
         &GroupKind::native_statefulset(),
         watcher::Event::Apply(workload),
     );
+    caches
+}
+
+/// `logs-web-0`, another owner's claim, bound to `pv-2` with `affinity`.
+fn foreign_logs_claim(affinity: Value) -> Vec<Value> {
+    vec![
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid",
+                "ownerReferences": [{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "b-uid"}]},
+            "spec": {"volumeName": "pv-2"}}),
+        json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-2"},
+            "spec": {"claimRef": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid"},
+                     "nodeAffinity": affinity}}),
+    ]
+}
+
+#[tokio::test]
+async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(foreign_logs_claim(Value::Null));
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    let (ctx, mut handle) = context(two_claims_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
+    let deleted: Vec<&str> = sent
+        .iter()
+        .filter(|s| s.method == Method::DELETE)
+        .map(|s| s.path_and_query.as_str())
+        .collect();
+    assert_eq!(
+        deleted,
+        [
+            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?",
+            "/api/v1/namespaces/ns/pods/web-0?"
+        ],
+        "the other owner's claim holds the pod to no node: {sent:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_local_claim_beside_another_owners_on_the_same_node_is_not_released_for_nothing() {
+    let caches = two_claims_world();
     // data-web-0 is the pod's own, on n1's local volume; logs-web-0, on another of n1's, is
     // another owner's: it would hold the re-created pod to n1 still.
     let mut answers = claim_and_volume(on_host("n1"));
-    answers.push(json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid",
-            "ownerReferences": [{"apiVersion": "example.com/v1", "kind": "Backup", "name": "b", "uid": "b-uid"}]},
-        "spec": {"volumeName": "pv-2"}}));
-    answers.push(
-        json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-2"},
-        "spec": {"claimRef": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid"},
-                 "nodeAffinity": on_host("n1")}}),
-    );
+    answers.extend(foreign_logs_claim(on_host("n1")));
     let (ctx, mut handle, mut events) = context_with_events(caches);
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;

@@ -40,10 +40,10 @@ pub const POD_BUDGET: Budget = Budget {
 };
 /// What PersistentPodState validations may hold at once (a share of their own; creates come in
 /// bursts: an apply of many objects, the generator). Their objects' status and managed fields
-/// are never decoded (an update of one recording thousands of pods costs what its spec does).
-/// What a request holds beyond its body is at most twice its length: the strings decoded from
-/// the object and the old object (parts of the body that never overlap), and a refusal's
-/// message, which quotes them.
+/// are never decoded (an update of one recording thousands of pods builds what its spec does).
+/// Each is charged twice its length beyond its body, what it may hold at most: the strings
+/// decoded from the object and the old object (parts of the body that never overlap), and a
+/// refusal's message, which quotes them (so three updates of 3 MiB fill the share).
 pub const VALIDATE_BUDGET: Budget = Budget {
     in_flight: 16,
     bytes: 32 << 20,
