@@ -198,6 +198,24 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
         Ok(_) | Err(kube::Error::Api(_)) => {}
         Err(e) => panic!("{e}"),
     }
+    // The controller-manager aggregates it (after the soak's API server restarts its watches
+    // may take a while): the replicas are told of the kind only once they may watch it, so
+    // that none is refused (the suite checks the replicas' logs for refusals).
+    let sa = "--as=system:serviceaccount:persistent-pod-state:persistent-pod-state";
+    wait_for(
+        "the aggregated ClusterRole to grant rings",
+        TIMEOUT,
+        || async {
+            let (_, answer) = kubectl(
+                &env,
+                &["auth", "can-i", "watch", "rings.example.com", sa, "-A"],
+                None,
+            )
+            .await;
+            (answer.lines().next().unwrap_or_default().trim() == "yes").then_some(())
+        },
+    )
+    .await;
     let config = env.cluster_dir.join("custom-workloads.yaml");
     std::fs::write(&config, "customWorkloads: []\n").expect("config");
 
