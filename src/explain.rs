@@ -41,7 +41,8 @@ pub struct Explanation {
     pub shadowed: Vec<String>,
     /// The state recorded for the pod's name.
     pub recorded: Option<PodState>,
-    /// What the webhook decides: `inject`, `would inject (observed only)` (the PersistentPodState
+    /// What the webhook decides: `inject`, `nothing to inject` (a state is recorded but none of
+    /// it can be added), `would inject (observed only)` (the PersistentPodState
     /// carries `persistent-pod-state.io/mode: observe`: the patch is reported in a `WouldInject`
     /// Event, not applied; `serve --mode observe` does the same for every one), or why the pod
     /// is left alone.
@@ -148,10 +149,10 @@ pub fn explain_with(
                 .pps
                 .as_ref()
                 .is_some_and(|p| crate::api::observed_only(p, served.observe_all));
-            out.outcome = if observed {
-                "would inject (observed only)".into()
-            } else {
-                "inject".into()
+            out.outcome = match (injection.patch.is_empty(), observed) {
+                (true, _) => "nothing to inject".into(),
+                (false, true) => "would inject (observed only)".into(),
+                (false, false) => "inject".into(),
             };
             out.patch = injection.patch.to_value();
         }
@@ -444,17 +445,22 @@ mod tests {
     #[test]
     fn explains_the_patch_and_what_is_left_out() {
         let caches = Caches::new();
-        let pps: PersistentPodState = serde_json::from_value(json!({
+        let pps = |preferred: Value| -> PersistentPodState {
+            serde_json::from_value(json!({
             "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
             "metadata": {"name": "web", "namespace": "ns",
                 "annotations": {"persistent-pod-state.io/ip-request": "calico"}},
             "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
-                     "requiredPersistentTopology": {"keys": ["kubernetes.io/hostname"]}},
+                     "requiredPersistentTopology": {"keys": ["kubernetes.io/hostname"]},
+                     "preferredPersistentTopology": preferred},
             "status": {"observedGeneration": 1, "podStates": {"web-0": {"nodeName": "gone",
-                "nodeTopologyLabels": {"kubernetes.io/hostname": "gone"}, "podIPs": ["10.0.0.5"]}}}
-        }))
-        .expect("pps");
-        caches.apply_pps(watcher::Event::Apply(pps));
+                "nodeTopologyLabels": {"kubernetes.io/hostname": "gone",
+                    "topology.kubernetes.io/zone": "z1"}, "podIPs": ["10.0.0.5"]}}}
+            }))
+            .expect("pps")
+        };
+        caches.apply_pps(watcher::Event::Apply(pps(json!([{"weight": 50,
+            "preference": {"keys": ["topology.kubernetes.io/zone"]}}]))));
         caches.apply_pod(watcher::Event::Apply(
             serde_json::from_value(json!({"metadata": {"name": "other", "namespace": "x"},
                 "status": {"phase": "Running", "podIP": "10.0.0.5"}}))
@@ -485,7 +491,7 @@ mod tests {
             observe_all: true,
             ..served.clone()
         };
-        let observed = explain_with(&caches, &observing, "ns", object, "the template");
+        let observed = explain_with(&caches, &observing, "ns", object.clone(), "the template");
         assert_eq!(observed.outcome, "would inject (observed only)");
         assert_eq!(e.persistent_pod_state.as_deref(), Some("web"));
         let whats: Vec<&str> = e.left_out.iter().map(|l| l.what.as_str()).collect();
@@ -505,6 +511,12 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("left out:"), "{text}");
+        // Without the preferred term nothing can be added: no patch, the pod left unmarked.
+        caches.apply_pps(watcher::Event::Apply(pps(json!([]))));
+        let e = explain_with(&caches, &served, "ns", object, "the template");
+        assert_eq!(e.outcome, "nothing to inject");
+        assert_eq!(e.patch, json!([]));
+        assert_eq!(e.left_out.len(), 2, "{:?}", e.left_out);
     }
 
     #[test]

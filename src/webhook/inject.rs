@@ -298,6 +298,17 @@ pub fn injection_for<'a, 's>(
     // The webhook's own annotations say exactly what it did: which PersistentPodState, and
     // which required values it added (none: the annotation is not there).
     let required_text = Some(encode_required(ours)).filter(|text| !text.is_empty());
+    // Nothing to add and no mark of ours to mend: the pod is left alone, unmarked (as upstream
+    // does), so a mark always means something was injected.
+    let marked_before = pod_annotations.is_some_and(|m| {
+        m.contains_key(INJECTED_ANNOTATION) || m.contains_key(INJECTED_REQUIRED_ANNOTATION)
+    });
+    if patch.is_empty() && annotations.is_empty() && required_text.is_none() && !marked_before {
+        if out.dropped.is_some() {
+            out.kept_required = owned(&placed.kept);
+        }
+        return out;
+    }
     let own = [
         (INJECTED_ANNOTATION, INJECTED, Some(pps_name)),
         (
@@ -662,11 +673,36 @@ mod tests {
                 .map(Vec::len),
             Some(1)
         );
+        assert_eq!(out["metadata"]["annotations"], json!({}));
+        assert!(inj.patch.is_empty());
+        assert_eq!((inj.required, inj.preferred, inj.annotations), (0, 0, 0));
+        // Once something is added, the pod is marked with the PersistentPodState's name.
+        let s = spec(&["missing"], &[(100, &[HOST])], &["gone"]);
+        let (p, raw) = pod(json!({"metadata": {"name": "web-0", "annotations": {}},
+            "spec": {"containers": [{"name": "c"}]}}));
+        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere, None);
+        let out = apply(&raw, &inj);
         assert_eq!(
             out["metadata"]["annotations"],
             json!({INJECTED_ANNOTATION: "web"})
         );
-        assert_eq!((inj.required, inj.preferred, inj.annotations), (0, 0, 0));
+        assert_eq!(inj.preferred, 1);
+    }
+
+    #[test]
+    fn a_mark_of_ours_is_mended_even_when_nothing_is_added() {
+        // A pod marked before (reinvocation, or a template copied from a marked pod) whose
+        // recorded value no longer applies: the stale injected-required value is removed.
+        let (p, raw) = pod(json!({"metadata": {"name": "web-0", "annotations": {
+            INJECTED_ANNOTATION: "web", INJECTED_REQUIRED_ANNOTATION: format!("{HOST}=n1")}},
+            "spec": {"containers": [{"name": "c"}]}}));
+        let s = spec(&["missing"], &[], &[]);
+        let inj = injection_for(&p, "web", &s, &state(&[(HOST, "n1")], &[]), &anywhere, None);
+        let out = apply(&raw, &inj);
+        assert_eq!(
+            out["metadata"]["annotations"],
+            json!({INJECTED_ANNOTATION: "web"})
+        );
     }
 
     #[test]
