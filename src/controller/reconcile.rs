@@ -102,6 +102,7 @@ pub async fn reconcile_pps(
             None
         }
     };
+    let mut write_failed = None;
     if let (Some(patch), None) = (&change.patch, paced) {
         // Conditional on the version the status was computed from: a stale writer (a replica
         // that lost the Lease, or a reconcile of an older copy) gets a conflict, never
@@ -112,16 +113,31 @@ pub async fn reconcile_pps(
         }
         ctx.fence.before_write(&namespace).await?;
         let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), &namespace);
-        api.patch_status(
-            &pps.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(body),
-        )
-        .await?;
-        ctx.pacing.wrote(key);
-        report::written(&ctx, &pps, &change);
+        match api
+            .patch_status(
+                &pps.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(body),
+            )
+            .await
+        {
+            Ok(_) => {
+                ctx.pacing.wrote(key);
+                report::written(&ctx, &pps, &change);
+            }
+            // Stale: the next reconcile computes again from newer data, soon.
+            Err(kube::Error::Api(e)) if e.code == 409 => return Err(kube::Error::Api(e).into()),
+            // Refused for good or failing (a policy, a quota, the API server): the pods this
+            // PersistentPodState strands are still released below; the reconcile fails after.
+            Err(e) => {
+                tracing::warn!(pps = %pps.name_any(), error = %e, "status write failed; releases still run");
+                write_failed = Some(e);
+            }
+        }
     }
-    ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
+    if write_failed.is_none() {
+        ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
+    }
     let health = Health::now(ctx.node_lost_after);
     report::unplaceable(&ctx, &pps, &change.status, &health);
     report::replaced(&ctx, &pps, &change);
@@ -158,7 +174,10 @@ pub async fn reconcile_pps(
     {
         wait = wait.min(later);
     }
-    Ok(Action::requeue(wait))
+    match write_failed {
+        Some(e) => Err(e.into()),
+        None => Ok(Action::requeue(wait)),
+    }
 }
 
 /// What [`release_local_volumes`] did: the pods it released, and when to look again if the

@@ -114,13 +114,23 @@ async fn drive_to_action(
     handle: &mut Handle,
     answers: Vec<Value>,
 ) -> (Vec<Sent>, kube::runtime::controller::Action) {
+    let (sent, result) = drive_to_result(reconcile, handle, answers).await;
+    (sent, result.expect("reconcile succeeds"))
+}
+
+/// [`drive`], and the reconcile's result, success or not.
+async fn drive_to_result(
+    reconcile: impl Future<Output = Result<kube::runtime::controller::Action, Error>>,
+    handle: &mut Handle,
+    answers: Vec<Value>,
+) -> (Vec<Sent>, Result<kube::runtime::controller::Action, Error>) {
     let mut answers = answers.into_iter();
     let mut sent = Vec::new();
     tokio::pin!(reconcile);
     loop {
         tokio::select! {
             result = &mut reconcile => {
-                return (sent, result.expect("reconcile succeeds"));
+                return (sent, result);
             }
             request = handle.next_request() => {
                 let (request, respond) = request.expect("the client is alive");
@@ -1089,6 +1099,64 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
     )
     .await;
     assert!(sent.is_empty(), "{sent:?}");
+}
+
+#[tokio::test]
+async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() {
+    // web-0 waits pinned by the webhook to n1, deleted since; the status has a generation to
+    // record, and every status write is refused (say, by a policy).
+    let caches = waiting_world();
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                    crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": []},
+            "status": {"phase": "Pending"}
+        }))
+        .expect("pod"),
+    ));
+    let mut pps = (*waiting_pps(json!({}))).clone();
+    if let Some(status) = pps.status.as_mut() {
+        status.observed_generation = 1;
+    }
+    let refused = |code: u16| {
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "Forbidden", "code": code, "message": "denied by policy"})
+    };
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let no_claim = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "NotFound", "code": 404, "message": "not found"});
+    let (ctx, mut handle) = context(caches.clone());
+    let (sent, result) = drive_to_result(
+        reconcile_pps(Arc::new(pps.clone()), ctx.clone()),
+        &mut handle,
+        vec![refused(403), no_claim, deleted],
+    )
+    .await;
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert!(calls[0].starts_with("PATCH "), "{calls:?}");
+    assert_eq!(calls[2], "DELETE /api/v1/namespaces/ns/pods/web-0?");
+    assert!(
+        result.is_err(),
+        "the failed write still fails the reconcile"
+    );
+    // A conflict is stale data: nothing else is done, the next reconcile computes again.
+    let (ctx, mut handle) = context(caches);
+    let (sent, result) = drive_to_result(
+        reconcile_pps(Arc::new(pps), ctx),
+        &mut handle,
+        vec![refused(409)],
+    )
+    .await;
+    assert_eq!(sent.len(), 1);
+    assert!(result.is_err());
 }
 
 #[tokio::test]
