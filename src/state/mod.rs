@@ -743,8 +743,9 @@ const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Runs one watch for the life of the process (until the returned task is aborted; the
 /// [`WatchId`] returned owns the kind's entry in `watches` from the call on), handing
-/// each event to `apply`, supervised: when the watch fails, ends, or its task panics, it is
-/// marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
+/// each event to `apply`, supervised: when the watch fails (beyond a listed watch refused for
+/// the moment or cut off, asked again from where it was for a grace: [`run_watch`]), ends, or
+/// its task panics, it is marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
 /// at once when it expired after listing (410 Gone; once per [`WATCH_BACKOFF_MAX`]); it is
 /// current again once relisted. A connection that stays silent past the server's watch
 /// timeout (290 s) and a margin is ended by the watcher itself, and so restarted.
@@ -890,7 +891,7 @@ async fn run_watch<K>(
         let mut events = source.events(config);
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
-        let mut refused = Refused::default();
+        let (mut refused, mut cut) = (Refused::default(), Refused::default());
         loop {
             match events.try_next().await {
                 Ok(Some(ev)) => {
@@ -923,9 +924,20 @@ async fn run_watch<K>(
                     break;
                 }
                 // Refused for the moment after listing: asked again from where it was.
-                Err(error) if listed_here && refused_for_now(&error) && refused.again() => {
+                Err(error)
+                    if listed_here
+                        && refused_for_now(&error)
+                        && refused.again(WATCH_REFUSED_GRACE) =>
+                {
                     tracing::info!(%kind, why = %error, "watch refused for the moment; resuming it from where it was");
                     tokio::time::sleep(WATCH_REFUSED_PAUSE).await;
+                }
+                // Its connection cut after listing (an API server going away behind a load
+                // balancer, a connection reset): asked again from where it was, as client-go's
+                // reflector does, rather than listed again (seconds at 100,000 pods).
+                Err(error) if listed_here && cut_off(&error) && cut.again(WATCH_CUT_GRACE) => {
+                    tracing::info!(%kind, why = %error, "watch cut; resuming it from where it was");
+                    tokio::time::sleep(WATCH_CUT_PAUSE).await;
                 }
                 Err(error) => {
                     return Stopped {
@@ -952,9 +964,34 @@ fn refused_for_now(error: &watcher::Error) -> bool {
         if matches!(status.code, 429 | 503 | 504))
 }
 
-/// The refusals of one watch: an episode starts with a refusal more than
-/// [`WATCH_REFUSED_GRACE`] after the previous one (a watch asked again without a refusal is
-/// running again).
+/// How long a listed watch whose connection is cut, or cannot be made, is asked again from
+/// where it was before its cache is taken as stale (the replica unready) and listed again:
+/// long enough for a load balancer to send it to another API server, short enough that an
+/// API server that is down makes the replica unready within seconds.
+const WATCH_CUT_GRACE: Duration = Duration::from_secs(3);
+/// The pause before such a watch is asked again.
+const WATCH_CUT_PAUSE: Duration = Duration::from_millis(250);
+
+/// Whether `error` is a watch's connection failing (not an answer of the API server, nor
+/// something unreadable in what it sent).
+fn cut_off(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => transport_failed(e),
+        _ => false,
+    }
+}
+
+/// Whether `error` is a request's connection failing: not made, reset, or its body cut.
+pub(crate) fn transport_failed(error: &kube::Error) -> bool {
+    match error {
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        kube::Error::ReadEvents(e) => e.kind() != std::io::ErrorKind::InvalidData,
+        _ => false,
+    }
+}
+
+/// The failures of one kind of a watch: an episode starts with a failure more than its grace
+/// after the previous one (a watch asked again without a failure is running again).
 #[derive(Default)]
 struct Refused {
     since: Option<tokio::time::Instant>,
@@ -962,18 +999,18 @@ struct Refused {
 }
 
 impl Refused {
-    /// Counts one more refusal; whether its episode is still within the grace.
-    fn again(&mut self) -> bool {
+    /// Counts one more failure; whether its episode is still within `grace`.
+    fn again(&mut self, grace: Duration) -> bool {
         let now = tokio::time::Instant::now();
         if self
             .last
-            .is_none_or(|last| now.duration_since(last) > WATCH_REFUSED_GRACE)
+            .is_none_or(|last| now.duration_since(last) > grace)
         {
             self.since = Some(now);
         }
         self.last = Some(now);
         self.since
-            .is_some_and(|since| now.duration_since(since) < WATCH_REFUSED_GRACE)
+            .is_some_and(|since| now.duration_since(since) < grace)
     }
 }
 
@@ -1392,6 +1429,63 @@ mod tests {
             "{uri}"
         );
         assert!(watches.stale_now().is_empty());
+        task.abort();
+    }
+
+    /// A listed watch whose connection cannot be made (its API server gone) is asked again from
+    /// its version, without a list and without going stale, for the grace; beyond it, its
+    /// cache goes stale and is listed again. A watch cut once is resumed, not relisted.
+    #[tokio::test(start_paused = true)]
+    async fn a_listed_watch_cut_off_resumes_and_goes_stale_only_after_the_grace() {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let cut = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, list.clone());
+        // Cut once: resumed at once from the same version, still current.
+        let (request, answer) = handle.next_request().await.expect("the watch");
+        assert!(request.uri().to_string().contains("watch=true"));
+        answer.send_error(cut());
+        let (request, answer) = handle.next_request().await.expect("resumed");
+        let uri = request.uri().to_string();
+        assert!(
+            uri.contains("watch=true") && uri.contains("resourceVersion=1"),
+            "{uri}"
+        );
+        assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 0)]);
+        // Cut for good: asked again for the grace, then stale and listed again.
+        let first = tokio::time::Instant::now();
+        answer.send_error(cut());
+        let mut watches_asked = 0;
+        loop {
+            let (request, answer) = handle.next_request().await.expect("a request");
+            let uri = request.uri().to_string();
+            if !uri.contains("watch=true") {
+                assert!(
+                    first.elapsed() >= WATCH_CUT_GRACE,
+                    "relisted after {:?}",
+                    first.elapsed()
+                );
+                assert!(watches_asked >= 5, "{watches_asked}");
+                assert!(!watches.stale_now().is_empty(), "stale until relisted");
+                respond(answer, 200, list);
+                break;
+            }
+            assert!(uri.contains("resourceVersion=1"), "{uri}");
+            if first.elapsed() < WATCH_CUT_GRACE {
+                assert!(watches.stale_now().is_empty(), "current within the grace");
+            }
+            watches_asked += 1;
+            answer.send_error(cut());
+        }
+        until("the watch to be current again", || {
+            watches.stale_now().is_empty()
+        })
+        .await;
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
         task.abort();
     }
 

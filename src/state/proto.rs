@@ -609,13 +609,13 @@ impl PodSource {
                 }
                 (events, next)
             }
-            // A watch refused for the moment may be asked again from the same version (as
-            // kube-runtime's); any other failure ends the stream.
+            // A watch refused for the moment, or whose connection failed, may be asked again
+            // from the same version (as kube-runtime's); any other failure ends the stream.
             State::Listed(rv) => match self.watch(config, &rv).await {
                 Ok(frames) => (Some(Vec::new()), State::Watching(rv, frames)),
                 Err(e) => {
-                    let for_now =
-                        matches!(&e, kube::Error::Api(s) if matches!(s.code, 429 | 503 | 504));
+                    let for_now = super::transport_failed(&e)
+                        || matches!(&e, kube::Error::Api(s) if matches!(s.code, 429 | 503 | 504));
                     let next = if for_now {
                         State::Listed(rv)
                     } else {
@@ -633,6 +633,10 @@ impl PodSource {
                 }
                 Ok(Some(Read::Bookmark(rv))) => (Some(Vec::new()), State::Watching(rv, frames)),
                 Ok(None) => (Some(Vec::new()), State::Listed(rv)),
+                // Its connection cut: watched again from the last version seen.
+                Err(watcher::Error::WatchFailed(e)) if super::transport_failed(&e) => {
+                    (one(Err(watcher::Error::WatchFailed(e))), State::Listed(rv))
+                }
                 Err(e) => (one(Err(e)), State::Done),
             },
             State::Done => (None, State::Done),
@@ -647,7 +651,14 @@ async fn next_event(
 ) -> watcher::Result<Option<Read>> {
     let idle = Duration::from_secs(u64::from(config.timeout.unwrap_or(290))) + IDLE_MARGIN;
     let frame = match tokio::time::timeout(idle, frames.next()).await {
-        Ok(Some(frame)) => frame.map_err(|e| watcher::Error::WatchFailed(unreadable(e)))?,
+        // A frame too long to read is unreadable; any other error is the connection's.
+        Ok(Some(frame)) => frame.map_err(|e| {
+            watcher::Error::WatchFailed(if e.kind() == std::io::ErrorKind::InvalidData {
+                unreadable(e)
+            } else {
+                kube::Error::ReadEvents(e)
+            })
+        })?,
         Ok(None) => return Ok(None),
         Err(_) => {
             tracing::debug!("the pod watch stayed silent past its timeout; resuming it");
@@ -1427,6 +1438,53 @@ mod tests {
                 "start-failed 403 Forbidden",
             ]
         );
+    }
+
+    /// A watch whose connection fails (not made, or cut mid-event) is asked again from the
+    /// last version seen, as kube-runtime's does, rather than ending the stream (a relist).
+    #[tokio::test]
+    async fn a_watch_cut_off_is_watched_again_from_the_last_version_seen() {
+        let (source, mut handle) = source();
+        let events = source.events(watcher::Config::default().page_size(10));
+        let server = tokio::spawn(async move {
+            let (_, respond) = handle.next_request().await.expect("the list");
+            respond.send_response(answer(
+                PROTOBUF,
+                envelope(&pod_list(Some("20"), None, Vec::new())),
+            ));
+            let (request, respond) = handle.next_request().await.expect("the watch");
+            assert!(query(&request).contains("resourceVersion=20"));
+            respond.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+            let (request, respond) = handle.next_request().await.expect("the watch again");
+            assert!(query(&request).contains("resourceVersion=20"));
+            // One event, then the connection cut in the middle of the next.
+            let whole = frame("ADDED", &pod("a", "25"));
+            let cut = frame("MODIFIED", &pod("a", "26"));
+            let body = [&whole[..], &cut[..cut.len() / 2]].concat();
+            respond.send_response(answer(PROTOBUF, body));
+            let (request, respond) = handle.next_request().await.expect("resumed");
+            let q = query(&request);
+            assert!(
+                q.contains("watch=true") && q.contains("resourceVersion=25"),
+                "{q}"
+            );
+            let forbidden = failure(403, "Forbidden", "pods is forbidden");
+            respond.send_response(
+                Response::builder()
+                    .status(403)
+                    .header(http::header::CONTENT_TYPE, PROTOBUF)
+                    .body(Body::from(envelope(&forbidden)))
+                    .expect("a response"),
+            );
+        });
+        let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
+        server.await.expect("the mock API server");
+        assert_eq!(seen.len(), 6, "{seen:?}");
+        assert_eq!(seen[..2], ["init", "init-done"]);
+        assert!(seen[2].starts_with("error "), "{seen:?}");
+        assert_eq!(seen[3], "apply a@25");
+        assert!(seen[4].starts_with("error "), "{seen:?}");
+        assert_eq!(seen[5], "start-failed 403 Forbidden");
     }
 
     #[tokio::test]
