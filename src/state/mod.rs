@@ -892,8 +892,32 @@ async fn run_watch<K>(
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
         let (mut refused, mut cut) = (Refused::default(), Refused::default());
+        // When the watch was last asked again after a cut, until it brings an event.
+        let mut resumed: Option<tokio::time::Instant> = None;
         loop {
-            match events.try_next().await {
+            let next = match resumed {
+                // A watch asked again after a cut must show it runs: an API server still
+                // starting has been seen to hold a pod watch from an older version for a
+                // minute, the cache meanwhile counting as current. Silent past the bound, it
+                // is listed again (as before the cut was resumed at all).
+                Some(at) => {
+                    match tokio::time::timeout_at(at + WATCH_RESUMED_SILENCE, events.try_next())
+                        .await
+                    {
+                        Ok(next) => next,
+                        Err(_) => {
+                            return Stopped::after(format!(
+                                "the watch asked again after a cut brought nothing for {} s",
+                                WATCH_RESUMED_SILENCE.as_secs()
+                            ));
+                        }
+                    }
+                }
+                None => events.try_next().await,
+            };
+            // An event or an answer of the API server: the watch is not held.
+            resumed = None;
+            match next {
                 Ok(Some(ev)) => {
                     match ev {
                         watcher::Event::Init => {
@@ -936,8 +960,13 @@ async fn run_watch<K>(
                 // balancer, a connection reset): asked again from where it was, as client-go's
                 // reflector does, rather than listed again (seconds at 100,000 pods).
                 Err(error) if listed_here && cut_off(&error) && cut.again(WATCH_CUT_GRACE) => {
-                    tracing::info!(%kind, why = %error, "watch cut; resuming it from where it was");
+                    if cut.first() {
+                        tracing::info!(%kind, why = %error, "watch cut; resuming it from where it was");
+                    } else {
+                        tracing::debug!(%kind, why = %error, "watch still cut; asking again");
+                    }
                     tokio::time::sleep(WATCH_CUT_PAUSE).await;
+                    resumed = Some(tokio::time::Instant::now());
                 }
                 Err(error) => {
                     return Stopped {
@@ -971,6 +1000,10 @@ fn refused_for_now(error: &watcher::Error) -> bool {
 const WATCH_CUT_GRACE: Duration = Duration::from_secs(3);
 /// The pause before such a watch is asked again.
 const WATCH_CUT_PAUSE: Duration = Duration::from_millis(250);
+/// How long a watch asked again after a cut may bring nothing (no event, no error) before it
+/// is listed again: a quiet kind is listed again after a cut, as it was before cuts were
+/// resumed; pods, which change all the time in a cluster, are not.
+const WATCH_RESUMED_SILENCE: Duration = Duration::from_secs(5);
 
 /// Whether `error` is a watch's connection failing (not an answer of the API server, nor
 /// something unreadable in what it sent).
@@ -1011,6 +1044,11 @@ impl Refused {
         self.last = Some(now);
         self.since
             .is_some_and(|since| now.duration_since(since) < grace)
+    }
+
+    /// Whether the failure last counted began its episode.
+    fn first(&self) -> bool {
+        self.since == self.last
     }
 }
 
@@ -1485,6 +1523,66 @@ mod tests {
             watches.stale_now().is_empty()
         })
         .await;
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        task.abort();
+    }
+
+    /// A watch asked again after a cut that brings nothing (held by an API server still
+    /// starting) is listed again once silent past the bound; one that brings events runs on.
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_asked_again_after_a_cut_is_listed_again_when_it_stays_silent() {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let cut = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, list.clone());
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        answer.send_error(cut());
+        // Asked again; the answer is held (never sent).
+        let (request, held) = handle.next_request().await.expect("asked again");
+        assert!(request.uri().to_string().contains("resourceVersion=1"));
+        let asked = tokio::time::Instant::now();
+        let (request, answer) = handle.next_request().await.expect("the relist");
+        assert!(
+            !request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        assert!(
+            asked.elapsed() >= WATCH_RESUMED_SILENCE,
+            "{:?}",
+            asked.elapsed()
+        );
+        assert!(
+            watches.stale_now()[0].contains("brought nothing"),
+            "{:?}",
+            watches.stale_now()
+        );
+        drop(held);
+        respond(answer, 200, list);
+        until("the watch to be current again", || {
+            watches.stale_now().is_empty()
+        })
+        .await;
+        // Cut again, asked again, and it brings an event: no relist after the bound.
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        answer.send_error(cut());
+        let (_, answer) = handle.next_request().await.expect("asked again");
+        watch_event(
+            answer,
+            &json!({"type": "ADDED", "object": {"kind": "Node", "apiVersion": "v1",
+                "metadata": {"name": "n1", "resourceVersion": "2"}}}),
+        );
+        let (request, _held) = handle.next_request().await.expect("the watch goes on");
+        let uri = request.uri().to_string();
+        assert!(
+            uri.contains("watch=true") && uri.contains("resourceVersion=2"),
+            "{uri}"
+        );
+        tokio::time::sleep(WATCH_RESUMED_SILENCE * 2).await;
+        assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
         task.abort();
     }
