@@ -372,14 +372,61 @@ async fn upstream_bug_1_a_pps_persisting_only_annotations_gives_them_back() {
         (s.pod_states.get("web-0")?.annotations.get(SLOT)? == "runtime").then_some(())
     })
     .await;
-    // ...and the template's value is what a re-created pod asks for: the pod's own value wins.
+    // ...and the template's value is what a re-created pod asks for: the pod's own value wins,
+    // so nothing is added and the pod is not marked as injected.
     let pod = recreate_pod(c, &ns, "web-0").await;
     assert_eq!(
         pod.annotations().get(SLOT).map(String::as_str),
         Some("from-template")
     );
+    assert_eq!(pod.annotations().get(INJECTED_ANNOTATION), None);
+    // Once the template no longer sets it, the rolled pod gets the recorded value back (the
+    // one its predecessor ran with), and is marked.
+    wait_for("the template's value recorded again", TIMEOUT, || async {
+        let s = pps.get_opt("web").await.ok()??.status?;
+        (s.pod_states.get("web-0")?.annotations.get(SLOT)? == "from-template").then_some(())
+    })
+    .await;
+    Api::<Pod>::namespaced(c.clone(), &ns)
+        .patch(
+            "web-0",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {SLOT: "runtime"}}})),
+        )
+        .await
+        .expect("annotate pod");
+    wait_for("the new value recorded again", TIMEOUT, || async {
+        let s = pps.get_opt("web").await.ok()??.status?;
+        (s.pod_states.get("web-0")?.annotations.get(SLOT)? == "runtime").then_some(())
+    })
+    .await;
+    let before = pod.uid();
+    Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(c.clone(), &ns)
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"spec": {"template": {"metadata": {"annotations": {SLOT: null}}}}}),
+            ),
+        )
+        .await
+        .expect("drop the annotation from the template");
+    let rolled = wait_for("web-0 rolled to the new template", TIMEOUT, || async {
+        let pod = Api::<Pod>::namespaced(c.clone(), &ns)
+            .get_opt("web-0")
+            .await
+            .ok()??;
+        (pod.uid() != before).then_some(pod)
+    })
+    .await;
     assert_eq!(
-        pod.annotations()
+        rolled.annotations().get(SLOT).map(String::as_str),
+        Some("runtime"),
+        "given back"
+    );
+    assert_eq!(
+        rolled
+            .annotations()
             .get(INJECTED_ANNOTATION)
             .map(String::as_str),
         Some("web")
