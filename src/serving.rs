@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,12 @@ pub struct Limits {
     /// A connection, however active (HTTP/2 pings included), is closed gracefully at this age:
     /// no client holds a slot forever, and clients spread over new replicas after a rollout.
     pub max_age: Duration,
+    /// An HTTP/2 connection with an answer not yet sent whole, none of whose pieces could be
+    /// sent for this long (its client reads none: a window of zero), is closed at once, within
+    /// twice this:
+    /// what its answers hold of the endpoints' shares is given back then, not at its maximum
+    /// age.
+    pub send_timeout: Duration,
 }
 
 impl Limits {
@@ -84,6 +90,7 @@ impl Limits {
         idle_timeout: Duration::from_secs(120),
         max_streams: 64,
         max_age: Duration::from_secs(600),
+        send_timeout: Duration::from_secs(10),
     };
 
     /// The probe port's limits: a kubelet and a Prometheus need a few short connections, so
@@ -95,6 +102,7 @@ impl Limits {
         idle_timeout: Duration::from_secs(5),
         max_streams: 8,
         max_age: Duration::from_secs(600),
+        send_timeout: Duration::from_secs(5),
     };
 }
 
@@ -239,7 +247,7 @@ const ANSWER_PIECE: usize = 16 << 10;
 /// connection drops it: HTTP/2 once its last piece (at most [`ANSWER_PIECE`]) is sent, which
 /// needs the client's window; HTTP/1 once that piece is queued. A client that never reads its
 /// answers (HTTP/2 with a window of zero, say) holds at most the share, not the server's
-/// memory.
+/// memory, and over HTTP/2 only until [`Limits::send_timeout`] closes its connection.
 struct Held {
     inner: Body,
     rest: Bytes,
@@ -778,6 +786,12 @@ struct ActivityState {
     closing: AtomicBool,
     /// The connection speaks HTTP/2 (chosen in the TLS handshake, or its preface read).
     http2: AtomicBool,
+    /// When a piece of an HTTP/2 answer was last taken to be sent (or, if later, an answer
+    /// became the only one unsent), in µs since `base`: control frames (a ping's answer) are
+    /// no progress.
+    sent_micros: AtomicU64,
+    /// HTTP/2 answers handed to the connection and not yet sent whole ([`Unsent`]).
+    unsent: AtomicU32,
 }
 
 /// A request is being handled: no headers are due.
@@ -803,6 +817,8 @@ impl Activity {
             waiting_micros: AtomicU64::new(AWAITING),
             closing: AtomicBool::new(false),
             http2: AtomicBool::new(false),
+            sent_micros: AtomicU64::new(0),
+            unsent: AtomicU32::new(0),
         }))
     }
 
@@ -822,6 +838,29 @@ impl Activity {
         self.0
             .last_micros
             .store(self.now_micros(), Ordering::Relaxed);
+    }
+
+    /// An HTTP/2 answer is handed to the connection: unsent until [`Activity::answer_sent`].
+    /// The first of them starts the clock its sending is held to.
+    fn answer_unsent(&self) {
+        if self.0.unsent.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.0
+                .sent_micros
+                .store(self.now_micros(), Ordering::Relaxed);
+        }
+    }
+
+    /// A piece of an answer was taken to be sent (a connection takes one only with room in
+    /// its client's window for it).
+    fn answer_progressed(&self) {
+        self.0
+            .sent_micros
+            .store(self.now_micros(), Ordering::Relaxed);
+    }
+
+    /// An answer counted by [`Activity::answer_unsent`] was sent whole, or dropped.
+    fn answer_sent(&self) {
+        self.0.unsent.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Resolves once no byte has moved for `idle`.
@@ -919,11 +958,30 @@ impl Activity {
             if old < due.1 && !self.0.closing.load(Ordering::Relaxed) {
                 due = (Bound::MaxAge, old);
             }
+            let send = micros(limits.send_timeout);
+            if self.0.unsent.load(Ordering::Relaxed) > 0 {
+                let stalled = self
+                    .0
+                    .sent_micros
+                    .load(Ordering::Relaxed)
+                    .saturating_add(send);
+                if stalled < due.1 {
+                    due = (Bound::Stalled, stalled);
+                }
+            }
             let now = self.now_micros();
             if now >= due.1 {
                 return due.0;
             }
-            tokio::time::sleep(Duration::from_micros(due.1 - now)).await;
+            // An HTTP/2 connection is looked at again within the send timeout: an answer that
+            // became unsent since is not held to the idle bound (nothing wakes this timer when
+            // one does, so that no answer pays for it).
+            let wake = if self.serves_http2() {
+                due.1.min(now.saturating_add(send))
+            } else {
+                due.1
+            };
+            tokio::time::sleep(Duration::from_micros(wake - now)).await;
         }
     }
 }
@@ -937,6 +995,8 @@ enum Bound {
     HeadersLate,
     /// At its maximum age.
     MaxAge,
+    /// An HTTP/2 answer not sent whole, and none of its pieces taken, for the send timeout.
+    Stalled,
 }
 
 /// The app of one connection: each request marks the connection's header deadline as met when
@@ -963,9 +1023,11 @@ where
     fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
         let version = request.version();
         self.activity.headers_arrived(version);
+        let http2 = version == axum::http::Version::HTTP_2;
         Answering {
             answer: self.inner.call(request),
-            activity: (version != axum::http::Version::HTTP_2).then(|| self.activity.clone()),
+            activity: (!http2).then(|| self.activity.clone()),
+            unsent: http2.then(|| self.activity.clone()),
         }
     }
 }
@@ -978,6 +1040,8 @@ pin_project_lite::pin_project! {
         #[pin]
         answer: F,
         activity: Option<Activity>,
+        // An HTTP/2 request's connection: its answer is counted unsent until sent whole.
+        unsent: Option<Activity>,
     }
 }
 
@@ -990,6 +1054,16 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
         let mut polled = this.answer.poll(cx);
+        if let Poll::Ready(Ok(response)) = &mut polled
+            && let Some(activity) = this.unsent.take()
+        {
+            activity.answer_unsent();
+            let body = std::mem::take(response.body_mut());
+            *response.body_mut() = Body::new(Unsent {
+                inner: body,
+                activity,
+            });
+        }
         if polled.is_ready()
             && let Some(activity) = this.activity.take()
         {
@@ -1004,6 +1078,43 @@ where
             }
         }
         polled
+    }
+}
+
+/// An HTTP/2 answer's body, counted unsent on its connection until the connection drops it
+/// (sent whole, or its stream or connection gone): see [`Limits::send_timeout`].
+struct Unsent {
+    inner: Body,
+    activity: Activity,
+}
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        self.activity.answer_sent();
+    }
+}
+
+impl http_body::Body for Unsent {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            self.activity.answer_progressed();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -1649,6 +1760,12 @@ async fn run_http<IO>(
                     activity.close_with_next_answer();
                 }
                 Bound::MaxAge => break "at its maximum age",
+                // Its client reads nothing: closed at once (a graceful close would wait for
+                // the very answers it does not read), which gives back what they hold.
+                Bound::Stalled => {
+                    tracing::info!(%peer, "closing an HTTP/2 connection whose client reads none of its answers");
+                    return;
+                }
                 // No request is in flight on an HTTP/2 connection waiting for its first one
                 // (a client may dial one ahead and hold it unused): it is told GOAWAY, so
                 // that its client never sends a request on it as it closes.
@@ -2114,6 +2231,8 @@ mod tests {
             waiting_micros: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             http2: AtomicBool::new(false),
+            sent_micros: AtomicU64::new(0),
+            unsent: AtomicU32::new(0),
         }));
         let mut watched = Tapped {
             inner: tcp,
@@ -2130,9 +2249,61 @@ mod tests {
             activity.0.last_micros.load(Ordering::Relaxed) >= 1_000_000,
             "counted as activity"
         );
+
         let mut got = [0u8; 11];
         peer.read_exact(&mut got).await.expect("read");
         assert_eq!(&got, b"two records");
+    }
+
+    #[tokio::test]
+    async fn an_http2_answer_unsent_past_the_send_timeout_ends_its_connection_however_busy() {
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_millis(100),
+            ..Limits::WEBHOOK
+        };
+        let activity = Activity::new();
+        activity.speaks_http2();
+        activity.headers_arrived(axum::http::Version::HTTP_2);
+        // An answer becomes unsent after the bound was first looked at; bytes are read all
+        // along (pings, other requests): bound by the send timeout, looked at again within it.
+        let start = Instant::now();
+        let bound = activity.past_bound(&limits);
+        tokio::pin!(bound);
+        let busy = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            activity.answer_unsent();
+            loop {
+                activity.bytes_read();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let found = tokio::select! {
+            found = &mut bound => found,
+            () = busy => unreachable!("busy forever"),
+        };
+        assert_eq!(found, Bound::Stalled);
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(150) && took < Duration::from_millis(400),
+            "{took:?}"
+        );
+        // A piece taken keeps it going; once sent, only the idle bound holds it.
+        activity.answer_progressed();
+        let again = tokio::time::timeout(Duration::from_millis(50), activity.past_bound(&limits));
+        assert!(again.await.is_err(), "written just now");
+        activity.answer_sent();
+        let idle = Limits {
+            idle_timeout: Duration::from_millis(300),
+            ..limits
+        };
+        let start = Instant::now();
+        assert_eq!(activity.past_bound(&idle).await, Bound::Idle);
+        assert!(
+            start.elapsed() >= Duration::from_millis(200),
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     #[test]

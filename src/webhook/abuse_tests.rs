@@ -27,6 +27,7 @@ const TEST_LIMITS: Limits = Limits {
     idle_timeout: Duration::from_millis(800),
     max_streams: 8,
     max_age: Duration::from_secs(3),
+    send_timeout: Duration::from_secs(3),
 };
 
 struct Server {
@@ -1335,6 +1336,48 @@ async fn an_http2_connection_whose_first_request_is_late_is_told_goaway_before_i
             "{how}: closed by the header deadline: after {closed:?}"
         );
     }
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn an_http2_client_that_reads_none_of_its_answers_is_closed_within_twice_the_send_timeout() {
+    // Its window for the server's data at zero, a client sends a review and keeps the
+    // connection busy with pings of its own (answered): the answer cannot be sent, and holds
+    // its bytes of the endpoint's share until its connection goes.
+    let limits = Limits {
+        send_timeout: Duration::from_millis(500),
+        ..NO_EARLY_BOUND
+    };
+    let server = start_with(None, limits).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut h2 = RawH2::open(server.tls(&server.h2).await).await;
+    // SETTINGS_INITIAL_WINDOW_SIZE (0x4) = 0.
+    h2.send(SETTINGS, 0, 0, &[0, 4, 0, 0, 0, 0]).await;
+    h2.send_review_headers().await;
+    h2.send(DATA, 1, 1, &review(pod_request(json!({})))).await;
+    let sent = Instant::now();
+    let beat = Duration::from_millis(100);
+    let mut frames = Vec::new();
+    'open: loop {
+        h2.send(PING, 0, 0, b"busy now").await;
+        let next_beat = tokio::time::Instant::now() + beat;
+        while let Ok(frame) = tokio::time::timeout_at(next_beat, h2.next(deadline)).await {
+            match frame {
+                Some(frame) => frames.push(frame.0),
+                None => break 'open,
+            }
+        }
+    }
+    let closed = sent.elapsed();
+    assert!(
+        frames.contains(&HEADERS) && !frames.contains(&DATA),
+        "answered, its body never sent: {frames:?}"
+    );
+    assert!(
+        closed >= limits.send_timeout && closed < limits.send_timeout * 2 + Duration::from_secs(1),
+        "closed by the send timeout, not its age ({:?}): after {closed:?}",
+        limits.max_age
+    );
     server.stop.cancel();
 }
 
