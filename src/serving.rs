@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -786,12 +786,12 @@ struct ActivityState {
     closing: AtomicBool,
     /// The connection speaks HTTP/2 (chosen in the TLS handshake, or its preface read).
     http2: AtomicBool,
-    /// When a piece of an HTTP/2 answer was last taken to be sent (or, if later, an answer
-    /// became the only one unsent), in µs since `base`: control frames (a ping's answer) are
-    /// no progress.
-    sent_micros: AtomicU64,
-    /// HTTP/2 answers handed to the connection and not yet sent whole ([`Unsent`]).
-    unsent: AtomicU32,
+    /// The HTTP/2 answers handed to the connection and not yet sent whole ([`Unsent`]): each
+    /// one's number and when a piece of it was last taken to be sent (or it was handed over),
+    /// in µs since `base`. Control frames (a ping's answer) and other answers are no progress.
+    unsent: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// The number of the last answer counted in `unsent`.
+    answers: AtomicU64,
 }
 
 /// A request is being handled: no headers are due.
@@ -817,8 +817,8 @@ impl Activity {
             waiting_micros: AtomicU64::new(AWAITING),
             closing: AtomicBool::new(false),
             http2: AtomicBool::new(false),
-            sent_micros: AtomicU64::new(0),
-            unsent: AtomicU32::new(0),
+            unsent: std::sync::Mutex::new(Vec::new()),
+            answers: AtomicU64::new(0),
         }))
     }
 
@@ -840,27 +840,41 @@ impl Activity {
             .store(self.now_micros(), Ordering::Relaxed);
     }
 
-    /// An HTTP/2 answer is handed to the connection: unsent until [`Activity::answer_sent`].
-    /// The first of them starts the clock its sending is held to.
-    fn answer_unsent(&self) {
-        if self.0.unsent.fetch_add(1, Ordering::Relaxed) == 0 {
-            self.0
-                .sent_micros
-                .store(self.now_micros(), Ordering::Relaxed);
+    /// An HTTP/2 answer is handed to the connection: unsent until [`Activity::answer_sent`]
+    /// with the number returned, its sending held to [`Limits::send_timeout`] from now.
+    fn answer_unsent(&self) -> u64 {
+        let answer = self.0.answers.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = self.now_micros();
+        crate::sync::lock(&self.0.unsent).push((answer, now));
+        answer
+    }
+
+    /// A piece of `answer` was taken to be sent (a connection takes one only with room in its
+    /// client's window for it).
+    fn answer_progressed(&self, answer: u64) {
+        let now = self.now_micros();
+        if let Some(entry) = crate::sync::lock(&self.0.unsent)
+            .iter_mut()
+            .find(|(n, _)| *n == answer)
+        {
+            entry.1 = now;
         }
     }
 
-    /// A piece of an answer was taken to be sent (a connection takes one only with room in
-    /// its client's window for it).
-    fn answer_progressed(&self) {
-        self.0
-            .sent_micros
-            .store(self.now_micros(), Ordering::Relaxed);
+    /// `answer` was sent whole, or dropped.
+    fn answer_sent(&self, answer: u64) {
+        let mut unsent = crate::sync::lock(&self.0.unsent);
+        if let Some(at) = unsent.iter().position(|(n, _)| *n == answer) {
+            unsent.swap_remove(at);
+        }
     }
 
-    /// An answer counted by [`Activity::answer_unsent`] was sent whole, or dropped.
-    fn answer_sent(&self) {
-        self.0.unsent.fetch_sub(1, Ordering::Relaxed);
+    /// When the answer longest without progress last made some, if any is unsent.
+    fn stalest_answer(&self) -> Option<u64> {
+        crate::sync::lock(&self.0.unsent)
+            .iter()
+            .map(|(_, at)| *at)
+            .min()
     }
 
     /// Resolves once no byte has moved for `idle`.
@@ -959,12 +973,8 @@ impl Activity {
                 due = (Bound::MaxAge, old);
             }
             let send = micros(limits.send_timeout);
-            if self.0.unsent.load(Ordering::Relaxed) > 0 {
-                let stalled = self
-                    .0
-                    .sent_micros
-                    .load(Ordering::Relaxed)
-                    .saturating_add(send);
+            if let Some(stalest) = self.stalest_answer() {
+                let stalled = stalest.saturating_add(send);
                 if stalled < due.1 {
                     due = (Bound::Stalled, stalled);
                 }
@@ -1057,11 +1067,12 @@ where
         if let Poll::Ready(Ok(response)) = &mut polled
             && let Some(activity) = this.unsent.take()
         {
-            activity.answer_unsent();
+            let answer = activity.answer_unsent();
             let body = std::mem::take(response.body_mut());
             *response.body_mut() = Body::new(Unsent {
                 inner: body,
                 activity,
+                answer,
             });
         }
         if polled.is_ready()
@@ -1086,11 +1097,13 @@ where
 struct Unsent {
     inner: Body,
     activity: Activity,
+    /// Its number on the connection.
+    answer: u64,
 }
 
 impl Drop for Unsent {
     fn drop(&mut self) {
-        self.activity.answer_sent();
+        self.activity.answer_sent(self.answer);
     }
 }
 
@@ -1104,7 +1117,7 @@ impl http_body::Body for Unsent {
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(_))) = &polled {
-            self.activity.answer_progressed();
+            self.activity.answer_progressed(self.answer);
         }
         polled
     }
@@ -2231,8 +2244,8 @@ mod tests {
             waiting_micros: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             http2: AtomicBool::new(false),
-            sent_micros: AtomicU64::new(0),
-            unsent: AtomicU32::new(0),
+            unsent: std::sync::Mutex::new(Vec::new()),
+            answers: AtomicU64::new(0),
         }));
         let mut watched = Tapped {
             inner: tcp,
@@ -2270,11 +2283,15 @@ mod tests {
         let start = Instant::now();
         let bound = activity.past_bound(&limits);
         tokio::pin!(bound);
+        let stuck = std::cell::Cell::new(0);
         let busy = async {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            activity.answer_unsent();
+            stuck.set(activity.answer_unsent());
+            // Another answer sent piece by piece all along is no progress of this one.
+            let flowing = activity.answer_unsent();
             loop {
                 activity.bytes_read();
+                activity.answer_progressed(flowing);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
@@ -2288,11 +2305,14 @@ mod tests {
             took >= Duration::from_millis(150) && took < Duration::from_millis(400),
             "{took:?}"
         );
-        // A piece taken keeps it going; once sent, only the idle bound holds it.
-        activity.answer_progressed();
+        // A piece taken keeps it going; once both are sent, only the idle bound holds it.
+        activity.answer_progressed(stuck.get());
+        activity.answer_progressed(stuck.get() + 1);
         let again = tokio::time::timeout(Duration::from_millis(50), activity.past_bound(&limits));
-        assert!(again.await.is_err(), "written just now");
-        activity.answer_sent();
+        assert!(again.await.is_err(), "a piece taken just now");
+        activity.answer_sent(stuck.get());
+        activity.answer_sent(stuck.get() + 1);
+        assert_eq!(activity.stalest_answer(), None);
         let idle = Limits {
             idle_timeout: Duration::from_millis(300),
             ..limits

@@ -128,11 +128,9 @@ pub async fn reconcile_pps(
             // Stale: the next reconcile computes again from newer data, soon.
             Err(kube::Error::Api(e)) if e.code == 409 => return Err(kube::Error::Api(e).into()),
             // Refused for good or failing (a policy, a quota, the API server): the pods this
-            // PersistentPodState strands are still released below; the reconcile fails after.
-            Err(e) => {
-                tracing::warn!(pps = %pps.name_any(), error = %e, "status write failed; releases still run");
-                write_failed = Some(e);
-            }
+            // PersistentPodState strands are still released below, and looked at again as
+            // they need, however long the write keeps failing.
+            Err(e) => write_failed = Some(e),
         }
     }
     if write_failed.is_none() {
@@ -174,10 +172,15 @@ pub async fn reconcile_pps(
     {
         wait = wait.min(later);
     }
-    match write_failed {
-        Some(e) => Err(e.into()),
-        None => Ok(Action::requeue(wait)),
+    if let Some(error) = write_failed {
+        // Counted and backed off as a failed reconcile is, but the releases' own next look
+        // (the release rate, a grace ending) is kept when it comes sooner.
+        ctx.metrics.reconcile_error(Reconciler::Status);
+        let delay = ctx.failures.failed(failure_key("pps", pps.as_ref()));
+        tracing::warn!(pps = %pps.name_any(), namespace = %namespace, %error, ?delay, "status write failed; releases ran, retrying");
+        wait = wait.min(delay);
     }
+    Ok(Action::requeue(wait))
 }
 
 /// What [`release_local_volumes`] did: the pods it released, and when to look again if the

@@ -832,7 +832,9 @@ impl Stopped {
 /// Where a watch's events come from: kube-runtime's watcher of an [`Api`], or the pods' own
 /// protobuf watch ([`proto::PodSource`]).
 pub trait Source<K>: Clone + Send + Sync + 'static {
-    /// The events of one list and watch under `config`; the stream ends after an error.
+    /// The events of one list and watch under `config`. After an error, the stream goes on
+    /// where it can (a listed watch refused for the moment or cut off is asked again from where
+    /// it was) and ends where it cannot.
     fn events(
         &self,
         config: watcher::Config,
@@ -915,10 +917,10 @@ async fn run_watch<K>(
                 }
                 None => events.try_next().await,
             };
-            // An event or an answer of the API server: the watch is not held.
-            resumed = None;
             match next {
                 Ok(Some(ev)) => {
+                    // An event: the watch runs.
+                    resumed = None;
                     match ev {
                         watcher::Event::Init => {
                             (started, objects) = (tokio::time::Instant::now(), 0)
@@ -955,6 +957,10 @@ async fn run_watch<K>(
                 {
                     tracing::info!(%kind, why = %error, "watch refused for the moment; resuming it from where it was");
                     tokio::time::sleep(WATCH_REFUSED_PAUSE).await;
+                    // Refused after a cut: the watch asked again next is held to the bound too.
+                    if resumed.is_some() {
+                        resumed = Some(tokio::time::Instant::now());
+                    }
                 }
                 // Its connection cut after listing (an API server going away behind a load
                 // balancer, a connection reset): asked again from where it was, as client-go's
@@ -1584,6 +1590,42 @@ mod tests {
         tokio::time::sleep(WATCH_RESUMED_SILENCE * 2).await;
         assert!(watches.stale_now().is_empty(), "{:?}", watches.stale_now());
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        task.abort();
+    }
+
+    /// Refused for the moment after a cut (an API server still starting answers 429 or 504),
+    /// then held: the watch asked again is still held to the bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_refused_after_a_cut_then_held_is_listed_again() {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let list = json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []});
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, list);
+        let (_, answer) = handle.next_request().await.expect("the watch");
+        answer.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let (_, answer) = handle.next_request().await.expect("asked again");
+        respond(
+            answer,
+            429,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "message": "storage is (re)initializing", "reason": "TooManyRequests", "code": 429}),
+        );
+        let (request, _held) = handle.next_request().await.expect("asked again");
+        assert!(request.uri().to_string().contains("watch=true"));
+        let asked = tokio::time::Instant::now();
+        let (request, _answer) = handle.next_request().await.expect("the relist");
+        assert!(
+            !request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        assert!(
+            asked.elapsed() >= WATCH_RESUMED_SILENCE,
+            "{:?}",
+            asked.elapsed()
+        );
         task.abort();
     }
 
