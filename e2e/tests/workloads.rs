@@ -359,19 +359,28 @@ async fn upstream_bug_1_a_pps_persisting_only_annotations_gives_them_back() {
         Some("from-template")
     );
     // The annotation changes on the live pod (as an operator or a sidecar would)...
-    Api::<Pod>::namespaced(c.clone(), &ns)
-        .patch(
-            "web-0",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {SLOT: "runtime"}}})),
-        )
-        .await
-        .expect("annotate pod");
-    wait_for("the new value recorded", TIMEOUT, || async {
-        let s = pps.get_opt("web").await.ok()??.status?;
-        (s.pod_states.get("web-0")?.annotations.get(SLOT)? == "runtime").then_some(())
-    })
-    .await;
+    let recorded = |value: &'static str| {
+        let pps = pps.clone();
+        async move {
+            wait_for(&format!("{value} recorded"), TIMEOUT, || async {
+                let s = pps.get_opt("web").await.ok()??.status?;
+                (s.pod_states.get("web-0")?.annotations.get(SLOT)? == value).then_some(())
+            })
+            .await;
+        }
+    };
+    let annotate = || async {
+        Api::<Pod>::namespaced(c.clone(), &ns)
+            .patch(
+                "web-0",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {SLOT: "runtime"}}})),
+            )
+            .await
+            .expect("annotate pod");
+    };
+    annotate().await;
+    recorded("runtime").await;
     // ...and the template's value is what a re-created pod asks for: the pod's own value wins,
     // so nothing is added and the pod is not marked as injected.
     let pod = recreate_pod(c, &ns, "web-0").await;
@@ -382,24 +391,9 @@ async fn upstream_bug_1_a_pps_persisting_only_annotations_gives_them_back() {
     assert_eq!(pod.annotations().get(INJECTED_ANNOTATION), None);
     // Once the template no longer sets it, the rolled pod gets the recorded value back (the
     // one its predecessor ran with), and is marked.
-    wait_for("the template's value recorded again", TIMEOUT, || async {
-        let s = pps.get_opt("web").await.ok()??.status?;
-        (s.pod_states.get("web-0")?.annotations.get(SLOT)? == "from-template").then_some(())
-    })
-    .await;
-    Api::<Pod>::namespaced(c.clone(), &ns)
-        .patch(
-            "web-0",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {SLOT: "runtime"}}})),
-        )
-        .await
-        .expect("annotate pod");
-    wait_for("the new value recorded again", TIMEOUT, || async {
-        let s = pps.get_opt("web").await.ok()??.status?;
-        (s.pod_states.get("web-0")?.annotations.get(SLOT)? == "runtime").then_some(())
-    })
-    .await;
+    recorded("from-template").await;
+    annotate().await;
+    recorded("runtime").await;
     let before = pod.uid();
     Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(c.clone(), &ns)
         .patch(

@@ -1047,6 +1047,20 @@ async fn a_node_within_its_grace_period_releases_nothing_and_reads_nothing() {
     assert!(sent.is_empty(), "{sent:?}");
 }
 
+/// `web-0` of `web`, pinned by the webhook to `n1` (`kubernetes.io/hostname`), waiting.
+fn pinned_waiting_pod() -> k8s_openapi::api::core::v1::Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+            "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                "uid": "sts-uid", "controller": true}]},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": []},
+        "status": {"phase": "Pending"}
+    }))
+    .expect("pod")
+}
+
 #[tokio::test]
 async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webhooks_annotations() {
     // web-0 waits pinned by the webhook to n1, deleted since; its StatefulSet's template plain,
@@ -1059,18 +1073,7 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
         caches.apply_workload(&sts, watcher::Event::InitApply(workload));
         caches.apply_workload(&sts, watcher::Event::InitDone);
         caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
-        caches.apply_pod(watcher::Event::Apply(
-            serde_json::from_value(json!({
-                "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
-                    "annotations": {crate::api::INJECTED_ANNOTATION: "web",
-                        crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
-                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
-                        "uid": "sts-uid", "controller": true}]},
-                "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": []},
-                "status": {"phase": "Pending"}
-            }))
-            .expect("pod"),
-        ));
+        caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
         caches
     };
     let plain = json!({"metadata": {"labels": {"app": "web"}}});
@@ -1106,18 +1109,7 @@ async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() 
     // web-0 waits pinned by the webhook to n1, deleted since; the status has a generation to
     // record, and every status write is refused (say, by a policy).
     let caches = waiting_world();
-    caches.apply_pod(watcher::Event::Apply(
-        serde_json::from_value(json!({
-            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
-                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
-                    crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
-                    "uid": "sts-uid", "controller": true}]},
-            "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": []},
-            "status": {"phase": "Pending"}
-        }))
-        .expect("pod"),
-    ));
+    caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
     let mut pps = (*waiting_pps(json!({}))).clone();
     if let Some(status) = pps.status.as_mut() {
         status.observed_generation = 1;

@@ -1171,6 +1171,32 @@ mod tests {
         (client, handle, watches)
     }
 
+    /// An empty node list at resourceVersion 1.
+    fn node_list() -> serde_json::Value {
+        json!({"kind": "NodeList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"}, "items": []})
+    }
+
+    /// A node watch on a mock API server, past its first list ([`node_list`]).
+    async fn listed_node_watch() -> (MockHandle, Arc<Watches>, tokio::task::JoinHandle<()>) {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (_, answer) = handle.next_request().await.expect("the first list");
+        respond(answer, 200, node_list());
+        (handle, watches, task)
+    }
+
+    /// A connection reset, as a watch's request fails when cut.
+    fn cut() -> std::io::Error {
+        std::io::Error::from(std::io::ErrorKind::ConnectionReset)
+    }
+
+    /// The answer of an API server whose cache of the kind is being filled again.
+    fn storage_initializing() -> serde_json::Value {
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "storage is (re)initializing", "reason": "TooManyRequests", "code": 429})
+    }
+
     /// The end of a streaming list: a bookmark carrying `initial-events-end`.
     fn initial_events_end(
         respond: tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
@@ -1426,14 +1452,8 @@ mod tests {
     /// the grace; refused beyond it, its cache goes stale and is listed again.
     #[tokio::test(start_paused = true)]
     async fn a_listed_watch_refused_for_the_moment_resumes_and_goes_stale_only_after_the_grace() {
-        let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
-        let list = json!({"kind": "NodeList", "apiVersion": "v1",
-            "metadata": {"resourceVersion": "1"}, "items": []});
-        let refused = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "message": "storage is (re)initializing", "reason": "TooManyRequests", "code": 429});
-        let (_, answer) = handle.next_request().await.expect("the first list");
-        respond(answer, 200, list.clone());
+        let (mut handle, watches, task) = listed_node_watch().await;
+        let (list, refused) = (node_list(), storage_initializing());
         let first = tokio::time::Instant::now();
         let mut watches_asked = 0;
         loop {
@@ -1481,13 +1501,7 @@ mod tests {
     /// cache goes stale and is listed again. A watch cut once is resumed, not relisted.
     #[tokio::test(start_paused = true)]
     async fn a_listed_watch_cut_off_resumes_and_goes_stale_only_after_the_grace() {
-        let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
-        let list = json!({"kind": "NodeList", "apiVersion": "v1",
-            "metadata": {"resourceVersion": "1"}, "items": []});
-        let cut = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
-        let (_, answer) = handle.next_request().await.expect("the first list");
-        respond(answer, 200, list.clone());
+        let (mut handle, watches, task) = listed_node_watch().await;
         // Cut once: resumed at once from the same version, still current.
         let (request, answer) = handle.next_request().await.expect("the watch");
         assert!(request.uri().to_string().contains("watch=true"));
@@ -1515,7 +1529,7 @@ mod tests {
                 );
                 assert!(watches_asked >= 5, "{watches_asked}");
                 assert!(!watches.stale_now().is_empty(), "stale until relisted");
-                respond(answer, 200, list);
+                respond(answer, 200, node_list());
                 break;
             }
             assert!(uri.contains("resourceVersion=1"), "{uri}");
@@ -1537,13 +1551,7 @@ mod tests {
     /// starting) is listed again once silent past the bound; one that brings events runs on.
     #[tokio::test(start_paused = true)]
     async fn a_watch_asked_again_after_a_cut_is_listed_again_when_it_stays_silent() {
-        let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
-        let list = json!({"kind": "NodeList", "apiVersion": "v1",
-            "metadata": {"resourceVersion": "1"}, "items": []});
-        let cut = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
-        let (_, answer) = handle.next_request().await.expect("the first list");
-        respond(answer, 200, list.clone());
+        let (mut handle, watches, task) = listed_node_watch().await;
         let (_, answer) = handle.next_request().await.expect("the watch");
         answer.send_error(cut());
         // Asked again; the answer is held (never sent).
@@ -1567,7 +1575,7 @@ mod tests {
             watches.stale_now()
         );
         drop(held);
-        respond(answer, 200, list);
+        respond(answer, 200, node_list());
         until("the watch to be current again", || {
             watches.stale_now().is_empty()
         })
@@ -1597,21 +1605,11 @@ mod tests {
     /// then held: the watch asked again is still held to the bound.
     #[tokio::test(start_paused = true)]
     async fn a_watch_refused_after_a_cut_then_held_is_listed_again() {
-        let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
-        let list = json!({"kind": "NodeList", "apiVersion": "v1",
-            "metadata": {"resourceVersion": "1"}, "items": []});
-        let (_, answer) = handle.next_request().await.expect("the first list");
-        respond(answer, 200, list);
+        let (mut handle, _watches, task) = listed_node_watch().await;
         let (_, answer) = handle.next_request().await.expect("the watch");
-        answer.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        answer.send_error(cut());
         let (_, answer) = handle.next_request().await.expect("asked again");
-        respond(
-            answer,
-            429,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                "message": "storage is (re)initializing", "reason": "TooManyRequests", "code": 429}),
-        );
+        respond(answer, 429, storage_initializing());
         let (request, _held) = handle.next_request().await.expect("asked again");
         assert!(request.uri().to_string().contains("watch=true"));
         let asked = tokio::time::Instant::now();

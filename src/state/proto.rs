@@ -1031,6 +1031,16 @@ mod tests {
         }
     }
 
+    /// `status` as the API server refuses a request with it.
+    fn refusal(status: ProtoStatus) -> Response<Body> {
+        let code = u16::try_from(status.code.unwrap_or(500)).unwrap_or(500);
+        Response::builder()
+            .status(code)
+            .header(http::header::CONTENT_TYPE, PROTOBUF)
+            .body(Body::from(envelope(&status)))
+            .expect("a response")
+    }
+
     fn answer(content_type: &str, body: Vec<u8>) -> Response<Body> {
         Response::builder()
             .header(http::header::CONTENT_TYPE, content_type)
@@ -1416,14 +1426,7 @@ mod tests {
                 q.contains("watch=true") && q.contains("resourceVersion=21"),
                 "{q}"
             );
-            let forbidden = failure(403, "Forbidden", "pods is forbidden");
-            respond.send_response(
-                Response::builder()
-                    .status(403)
-                    .header(http::header::CONTENT_TYPE, PROTOBUF)
-                    .body(Body::from(envelope(&forbidden)))
-                    .expect("a response"),
-            );
+            respond.send_response(refusal(failure(403, "Forbidden", "pods is forbidden")));
         });
         let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
         server.await.expect("the mock API server");
@@ -1468,14 +1471,7 @@ mod tests {
                 q.contains("watch=true") && q.contains("resourceVersion=25"),
                 "{q}"
             );
-            let forbidden = failure(403, "Forbidden", "pods is forbidden");
-            respond.send_response(
-                Response::builder()
-                    .status(403)
-                    .header(http::header::CONTENT_TYPE, PROTOBUF)
-                    .body(Body::from(envelope(&forbidden)))
-                    .expect("a response"),
-            );
+            respond.send_response(refusal(failure(403, "Forbidden", "pods is forbidden")));
         });
         let seen: Vec<String> = events.map(|e| describe(&e)).collect().await;
         server.await.expect("the mock API server");
