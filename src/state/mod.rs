@@ -1171,6 +1171,14 @@ mod tests {
         (client, handle, watches)
     }
 
+    /// Waits until every watch in `watches` is current (listed again).
+    async fn current_again(watches: &Watches) {
+        until("the watch to be current again", || {
+            watches.stale_now().is_empty()
+        })
+        .await;
+    }
+
     /// An empty node list at resourceVersion 1.
     fn node_list() -> serde_json::Value {
         json!({"kind": "NodeList", "apiVersion": "v1",
@@ -1439,10 +1447,7 @@ mod tests {
             request.uri()
         );
         respond(answer, 200, list);
-        until("the watch to be current again", || {
-            watches.stale_now().is_empty()
-        })
-        .await;
+        current_again(&watches).await;
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
         task.abort();
     }
@@ -1477,10 +1482,7 @@ mod tests {
             watches_asked += 1;
             respond(answer, 429, refused.clone());
         }
-        until("the watch to be current again", || {
-            watches.stale_now().is_empty()
-        })
-        .await;
+        current_again(&watches).await;
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
         // A later refusal is a new episode: asked again, not relisted.
         let (request, answer) = handle.next_request().await.expect("the watch");
@@ -1539,10 +1541,7 @@ mod tests {
             watches_asked += 1;
             answer.send_error(cut());
         }
-        until("the watch to be current again", || {
-            watches.stale_now().is_empty()
-        })
-        .await;
+        current_again(&watches).await;
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
         task.abort();
     }
@@ -1576,10 +1575,7 @@ mod tests {
         );
         drop(held);
         respond(answer, 200, node_list());
-        until("the watch to be current again", || {
-            watches.stale_now().is_empty()
-        })
-        .await;
+        current_again(&watches).await;
         // Cut again, asked again, and it brings an event: no relist after the bound.
         let (_, answer) = handle.next_request().await.expect("the watch");
         answer.send_error(cut());
@@ -1717,10 +1713,7 @@ mod tests {
         );
         let (_, answer) = handle.next_request().await.expect("a new list");
         respond(answer, 200, list);
-        until("the watch to be current again", || {
-            watches.stale_now().is_empty()
-        })
-        .await;
+        current_again(&watches).await;
         task.abort();
     }
 
