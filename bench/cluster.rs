@@ -977,6 +977,57 @@ struct Heap {
     per_pod: f64,
     per_state: f64,
     per_node: f64,
+    /// Per cached pod carrying a service mesh's and a scraper's annotations ([`MESH`]): every
+    /// annotation kept (as before the PersistentPodStates have listed), and only those read.
+    per_mesh_pod: [f64; 2],
+}
+
+/// What Istio's injection and a Prometheus scrape write on a pod (no PersistentPodState here
+/// names one of them).
+const MESH: [(&str, &str); 8] = [
+    (
+        "sidecar.istio.io/status",
+        r#"{"initContainers":["istio-init"],"containers":["istio-proxy"],"volumes":["workload-socket","credential-socket","workload-certs","istio-envoy","istio-data","istio-podinfo","istio-token","istiod-ca-cert"],"imagePullSecrets":null,"revision":"default"}"#,
+    ),
+    ("istio.io/rev", "default"),
+    ("kubectl.kubernetes.io/default-container", "server"),
+    ("kubectl.kubernetes.io/default-logs-container", "server"),
+    ("kubectl.kubernetes.io/restartedAt", "2026-01-01T00:00:00Z"),
+    ("prometheus.io/path", "/stats/prometheus"),
+    ("prometheus.io/port", "15020"),
+    ("prometheus.io/scrape", "true"),
+];
+
+/// [`Heap::per_mesh_pod`]: pods as [`listed_pod`] plus [`MESH`], applied to fresh caches
+/// before and after their PersistentPodStates (none) have listed.
+fn heap_per_mesh_pod(pods: usize, nodes: usize) -> anyhow::Result<[f64; 2]> {
+    let bodies: Vec<Vec<u8>> = (0..pods)
+        .map(|i| {
+            let mut pod: serde_json::Value = serde_json::from_slice(&listed_pod(i, nodes)?)?;
+            pod["metadata"]["annotations"] = MESH
+                .iter()
+                .map(|(k, v)| (k.to_string(), json!(v)))
+                .collect();
+            Ok(serde_json::to_vec(&pod)?)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut per_pod = [0.0; 2];
+    for (listed_first, per_pod) in [false, true].into_iter().zip(&mut per_pod) {
+        let caches = Caches::new();
+        if listed_first {
+            caches.apply_pps(watcher::Event::Init);
+            caches.apply_pps(watcher::Event::InitDone);
+        }
+        let before = LIVE.load(Ordering::Relaxed);
+        caches.apply_cached_pod(watcher::Event::Init);
+        for body in &bodies {
+            let pod: WatchedPod = serde_json::from_slice(body)?;
+            caches.apply_cached_pod(watcher::Event::InitApply(Arc::new(pod.pod)));
+        }
+        caches.apply_cached_pod(watcher::Event::InitDone);
+        *per_pod = (LIVE.load(Ordering::Relaxed) - before) as f64 / pods as f64;
+    }
+    Ok(per_pod)
 }
 
 /// Live heap bytes of this process (the counting allocator below).
@@ -1086,6 +1137,7 @@ fn heap_per_object(pods: usize, pps: usize, states: usize, nodes: usize) -> anyh
         per_pod,
         per_state,
         per_node,
+        per_mesh_pod: heap_per_mesh_pod(pods, nodes)?,
     })
 }
 
@@ -2079,6 +2131,11 @@ fn print_memory(mem: &MemoryFigures) -> anyhow::Result<()> {
     println!(
         "| heap per cached pod (bytes) | {:.0} | <= 1024 |",
         figure(mem.heap.per_pod)?
+    );
+    println!(
+        "| heap per cached pod carrying Istio's and a scraper's 8 annotations (bytes): every annotation kept, only those read | {:.0}, {:.0} | |",
+        figure(mem.heap.per_mesh_pod[0])?,
+        figure(mem.heap.per_mesh_pod[1])?
     );
     println!(
         "| heap per recorded state, PPS included (bytes) | {:.0} | |",

@@ -14,6 +14,8 @@ use serde_json::json;
 use crate::support::*;
 
 const SLOT: &str = "e2e.example.com/slot";
+/// An annotation named by no PersistentPodState until the custom-workload test names it.
+const OTHER: &str = "e2e.example.com/other";
 
 fn dynamic(
     c: &Client,
@@ -290,7 +292,8 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
         "annotation re-injected"
     );
     delete_pod_and_wait(c, &ns, "ring-0").await;
-    let created = create_owned_pod(c, &ns, &ring, "ring-0", &[(SLOT, "mine")]).await;
+    // Also carrying an annotation no PersistentPodState names yet (so not cached).
+    let created = create_owned_pod(c, &ns, &ring, "ring-0", &[(SLOT, "mine"), (OTHER, "o0")]).await;
     assert_eq!(
         created.annotations().get(SLOT).map(String::as_str),
         Some("mine"),
@@ -305,7 +308,7 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
         );
     }
 
-    let more = json!({"metadata": {"annotations": {"kruise.io/persistent-pod-annotations": format!("{SLOT},e2e.example.com/other")}}});
+    let more = json!({"metadata": {"annotations": {"kruise.io/persistent-pod-annotations": format!("{SLOT},{OTHER}")}}});
     rings
         .patch("ring", &PatchParams::default(), &Patch::Merge(more))
         .await
@@ -324,6 +327,12 @@ async fn custom_workload_from_the_config_file_and_persistent_annotations() {
                 .then_some(())
         },
     )
+    .await;
+    // The pods are listed again to read the newly named annotation, and it is recorded.
+    wait_for("the newly named annotation recorded", TIMEOUT, || async {
+        let status = pps.get_opt("ring").await.ok()??.status?;
+        (status.pod_states.get("ring-0")?.annotations.get(OTHER)? == "o0").then_some(())
+    })
     .await;
     std::fs::write(&config, "customWorkloads: []\n").expect("config");
     delete_namespace(c, &ns).await;

@@ -96,6 +96,11 @@ pub async fn reconcile_pps(
     // A change during a rollout waits (what changes meanwhile joins it); what is
     // reported below from the computed status is not held back with it.
     let paced = match &change.patch {
+        // A pod annotation named for the first time is not read yet (the pods are listed
+        // again to read it): nothing is recorded without it.
+        Some(_) if !ctx.caches.kept.cover(pps.spec.persistent_annotation_keys()) => {
+            Some(ANNOTATIONS_UNREAD_RETRY)
+        }
         Some(_) => ctx.pacing.wait(&key),
         None => {
             ctx.pacing.settled(&key);
@@ -182,6 +187,10 @@ pub async fn reconcile_pps(
     }
     Ok(Action::requeue(wait))
 }
+
+/// How soon a PersistentPodState waiting for the pods to be listed again with an annotation it
+/// names is looked at again (the list's end also starts a look).
+const ANNOTATIONS_UNREAD_RETRY: Duration = Duration::from_secs(2);
 
 /// What [`release_local_volumes`] did: the pods it released, and when to look again if the
 /// rate or a failed read held some back.

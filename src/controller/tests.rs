@@ -1647,3 +1647,55 @@ async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable
     let sent = drive(sweep(ctx), &mut handle, vec![pps_meta]).await;
     assert_eq!(sent.len(), 1, "{sent:?}");
 }
+
+/// A PersistentPodState naming a pod annotation no other named before records nothing until
+/// the pods are listed again with it (the cache had dropped it), then records it.
+#[tokio::test]
+async fn a_pod_annotation_named_for_the_first_time_is_recorded_once_the_pods_are_listed_again() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches.clone());
+    let mut named = pps(json!({"observedGeneration": 2}));
+    named.spec.persistent_pod_annotations =
+        vec![serde_json::from_value(json!({"key": "example.com/slot"})).expect("key")];
+    caches.apply_pps(watcher::Event::InitDone);
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web-0", "namespace": "ns", "ownerReferences": [{"apiVersion": "apps/v1",
+            "kind": "StatefulSet", "name": "web", "uid": "sts-uid", "controller": true}],
+            "annotations": {"example.com/slot": "3"}},
+        "spec": {"nodeName": "n1", "containers": []},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+    }))
+    .expect("pod");
+    caches.apply_pod(watcher::Event::Apply(pod.clone()));
+    caches.apply_pps(watcher::Event::Apply(named.clone()));
+    let named = Arc::new(named);
+    let (sent, action) = drive_to_action(
+        reconcile_pps(named.clone(), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(
+        sent.is_empty(),
+        "nothing recorded without the annotation: {sent:?}"
+    );
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(Duration::from_secs(2))
+    );
+
+    caches.apply_pod(watcher::Event::Init);
+    caches.apply_pod(watcher::Event::InitApply(pod));
+    caches.apply_pod(watcher::Event::InitDone);
+    let sent = drive(
+        reconcile_pps(named.clone(), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(named.as_ref()).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        sent[0].body["status"]["podStates"]["web-0"]["annotations"],
+        json!({"example.com/slot": "3"})
+    );
+}

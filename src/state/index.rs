@@ -96,6 +96,15 @@ impl<S> Shared<S> {
         changed
     }
 
+    /// Runs `change` on the current index and on the one a relist is building, if any.
+    pub fn change_each(&self, mut change: impl FnMut(&mut S)) {
+        let mut relisting = crate::sync::write(&self.0);
+        change(&mut relisting.current);
+        if let Some(rebuilding) = relisting.rebuilding.as_mut() {
+            change(rebuilding);
+        }
+    }
+
     /// Read access to the current index.
     pub fn read(&self) -> ReadIndex<'_, S> {
         ReadIndex(crate::sync::read(&self.0))

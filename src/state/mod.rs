@@ -9,6 +9,7 @@
 //! every base store has had its first full list.
 
 pub mod index;
+pub mod kept;
 pub mod pods;
 pub mod proto;
 pub mod triggers;
@@ -106,6 +107,8 @@ pub struct Caches {
     pub pps_by_target: Shared<ByWorkload>,
     /// Pods, as [`CachedPod`]s, by name, controlling workload and IP.
     pub pods: Shared<PodTable>,
+    /// Which pod annotations the pods cached keep.
+    pub kept: kept::KeptAnnotations,
     /// Nodes (labels, spec and conditions).
     pub nodes: Store<Node>,
     nodes_writer: Mutex<Writer<Node>>,
@@ -135,6 +138,7 @@ impl Caches {
             pps_writer: Mutex::new(pps_writer),
             pps_by_target: Shared::default(),
             pods: Shared::default(),
+            kept: kept::KeptAnnotations::default(),
             nodes,
             nodes_writer: Mutex::new(nodes_writer),
             node_labels: Shared::default(),
@@ -191,6 +195,7 @@ impl Caches {
                 }
             },
             watches.clone(),
+            None,
         );
         let c = caches.clone();
         spawn_watch(
@@ -198,6 +203,7 @@ impl Caches {
             proto::PodSource::new(client.clone()),
             move |ev| c.apply_cached_pod(trim::map_event(ev, |w| Arc::new(w.pod))),
             watches.clone(),
+            Some(caches.kept.subscribe()),
         );
         let c = caches.clone();
         spawn_watch(
@@ -205,6 +211,7 @@ impl Caches {
             Api::<Read<Node>>::all(client.clone()),
             move |ev| c.apply_node(trim::map_event(ev, |node| node.0)),
             watches,
+            None,
         );
         caches
     }
@@ -224,6 +231,19 @@ impl Caches {
                 .and_then(|cached| pps_target(&cached)),
             _ => None,
         };
+        if let watcher::Event::Apply(p) | watcher::Event::InitApply(p) = &event
+            && self.kept.name(p.spec.persistent_annotation_keys())
+        {
+            tracing::info!(pps = %p.name_any(), namespace = %p.namespace().unwrap_or_default(),
+                "a pod annotation no PersistentPodState named before is to be recorded; listing the pods again to read it");
+        }
+        if matches!(event, watcher::Event::InitDone) {
+            self.kept.pps_listed(|keep| {
+                self.pods.change_each(|table| {
+                    table.keep_annotations(keep);
+                });
+            });
+        }
         lock(&self.pps_writer).apply_watcher_event(&event);
         self.pps_by_target.apply(&event);
         self.listed_if_done(&event, &self.listed.pps);
@@ -235,9 +255,18 @@ impl Caches {
         self.apply_cached_pod(trim::map_event(event, |p| Arc::new(CachedPod::from(p))));
     }
 
-    /// Applies one watch event of pods decoded as they are kept.
+    /// Applies one watch event of pods decoded as they are kept, with only the annotations
+    /// kept ([`kept`]).
     pub fn apply_cached_pod(&self, event: watcher::Event<Arc<CachedPod>>) {
+        let keeping = self.kept.keeping();
+        let event = trim::map_event(event, |pod| keeping.trim(pod));
+        match event {
+            watcher::Event::Init => self.kept.pods_listing(&keeping),
+            watcher::Event::InitDone => self.kept.pods_listed(&keeping),
+            _ => {}
+        }
         self.pods.apply(&event);
+        drop(keeping);
         self.listed_if_done(&event, &self.listed.pods);
         self.trigger_for_pod(&event);
     }
@@ -379,6 +408,7 @@ impl Caches {
                 Api::<DynamicObject>::all_with(client.clone(), &ar),
                 move |ev| c.apply_workload_to(&target, &k, ev),
                 self.watches.clone(),
+                None,
             );
             *lock(&ws.feed.task) = Some((task.abort_handle(), id));
             tracing::info!(group = %ar.group, version = %ar.version, kind = %ar.kind, "watching workload kind");
@@ -754,6 +784,7 @@ fn spawn_watch<K: Send + 'static>(
     source: impl Source<K>,
     apply: impl Fn(watcher::Event<K>) + Send + Sync + 'static,
     watches: Arc<Watches>,
+    relist: Option<watch::Receiver<u64>>,
 ) -> (tokio::task::JoinHandle<()>, WatchId) {
     let id = watches.start(kind);
     let kind = kind.to_owned();
@@ -773,6 +804,7 @@ fn spawn_watch<K: Send + 'static>(
                 watches.clone(),
                 id,
                 listed.clone(),
+                relist.clone(),
             )));
             let Stopped { why, relist_now } = match run.await {
                 Ok(stopped) => stopped,
@@ -881,6 +913,7 @@ async fn run_watch<K>(
     watches: Arc<Watches>,
     id: WatchId,
     listed: Arc<AtomicBool>,
+    mut relist: Option<watch::Receiver<u64>>,
 ) -> Stopped {
     loop {
         let streaming =
@@ -890,6 +923,11 @@ async fn run_watch<K>(
         } else {
             watcher::Config::default().page_size(PAGE_SIZE)
         };
+        // The generation of the keys to read when this list began (the pods' watch: a
+        // PersistentPodState named a pod annotation not kept before, [`kept`]).
+        if let Some(rx) = relist.as_mut() {
+            rx.borrow_and_update();
+        }
         let mut events = source.events(config);
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
@@ -897,25 +935,25 @@ async fn run_watch<K>(
         // When the watch was last asked again after a cut, until it brings an event.
         let mut resumed: Option<tokio::time::Instant> = None;
         loop {
-            let next = match resumed {
+            let next = tokio::select! {
+                biased;
+                // Asked to list again once listed: listed aside while the cache answers as it
+                // is (still current; a list under way when asked is listed again once done).
+                () = asked_again(relist.as_mut(), listed_here) => {
+                    tracing::info!(%kind, "listing again, to read what is kept now");
+                    break;
+                }
+                next = events.try_next() => next,
                 // A watch asked again after a cut must show it runs: an API server still
                 // starting has been seen to hold a pod watch from an older version for a
                 // minute, the cache meanwhile counting as current. Silent past the bound, it
                 // is listed again (as before the cut was resumed at all).
-                Some(at) => {
-                    match tokio::time::timeout_at(at + WATCH_RESUMED_SILENCE, events.try_next())
-                        .await
-                    {
-                        Ok(next) => next,
-                        Err(_) => {
-                            return Stopped::after(format!(
-                                "the watch asked again after a cut brought nothing for {} s",
-                                WATCH_RESUMED_SILENCE.as_secs()
-                            ));
-                        }
-                    }
+                () = until(resumed.map(|at| at + WATCH_RESUMED_SILENCE)) => {
+                    return Stopped::after(format!(
+                        "the watch asked again after a cut brought nothing for {} s",
+                        WATCH_RESUMED_SILENCE.as_secs()
+                    ));
                 }
-                None => events.try_next().await,
             };
             match next {
                 Ok(Some(ev)) => {
@@ -982,6 +1020,26 @@ async fn run_watch<K>(
                 }
             }
         }
+    }
+}
+
+/// Resolves at `deadline`, never without one.
+async fn until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves once `relist` has risen since it was last read and this watch has `listed`.
+async fn asked_again(relist: Option<&mut watch::Receiver<u64>>, listed: bool) {
+    match relist {
+        Some(rx) if listed => {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        _ => std::future::pending().await,
     }
 }
 
@@ -1147,7 +1205,13 @@ mod tests {
         let url = format!("http://{address}").parse().expect("URL");
         let client = Client::try_from(watch_config(kube::Config::new(url))).expect("client");
         let watches = Arc::<Watches>::default();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (task, _) = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            |_| {},
+            watches.clone(),
+            None,
+        );
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while !watches.stale_now().iter().any(|w| w.contains("429")) {
             assert!(
@@ -1188,10 +1252,75 @@ mod tests {
     /// A node watch on a mock API server, past its first list ([`node_list`]).
     async fn listed_node_watch() -> (MockHandle, Arc<Watches>, tokio::task::JoinHandle<()>) {
         let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (task, _) = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            |_| {},
+            watches.clone(),
+            None,
+        );
         let (_, answer) = handle.next_request().await.expect("the first list");
         respond(answer, 200, node_list());
         (handle, watches, task)
+    }
+
+    /// A listed watch told to list again (the pods', a PersistentPodState having named an
+    /// annotation not kept before) lists aside, its cache current throughout; told while a
+    /// list is under way, it lists again once that one is done.
+    #[tokio::test]
+    async fn a_listed_watch_told_to_list_again_lists_aside_and_stays_current() {
+        let (client, mut handle, watches) = mock_paginated_watch();
+        let (tell, told) = watch::channel(0u64);
+        let (task, _) = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            |_| {},
+            watches.clone(),
+            Some(told),
+        );
+        // The next request, within a bound (a watch never told would hang the test).
+        async fn next(
+            handle: &mut MockHandle,
+        ) -> Option<(
+            http::Request<kube::client::Body>,
+            tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
+        )> {
+            tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+                .await
+                .expect("a request within 10 s")
+        }
+        let is_watch = |r: &http::Request<kube::client::Body>| {
+            r.uri().query().unwrap_or_default().contains("watch=true")
+        };
+        let (request, answer) = next(&mut handle).await.expect("the first list");
+        assert!(!is_watch(&request));
+        respond(answer, 200, node_list());
+        let (request, _first_watch) = next(&mut handle).await.expect("the watch");
+        assert!(is_watch(&request), "{}", request.uri());
+        current_again(&watches).await;
+
+        tell.send_replace(1);
+        let (request, answer) = next(&mut handle).await.expect("the list again");
+        assert!(!is_watch(&request), "a list: {}", request.uri());
+        assert!(
+            watches.stale_now().is_empty(),
+            "current while listing again"
+        );
+        // Told again while that list is under way.
+        tell.send_replace(2);
+        respond(answer, 200, node_list());
+        let (request, answer) = next(&mut handle).await.expect("listed again once done");
+        assert!(!is_watch(&request), "a list: {}", request.uri());
+        respond(answer, 200, node_list());
+        let (request, _second_watch) = next(&mut handle).await.expect("the watch again");
+        assert!(is_watch(&request), "{}", request.uri());
+        assert!(watches.stale_now().is_empty());
+        assert_eq!(
+            watches.restarts(),
+            vec![("Node".to_owned(), 0)],
+            "never restarted"
+        );
+        task.abort();
     }
 
     /// A connection reset, as a watch's request fails when cut.
@@ -1245,6 +1374,7 @@ mod tests {
                 }
             },
             watches.clone(),
+            None,
         );
         (listed, task)
     }
@@ -1409,7 +1539,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_watch_goes_stale_and_is_current_again_once_relisted() {
         let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (task, _) = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            |_| {},
+            watches.clone(),
+            None,
+        );
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
         let (request, answer) = handle.next_request().await.expect("the first list");
@@ -1626,7 +1762,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_watch_expired_after_listing_is_relisted_at_once_once_per_longest_backoff() {
         let (client, mut handle, watches) = mock_paginated_watch();
-        let (task, _) = spawn_watch("Node", Api::<Node>::all(client), |_| {}, watches.clone());
+        let (task, _) = spawn_watch(
+            "Node",
+            Api::<Node>::all(client),
+            |_| {},
+            watches.clone(),
+            None,
+        );
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
         let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -1697,6 +1839,7 @@ mod tests {
                 }
             },
             watches.clone(),
+            None,
         );
         let list = json!({"kind": "NodeList", "apiVersion": "v1",
             "metadata": {"resourceVersion": "1"}, "items": []});
@@ -1724,6 +1867,104 @@ mod tests {
             "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
         }))
         .expect("pps")
+    }
+
+    /// A pod of StatefulSet `web` with a slot annotation, a sidecar's status, and a requested IP.
+    fn annotated_pod(name: &str) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns",
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                "uid": "u", "controller": true}],
+            "annotations": {"example.com/slot": "3", "sidecar.istio.io/status": "x".repeat(900),
+                "cni.projectcalico.org/ipAddrs": format!("[\"10.0.0.{}\"]", name.len())}}}))
+        .expect("pod")
+    }
+
+    /// `pps` naming `keys` in `persistentPodAnnotations`.
+    fn pps_naming(name: &str, keys: &[&str]) -> PersistentPodState {
+        let mut p = pps();
+        p.metadata.name = Some(name.into());
+        p.spec.persistent_pod_annotations = keys
+            .iter()
+            .map(|k| serde_json::from_value(json!({"key": k})).expect("key"))
+            .collect();
+        p
+    }
+
+    fn annotation(caches: &Caches, pod: &str, key: &str) -> Option<String> {
+        let pods = caches.pods.read();
+        pods.get("ns", pod)?.annotations.get(key).map(str::to_owned)
+    }
+
+    /// Pods keep the annotations something reads: those cached before the PersistentPodStates
+    /// listed are trimmed then (in the list under way too), and a key named later is read by
+    /// listing the pods again, the PersistentPodStates naming it not covered until then.
+    #[test]
+    fn pods_keep_only_the_annotations_read_and_a_key_named_later_is_listed_again() {
+        let caches = Caches::new();
+        let told = caches.kept.subscribe();
+        caches.apply_pod(watcher::Event::Init);
+        caches.apply_pod(watcher::Event::InitApply(annotated_pod("web-0")));
+        caches.apply_pps(watcher::Event::Init);
+        caches.apply_pps(watcher::Event::InitApply(pps_naming(
+            "web",
+            &["example.com/slot"],
+        )));
+        caches.apply_pps(watcher::Event::InitDone);
+        caches.apply_pod(watcher::Event::InitApply(annotated_pod("web-10")));
+        caches.apply_pod(watcher::Event::InitDone);
+        for pod in ["web-0", "web-10"] {
+            assert_eq!(
+                annotation(&caches, pod, "example.com/slot").as_deref(),
+                Some("3")
+            );
+            assert_eq!(
+                annotation(&caches, pod, "sidecar.istio.io/status"),
+                None,
+                "{pod}"
+            );
+            assert!(annotation(&caches, pod, "cni.projectcalico.org/ipAddrs").is_some());
+        }
+        assert_eq!(
+            caches.ip_holder("10.0.0.5", "ns", "other").as_deref(),
+            Some("ns/web-0")
+        );
+        assert!(
+            !told.has_changed().expect("sender alive"),
+            "nothing new named"
+        );
+
+        // A PersistentPodState names a key not kept so far: the pods are listed again.
+        let rack = ["example.com/rack"];
+        caches.apply_pps(watcher::Event::Apply(pps_naming("db", &rack)));
+        assert!(
+            told.has_changed().expect("sender alive"),
+            "the pod watch told"
+        );
+        assert!(!caches.kept.cover(rack.into_iter()));
+        let mut racked = annotated_pod("web-0");
+        racked
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(rack[0].into(), "r1".into());
+        caches.apply_pod(watcher::Event::Apply(racked.clone()));
+        assert_eq!(
+            annotation(&caches, "web-0", rack[0]).as_deref(),
+            Some("r1"),
+            "kept from now on"
+        );
+        caches.apply_pod(watcher::Event::Init);
+        caches.apply_pod(watcher::Event::InitApply(racked));
+        assert!(
+            !caches.kept.cover(rack.into_iter()),
+            "until the list is done"
+        );
+        caches.apply_pod(watcher::Event::InitDone);
+        assert!(caches.kept.cover(rack.into_iter()));
+        assert_eq!(
+            annotation(&caches, "web-0", "sidecar.istio.io/status"),
+            None
+        );
     }
 
     #[test]

@@ -65,6 +65,26 @@ impl PodTable {
         self.by_name.iter()
     }
 
+    /// Drops from every cached pod the annotations whose key `keep` refuses; how many pods
+    /// changed.
+    pub fn keep_annotations(&mut self, keep: impl Fn(&str) -> bool) -> usize {
+        let changed: Vec<Arc<CachedPod>> = self
+            .by_name
+            .iter()
+            .filter_map(|p| p.annotations.only(&keep).map(|a| (p, a)))
+            .map(|(p, annotations)| {
+                Arc::new(CachedPod {
+                    annotations,
+                    ..CachedPod::clone(p)
+                })
+            })
+            .collect();
+        for pod in &changed {
+            self.upsert(pod);
+        }
+        changed.len()
+    }
+
     /// The live pods holding `ip`.
     pub fn holders(&self, ip: &str) -> impl Iterator<Item = &Arc<CachedPod>> {
         self.by_ip.get(ip).into_iter().flatten()

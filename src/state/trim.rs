@@ -6,6 +6,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::api::{INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState};
 use crate::shared::{Shared, intern};
@@ -144,6 +145,18 @@ impl Annotations {
     }
 }
 
+impl Annotations {
+    /// Only the annotations whose key `keep` accepts; `None` when that is all of them.
+    pub fn only(&self, keep: impl Fn(&str) -> bool) -> Option<Annotations> {
+        if self.0.iter().all(|(k, _)| keep(k)) {
+            return None;
+        }
+        Some(Annotations(
+            self.0.iter().filter(|(k, _)| keep(k)).cloned().collect(),
+        ))
+    }
+}
+
 impl From<BTreeMap<String, String>> for Annotations {
     fn from(map: BTreeMap<String, String>) -> Self {
         Annotations(map.into_iter().map(|(k, v)| (k.into(), v.into())).collect())
@@ -159,6 +172,18 @@ impl CachedPod {
     /// Its resourceVersion, owned.
     pub fn resource_version(&self) -> Option<String> {
         self.resource_version.as_deref().map(str::to_owned)
+    }
+
+    /// The pod keeping only the annotations whose key `keep` accepts; the same `Arc` when it
+    /// has no other.
+    pub fn keeping_annotations(self: Arc<Self>, keep: impl Fn(&str) -> bool) -> Arc<Self> {
+        match self.annotations.only(keep) {
+            None => self,
+            Some(annotations) => Arc::new(CachedPod {
+                annotations,
+                ..Arc::unwrap_or_clone(self)
+            }),
+        }
     }
 
     /// The StatefulSet-like workload that controls it, if any.
