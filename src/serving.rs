@@ -15,7 +15,9 @@
 //! closes the connection: a body that stops arriving, a keep-alive or HTTP/2 connection left
 //! open); a bound on HTTP/2 streams per connection; a maximum age (HTTP/1: the next answer says
 //! `connection: close`, so that a client never sends a request on a connection the server is
-//! closing). The idle, header and age bounds share one timer per connection. Requests are
+//! closing); a send timeout (a client that reads nothing of its answers: its socket taking no
+//! byte, or an HTTP/2 answer none of whose pieces is taken, closes the connection at once).
+//! The idle, header, age and send bounds share one timer per connection. Requests are
 //! bounded by [`RequestLimit::run`], per endpoint: a body is read within a deadline and a size
 //! limit before the request counts as in flight, its bytes and what decoding it may build
 //! ([`json_values`]) are taken from the endpoint's byte share, then one of its slots (a refused
@@ -71,11 +73,11 @@ pub struct Limits {
     /// A connection, however active (HTTP/2 pings included), is closed gracefully at this age:
     /// no client holds a slot forever, and clients spread over new replicas after a rollout.
     pub max_age: Duration,
-    /// An HTTP/2 connection with an answer not yet sent whole, none of whose pieces could be
-    /// sent for this long (its client reads none: a window of zero), is closed at once, within
-    /// twice this:
-    /// what its answers hold of the endpoints' shares is given back then, not at its maximum
-    /// age.
+    /// A connection whose socket takes no byte of what it has to send for this long (its
+    /// client reads nothing: HTTP/1 or HTTP/2), or an HTTP/2 connection with an answer none of
+    /// whose pieces could be sent for this long (its client reads none: a window of zero), is
+    /// closed at once, within twice this: what its answers hold of the endpoints' shares is
+    /// given back then, not at the idle bound or its maximum age.
     pub send_timeout: Duration,
 }
 
@@ -792,6 +794,11 @@ struct ActivityState {
     unsent: std::sync::Mutex<Vec<(u64, u64)>>,
     /// The number of the last answer counted in `unsent`.
     answers: AtomicU64,
+    /// Since when (µs since `base`, plus one; zero: not) a write to the socket has waited, no
+    /// byte of it taken.
+    blocked_micros: AtomicU64,
+    /// Wakes the bound timer as a write starts to wait (rare: the socket's buffer full).
+    blocked: tokio::sync::Notify,
 }
 
 /// A request is being handled: no headers are due.
@@ -819,6 +826,8 @@ impl Activity {
             http2: AtomicBool::new(false),
             unsent: std::sync::Mutex::new(Vec::new()),
             answers: AtomicU64::new(0),
+            blocked_micros: AtomicU64::new(0),
+            blocked: tokio::sync::Notify::new(),
         }))
     }
 
@@ -838,6 +847,25 @@ impl Activity {
         self.0
             .last_micros
             .store(self.now_micros(), Ordering::Relaxed);
+    }
+
+    /// A write to the socket waits, no byte of it taken: from now on (if not already) held to
+    /// [`Limits::send_timeout`].
+    fn write_waits(&self) {
+        if self.0.blocked_micros.load(Ordering::Relaxed) == 0 {
+            self.0
+                .blocked_micros
+                .store(self.now_micros() + 1, Ordering::Relaxed);
+            self.0.blocked.notify_one();
+        }
+    }
+
+    /// Bytes were written: activity, and no write waits.
+    fn bytes_written(&self) {
+        self.touch();
+        if self.0.blocked_micros.load(Ordering::Relaxed) != 0 {
+            self.0.blocked_micros.store(0, Ordering::Relaxed);
+        }
     }
 
     /// An HTTP/2 answer is handed to the connection: unsent until [`Activity::answer_sent`]
@@ -973,6 +1001,12 @@ impl Activity {
                 due = (Bound::MaxAge, old);
             }
             let send = micros(limits.send_timeout);
+            if let since @ 1.. = self.0.blocked_micros.load(Ordering::Relaxed) {
+                let stalled = (since - 1).saturating_add(send);
+                if stalled < due.1 {
+                    due = (Bound::Stalled, stalled);
+                }
+            }
             if let Some(stalest) = self.stalest_answer() {
                 let stalled = stalest.saturating_add(send);
                 if stalled < due.1 {
@@ -985,13 +1019,16 @@ impl Activity {
             }
             // An HTTP/2 connection is looked at again within the send timeout: an answer that
             // became unsent since is not held to the idle bound (nothing wakes this timer when
-            // one does, so that no answer pays for it).
+            // one does, so that no answer pays for it). A write that starts to wait wakes it.
             let wake = if self.serves_http2() {
                 due.1.min(now.saturating_add(send))
             } else {
                 due.1
             };
-            tokio::time::sleep(Duration::from_micros(wake - now)).await;
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_micros(wake - now)) => {}
+                () = self.0.blocked.notified() => {}
+            }
         }
     }
 }
@@ -1005,7 +1042,8 @@ enum Bound {
     HeadersLate,
     /// At its maximum age.
     MaxAge,
-    /// An HTTP/2 answer not sent whole, and none of its pieces taken, for the send timeout.
+    /// The socket took no byte of what it had to send, or an HTTP/2 answer not sent whole had
+    /// none of its pieces taken, for the send timeout.
     Stalled,
 }
 
@@ -1143,6 +1181,8 @@ trait Tap {
     fn read(&mut self, new: &[u8]);
     /// `n` bytes were written.
     fn wrote(&self, n: usize);
+    /// A write waits: no byte of it could be taken.
+    fn write_waits(&self) {}
 }
 
 /// The socket's own tap: a byte read or written is the connection's activity.
@@ -1155,8 +1195,12 @@ impl Tap for Activity {
 
     fn wrote(&self, n: usize) {
         if n > 0 {
-            self.touch();
+            self.bytes_written();
         }
+    }
+
+    fn write_waits(&self) {
+        Activity::write_waits(self);
     }
 }
 
@@ -1191,10 +1235,12 @@ impl Tap for Preface {
 }
 
 impl<IO, T: Tap> Tapped<IO, T> {
-    /// Tells the tap of a write that moved bytes; returns it unchanged.
+    /// Tells the tap of a write that moved bytes, or waits; returns it unchanged.
     fn wrote(&self, polled: Poll<std::io::Result<usize>>) -> Poll<std::io::Result<usize>> {
-        if let Poll::Ready(Ok(n)) = polled {
-            self.tap.wrote(n);
+        match polled {
+            Poll::Ready(Ok(n)) => self.tap.wrote(n),
+            Poll::Pending => self.tap.write_waits(),
+            Poll::Ready(Err(_)) => {}
         }
         polled
     }
@@ -1776,7 +1822,7 @@ async fn run_http<IO>(
                 // Its client reads nothing: closed at once (a graceful close would wait for
                 // the very answers it does not read), which gives back what they hold.
                 Bound::Stalled => {
-                    tracing::info!(%peer, "closing an HTTP/2 connection whose client reads none of its answers");
+                    tracing::info!(%peer, "closing a connection whose client reads none of its answers");
                     return;
                 }
                 // No request is in flight on an HTTP/2 connection waiting for its first one
@@ -2246,6 +2292,8 @@ mod tests {
             http2: AtomicBool::new(false),
             unsent: std::sync::Mutex::new(Vec::new()),
             answers: AtomicU64::new(0),
+            blocked_micros: AtomicU64::new(0),
+            blocked: tokio::sync::Notify::new(),
         }));
         let mut watched = Tapped {
             inner: tcp,
@@ -2323,6 +2371,99 @@ mod tests {
             start.elapsed() >= Duration::from_millis(200),
             "{:?}",
             start.elapsed()
+        );
+    }
+
+    /// A connection whose socket takes nothing of what it has to send (its client reads
+    /// nothing, HTTP/1 as HTTP/2) is past its bound after the send timeout, however long its
+    /// idle bound; a client that reads, however slowly, keeps it going.
+    #[tokio::test]
+    async fn a_socket_that_takes_nothing_to_send_is_past_its_bound_after_the_send_timeout() {
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_millis(100),
+            ..Limits::WEBHOOK
+        };
+        let activity = Activity::new();
+        activity.headers_arrived(axum::http::Version::HTTP_11);
+        let (server, mut client) = tokio::io::duplex(64);
+        let mut tapped = Tapped {
+            inner: server,
+            tap: activity.clone(),
+        };
+        let bound = activity.past_bound(&limits);
+        tokio::pin!(bound);
+        let writing = async {
+            let _ = tapped.write_all(&[0u8; 1 << 20]).await;
+            unreachable!("a megabyte written through a client that reads 16 bytes at a time");
+        };
+        tokio::pin!(writing);
+        // Read 16 bytes every 20 ms for 400 ms: the write waits, but never for long.
+        let reading = async {
+            let mut buf = [0u8; 16];
+            let until = Instant::now() + Duration::from_millis(400);
+            while Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                assert!(client.read(&mut buf).await.expect("read") > 0);
+            }
+        };
+        tokio::select! {
+            found = &mut bound => panic!("{found:?} while its client reads"),
+            () = &mut writing => {}
+            () = reading => {}
+        }
+        // Reading no more: the send bound, not the idle one.
+        let stopped = Instant::now();
+        let found = tokio::select! {
+            found = &mut bound => found,
+            () = &mut writing => unreachable!(),
+        };
+        assert_eq!(found, Bound::Stalled);
+        let took = stopped.elapsed();
+        assert!(took < Duration::from_millis(500), "{took:?}");
+    }
+
+    /// An HTTP/1 client that asks for an answer and reads none of it is closed once its socket
+    /// took nothing for the send timeout, not held to the idle bound (30 s here).
+    #[tokio::test]
+    async fn an_http1_client_that_reads_none_of_its_answer_is_closed_after_the_send_timeout() {
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_millis(200),
+            ..Limits::WEBHOOK
+        };
+        let app = Router::new().route("/big", axum::routing::get(|| async { vec![b'x'; 1 << 20] }));
+        let activity = Activity::new();
+        let (server, mut client) = tokio::io::duplex(4096);
+        let io = Tapped {
+            inner: server,
+            tap: activity.clone(),
+        };
+        let stops = Stops {
+            draining: CancellationToken::new(),
+            shutdown: CancellationToken::new(),
+        };
+        client
+            .write_all(b"GET /big HTTP/1.1\r\nhost: pps\r\n\r\n")
+            .await
+            .expect("request");
+        let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
+        let start = Instant::now();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            run_http(io, peer, app, limits, activity, stops, None),
+        )
+        .await
+        .expect("closed long before its idle bound");
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(200), "{took:?}");
+        // Some of the answer was sent (the socket's buffer), never the whole.
+        let mut got = Vec::new();
+        let _ = client.read_to_end(&mut got).await;
+        assert!(
+            !got.is_empty() && got.len() < 1 << 20,
+            "{} bytes",
+            got.len()
         );
     }
 
