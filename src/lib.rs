@@ -19,6 +19,7 @@ pub mod api;
 pub mod benchkit;
 pub mod certs;
 pub mod cli;
+pub mod client;
 pub mod controller;
 pub mod discovery;
 pub mod events;

@@ -43,9 +43,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("no Kubernetes client configuration (KUBECONFIG or in-cluster)")?;
     config.read_timeout = Some(API_READ_TIMEOUT);
     config.reset_reader_on_write = true;
-    let client = kube::Client::try_from(config.clone()).context("a Kubernetes client")?;
+    let client = crate::client::client(config.clone()).context("a Kubernetes client")?;
     let watch_client =
-        kube::Client::try_from(state::watch_config(config)).context("a Kubernetes client")?;
+        crate::client::client(state::watch_config(config)).context("a Kubernetes client")?;
     // As they sync, what the sync freed is returned to the OS (see `crate::alloc`).
     let caches = Caches::start(&watch_client, crate::alloc::synced);
     let health = Arc::new(Health {
@@ -303,9 +303,9 @@ async fn wait_for_signal() {
 
 /// How long a read of an answer from the API server may wait (kube's client waits for ever by
 /// default), from the request on (`reset_reader_on_write`: not counting the time its connection
-/// sat idle in the pool): a request on a connection that went dead without a reset fails instead
-/// of hanging. Longer than the API server keeps a watch open (290 s; it sends bookmarks
-/// meanwhile).
+/// sat idle in the pool): a request to an API server that stopped answering fails instead of
+/// hanging (a connection whose peer is gone fails sooner: [`crate::client`]). Longer than the
+/// API server keeps a watch open (290 s; it sends bookmarks meanwhile).
 const API_READ_TIMEOUT: Duration = Duration::from_secs(330);
 
 /// How often a replica whose caches have not synced says what it still waits for.

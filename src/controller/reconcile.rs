@@ -64,6 +64,10 @@ pub async fn reconcile_pps(
         report::duplicate(&ctx, &pps, &in_force.name_any(), &target);
         return Ok(Action::requeue(RESYNC));
     }
+    // Before the pods are read: a pod annotation named for the first time is not read yet
+    // (the pods are listed again to read it), and nothing is recorded without it. (Once true it
+    // stays true, so the pods read next carry it.)
+    let annotations_read = ctx.caches.kept.cover(pps.spec.persistent_annotation_keys());
     let workload_target = target_of(&ctx.caches, &target);
     let pods = ctx.caches.pods_of(&target);
     let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
@@ -96,11 +100,7 @@ pub async fn reconcile_pps(
     // A change during a rollout waits (what changes meanwhile joins it); what is
     // reported below from the computed status is not held back with it.
     let paced = match &change.patch {
-        // A pod annotation named for the first time is not read yet (the pods are listed
-        // again to read it): nothing is recorded without it.
-        Some(_) if !ctx.caches.kept.cover(pps.spec.persistent_annotation_keys()) => {
-            Some(ANNOTATIONS_UNREAD_RETRY)
-        }
+        Some(_) if !annotations_read => Some(ANNOTATIONS_UNREAD_RETRY),
         Some(_) => ctx.pacing.wait(&key),
         None => {
             ctx.pacing.settled(&key);

@@ -147,7 +147,8 @@ impl KeptAnnotations {
     }
 
     /// Whether the cached pods carry every one of `keys` they have: every annotation is kept
-    /// still, or none of `keys` was named after the pods' last list began.
+    /// still, or each of `keys` is kept always or was named before the pods' last completed
+    /// list began (a key never named: false). Once true for a key, true for good.
     pub fn cover<'k>(&self, mut keys: impl Iterator<Item = &'k str>) -> bool {
         let k = crate::sync::read(&self.keys);
         let covered = self.covered.load(Ordering::Acquire);

@@ -1,6 +1,6 @@
 //! The shared state of the process: one watch per resource kind feeds a reflector store and the
 //! indexes the hot paths need ([`index`]), and is mapped to reconcile requests ([`triggers`]);
-//! what is kept of each object is decided in [`trim`]. The webhook and the controllers read the
+//! what is kept of each object is decided in [`trim`], and which pod annotations in [`kept`]. The webhook and the controllers read the
 //! same stores; nothing here is rebuilt per request.
 //!
 //! Every watch event enters through one `apply_*` method, whether it comes from a real watch
@@ -896,7 +896,9 @@ fn expired(error: &watcher::Error) -> bool {
     }
 }
 
-/// One watch, from its first list until it fails or ends; why it stopped.
+/// One watch, from its first list until it fails or ends; why it stopped. Told by `relist`
+/// (the pods' watch: [`kept`]), it lists again aside, its watch running on until that list is
+/// done.
 ///
 /// Until the watch has once been listed (`listed`), its list is a streaming list: a watch that
 /// first sends every object from the API server's watch cache, decoded as it arrives, and ends
@@ -915,6 +917,8 @@ async fn run_watch<K>(
     listed: Arc<AtomicBool>,
     mut relist: Option<watch::Receiver<u64>>,
 ) -> Stopped {
+    // When the last list made aside ended: the next waits [`ASIDE_PAUSE`] after it.
+    let mut aside_done: Option<tokio::time::Instant> = None;
     loop {
         let streaming =
             !listed.load(Ordering::Relaxed) && !watches.paginate.load(Ordering::Relaxed);
@@ -923,32 +927,67 @@ async fn run_watch<K>(
         } else {
             watcher::Config::default().page_size(PAGE_SIZE)
         };
-        // The generation of the keys to read when this list began (the pods' watch: a
-        // PersistentPodState named a pod annotation not kept before, [`kept`]).
-        if let Some(rx) = relist.as_mut() {
-            rx.borrow_and_update();
-        }
+        // What the watch was told to read when this list began (the pods' watch: the
+        // generation of the annotations kept, [`kept`]).
+        let mut asked = relist.as_mut().map_or(0, |rx| *rx.borrow_and_update());
         let mut events = source.events(config);
+        // A list made aside, once told to list again: the watch runs on meanwhile.
+        let mut aside: Option<Aside<K>> = None;
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
         let (mut refused, mut cut) = (Refused::default(), Refused::default());
         // When the watch was last asked again after a cut, until it brings an event.
         let mut resumed: Option<tokio::time::Instant> = None;
         loop {
+            let listing_aside = aside.is_some();
             let next = tokio::select! {
                 biased;
-                // Asked to list again once listed: listed aside while the cache answers as it
-                // is (still current; a list under way when asked is listed again once done).
-                () = asked_again(relist.as_mut(), listed_here) => {
-                    tracing::info!(%kind, "listing again, to read what is kept now");
-                    break;
+                // Told to list again once listed (a list under way when told is listed again
+                // once done, and lists aside are [`ASIDE_PAUSE`] apart): listed aside, the
+                // watch applying its events meanwhile; the list replaces the cache at its end
+                // and its watch takes over, the old one dropped (what the old one had not
+                // brought yet is in the list, or after it).
+                now = asked_again(
+                    relist.as_mut(),
+                    asked,
+                    listed_here && !listing_aside,
+                    aside_done.map(|at| at + ASIDE_PAUSE),
+                ) => {
+                    asked = now;
+                    tracing::info!(%kind, "listing again aside, to read what is kept now");
+                    aside = Some(Aside {
+                        events: source.events(watcher::Config::default().page_size(PAGE_SIZE)),
+                        started: tokio::time::Instant::now(),
+                        objects: 0,
+                    });
+                    continue;
                 }
                 next = events.try_next() => next,
+                next = next_aside(aside.as_mut()) => {
+                    match next {
+                        Ok(Some(ev)) => {
+                            let done = matches!(ev, watcher::Event::InitDone);
+                            if let (watcher::Event::InitApply(_), Some(a)) = (&ev, aside.as_mut()) {
+                                a.objects += 1;
+                            }
+                            apply(ev);
+                            if let Some(a) = aside.take_if(|_| done) {
+                                tracing::info!(%kind, objects = a.objects, seconds = a.started.elapsed().as_secs_f64(), "listed aside; its watch takes over");
+                                events = a.events;
+                                aside_done = Some(tokio::time::Instant::now());
+                                (refused, cut, resumed) = (Refused::default(), Refused::default(), None);
+                            }
+                            continue;
+                        }
+                        Ok(None) => return Stopped::after("the list made aside ended".to_owned()),
+                        Err(error) => return Stopped::after(format!("the list made aside failed: {error}")),
+                    }
+                }
                 // A watch asked again after a cut must show it runs: an API server still
                 // starting has been seen to hold a pod watch from an older version for a
                 // minute, the cache meanwhile counting as current. Silent past the bound, it
                 // is listed again (as before the cut was resumed at all).
-                () = until(resumed.map(|at| at + WATCH_RESUMED_SILENCE)) => {
+                () = until(resumed.filter(|_| !listing_aside).map(|at| at + WATCH_RESUMED_SILENCE)) => {
                     return Stopped::after(format!(
                         "the watch asked again after a cut brought nothing for {} s",
                         WATCH_RESUMED_SILENCE.as_secs()
@@ -1031,17 +1070,49 @@ async fn until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-/// Resolves once `relist` has risen since it was last read and this watch has `listed`.
-async fn asked_again(relist: Option<&mut watch::Receiver<u64>>, listed: bool) {
-    match relist {
-        Some(rx) if listed => {
-            if rx.changed().await.is_err() {
-                std::future::pending::<()>().await;
+/// Resolves, with its value, once `relist` has risen past `asked`, while `ready`, not before
+/// `not_before`.
+async fn asked_again(
+    relist: Option<&mut watch::Receiver<u64>>,
+    asked: u64,
+    ready: bool,
+    not_before: Option<tokio::time::Instant>,
+) -> u64 {
+    let Some(rx) = relist.filter(|_| ready) else {
+        return std::future::pending().await;
+    };
+    loop {
+        let now = *rx.borrow_and_update();
+        if now > asked {
+            if let Some(at) = not_before {
+                tokio::time::sleep_until(at).await;
             }
+            return now;
         }
-        _ => std::future::pending().await,
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
     }
 }
+
+/// A list made aside while the watch runs on ([`run_watch`]).
+struct Aside<K> {
+    events: futures::stream::BoxStream<'static, watcher::Result<watcher::Event<K>>>,
+    started: tokio::time::Instant,
+    objects: u64,
+}
+
+/// The next event of the list made aside; never without one.
+async fn next_aside<K>(aside: Option<&mut Aside<K>>) -> watcher::Result<Option<watcher::Event<K>>> {
+    match aside {
+        Some(a) => a.events.try_next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The least time between the end of a list made aside and the start of the next: a run of
+/// PersistentPodStates each naming a new annotation lists the pods again at most this often.
+const ASIDE_PAUSE: Duration = Duration::from_secs(30);
 
 /// How long a listed watch refused for the moment (429, 503, 504: the API server's cache of its
 /// kind being filled again, after a change of its CRD or a restart) is asked again from where it
@@ -1265,55 +1336,98 @@ mod tests {
     }
 
     /// A listed watch told to list again (the pods', a PersistentPodState having named an
-    /// annotation not kept before) lists aside, its cache current throughout; told while a
-    /// list is under way, it lists again once that one is done.
-    #[tokio::test]
+    /// annotation not kept before) lists aside: its watch applies events meanwhile, the list's
+    /// own watch takes over at its end, and the cache stays current throughout. Told again
+    /// while that list is under way, it lists once more, [`ASIDE_PAUSE`] after it.
+    #[tokio::test(start_paused = true)]
     async fn a_listed_watch_told_to_list_again_lists_aside_and_stays_current() {
         let (client, mut handle, watches) = mock_paginated_watch();
         let (tell, told) = watch::channel(0u64);
+        let applied = Arc::new(Mutex::new(Vec::new()));
+        let seen = applied.clone();
         let (task, _) = spawn_watch(
             "Node",
             Api::<Node>::all(client),
-            |_| {},
+            move |ev| {
+                if let watcher::Event::Apply(n) | watcher::Event::InitApply(n) = ev {
+                    lock(&seen).push(n.name_any());
+                }
+            },
             watches.clone(),
             Some(told),
         );
         // The next request, within a bound (a watch never told would hang the test).
         async fn next(
             handle: &mut MockHandle,
-        ) -> Option<(
+        ) -> (
             http::Request<kube::client::Body>,
             tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
-        )> {
-            tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        ) {
+            tokio::time::timeout(Duration::from_secs(120), handle.next_request())
                 .await
-                .expect("a request within 10 s")
+                .expect("a request in time")
+                .expect("the client is alive")
         }
         let is_watch = |r: &http::Request<kube::client::Body>| {
             r.uri().query().unwrap_or_default().contains("watch=true")
         };
-        let (request, answer) = next(&mut handle).await.expect("the first list");
+        let (request, answer) = next(&mut handle).await;
         assert!(!is_watch(&request));
         respond(answer, 200, node_list());
-        let (request, _first_watch) = next(&mut handle).await.expect("the watch");
+        let (request, first_watch) = next(&mut handle).await;
         assert!(is_watch(&request), "{}", request.uri());
         current_again(&watches).await;
 
         tell.send_replace(1);
-        let (request, answer) = next(&mut handle).await.expect("the list again");
+        let (request, aside_list) = next(&mut handle).await;
         assert!(!is_watch(&request), "a list: {}", request.uri());
+        // The first watch brings an event while the list is under way: applied (its stream
+        // ended, it is watched again from where it was).
+        watch_event(
+            first_watch,
+            &json!({"type": "ADDED", "object": {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": "n1", "resourceVersion": "2"}}}),
+        );
+        let (request, _rewatch) = next(&mut handle).await;
+        assert!(is_watch(&request), "{}", request.uri());
+        assert_eq!(
+            *lock(&applied),
+            ["n1"],
+            "applied while the list is under way"
+        );
         assert!(
             watches.stale_now().is_empty(),
-            "current while listing again"
+            "current while listing aside"
         );
         // Told again while that list is under way.
         tell.send_replace(2);
-        respond(answer, 200, node_list());
-        let (request, answer) = next(&mut handle).await.expect("listed again once done");
-        assert!(!is_watch(&request), "a list: {}", request.uri());
-        respond(answer, 200, node_list());
-        let (request, _second_watch) = next(&mut handle).await.expect("the watch again");
+        let mut listed = node_list();
+        listed["metadata"]["resourceVersion"] = json!("2");
+        listed["items"] = json!([{"metadata": {"name": "n1", "resourceVersion": "2"}}]);
+        respond(aside_list, 200, listed.clone());
+        let ended = tokio::time::Instant::now();
+        let (request, _aside_watch) = next(&mut handle).await;
+        assert!(
+            is_watch(&request),
+            "the list's own watch: {}",
+            request.uri()
+        );
+        assert!(
+            request
+                .uri()
+                .query()
+                .unwrap_or_default()
+                .contains("resourceVersion=2"),
+            "{}",
+            request.uri()
+        );
+        let (request, again) = next(&mut handle).await;
+        assert!(!is_watch(&request), "listed again: {}", request.uri());
+        assert!(ended.elapsed() >= ASIDE_PAUSE, "{:?}", ended.elapsed());
+        respond(again, 200, listed);
+        let (request, _last_watch) = next(&mut handle).await;
         assert!(is_watch(&request), "{}", request.uri());
+        assert_eq!(*lock(&applied), ["n1", "n1", "n1"], "each list's object");
         assert!(watches.stale_now().is_empty());
         assert_eq!(
             watches.restarts(),

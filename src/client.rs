@@ -1,0 +1,127 @@
+//! The Kubernetes client `serve` runs with: kube's own stack (its base URI, authentication,
+//! extra headers, and retries of 429, 503 and 504 where the configuration asks for them; its
+//! connect, read and write timeouts) over connections that notice a dead peer.
+//!
+//! kube's client sets no TCP keepalive, so a connection to an API server that went away
+//! without a reset (its machine lost, a partition dropping packets) read nothing until the
+//! read timeout, 330 s: a watch on it counted as current all along, its cache frozen. Here an
+//! idle connection probes its peer after [`KEEPALIVE_IDLE`], every [`KEEPALIVE_INTERVAL`],
+//! [`KEEPALIVE_PROBES`] times, and data left unacknowledged for [`UNACKNOWLEDGED`] ends it
+//! (`TCP_USER_TIMEOUT`): a watch on a dead connection fails within about a minute and is
+//! resumed on a new one, which a load balancer sends to an API server that answers. (A peer
+//! whose kernel still answers, an API server process hung, is bound by the read timeout
+//! alone.) Through a proxy (`proxy_url`), kube's own client is used as it is.
+
+use std::time::Duration;
+
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kube::client::ConfigExt;
+use kube::client::retry::RetryPolicy;
+use tower::ServiceBuilder;
+
+/// How long a connection is idle before its peer is probed.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// Between two probes.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// Probes unanswered before the connection is given up.
+pub const KEEPALIVE_PROBES: u32 = 3;
+/// How long sent data may stay unacknowledged before the connection is given up.
+pub const UNACKNOWLEDGED: Duration = Duration::from_secs(60);
+
+/// A client for `config`, its connections kept alive as above.
+pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
+    if config.proxy_url.is_some() {
+        return kube::Client::try_from(config);
+    }
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_keepalive(Some(KEEPALIVE_IDLE));
+    http.set_keepalive_interval(Some(KEEPALIVE_INTERVAL));
+    http.set_keepalive_retries(Some(KEEPALIVE_PROBES));
+    http.set_tcp_user_timeout(Some(UNACKNOWLEDGED));
+    let mut connector =
+        hyper_timeout::TimeoutConnector::new(config.rustls_https_connector_with_connector(http)?);
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_read_timeout(config.read_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    connector.set_reset_reader_on_write(config.reset_reader_on_write);
+    let client: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Builder::new(TokioExecutor::new()).build(connector);
+    // In kube's order: the base URI, retries, authentication, extra headers.
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(
+            config
+                .default_retry
+                .then(|| tower::retry::RetryLayer::new(RetryPolicy::server_retry())),
+        )
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(client);
+    Ok(kube::Client::new(service, config.default_namespace))
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// The timer the kernel runs on the TCP socket from local port `local` to port `remote`
+    /// (`/proc/net/tcp`'s `tr`: 2 is keepalive) and when it fires, in seconds.
+    fn timer(local: u16, remote: u16) -> Option<(u32, f64)> {
+        let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+        table.lines().skip(1).find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port = |address: &str| u16::from_str_radix(address.rsplit(':').next()?, 16).ok();
+            if port(fields.get(1)?)? != local || port(fields.get(2)?)? != remote {
+                return None;
+            }
+            let (kind, when) = fields.get(5)?.split_once(':')?;
+            // In clock ticks (USER_HZ, 100 a second).
+            let when = u64::from_str_radix(when, 16).ok()? as f64 / 100.0;
+            Some((u32::from_str_radix(kind, 16).ok()?, when))
+        })
+    }
+
+    /// A connection the client opened to an API server that read its request and answers
+    /// nothing: the kernel probes the peer once it is idle for 30 s (kube's own client sets
+    /// no keepalive: no timer at all).
+    #[tokio::test]
+    async fn the_client_s_connections_probe_an_idle_peer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let mut config =
+            kube::Config::new(format!("http://127.0.0.1:{port}").parse().expect("URL"));
+        config.default_retry = false;
+        let client = client(config).expect("client");
+        let asking = tokio::spawn(async move {
+            let request = http::Request::get("/api")
+                .body(Vec::new())
+                .expect("request");
+            let _ = client.request_text(request).await;
+        });
+        let (mut stream, peer) = listener.accept().await.expect("the client connects");
+        let mut head = [0u8; 1024];
+        assert!(stream.read(&mut head).await.expect("read") > 0, "a request");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let found = loop {
+            // Armed once the request is acknowledged and the connection idle.
+            if let Some(found @ (2, _)) = timer(peer.port(), port) {
+                break found;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no keepalive timer on the client's socket: {:?}",
+                timer(peer.port(), port)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let when = found.1;
+        assert!((20.0..=30.0).contains(&when), "probes in {when} s");
+        asking.abort();
+    }
+}
