@@ -1,13 +1,15 @@
-//! The Kubernetes client `serve` runs with: kube's own stack (its base URI, authentication,
+//! The Kubernetes client `serve` runs with: kube's own layers (its base URI, authentication,
 //! extra headers, and retries of 429, 503 and 504 where the configuration asks for them; its
-//! connect, read and write timeouts) over connections that notice a dead peer.
+//! connect, read and write timeouts; not its debug spans per request) over connections that
+//! notice a dead peer.
 //!
 //! kube's client sets no TCP keepalive, so a connection to an API server that went away
 //! without a reset (its machine lost, a partition dropping packets) read nothing until the
 //! read timeout, 330 s: a watch on it counted as current all along, its cache frozen. Here an
 //! idle connection probes its peer after [`KEEPALIVE_IDLE`], every [`KEEPALIVE_INTERVAL`],
-//! [`KEEPALIVE_PROBES`] times, and data left unacknowledged for [`UNACKNOWLEDGED`] ends it
-//! (`TCP_USER_TIMEOUT`): a watch on a dead connection fails within about a minute and is
+//! [`KEEPALIVE_PROBES`] times, and on Linux data or a probe left unacknowledged for
+//! [`UNACKNOWLEDGED`] ends it (`TCP_USER_TIMEOUT`, which then bounds the probes too): a watch
+//! on a dead connection fails within about a minute and is
 //! resumed on a new one, which a load balancer sends to an API server that answers. (A peer
 //! whose kernel still answers, an API server process hung, is bound by the read timeout
 //! alone.) Through a proxy (`proxy_url`), kube's own client is used as it is.
@@ -26,7 +28,7 @@ pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// Probes unanswered before the connection is given up.
 pub const KEEPALIVE_PROBES: u32 = 3;
-/// How long sent data may stay unacknowledged before the connection is given up.
+/// How long sent data may stay unacknowledged before the connection is given up (Linux).
 pub const UNACKNOWLEDGED: Duration = Duration::from_secs(60);
 
 /// A client for `config`, its connections kept alive as above.
@@ -39,6 +41,7 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
     http.set_keepalive(Some(KEEPALIVE_IDLE));
     http.set_keepalive_interval(Some(KEEPALIVE_INTERVAL));
     http.set_keepalive_retries(Some(KEEPALIVE_PROBES));
+    #[cfg(target_os = "linux")]
     http.set_tcp_user_timeout(Some(UNACKNOWLEDGED));
     let mut connector =
         hyper_timeout::TimeoutConnector::new(config.rustls_https_connector_with_connector(http)?);

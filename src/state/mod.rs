@@ -197,13 +197,18 @@ impl Caches {
             watches.clone(),
             None,
         );
-        let c = caches.clone();
+        let (c, filled) = (caches.clone(), caches.clone());
         spawn_watch(
             pod_watch,
             proto::PodSource::new(client.clone()),
             move |ev| c.apply_cached_pod(trim::map_event(ev, |w| Arc::new(w.pod))),
             watches.clone(),
-            Some(caches.kept.subscribe()),
+            Some(Relist {
+                told: caches.kept.subscribe(),
+                fill: Arc::new(move |ev| {
+                    filled.fill_pod_annotations(trim::map_event(ev, |w| Arc::new(w.pod)));
+                }),
+            }),
         );
         let c = caches.clone();
         spawn_watch(
@@ -269,6 +274,24 @@ impl Caches {
         drop(keeping);
         self.listed_if_done(&event, &self.listed.pods);
         self.trigger_for_pod(&event);
+    }
+
+    /// An event of a list of pods made to read annotations named since they were cached
+    /// ([`kept`]): a cached pod of the same uid and resourceVersion as a listed one takes its
+    /// annotations (nothing else changes, so the cache never goes back: a pod changed since is
+    /// brought by the watch, with them); at the list's end the pods cover what was named
+    /// before it began.
+    pub fn fill_pod_annotations(&self, event: watcher::Event<Arc<CachedPod>>) {
+        let keeping = self.kept.keeping();
+        match event {
+            watcher::Event::Init => self.kept.pods_listing(&keeping),
+            watcher::Event::InitApply(pod) => {
+                let pod = keeping.trim(pod);
+                self.pods.change_each(|table| table.fill_annotations(&pod));
+            }
+            watcher::Event::InitDone => self.kept.pods_listed(&keeping),
+            watcher::Event::Apply(_) | watcher::Event::Delete(_) => {}
+        }
     }
 
     /// How many node watch events were applied that changed a node as kept (what placement
@@ -784,7 +807,7 @@ fn spawn_watch<K: Send + 'static>(
     source: impl Source<K>,
     apply: impl Fn(watcher::Event<K>) + Send + Sync + 'static,
     watches: Arc<Watches>,
-    relist: Option<watch::Receiver<u64>>,
+    relist: Option<Relist<K>>,
 ) -> (tokio::task::JoinHandle<()>, WatchId) {
     let id = watches.start(kind);
     let kind = kind.to_owned();
@@ -897,8 +920,7 @@ fn expired(error: &watcher::Error) -> bool {
 }
 
 /// One watch, from its first list until it fails or ends; why it stopped. Told by `relist`
-/// (the pods' watch: [`kept`]), it lists again aside, its watch running on until that list is
-/// done.
+/// (the pods' watch: [`kept`]), it lists again aside for `relist.fill`, its watch running on.
 ///
 /// Until the watch has once been listed (`listed`), its list is a streaming list: a watch that
 /// first sends every object from the API server's watch cache, decoded as it arrives, and ends
@@ -915,7 +937,7 @@ async fn run_watch<K>(
     watches: Arc<Watches>,
     id: WatchId,
     listed: Arc<AtomicBool>,
-    mut relist: Option<watch::Receiver<u64>>,
+    mut relist: Option<Relist<K>>,
 ) -> Stopped {
     // When the last list made aside ended: the next waits [`ASIDE_PAUSE`] after it.
     let mut aside_done: Option<tokio::time::Instant> = None;
@@ -929,7 +951,7 @@ async fn run_watch<K>(
         };
         // What the watch was told to read when this list began (the pods' watch: the
         // generation of the annotations kept, [`kept`]).
-        let mut asked = relist.as_mut().map_or(0, |rx| *rx.borrow_and_update());
+        let mut asked = relist.as_mut().map_or(0, |r| *r.told.borrow_and_update());
         let mut events = source.events(config);
         // A list made aside, once told to list again: the watch runs on meanwhile.
         let mut aside: Option<Aside<K>> = None;
@@ -943,22 +965,20 @@ async fn run_watch<K>(
             let next = tokio::select! {
                 biased;
                 // Told to list again once listed (a list under way when told is listed again
-                // once done, and lists aside are [`ASIDE_PAUSE`] apart): listed aside, the
-                // watch applying its events meanwhile; the list replaces the cache at its end
-                // and its watch takes over, the old one dropped (what the old one had not
-                // brought yet is in the list, or after it).
+                // once done, and lists aside are [`ASIDE_PAUSE`] apart): listed aside, for
+                // `relist.fill`, the watch running on as it was.
                 now = asked_again(
-                    relist.as_mut(),
+                    relist.as_mut().map(|r| &mut r.told),
                     asked,
                     listed_here && !listing_aside,
                     aside_done.map(|at| at + ASIDE_PAUSE),
                 ) => {
-                    asked = now;
                     tracing::info!(%kind, "listing again aside, to read what is kept now");
                     aside = Some(Aside {
                         events: source.events(watcher::Config::default().page_size(PAGE_SIZE)),
                         started: tokio::time::Instant::now(),
                         objects: 0,
+                        generation: now,
                     });
                     continue;
                 }
@@ -970,24 +990,32 @@ async fn run_watch<K>(
                             if let (watcher::Event::InitApply(_), Some(a)) = (&ev, aside.as_mut()) {
                                 a.objects += 1;
                             }
-                            apply(ev);
-                            if let Some(a) = aside.take_if(|_| done) {
-                                tracing::info!(%kind, objects = a.objects, seconds = a.started.elapsed().as_secs_f64(), "listed aside; its watch takes over");
-                                events = a.events;
-                                aside_done = Some(tokio::time::Instant::now());
-                                (refused, cut, resumed) = (Refused::default(), Refused::default(), None);
+                            if let Some(r) = &relist {
+                                (r.fill)(ev);
                             }
-                            continue;
+                            // Its list done, the list made aside is dropped (its watch unused).
+                            if let Some(a) = aside.take_if(|_| done) {
+                                tracing::info!(%kind, objects = a.objects, seconds = a.started.elapsed().as_secs_f64(), "listed aside");
+                                asked = a.generation;
+                                aside_done = Some(tokio::time::Instant::now());
+                            }
                         }
-                        Ok(None) => return Stopped::after("the list made aside ended".to_owned()),
-                        Err(error) => return Stopped::after(format!("the list made aside failed: {error}")),
+                        // Failed or ended before its end: dropped, made again after the pause;
+                        // the watch runs on.
+                        failed => {
+                            let why = failed.err().map_or("it ended".to_owned(), |e| e.to_string());
+                            tracing::warn!(%kind, %why, "the list made aside failed; listing again aside after a pause");
+                            aside = None;
+                            aside_done = Some(tokio::time::Instant::now());
+                        }
                     }
+                    continue;
                 }
                 // A watch asked again after a cut must show it runs: an API server still
                 // starting has been seen to hold a pod watch from an older version for a
                 // minute, the cache meanwhile counting as current. Silent past the bound, it
                 // is listed again (as before the cut was resumed at all).
-                () = until(resumed.filter(|_| !listing_aside).map(|at| at + WATCH_RESUMED_SILENCE)) => {
+                () = until(resumed.map(|at| at + WATCH_RESUMED_SILENCE)) => {
                     return Stopped::after(format!(
                         "the watch asked again after a cut brought nothing for {} s",
                         WATCH_RESUMED_SILENCE.as_secs()
@@ -1095,11 +1123,30 @@ async fn asked_again(
     }
 }
 
+/// What tells a watch to list again aside, and what is done with the events of that list
+/// (`Init`, `InitApply`..., `InitDone`): the pods', to read annotations named since they were
+/// cached ([`Caches::fill_pod_annotations`]).
+pub struct Relist<K> {
+    told: watch::Receiver<u64>,
+    fill: Arc<dyn Fn(watcher::Event<K>) + Send + Sync>,
+}
+
+impl<K> Clone for Relist<K> {
+    fn clone(&self) -> Self {
+        Self {
+            told: self.told.clone(),
+            fill: self.fill.clone(),
+        }
+    }
+}
+
 /// A list made aside while the watch runs on ([`run_watch`]).
 struct Aside<K> {
     events: futures::stream::BoxStream<'static, watcher::Result<watcher::Event<K>>>,
     started: tokio::time::Instant,
     objects: u64,
+    /// What the watch was told when it began.
+    generation: u64,
 }
 
 /// The next event of the list made aside; never without one.
@@ -1336,25 +1383,34 @@ mod tests {
     }
 
     /// A listed watch told to list again (the pods', a PersistentPodState having named an
-    /// annotation not kept before) lists aside: its watch applies events meanwhile, the list's
-    /// own watch takes over at its end, and the cache stays current throughout. Told again
-    /// while that list is under way, it lists once more, [`ASIDE_PAUSE`] after it.
+    /// annotation not kept before) lists aside for its `fill`, its watch running on as it was
+    /// (its events applied meanwhile, the cache current throughout). Told again while that list
+    /// is under way, it lists once more, [`ASIDE_PAUSE`] after it; a list aside that fails is
+    /// made again after the pause, the watch untouched.
     #[tokio::test(start_paused = true)]
-    async fn a_listed_watch_told_to_list_again_lists_aside_and_stays_current() {
+    async fn a_listed_watch_told_to_list_again_lists_aside_and_runs_on() {
         let (client, mut handle, watches) = mock_paginated_watch();
         let (tell, told) = watch::channel(0u64);
-        let applied = Arc::new(Mutex::new(Vec::new()));
-        let seen = applied.clone();
+        let (applied, filled) = (
+            Arc::new(Mutex::new(Vec::new())),
+            Arc::new(Mutex::new(Vec::new())),
+        );
+        let (seen, listed) = (applied.clone(), filled.clone());
+        let name = |ev: &watcher::Event<Node>| match ev {
+            watcher::Event::Apply(n) | watcher::Event::InitApply(n) => n.name_any(),
+            watcher::Event::Delete(_) => "deleted".to_owned(),
+            watcher::Event::Init => "init".to_owned(),
+            watcher::Event::InitDone => "done".to_owned(),
+        };
         let (task, _) = spawn_watch(
             "Node",
             Api::<Node>::all(client),
-            move |ev| {
-                if let watcher::Event::Apply(n) | watcher::Event::InitApply(n) = ev {
-                    lock(&seen).push(n.name_any());
-                }
-            },
+            move |ev| lock(&seen).push(name(&ev)),
             watches.clone(),
-            Some(told),
+            Some(Relist {
+                told,
+                fill: Arc::new(move |ev| lock(&listed).push(name(&ev))),
+            }),
         );
         // The next request, within a bound (a watch never told would hang the test).
         async fn next(
@@ -1381,8 +1437,8 @@ mod tests {
         tell.send_replace(1);
         let (request, aside_list) = next(&mut handle).await;
         assert!(!is_watch(&request), "a list: {}", request.uri());
-        // The first watch brings an event while the list is under way: applied (its stream
-        // ended, it is watched again from where it was).
+        // The watch brings an event while the list is under way: applied (its stream ended,
+        // it is watched again from where it was).
         watch_event(
             first_watch,
             &json!({"type": "ADDED", "object": {"apiVersion": "v1", "kind": "Node",
@@ -1390,28 +1446,6 @@ mod tests {
         );
         let (request, _rewatch) = next(&mut handle).await;
         assert!(is_watch(&request), "{}", request.uri());
-        assert_eq!(
-            *lock(&applied),
-            ["n1"],
-            "applied while the list is under way"
-        );
-        assert!(
-            watches.stale_now().is_empty(),
-            "current while listing aside"
-        );
-        // Told again while that list is under way.
-        tell.send_replace(2);
-        let mut listed = node_list();
-        listed["metadata"]["resourceVersion"] = json!("2");
-        listed["items"] = json!([{"metadata": {"name": "n1", "resourceVersion": "2"}}]);
-        respond(aside_list, 200, listed.clone());
-        let ended = tokio::time::Instant::now();
-        let (request, _aside_watch) = next(&mut handle).await;
-        assert!(
-            is_watch(&request),
-            "the list's own watch: {}",
-            request.uri()
-        );
         assert!(
             request
                 .uri()
@@ -1421,14 +1455,41 @@ mod tests {
             "{}",
             request.uri()
         );
+        // Told again while that list is under way.
+        tell.send_replace(2);
+        let mut n1 = node_list();
+        n1["metadata"]["resourceVersion"] = json!("2");
+        n1["items"] = json!([{"metadata": {"name": "n1", "resourceVersion": "2"}}]);
+        respond(aside_list, 200, n1.clone());
+        let ended = tokio::time::Instant::now();
+        // No watch of its own: the next request is the next list, after the pause. It fails:
+        // made again after the pause, the watch untouched.
         let (request, again) = next(&mut handle).await;
         assert!(!is_watch(&request), "listed again: {}", request.uri());
         assert!(ended.elapsed() >= ASIDE_PAUSE, "{:?}", ended.elapsed());
-        respond(again, 200, listed);
-        let (request, _last_watch) = next(&mut handle).await;
-        assert!(is_watch(&request), "{}", request.uri());
-        assert_eq!(*lock(&applied), ["n1", "n1", "n1"], "each list's object");
-        assert!(watches.stale_now().is_empty());
+        respond(
+            again,
+            500,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "etcd is slow", "code": 500}),
+        );
+        let failed = tokio::time::Instant::now();
+        let (request, again) = next(&mut handle).await;
+        assert!(!is_watch(&request), "listed again: {}", request.uri());
+        assert!(failed.elapsed() >= ASIDE_PAUSE, "{:?}", failed.elapsed());
+        respond(again, 200, n1);
+        until("the third list aside to end", || lock(&filled).len() >= 7).await;
+        assert_eq!(
+            *lock(&applied),
+            ["init", "done", "n1"],
+            "the watch's own events"
+        );
+        assert_eq!(
+            *lock(&filled),
+            ["init", "n1", "done", "init", "init", "n1", "done"],
+            "each list aside's (the failed one's start too)"
+        );
+        assert!(watches.stale_now().is_empty(), "current throughout");
         assert_eq!(
             watches.restarts(),
             vec![("Node".to_owned(), 0)],
@@ -1986,6 +2047,7 @@ mod tests {
     /// A pod of StatefulSet `web` with a slot annotation, a sidecar's status, and a requested IP.
     fn annotated_pod(name: &str) -> Pod {
         serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns",
+            "uid": format!("uid-{name}"), "resourceVersion": "1",
             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
                 "uid": "u", "controller": true}],
             "annotations": {"example.com/slot": "3", "sidecar.istio.io/status": "x".repeat(900),
@@ -2055,29 +2117,43 @@ mod tests {
             "the pod watch told"
         );
         assert!(!caches.kept.cover(rack.into_iter()));
-        let mut racked = annotated_pod("web-0");
-        racked
-            .metadata
-            .annotations
-            .get_or_insert_default()
-            .insert(rack[0].into(), "r1".into());
-        caches.apply_pod(watcher::Event::Apply(racked.clone()));
-        assert_eq!(
-            annotation(&caches, "web-0", rack[0]).as_deref(),
-            Some("r1"),
-            "kept from now on"
-        );
-        caches.apply_pod(watcher::Event::Init);
-        caches.apply_pod(watcher::Event::InitApply(racked));
+        let with_rack = |name: &str, version: &str| {
+            let mut pod = annotated_pod(name);
+            pod.metadata.resource_version = Some(version.into());
+            pod.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(rack[0].into(), format!("r{version}"));
+            Arc::new(CachedPod::from(pod))
+        };
+        // A pod cached from now on keeps it.
+        caches.apply_pod(watcher::Event::Apply(annotated_pod("web-2")));
+        caches.apply_cached_pod(watcher::Event::Apply(with_rack("web-2", "1")));
+        assert_eq!(annotation(&caches, "web-2", rack[0]).as_deref(), Some("r1"));
+        // The list made aside: web-0 (unchanged since cached) takes the annotation; web-10,
+        // listed at a newer version than cached, keeps what it had (the watch brings that
+        // version); a pod the watch deleted meanwhile does not come back.
+        caches.apply_pod(watcher::Event::Delete(annotated_pod("web-2")));
+        caches.fill_pod_annotations(watcher::Event::Init);
+        caches.fill_pod_annotations(watcher::Event::InitApply(with_rack("web-0", "1")));
+        caches.fill_pod_annotations(watcher::Event::InitApply(with_rack("web-10", "2")));
+        caches.fill_pod_annotations(watcher::Event::InitApply(with_rack("web-2", "1")));
         assert!(
             !caches.kept.cover(rack.into_iter()),
             "until the list is done"
         );
-        caches.apply_pod(watcher::Event::InitDone);
+        caches.fill_pod_annotations(watcher::Event::InitDone);
         assert!(caches.kept.cover(rack.into_iter()));
+        assert_eq!(annotation(&caches, "web-0", rack[0]).as_deref(), Some("r1"));
         assert_eq!(
             annotation(&caches, "web-0", "sidecar.istio.io/status"),
             None
+        );
+        assert_eq!(annotation(&caches, "web-10", rack[0]), None);
+        assert!(!caches.pod_exists("ns", "web-2"), "not brought back");
+        assert_eq!(
+            caches.ip_holder("10.0.0.5", "ns", "other").as_deref(),
+            Some("ns/web-0")
         );
     }
 

@@ -85,6 +85,25 @@ impl PodTable {
         changed.len()
     }
 
+    /// The cached pod of `listed`'s uid and resourceVersion, if any, takes `listed`'s
+    /// annotations.
+    pub fn fill_annotations(&mut self, listed: &Arc<CachedPod>) {
+        let Some(cached) = self.get(&listed.namespace, &listed.name) else {
+            return;
+        };
+        let same = cached.uid == listed.uid
+            && cached.resource_version.is_some()
+            && cached.resource_version == listed.resource_version;
+        if !same || cached.annotations == listed.annotations {
+            return;
+        }
+        let filled = Arc::new(CachedPod {
+            annotations: listed.annotations.clone(),
+            ..CachedPod::clone(cached)
+        });
+        self.upsert(&filled);
+    }
+
     /// The live pods holding `ip`.
     pub fn holders(&self, ip: &str) -> impl Iterator<Item = &Arc<CachedPod>> {
         self.by_ip.get(ip).into_iter().flatten()
