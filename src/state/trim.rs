@@ -91,7 +91,7 @@ impl From<ReadMeta> for ObjectMeta {
 }
 
 /// A pod as the caches keep it: what recording, the IP index and the triggers read (its name,
-/// namespace, uid, resourceVersion, controller, the annotations read ([`super::kept`]) and
+/// namespace, uid, resourceVersion, controller, the annotations read (`kept.rs`) and
 /// deletion mark; its node,
 /// whether it finished, readiness and IPs), in boxes, with the strings many pods share
 /// (namespace, node, controller) interned: a few hundred bytes a pod.
@@ -107,7 +107,7 @@ pub struct CachedPod {
     pub resource_version: Option<Box<str>>,
     /// Whether it is being deleted (`deletionTimestamp` set).
     pub deleting: bool,
-    /// Its annotations, once cached only those read ([`super::kept`]).
+    /// Its annotations, once cached only those read (`kept.rs`).
     pub annotations: Annotations,
     /// Its controlling owner reference.
     pub controller: Option<Box<Owner>>,
