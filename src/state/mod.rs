@@ -280,7 +280,7 @@ impl Caches {
     /// ([`kept`]): a cached pod of the same uid and resourceVersion as a listed one takes its
     /// annotations (nothing else changes, so the cache never goes back: a pod changed since is
     /// brought by the watch, with them); at the list's end the pods cover what was named
-    /// before it began.
+    /// before it began, and the PersistentPodStates naming pod annotations are looked at.
     pub fn fill_pod_annotations(&self, event: watcher::Event<Arc<CachedPod>>) {
         let keeping = self.kept.keeping();
         match event {
@@ -289,7 +289,11 @@ impl Caches {
                 let pod = keeping.trim(pod);
                 self.pods.change_each(|table| table.fill_annotations(&pod));
             }
-            watcher::Event::InitDone => self.kept.pods_listed(&keeping),
+            watcher::Event::InitDone => {
+                self.kept.pods_listed(&keeping);
+                drop(keeping);
+                self.trigger_for_annotations_read();
+            }
             watcher::Event::Apply(_) | watcher::Event::Delete(_) => {}
         }
     }
@@ -2134,6 +2138,7 @@ mod tests {
         // listed at a newer version than cached, keeps what it had (the watch brings that
         // version); a pod the watch deleted meanwhile does not come back.
         caches.apply_pod(watcher::Event::Delete(annotated_pod("web-2")));
+        let mut requests = caches.triggers.subscribe_pps();
         caches.fill_pod_annotations(watcher::Event::Init);
         caches.fill_pod_annotations(watcher::Event::InitApply(with_rack("web-0", "1")));
         caches.fill_pod_annotations(watcher::Event::InitApply(with_rack("web-10", "2")));
@@ -2142,8 +2147,19 @@ mod tests {
             !caches.kept.cover(rack.into_iter()),
             "until the list is done"
         );
+        assert!(
+            requests.try_recv().is_err(),
+            "nothing asked during the list"
+        );
         caches.fill_pod_annotations(watcher::Event::InitDone);
         assert!(caches.kept.cover(rack.into_iter()));
+        // The PersistentPodStates naming pod annotations are looked at (what they held back).
+        let mut asked = Vec::new();
+        while let Ok(r) = requests.try_recv() {
+            asked.push(r.name);
+        }
+        asked.sort();
+        assert_eq!(asked, ["db", "web"]);
         assert_eq!(annotation(&caches, "web-0", rack[0]).as_deref(), Some("r1"));
         assert_eq!(
             annotation(&caches, "web-0", "sidecar.istio.io/status"),

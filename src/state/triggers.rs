@@ -213,6 +213,19 @@ impl Caches {
         }
     }
 
+    /// The pods were listed aside to read annotations named since they were cached: the
+    /// PersistentPodStates naming any pod annotation record what they held back for it.
+    pub(super) fn trigger_for_annotations_read(&self) {
+        let naming: Vec<_> = self
+            .pps
+            .state()
+            .iter()
+            .filter(|p| !p.spec.persistent_pod_annotations.is_empty())
+            .map(|p| ObjectRef::from_obj(p.as_ref()))
+            .collect();
+        self.triggers.pps(naming);
+    }
+
     fn all_pps(&self) -> Vec<ObjectRef<PersistentPodState>> {
         self.pps
             .state()
