@@ -1018,16 +1018,22 @@ fn heap_per_mesh_pod(pods: usize, nodes: usize) -> anyhow::Result<[f64; 2]> {
             caches.apply_pps(watcher::Event::Init);
             caches.apply_pps(watcher::Event::InitDone);
         }
-        let before = LIVE.load(Ordering::Relaxed);
-        caches.apply_cached_pod(watcher::Event::Init);
-        for body in &bodies {
-            let pod: WatchedPod = serde_json::from_slice(body)?;
-            caches.apply_cached_pod(watcher::Event::InitApply(Arc::new(pod.pod)));
-        }
-        caches.apply_cached_pod(watcher::Event::InitDone);
-        *per_pod = (LIVE.load(Ordering::Relaxed) - before) as f64 / pods as f64;
+        *per_pod = heap_per_pod_listed(&caches, &bodies)?;
     }
     Ok(per_pod)
+}
+
+/// Heap bytes per pod of `bodies` (listed pods) decoded as the pod watch decodes them and
+/// applied to `caches` as one list, the live heap counted before and after.
+fn heap_per_pod_listed(caches: &Caches, bodies: &[Vec<u8>]) -> anyhow::Result<f64> {
+    let before = LIVE.load(Ordering::Relaxed);
+    caches.apply_cached_pod(watcher::Event::Init);
+    for body in bodies {
+        let pod: WatchedPod = serde_json::from_slice(body)?;
+        caches.apply_cached_pod(watcher::Event::InitApply(Arc::new(pod.pod)));
+    }
+    caches.apply_cached_pod(watcher::Event::InitDone);
+    Ok((LIVE.load(Ordering::Relaxed) - before) as f64 / bodies.len() as f64)
 }
 
 /// Live heap bytes of this process (the counting allocator below).
@@ -1094,14 +1100,7 @@ fn heap_per_object(pods: usize, pps: usize, states: usize, nodes: usize) -> anyh
     let bodies: Vec<Vec<u8>> = (0..pods)
         .map(|i| listed_pod(i, nodes))
         .collect::<anyhow::Result<_>>()?;
-    let before = LIVE.load(Ordering::Relaxed);
-    caches.apply_cached_pod(watcher::Event::Init);
-    for body in &bodies {
-        let pod: WatchedPod = serde_json::from_slice(body)?;
-        caches.apply_cached_pod(watcher::Event::InitApply(Arc::new(pod.pod)));
-    }
-    caches.apply_cached_pod(watcher::Event::InitDone);
-    let per_pod = (LIVE.load(Ordering::Relaxed) - before) as f64 / pods as f64;
+    let per_pod = heap_per_pod_listed(&caches, &bodies)?;
     drop(bodies);
     eprintln!(
         "bench-cluster: a Pod is {} bytes before its heap fields, a cached pod {}",
