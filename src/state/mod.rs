@@ -1502,6 +1502,26 @@ mod tests {
         task.abort();
     }
 
+    /// The next request, once the watch asked again (just now) has been silent: a list (not a
+    /// watch), no sooner than [`WATCH_RESUMED_SILENCE`]; its answer.
+    async fn relisted_once_silent(
+        handle: &mut MockHandle,
+    ) -> tower_test::mock::SendResponse<http::Response<kube::client::Body>> {
+        let asked = tokio::time::Instant::now();
+        let (request, answer) = handle.next_request().await.expect("the relist");
+        assert!(
+            !request.uri().to_string().contains("watch=true"),
+            "{}",
+            request.uri()
+        );
+        assert!(
+            asked.elapsed() >= WATCH_RESUMED_SILENCE,
+            "{:?}",
+            asked.elapsed()
+        );
+        answer
+    }
+
     /// A connection reset, as a watch's request fails when cut.
     fn cut() -> std::io::Error {
         std::io::Error::from(std::io::ErrorKind::ConnectionReset)
@@ -1871,18 +1891,7 @@ mod tests {
         // Asked again; the answer is held (never sent).
         let (request, held) = handle.next_request().await.expect("asked again");
         assert!(request.uri().to_string().contains("resourceVersion=1"));
-        let asked = tokio::time::Instant::now();
-        let (request, answer) = handle.next_request().await.expect("the relist");
-        assert!(
-            !request.uri().to_string().contains("watch=true"),
-            "{}",
-            request.uri()
-        );
-        assert!(
-            asked.elapsed() >= WATCH_RESUMED_SILENCE,
-            "{:?}",
-            asked.elapsed()
-        );
+        let answer = relisted_once_silent(&mut handle).await;
         assert!(
             watches.stale_now()[0].contains("brought nothing"),
             "{:?}",
@@ -1923,18 +1932,7 @@ mod tests {
         respond(answer, 429, storage_initializing());
         let (request, _held) = handle.next_request().await.expect("asked again");
         assert!(request.uri().to_string().contains("watch=true"));
-        let asked = tokio::time::Instant::now();
-        let (request, _answer) = handle.next_request().await.expect("the relist");
-        assert!(
-            !request.uri().to_string().contains("watch=true"),
-            "{}",
-            request.uri()
-        );
-        assert!(
-            asked.elapsed() >= WATCH_RESUMED_SILENCE,
-            "{:?}",
-            asked.elapsed()
-        );
+        let _answer = relisted_once_silent(&mut handle).await;
         task.abort();
     }
 
