@@ -304,8 +304,8 @@ async fn wait_for_signal() {
 /// How long a read of an answer from the API server may wait (kube's client waits for ever by
 /// default), from the request on (`reset_reader_on_write`: not counting the time its connection
 /// sat idle in the pool): a request to an API server that stopped answering fails instead of
-/// hanging (a connection whose peer is gone fails sooner: [`crate::client`]). Longer than the
-/// API server keeps a watch open (290 s; it sends bookmarks meanwhile).
+/// hanging (a connection whose peer is gone fails sooner: [`crate::client`]; the watches'
+/// client waits [`state::WATCH_SILENCE`]).
 const API_READ_TIMEOUT: Duration = Duration::from_secs(330);
 
 /// How often a replica whose caches have not synced says what it still waits for.

@@ -16,6 +16,7 @@ mod docs;
 mod faults;
 mod fencing;
 mod ha;
+mod hang;
 mod ip;
 mod lifecycle;
 mod local_volumes;

@@ -781,15 +781,48 @@ fn watch_key(kind: &GroupKind) -> String {
 }
 
 /// The client configuration watches run with: `config` without the client's own retries of
-/// 429, 503 and 504 answers. kube's client retries them inside one request, up to 15 times over
-/// minutes: a watch resumed while the API server's cache of its kind is not ready (429) then
-/// waited silently, its cache behind while it still counted as current. Unretried, the answer
-/// reaches the watch's supervisor: a listed watch is asked again from where it was for
+/// 429, 503 and 504 answers, and with a read timeout of [`WATCH_SILENCE`].
+///
+/// kube's client retries those answers inside one request, up to 15 times over minutes: a
+/// watch resumed while the API server's cache of its kind is not ready (429) then waited
+/// silently, its cache behind while it still counted as current. Unretried, the answer reaches
+/// the watch's supervisor: a listed watch is asked again from where it was for
 /// [`WATCH_REFUSED_GRACE`], then its cache is marked stale (the replica unready for a
 /// PersistentPodState, pod or node watch) and listed again after the backoff.
 pub fn watch_config(mut config: kube::Config) -> kube::Config {
     config.default_retry = false;
+    config.read_timeout = Some(WATCH_SILENCE);
     config
+}
+
+/// How long the API server keeps one watch open (`timeoutSeconds`): it sends a bookmark 2 s
+/// before and ends it then, and the watch is asked again from where it was (on the same
+/// connection). So a healthy API server sends something on every watch at least this often,
+/// and one that sends nothing for [`WATCH_SILENCE`] has stopped answering. (kube-runtime and
+/// client-go ask for 290 s and 5-10 minutes: a watch on an API server whose process hangs while
+/// its kernel still answers, which TCP keepalive cannot see, then counted as current for 330 s.)
+pub const WATCH_TIMEOUT_SECONDS: u32 = 60;
+
+/// How long a watch's connection may bring nothing before it is taken as cut: the watch's
+/// timeout and [`WATCH_SILENCE_MARGIN`]. A watch cut so is asked again from where it was; one
+/// asked again into an API server that holds it marks its cache stale (the replica unready)
+/// after [`WATCH_RESUMED_SILENCE`].
+pub const WATCH_SILENCE: Duration =
+    Duration::from_secs(WATCH_TIMEOUT_SECONDS as u64 + WATCH_SILENCE_MARGIN.as_secs());
+
+/// Beyond a watch's timeout, how long its connection may stay silent: a loaded API server's
+/// end of the watch may come late.
+pub const WATCH_SILENCE_MARGIN: Duration = Duration::from_secs(15);
+
+/// The options every watch of the caches is made with: lists paginated (`streaming`: a
+/// streaming list), each watch ended by the API server after [`WATCH_TIMEOUT_SECONDS`].
+fn watch_options(streaming: bool) -> watcher::Config {
+    let config = watcher::Config::default().timeout(WATCH_TIMEOUT_SECONDS);
+    if streaming {
+        config.streaming_lists()
+    } else {
+        config.page_size(PAGE_SIZE)
+    }
 }
 
 /// First delay before a failed or ended watch is started again; doubled each time up to
@@ -804,8 +837,8 @@ const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// the moment or cut off, asked again from where it was for a grace: [`run_watch`]), ends, or
 /// its task panics, it is marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
 /// at once when it expired after listing (410 Gone; once per [`WATCH_BACKOFF_MAX`]); it is
-/// current again once relisted. A connection that stays silent past the server's watch
-/// timeout (290 s) and a margin is ended by the watcher itself, and so restarted.
+/// current again once relisted. A connection that brings nothing for [`WATCH_SILENCE`] is
+/// taken as cut.
 fn spawn_watch<K: Send + 'static>(
     kind: &str,
     source: impl Source<K>,
@@ -948,11 +981,7 @@ async fn run_watch<K>(
     loop {
         let streaming =
             !listed.load(Ordering::Relaxed) && !watches.paginate.load(Ordering::Relaxed);
-        let config = if streaming {
-            watcher::Config::default().streaming_lists()
-        } else {
-            watcher::Config::default().page_size(PAGE_SIZE)
-        };
+        let config = watch_options(streaming);
         // What the watch was told to read when this list began (the pods' watch: the
         // generation of the annotations kept, [`kept`]).
         let mut asked = relist.as_mut().map_or(0, |r| *r.told.borrow_and_update());
@@ -979,7 +1008,7 @@ async fn run_watch<K>(
                 ) => {
                     tracing::info!(%kind, "listing again aside, to read what is kept now");
                     aside = Some(Aside {
-                        events: source.events(watcher::Config::default().page_size(PAGE_SIZE)),
+                        events: source.events(watch_options(false)),
                         started: tokio::time::Instant::now(),
                         objects: 0,
                         generation: now,
@@ -1664,8 +1693,11 @@ mod tests {
         let (listed, task) = watch_nodes(client, &watches);
         let (request, answer) = handle.next_request().await.expect("the streaming list");
         let uri = request.uri().to_string();
+        // Every watch is ended by the API server within a minute (`WATCH_TIMEOUT_SECONDS`).
         assert!(
-            uri.contains("watch=true") && uri.contains("sendInitialEvents=true"),
+            uri.contains("watch=true")
+                && uri.contains("sendInitialEvents=true")
+                && uri.contains("timeoutSeconds=60"),
             "{uri}"
         );
         initial_events_end(answer);
@@ -1675,7 +1707,9 @@ mod tests {
         let (request, answer) = handle.next_request().await.expect("the resumed watch");
         let uri = request.uri().to_string();
         assert!(
-            uri.contains("watch=true") && !uri.contains("sendInitialEvents"),
+            uri.contains("watch=true")
+                && !uri.contains("sendInitialEvents")
+                && uri.contains("timeoutSeconds=60"),
             "{uri}"
         );
         respond(

@@ -55,8 +55,6 @@ const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 const MAGIC: &[u8] = b"k8s\0";
 /// The largest watch event or listed pod read (etcd keeps objects up to 1.5 MiB by default).
 const MAX_EVENT: usize = 16 << 20;
-/// Added to the watch's timeout before a silent connection is taken as dead (as kube-runtime).
-const IDLE_MARGIN: Duration = Duration::from_secs(5);
 
 /// `runtime.Unknown`: the envelope of an encoded object.
 #[derive(Clone, PartialEq, Message)]
@@ -644,12 +642,15 @@ impl PodSource {
     }
 }
 
-/// The next event of a watch; `None` when it ended (or stayed silent past its timeout).
+/// The next event of a watch; `None` when it ended. A connection that brings nothing for the
+/// watch's timeout and [`super::WATCH_SILENCE_MARGIN`] is cut: an API server that stopped
+/// answering.
 async fn next_event(
     config: &watcher::Config,
     frames: &mut Frames,
 ) -> watcher::Result<Option<Read>> {
-    let idle = Duration::from_secs(u64::from(config.timeout.unwrap_or(290))) + IDLE_MARGIN;
+    let idle =
+        Duration::from_secs(u64::from(config.timeout.unwrap_or(290))) + super::WATCH_SILENCE_MARGIN;
     let frame = match tokio::time::timeout(idle, frames.next()).await {
         // A frame too long to read is unreadable; any other error is the connection's.
         Ok(Some(frame)) => frame.map_err(|e| {
@@ -661,8 +662,12 @@ async fn next_event(
         })?,
         Ok(None) => return Ok(None),
         Err(_) => {
-            tracing::debug!("the pod watch stayed silent past its timeout; resuming it");
-            return Ok(None);
+            return Err(watcher::Error::WatchFailed(kube::Error::ReadEvents(
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("nothing from the API server for {} s", idle.as_secs()),
+                ),
+            )));
         }
     };
     read_event(frame.freeze())
@@ -1481,6 +1486,67 @@ mod tests {
         assert_eq!(seen[3], "apply a@25");
         assert!(seen[4].starts_with("error "), "{seen:?}");
         assert_eq!(seen[5], "start-failed 403 Forbidden");
+    }
+
+    /// A watch whose connection stays open and brings nothing past the watch's timeout (an
+    /// API server process that hangs while its kernel still answers) is taken as cut, and
+    /// asked again from the last version seen; every watch asks the API server to end it after
+    /// [`crate::state::WATCH_TIMEOUT_SECONDS`].
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_silent_past_its_timeout_is_cut_and_asked_again() {
+        use http_body_util::{StreamBody, combinators::BoxBody};
+        type Open = BoxBody<Bytes, std::io::Error>;
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Open>>();
+        let source = PodSource::new(Client::new(service, "default"));
+        // `body`, then the end of the answer if `ends`, else nothing more.
+        let answer = |body: Vec<u8>, ends: bool| {
+            let frames = futures::stream::iter([Ok(http_body::Frame::data(Bytes::from(body)))])
+                .chain(futures::stream::pending().take(usize::from(!ends)));
+            Response::builder()
+                .header(http::header::CONTENT_TYPE, PROTOBUF)
+                .body(BoxBody::new(StreamBody::new(frames)))
+                .expect("a response")
+        };
+        let events = source.events(
+            watcher::Config::default()
+                .page_size(10)
+                .timeout(crate::state::WATCH_TIMEOUT_SECONDS),
+        );
+        let server = tokio::spawn(async move {
+            let (_, respond) = handle.next_request().await.expect("the list");
+            let list = envelope(&pod_list(Some("20"), None, Vec::new()));
+            respond.send_response(answer(list, true));
+            let (request, respond) = handle.next_request().await.expect("the watch");
+            let q = query(&request);
+            assert!(
+                q.contains("resourceVersion=20") && q.contains("timeoutSeconds=60"),
+                "{q}"
+            );
+            // One event, then nothing, the connection open.
+            respond.send_response(answer(frame("ADDED", &pod("a", "25")), false));
+            let (request, respond) = handle.next_request().await.expect("asked again");
+            let asked = tokio::time::Instant::now();
+            assert!(query(&request).contains("resourceVersion=25"));
+            respond.send_error(std::io::Error::from(std::io::ErrorKind::PermissionDenied));
+            asked
+        });
+        let started = tokio::time::Instant::now();
+        let seen = events.take(5).map(|e| describe(&e)).collect::<Vec<_>>();
+        let seen = tokio::time::timeout(Duration::from_secs(600), seen)
+            .await
+            .expect("five events within 600 s");
+        let asked = server.await.expect("the mock API server");
+        assert_eq!(seen[..3], ["init", "init-done", "apply a@25"], "{seen:?}");
+        assert!(
+            seen[3].contains("nothing from the API server for 75 s"),
+            "{seen:?}"
+        );
+        assert!(seen[4].starts_with("error "), "{seen:?}");
+        let after = asked.duration_since(started);
+        assert!(
+            (crate::state::WATCH_SILENCE..crate::state::WATCH_SILENCE * 2).contains(&after),
+            "asked again after {after:?}"
+        );
     }
 
     #[tokio::test]
