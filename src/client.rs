@@ -1,7 +1,7 @@
 //! The Kubernetes client `serve` runs with: kube's own layers (its base URI, authentication,
 //! extra headers, and retries of 429, 503 and 504 where the configuration asks for them; its
-//! connect, read and write timeouts; not its debug spans per request) over connections that
-//! notice a dead peer.
+//! connect, read and write timeouts) and a debug span per request as kube's (`HTTP`, with the
+//! method, URL and status), over connections that notice a dead peer.
 //!
 //! kube's client sets no TCP keepalive, so a connection to an API server that went away
 //! without a reset (its machine lost, a partition dropping packets) read nothing until the
@@ -11,16 +11,20 @@
 //! [`UNACKNOWLEDGED`] ends it (`TCP_USER_TIMEOUT`, which then bounds the probes too): a watch
 //! on a dead connection fails within about a minute and is
 //! resumed on a new one, which a load balancer sends to an API server that answers. (A peer
-//! whose kernel still answers, an API server process hung, is bound by the read timeout
-//! alone.) Through a proxy (`proxy_url`), kube's own client is used as it is.
+//! whose kernel still answers, an API server process hung, is seen by the watches' read
+//! timeout: [`crate::state::WATCH_SILENCE`].) Through a proxy (`proxy_url`), kube's own client
+//! is used as it is.
 
 use std::time::Duration;
 
+use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kube::client::ConfigExt;
 use kube::client::retry::RetryPolicy;
 use tower::ServiceBuilder;
+use tower_http::classify::ServerErrorsFailureClass;
+use tracing::Span;
 
 /// How long a connection is idle before its peer is probed.
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
@@ -61,6 +65,44 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
         )
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        // A debug span per request, named and filled in as kube's client does (`RUST_LOG=debug`
+        // or a filter naming this module shows them); its failures (an error, a 5xx answer) are
+        // debug events here, since the callers say what failed with more context.
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(|request: &http::Request<kube::client::Body>| {
+                    tracing::debug_span!(
+                        "HTTP",
+                        http.method = %request.method(),
+                        http.url = %request.uri(),
+                        http.status_code = tracing::field::Empty,
+                        otel.kind = "client",
+                        otel.status_code = tracing::field::Empty,
+                    )
+                })
+                .on_request(|_: &http::Request<kube::client::Body>, _: &Span| {
+                    tracing::debug!("requesting");
+                })
+                .on_response(
+                    |response: &http::Response<Incoming>, _: Duration, span: &Span| {
+                        let status = response.status();
+                        span.record("http.status_code", status.as_u16());
+                        if status.is_client_error() || status.is_server_error() {
+                            span.record("otel.status_code", "ERROR");
+                        }
+                    },
+                )
+                .on_body_chunk(())
+                .on_eos(|_: Option<&http::HeaderMap>, _: Duration, _: &Span| {
+                    tracing::debug!("stream closed");
+                })
+                .on_failure(
+                    |failure: ServerErrorsFailureClass, _: Duration, span: &Span| {
+                        span.record("otel.status_code", "ERROR");
+                        tracing::debug!(%failure, "failed");
+                    },
+                ),
+        )
         .map_err(tower::BoxError::from)
         .service(client);
     Ok(kube::Client::new(service, config.default_namespace))
