@@ -5,15 +5,15 @@
 //!
 //! kube's client sets no TCP keepalive, so a connection to an API server that went away
 //! without a reset (its machine lost, a partition dropping packets) read nothing until the
-//! read timeout, 330 s: a watch on it counted as current all along, its cache frozen. Here an
+//! read timeout: a watch on it counted as current all along, its cache frozen. Here an
 //! idle connection probes its peer after [`KEEPALIVE_IDLE`], every [`KEEPALIVE_INTERVAL`],
 //! [`KEEPALIVE_PROBES`] times, and on Linux data or a probe left unacknowledged for
 //! [`UNACKNOWLEDGED`] ends it (`TCP_USER_TIMEOUT`, which then bounds the probes too): a watch
 //! on a dead connection fails within about a minute and is
 //! resumed on a new one, which a load balancer sends to an API server that answers. (A peer
-//! whose kernel still answers, an API server process hung, is seen by the watches' read
-//! timeout: [`crate::state::WATCH_SILENCE`].) Through a proxy (`proxy_url`), kube's own client
-//! is used as it is.
+//! whose kernel still answers, an API server process hung, is seen by the watches' bound on
+//! silence: [`crate::state::WATCH_TIMEOUT_SECONDS`].) Through a proxy (`proxy_url`), kube's own
+//! client is used as it is.
 
 use std::time::Duration;
 

@@ -114,8 +114,8 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let api: Api<CustomResourceDefinition> = Api::all(client);
-    // Ended by the API server every minute, so that its client's read timeout takes a silent
-    // connection as cut (`state::watch_config`). Schemas can be large and are not needed.
+    // Ended by the API server every minute, so that a silent connection is given up
+    // (`state::WATCH_TIMEOUT_SECONDS`). Schemas can be large and are not needed.
     let events = watcher(
         api,
         watcher::Config::default().timeout(WATCH_TIMEOUT_SECONDS),

@@ -1,10 +1,10 @@
 //! An API server whose process hangs while its kernel still answers: its connections stay open,
 //! what is sent to it is acknowledged, nothing comes back. TCP keepalive cannot see that. A
 //! replica reaching the API server through a proxy that stops forwarding (both ways, new
-//! connections included) takes its watches as cut once they bring nothing past their timeout
-//! (60 s, the API server ending each watch after a bookmark) and a margin, and turns unready
-//! rather than serving a frozen cache as current; once the proxy forwards again, the replica
-//! lists again and is ready.
+//! connections included) gives its watches up once they bring nothing past their timeout (60 s,
+//! the API server ending each watch after a bookmark) and a margin, and turns unready rather
+//! than serving a frozen cache as current; once the proxy forwards again, the replica lists
+//! again and is ready.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -119,7 +119,15 @@ async fn a_replica_whose_api_server_hangs_turns_unready_and_is_ready_once_it_ans
         .expect("log file");
     let mut command = serve_command(&env, &kubeconfig, WEBHOOK_PORT, PROBE_PORT);
     command
+        // A follower on the suite's Lease, with the suite's timings (should it ever take the
+        // Lease, the next test waits no longer than after a replica's death).
         .env("PPS_LEADER_IDENTITY", "e2e-hung")
+        .env(
+            "PPS_LEASE_DURATION_SECONDS",
+            env.lease_duration.as_secs().to_string(),
+        )
+        .env("PPS_LEASE_RENEW_DEADLINE_SECONDS", "5")
+        .env("PPS_LEASE_RETRY_PERIOD_SECONDS", "1")
         .env("RUST_LOG", "info")
         .stderr(log);
     let mut replica = tokio::process::Command::from(command)

@@ -798,15 +798,18 @@ pub fn watch_config(mut config: kube::Config) -> kube::Config {
 /// How long the API server keeps one watch open (`timeoutSeconds`): it sends a bookmark 2 s
 /// before and ends it then, and the watch is asked again from where it was (on the same
 /// connection). So a healthy API server sends something on every watch at least this often,
-/// and one that sends nothing for [`WATCH_SILENCE`] has stopped answering. (kube-runtime and
-/// client-go ask for 290 s and 5-10 minutes: a watch on an API server whose process hangs while
-/// its kernel still answers, which TCP keepalive cannot see, then counted as current for 330 s.)
+/// and one that sends nothing for longer has stopped answering, even where its kernel still
+/// answers (TCP keepalive sees nothing wrong): the pods' watch ([`proto`]) is cut after
+/// [`WATCH_SILENCE`]; kube-runtime's (the other kinds') is asked again after 65 s of silence
+/// (its own bound: the timeout and 5 s), and that request fails as a cut at the connect (30 s)
+/// or read ([`WATCH_SILENCE`]) timeout. A watch cut and asked again into an API server that
+/// holds it marks its cache stale (the replica unready) after [`WATCH_RESUMED_SILENCE`]: about
+/// 80 s after the API server hung (kube-runtime and client-go ask for 290 s and 5-10 minutes:
+/// 330 s before). A streaming list not done within the timeout is listed in pages instead.
 pub const WATCH_TIMEOUT_SECONDS: u32 = 60;
 
-/// How long a watch's connection may bring nothing before it is taken as cut: the watch's
-/// timeout and [`WATCH_SILENCE_MARGIN`]. A watch cut so is asked again from where it was; one
-/// asked again into an API server that holds it marks its cache stale (the replica unready)
-/// after [`WATCH_RESUMED_SILENCE`].
+/// How long a watch's connection may bring nothing before the pods' watch is taken as cut, and
+/// a read of the watches' client fails: the watch's timeout and [`WATCH_SILENCE_MARGIN`].
 pub const WATCH_SILENCE: Duration =
     Duration::from_secs(WATCH_TIMEOUT_SECONDS as u64 + WATCH_SILENCE_MARGIN.as_secs());
 
@@ -837,8 +840,7 @@ const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// the moment or cut off, asked again from where it was for a grace: [`run_watch`]), ends, or
 /// its task panics, it is marked stale in `watches` and started again (a full relist) after a backoff with jitter, or
 /// at once when it expired after listing (410 Gone; once per [`WATCH_BACKOFF_MAX`]); it is
-/// current again once relisted. A connection that brings nothing for [`WATCH_SILENCE`] is
-/// taken as cut.
+/// current again once relisted. A silent connection: [`WATCH_TIMEOUT_SECONDS`].
 fn spawn_watch<K: Send + 'static>(
     kind: &str,
     source: impl Source<K>,
@@ -990,6 +992,8 @@ async fn run_watch<K>(
         let mut aside: Option<Aside<K>> = None;
         let (mut started, mut objects) = (tokio::time::Instant::now(), 0u64);
         let mut listed_here = false;
+        // Whether this list has begun (a streaming list begun again: see below).
+        let mut began = false;
         let (mut refused, mut cut) = (Refused::default(), Refused::default());
         // When the watch was last asked again after a cut, until it brings an event.
         let mut resumed: Option<tokio::time::Instant> = None;
@@ -1060,7 +1064,17 @@ async fn run_watch<K>(
                     // An event: the watch runs.
                     resumed = None;
                     match ev {
+                        // A streaming list begun again before its end: the API server ended
+                        // it at the watch's timeout (or it expired), and kube-runtime starts
+                        // it over without a word, as often. Pages are not bound by that
+                        // timeout.
+                        watcher::Event::Init if streaming && began && !listed_here => {
+                            tracing::warn!(%kind, objects, seconds = started.elapsed().as_secs_f64(), "the streaming list began again before its end (not done within the watch's timeout, {WATCH_TIMEOUT_SECONDS} s); lists are paginated from now on");
+                            watches.paginate.store(true, Ordering::Relaxed);
+                            break;
+                        }
                         watcher::Event::Init => {
+                            began = true;
                             (started, objects) = (tokio::time::Instant::now(), 0)
                         }
                         watcher::Event::InitApply(_) => objects += 1,
@@ -1685,6 +1699,33 @@ mod tests {
         assert_eq!(caches.nodes_changed(), first + 2, "cordoned");
         caches.apply_node(watcher::Event::Delete(node("5", "False", "True")));
         assert_eq!(caches.nodes_changed(), first + 3, "deleted");
+    }
+
+    /// A streaming list the API server ends before its end (not done within the watch's
+    /// timeout) is begun again by kube-runtime without a word, for ever at that size: it is
+    /// listed in pages instead, which that timeout does not bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_streaming_list_ended_before_its_end_is_listed_in_pages() {
+        let (client, mut handle, watches) = mock_watch();
+        let (listed, task) = watch_nodes(client, &watches);
+        let node = json!({"type": "ADDED", "object": {"kind": "Node", "apiVersion": "v1",
+            "metadata": {"name": "a", "resourceVersion": "5"}}});
+        for _ in 0..2 {
+            let (request, answer) = handle.next_request().await.expect("the streaming list");
+            let uri = request.uri().to_string();
+            assert!(uri.contains("sendInitialEvents=true"), "{uri}");
+            // One object, then the end of the answer, no end of the list.
+            watch_event(answer, &node);
+        }
+        let (request, _answer) = handle.next_request().await.expect("the list in pages");
+        let uri = request.uri().to_string();
+        assert!(
+            !uri.contains("watch=true") && uri.contains("limit=500"),
+            "{uri}"
+        );
+        assert!(watches.paginate.load(Ordering::Relaxed));
+        assert!(!listed.load(Ordering::SeqCst));
+        task.abort();
     }
 
     #[tokio::test(start_paused = true)]
