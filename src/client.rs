@@ -76,6 +76,8 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
                         http.method = %request.method(),
                         http.url = %request.uri(),
                         http.status_code = tracing::field::Empty,
+                        // The verb kube's request builders name ("list", "watch", ...).
+                        otel.name = request.extensions().get::<&'static str>().unwrap_or(&"HTTP"),
                         otel.kind = "client",
                         otel.status_code = tracing::field::Empty,
                     )

@@ -50,10 +50,8 @@ async fn each_request_has_a_debug_span_with_its_status() {
     let mut config = kube::Config::new(format!("http://127.0.0.1:{port}").parse().expect("URL"));
     config.default_retry = false;
     let client = persistent_pod_state::client::client(config).expect("client");
-    let request = http::Request::get("/api/v1/namespaces/x/pods/y")
-        .body(Vec::new())
-        .expect("request");
-    assert!(client.request_text(request).await.is_err(), "a 404");
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> = kube::Api::namespaced(client, "x");
+    assert!(pods.get("y").await.is_err(), "a 404");
     drop(server.await.expect("the server"));
     let text = String::from_utf8_lossy(&written.0.lock().expect("not poisoned")).into_owned();
     let closed = text
@@ -64,6 +62,7 @@ async fn each_request_has_a_debug_span_with_its_status() {
         "http.method=GET",
         "/api/v1/namespaces/x/pods/y",
         "http.status_code=404",
+        "otel.name=\"get\"",
         "otel.status_code=\"ERROR\"",
     ] {
         assert!(closed.contains(field), "{field} in {closed}");
