@@ -1297,6 +1297,16 @@ mod tests {
         panic!("{what} never happened");
     }
 
+    /// Answers `respond` with an internal error saying `message`.
+    fn respond_500(
+        respond: tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
+        message: &str,
+    ) {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": message, "code": 500});
+        self::respond(respond, 500, status);
+    }
+
     fn respond(
         respond: tower_test::mock::SendResponse<http::Response<kube::client::Body>>,
         status: u16,
@@ -1514,12 +1524,7 @@ mod tests {
         let (request, again) = next(&mut handle).await;
         assert!(!is_watch(&request), "listed again: {}", request.uri());
         assert!(ended.elapsed() >= ASIDE_PAUSE, "{:?}", ended.elapsed());
-        respond(
-            again,
-            500,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "message": "etcd is slow", "code": 500}),
-        );
+        respond_500(again, "etcd is slow");
         let failed = tokio::time::Instant::now();
         let (request, again) = next(&mut handle).await;
         assert!(!is_watch(&request), "listed again: {}", request.uri());
@@ -1753,12 +1758,7 @@ mod tests {
                 && uri.contains("timeoutSeconds=60"),
             "{uri}"
         );
-        respond(
-            answer,
-            500,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "message": "etcd is gone", "code": 500}),
-        );
+        respond_500(answer, "etcd is gone");
         // The relist after the backoff: consistent and paginated, not from the watch cache.
         let (request, _answer) = handle.next_request().await.expect("the relist");
         let uri = request.uri().to_string();
@@ -1837,12 +1837,7 @@ mod tests {
             request.uri()
         );
         assert!(watches.stale_now().is_empty(), "current once listed");
-        respond(
-            answer,
-            500,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "message": "etcd is gone", "code": 500}),
-        );
+        respond_500(answer, "etcd is gone");
         until("the watch to go stale", || !watches.stale_now().is_empty()).await;
         assert!(
             watches.stale_now()[0].starts_with("Node: the watch failed"),
@@ -2063,12 +2058,7 @@ mod tests {
         respond(answer, 200, list);
         // A failure that is no expiry waits for the backoff.
         let (_, answer) = handle.next_request().await.expect("the watch");
-        respond(
-            answer,
-            500,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "message": "etcd is gone", "code": 500}),
-        );
+        respond_500(answer, "etcd is gone");
         let at = tokio::time::Instant::now();
         let (request, _answer) = handle.next_request().await.expect("the relist");
         assert!(relisted_after(at, request) >= WATCH_BACKOFF / 2);
