@@ -18,8 +18,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::files::FileStamp;
+use crate::state::Caches;
 use crate::state::index::{Indexer, Relisting};
-use crate::state::{Caches, WATCH_TIMEOUT_SECONDS};
 use crate::workload::{CustomKinds, GroupKind};
 
 /// Parses `GROUP/KIND` (the group may contain dots and must not be empty).
@@ -115,18 +115,15 @@ pub async fn run(
 ) {
     let api: Api<CustomResourceDefinition> = Api::all(client);
     // Ended by the API server every minute, so that a silent connection is given up
-    // (`state::WATCH_TIMEOUT_SECONDS`). Schemas can be large and are not needed.
-    let events = watcher(
-        api,
-        watcher::Config::default().timeout(WATCH_TIMEOUT_SECONDS),
-    )
-    .default_backoff()
-    .modify(|crd: &mut CustomResourceDefinition| {
-        crd.metadata.managed_fields = None;
-        for v in &mut crd.spec.versions {
-            v.schema = None;
-        }
-    });
+    // (`state::watcher_config`). Schemas can be large and are not needed.
+    let events = watcher(api, crate::state::watcher_config())
+        .default_backoff()
+        .modify(|crd: &mut CustomResourceDefinition| {
+            crd.metadata.managed_fields = None;
+            for v in &mut crd.spec.versions {
+                v.schema = None;
+            }
+        });
     futures::pin_mut!(events);
     let mut crds = Relisting::<EstablishedCrds>::default();
     let mut config_open = true;

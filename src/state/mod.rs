@@ -817,10 +817,16 @@ pub const WATCH_SILENCE: Duration =
 /// end of the watch may come late.
 pub const WATCH_SILENCE_MARGIN: Duration = Duration::from_secs(15);
 
-/// The options every watch of the caches is made with: lists paginated (`streaming`: a
-/// streaming list), each watch ended by the API server after [`WATCH_TIMEOUT_SECONDS`].
+/// The options of every watch made through the client of [`watch_config`]: each watch ended by
+/// the API server after [`WATCH_TIMEOUT_SECONDS`], well within that client's read timeout.
+pub fn watcher_config() -> watcher::Config {
+    watcher::Config::default().timeout(WATCH_TIMEOUT_SECONDS)
+}
+
+/// The options every watch of the caches is made with: [`watcher_config`], lists paginated
+/// (`streaming`: a streaming list).
 fn watch_options(streaming: bool) -> watcher::Config {
-    let config = watcher::Config::default().timeout(WATCH_TIMEOUT_SECONDS);
+    let config = watcher_config();
     if streaming {
         config.streaming_lists()
     } else {
