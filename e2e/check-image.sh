@@ -6,18 +6,23 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 fail() { echo "check-image: $*" >&2; exit 1; }
 
+# In a target directory of its own: as in the image, a build of its own (and `make test` runs this
+# beside the e2e suite, whose release binary under target/release has other features).
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/image"
+bin="$CARGO_TARGET_DIR/release/persistent-pod-state"
+
 build_cmd=$(sed -n 's/^RUN \(cargo build .*\)$/\1/p' Dockerfile)
 [[ $build_cmd == "cargo build --release --locked --bin persistent-pod-state" ]] || fail "unexpected build command: $build_cmd"
 $build_cmd
-./target/release/persistent-pod-state --version
+"$bin" --version
 # Linked by link/hot-first.sh: the review's hot functions together (the Dockerfile copies its
 # settings and the list, checked below with every COPY source).
-bash link/check.sh ./target/release/persistent-pod-state
+bash link/check.sh "$bin"
 bash link/test.sh
 grep -qx 'COPY .cargo ./.cargo' Dockerfile && grep -qx 'COPY link ./link' Dockerfile &&
   grep -qx 'RUN bash link/check.sh target/release/persistent-pod-state' Dockerfile ||
   fail "the Dockerfile does not copy the build's settings (.cargo) and its linker (link), or check the layout"
-./target/release/persistent-pod-state crd | grep -q 'kind: CustomResourceDefinition' || fail "binary does not print the CRD"
+"$bin" crd | grep -q 'kind: CustomResourceDefinition' || fail "binary does not print the CRD"
 
 # The SBOM: made as the Dockerfile makes it (the pinned cargo-cyclonedx, installed when missing),
 # naming the exact versions Cargo.lock resolves for the binary's crates and no dev dependency,
