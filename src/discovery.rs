@@ -127,10 +127,13 @@ pub async fn run(
     futures::pin_mut!(events);
     let mut crds = Relisting::<EstablishedCrds>::default();
     let mut config_open = true;
+    // The PersistentPodState CRD's uid and generation, as last seen.
+    let mut pps_crd = None;
     loop {
         tokio::select! {
             event = events.try_next() => match event {
                 Ok(Some(event)) => {
+                    pps_crd_seen(&caches, &event, &mut pps_crd);
                     crds.apply(&event);
                 }
                 Ok(None) => return,
@@ -147,6 +150,35 @@ pub async fn run(
             reconcile_kinds(&caches, &custom, crds.current());
         }
     }
+}
+
+/// The name of the PersistentPodState CRD.
+fn pps_crd_name() -> &'static str {
+    use kube::CustomResourceExt as _;
+    crate::api::PersistentPodState::crd_name()
+}
+
+/// Notes the PersistentPodState CRD seen in `event`: once it changes (another definition,
+/// OpenKruise's replaced by this service's), statuses are written whole again
+/// ([`Caches::pps_crd_changed`]).
+fn pps_crd_seen(
+    caches: &Caches,
+    event: &watcher::Event<CustomResourceDefinition>,
+    seen: &mut Option<(Option<String>, Option<i64>)>,
+) {
+    let (watcher::Event::Apply(crd) | watcher::Event::InitApply(crd)) = event else {
+        return;
+    };
+    if crd.metadata.name.as_deref() != Some(pps_crd_name()) {
+        return;
+    }
+    let now = (crd.metadata.uid.clone(), crd.metadata.generation);
+    if seen.as_ref().is_some_and(|before| *before != now) && caches.pps_crd_changed() {
+        tracing::info!(
+            "the PersistentPodState CRD changed: statuses are written with this service's fields again"
+        );
+    }
+    *seen = Some(now);
 }
 
 fn reconcile_kinds(caches: &Arc<Caches>, custom: &CustomKinds, known: &EstablishedCrds) {
@@ -278,6 +310,43 @@ mod tests {
         assert!(custom.contains(&flag), "flags stay");
         shutdown.cancel();
         std::fs::remove_file(&path).ok();
+    }
+
+    #[test]
+    fn statuses_are_written_whole_again_once_the_pps_crd_changes() {
+        let caches = Caches::new();
+        let pps_crd = |uid: &str, generation: i64| {
+            let mut crd = crd(
+                true,
+                json!([{"name": "v1beta1", "served": true, "storage": true}]),
+            );
+            crd.metadata.name = Some(super::pps_crd_name().into());
+            crd.metadata.uid = Some(uid.into());
+            crd.metadata.generation = Some(generation);
+            crd
+        };
+        let mut seen = None;
+        super::pps_crd_seen(
+            &caches,
+            &watcher::Event::InitApply(pps_crd("a", 1)),
+            &mut seen,
+        );
+        assert!(caches.status_came_back_bare(), "a write found it bare");
+        // Seen again unchanged (a relist, a status update): still bare.
+        super::pps_crd_seen(&caches, &watcher::Event::Apply(pps_crd("a", 1)), &mut seen);
+        assert!(caches.bare_status());
+        // Another CRD's change: still bare.
+        let mut other = pps_crd("b", 2);
+        other.metadata.name = Some("others.example.com".into());
+        super::pps_crd_seen(&caches, &watcher::Event::Apply(other), &mut seen);
+        assert!(caches.bare_status());
+        // Its definition changed (this service's replacing OpenKruise's): whole again.
+        super::pps_crd_seen(&caches, &watcher::Event::Apply(pps_crd("a", 2)), &mut seen);
+        assert!(!caches.bare_status());
+        // Deleted and created again (another uid): whole again too.
+        assert!(caches.status_came_back_bare());
+        super::pps_crd_seen(&caches, &watcher::Event::Apply(pps_crd("c", 1)), &mut seen);
+        assert!(!caches.bare_status());
     }
 
     fn crd(established: bool, versions: serde_json::Value) -> CustomResourceDefinition {

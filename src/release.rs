@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::Api;
 use kube::{Client, ResourceExt};
 use serde::Serialize;
@@ -40,6 +40,8 @@ pub struct Waiting {
     pub resource_version: Option<String>,
     /// The recorded node.
     pub node: String,
+    /// The recorded node's uid, when recorded.
+    pub node_uid: Option<String>,
     /// The recorded node's `kubernetes.io/hostname`, when recorded.
     pub hostname: Option<String>,
     /// How the node is gone: deleted or replaced (`NodeGone`), lost (`NodeLost`).
@@ -84,6 +86,7 @@ pub fn waiting_on_gone_nodes(
                 uid: p.uid()?,
                 resource_version: p.resource_version(),
                 node: recorded.to_owned(),
+                node_uid: state.node_uid.as_ref().map(ToString::to_string),
                 hostname: state
                     .node_topology_labels
                     .get(HOSTNAME_LABEL)
@@ -92,6 +95,37 @@ pub fn waiting_on_gone_nodes(
             })
         })
         .collect()
+}
+
+/// Whether `waiting` still waits, read live from the API server right before what cannot be
+/// undone (its claims deleted): the same pod (uid), unscheduled, not being deleted, and its
+/// recorded node still gone as [`node_gone`] judges. The caches may lag: a node back since and
+/// the pod bound to it would leave a running pod on a claim being deleted (the claim protection
+/// holds it until the pod ends, then the volume goes with it).
+pub async fn still_waiting(
+    client: &Client,
+    namespace: &str,
+    waiting: &Waiting,
+    health: &Health,
+) -> Result<bool, kube::Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let Some(pod) = pods.get_opt(&waiting.pod).await? else {
+        return Ok(false);
+    };
+    let unscheduled = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .is_none_or(str::is_empty);
+    if pod.uid().as_deref() != Some(waiting.uid.as_str())
+        || pod.metadata.deletion_timestamp.is_some()
+        || !unscheduled
+    {
+        return Ok(false);
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = nodes.get_opt(&waiting.node).await?;
+    Ok(node_gone(node.as_ref(), waiting.node_uid.as_deref(), health).is_some())
 }
 
 /// Node labels whose value names one node: the kubelet's hostname label, and the topology
@@ -252,6 +286,10 @@ pub struct LocalClaim {
     pub claim: String,
     /// The claim's uid (a delete precondition).
     pub uid: String,
+    /// The claim's resourceVersion as read (a delete precondition: a claim changed since is
+    /// judged again).
+    #[serde(skip)]
+    pub resource_version: Option<String>,
     /// Whether it is being deleted already.
     pub deleting: bool,
     /// The PersistentVolume it is bound to.
@@ -331,6 +369,7 @@ pub fn judge_claim(
     Ok(LocalClaim {
         claim: claim.name_any(),
         uid,
+        resource_version: claim.resource_version(),
         deleting: claim.metadata.deletion_timestamp.is_some(),
         volume: name.to_owned(),
         node,
@@ -449,8 +488,9 @@ impl ReleaseReport {
 
 /// `release POD -n NS`: on an operator's word, deletes what the controller would release for a
 /// pod that waits unscheduled: its own claims bound to volumes only a node that is not ready
-/// (or deleted) can mount (each by uid), and the pod (by uid and resourceVersion) when such a
-/// claim or a required pin the webhook added holds it. A scheduled pod, a claim on a ready
+/// (or deleted) can mount (each by uid and resourceVersion), and the pod when such a claim or a
+/// required pin the webhook added holds it (by uid and resourceVersion; by uid alone once its
+/// claims are deleted, as it cannot start anywhere then). A scheduled pod, a claim on a ready
 /// node's volume, one of another owner, or a volume whose affinity does not name one node is never
 /// touched. `dry_run`: deletes nothing, reports what it would.
 pub async fn release_pod(
@@ -461,7 +501,6 @@ pub async fn release_pod(
     keys: &NodeKeys,
 ) -> anyhow::Result<ReleaseReport> {
     use anyhow::Context as _;
-    use k8s_openapi::api::core::v1::Pod;
     use kube::api::{DeleteParams, Preconditions};
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
@@ -578,14 +617,21 @@ pub async fn release_pod(
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: Some(c.uid.clone()),
-                resource_version: None,
+                resource_version: c.resource_version.clone(),
             }),
             ..DeleteParams::default()
         };
         match claims.delete(&c.claim, &params).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(e).with_context(|| format!("deleting claim {}", c.claim)),
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "deleting claim {} (changed since it was read? run release again)",
+                        c.claim
+                    )
+                });
+            }
         }
     }
     // With its claims deleted the pod cannot start anywhere: by uid alone (the StatefulSet
@@ -822,6 +868,7 @@ mod tests {
             Ok(LocalClaim {
                 claim: "data-web-0".into(),
                 uid: "claim-uid".into(),
+                resource_version: None,
                 deleting: false,
                 volume: "pv-1".into(),
                 node: "n1".into()

@@ -3,7 +3,9 @@
 
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSONSchemaPropsOrBool,
+};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use persistent_pod_state::api::INJECTED_ANNOTATION;
@@ -14,7 +16,9 @@ use crate::support::*;
 const CRD: &str = "persistentpodstates.apps.kruise.io";
 
 /// Upstream's CRD as it differs from ours: no printer columns, a status that requires
-/// `observedGeneration`, and in v1beta1 a minimum weight of 0 and an enum on the retention
+/// `observedGeneration` and declares none of this service's fields (`recorded`, `restored`,
+/// each state's `podIPs`, `podUID`, `nodeUID`, `lastRestore`: the API server prunes them), and
+/// in v1beta1 a minimum weight of 0 and an enum on the retention
 /// policy (ours has neither: an object created through v1alpha1 with an empty retention policy
 /// is stored as v1beta1 and could not be written again under that enum). The conversion
 /// webhook stays: OpenKruise's own converts the same way.
@@ -34,6 +38,20 @@ fn upstream_shaped(ours: &CustomResourceDefinition) -> CustomResourceDefinition 
         };
         if let Some(status) = props.get_mut("status") {
             status.required = Some(vec!["observedGeneration".into()]);
+            if let Some(fields) = status.properties.as_mut() {
+                fields.remove("recorded");
+                fields.remove("restored");
+                let state = fields
+                    .get_mut("podStates")
+                    .and_then(|p| p.additional_properties.as_mut());
+                if let Some(JSONSchemaPropsOrBool::Schema(state)) = state
+                    && let Some(state) = state.properties.as_mut()
+                {
+                    for field in ["podIPs", "podUID", "nodeUID", "lastRestore"] {
+                        state.remove(field);
+                    }
+                }
+            }
         }
         let spec = props.get_mut("spec").and_then(|s| s.properties.as_mut());
         if let (true, Some(spec)) = (v1beta1, spec) {
@@ -211,6 +229,55 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
         );
     }
 
+    // Recorded under upstream's CRD, which keeps none of this service's status fields: the
+    // first write shows it, and the status settles (before, every look at web-a wrote the
+    // pruned fields again, for ever).
+    let (placed, _) = start_recorded_by(c, &ns, &statefulset("web", 2, &[]), "web-a").await;
+    let status = pps_api(c, &ns).get("web-a").await.expect("web-a").status;
+    assert!(
+        status.as_ref().is_some_and(
+            |s| s.recorded.is_none() && s.pod_states.values().all(|p| p.pod_uid.is_none())
+        ),
+        "upstream's schema prunes them: {status:?}"
+    );
+    let counts = |text: &str| {
+        (
+            metric(text, "pps_status_writes_total"),
+            metric(
+                text,
+                "pps_reconcile_duration_seconds_count{controller=\"status\"}",
+            ),
+        )
+    };
+    let (writes, mut looks) = counts(&scrape(&env).await);
+    // Looked at again and again for 3 s, longer than a change is held back to gather those
+    // that follow it (0.5 s): each look wrote the pruned fields again, at once or after that.
+    let started = std::time::Instant::now();
+    let mut round = 0;
+    while round < 3 || started.elapsed() < std::time::Duration::from_secs(3) {
+        // A label changed: web-a looked at again.
+        let label = format!("settled={round}");
+        let (ok, out) = kubectl(
+            &env,
+            &["-n", &ns, "label", "pps", "web-a", "--overwrite", &label],
+            None,
+        )
+        .await;
+        assert!(ok, "{out}");
+        looks = wait_for("web-a looked at again", TIMEOUT, || async {
+            let (_, now) = counts(&scrape(&env).await);
+            (now > looks).then_some(now)
+        })
+        .await;
+        let (now, _) = counts(&scrape(&env).await);
+        assert_eq!(now, writes, "written again after {} looks", round + 1);
+        round += 1;
+    }
+    println!(
+        "under upstream's CRD: web-a recorded, then looked at {round} times more in {:.1} s, with no write",
+        started.elapsed().as_secs_f64()
+    );
+
     // The switch: our CRD and webhook again.
     switch.finish().await;
     crate::support::wait_for("our validating webhook to take effect", TIMEOUT, || async {
@@ -239,7 +306,6 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
     .await;
 
     // The oldest records; the other records nothing and says why.
-    let (placed, _) = start_recorded_by(c, &ns, &statefulset("web", 2, &[]), "web-a").await;
     wait_event(c, &ns, "web-b", "DuplicateTarget").await;
     let b = pps_api(c, &ns).get("web-b").await.expect("web-b");
     assert!(
@@ -286,6 +352,17 @@ async fn objects_upstream_accepted_keep_working_after_switching() {
         })
         .await;
     }
+    // Our CRD again, the replicas not restarted: web-a's status is written with this
+    // service's fields again.
+    wait_for(
+        "web-a's status with this service's fields again",
+        TIMEOUT,
+        || async {
+            let status = pps_api(c, &ns).get("web-a").await.ok()?.status?;
+            status.recorded.map(|_| ())
+        },
+    )
+    .await;
     // A re-created pod runs, steered by the PPS in force.
     let pod: Pod = recreate_pod(c, &ns, "web-0").await;
     assert_eq!(

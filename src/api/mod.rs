@@ -191,6 +191,24 @@ pub struct PersistentPodStateStatus {
     pub restored: Option<String>,
 }
 
+impl PersistentPodStateStatus {
+    /// The status without this service's extension fields (`recorded`, `restored`, and each
+    /// state's `podIPs`, `podUID`, `nodeUID` and `lastRestore`): what a CRD that does not
+    /// declare them (OpenKruise's) keeps of it.
+    #[must_use]
+    pub fn without_extensions(mut self) -> Self {
+        self.recorded = None;
+        self.restored = None;
+        for state in self.pod_states.values_mut() {
+            state.pod_ips.clear();
+            state.pod_uid = None;
+            state.node_uid = None;
+            state.last_restore = None;
+        }
+        self
+    }
+}
+
 /// Where a pod ran the last time it was Ready, and its persisted annotations.
 ///
 /// `podIPs`, `podUID`, `nodeUID` and `lastRestore` extend the upstream API (additive, optional).

@@ -93,6 +93,7 @@ pub async fn reconcile_pps(
             generation,
             pps.status.as_ref(),
             &observed,
+            ctx.caches.bare_status(),
         )?
     };
 
@@ -126,7 +127,17 @@ pub async fn reconcile_pps(
             )
             .await
         {
-            Ok(_) => {
+            Ok(written) => {
+                // The extension fields sent and not kept: the CRD does not declare them.
+                let kept = written.status.as_ref().and_then(|s| s.recorded);
+                if change.status.recorded.is_some()
+                    && kept.is_none()
+                    && ctx.caches.status_came_back_bare()
+                {
+                    tracing::info!(
+                        "the API server keeps none of this service's status fields (recorded, restored, podIPs, podUID, nodeUID, lastRestore): the PersistentPodState CRD does not declare them (OpenKruise's?); statuses are written without them until that CRD changes"
+                    );
+                }
                 ctx.pacing.wrote(key);
                 report::written(&ctx, &pps, &change);
             }
@@ -298,6 +309,19 @@ async fn release_local_volumes(
             }
             continue;
         }
+        // What cannot be undone is judged on the API server's word, not the caches' alone.
+        match release::still_waiting(&ctx.client, namespace, w, health).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(pod = %w.pod, node = %w.node, "the pod or its node changed since the caches' view; its claims are kept, judged again at the next look");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(pod = %w.pod, error = %e, "the waiting pod or its node could not be read");
+                out.later = Some(UNREAD_CLAIMS_RETRY);
+                continue;
+            }
+        }
         if let Err(later) = ctx.releases.take(&key) {
             tracing::info!(pod = %w.pod, ?later, "release rate reached; the pod waits for the next");
             out.later = Some(later);
@@ -305,13 +329,13 @@ async fn release_local_volumes(
         }
         let mut claims_gone = true;
         for claim in local.iter().filter(|c| !c.deleting) {
-            // Each delete passes the fence right before it is sent (by uid alone: a hold
-            // lost between two of them must stop the next).
+            // Each delete passes the fence right before it is sent (a hold lost between two
+            // of them must stop the next), by uid and the resourceVersion read.
             ctx.fence.before_write(namespace).await?;
             let params = DeleteParams {
                 preconditions: Some(Preconditions {
                     uid: Some(claim.uid.clone()),
-                    resource_version: None,
+                    resource_version: claim.resource_version.clone(),
                 }),
                 ..DeleteParams::default()
             };

@@ -160,15 +160,21 @@ pub struct StatusChange {
 }
 
 /// The whole change a reconcile makes to a PersistentPodState named `pps_name` with `spec` (at
-/// `generation`) whose status is `current`, as [`desired_status`] decides it.
+/// `generation`) whose status is `current`, as [`desired_status`] decides it; `bare`: without
+/// the extension fields, which the CRD in the cluster does not keep
+/// ([`PersistentPodStateStatus::without_extensions`]), so that the status settles.
 pub fn change(
     pps_name: &str,
     spec: &PersistentPodStateSpec,
     generation: i64,
     current: Option<&PersistentPodStateStatus>,
     observed: &Observed<'_>,
+    bare: bool,
 ) -> Result<StatusChange, serde_json::Error> {
-    let status = desired_status(pps_name, spec, generation, current, observed);
+    let mut status = desired_status(pps_name, spec, generation, current, observed);
+    if bare {
+        status = status.without_extensions();
+    }
     // Equal statuses serialize equal: the usual reconcile (nothing changed) writes nothing
     // without serializing both.
     let patch = if current == Some(&status) {
@@ -587,7 +593,7 @@ mod tests {
                 pod_exists: &exists,
                 node: &nodes,
             };
-            change("web", &spec(None), 1, None, &observed).expect("change")
+            change("web", &spec(None), 1, None, &observed, false).expect("change")
         };
         let first = observed(&refs);
         assert!(first.restorations.is_empty());
@@ -617,6 +623,7 @@ mod tests {
                 pod_exists: &exists,
                 node: &nodes,
             },
+            false,
         )
         .expect("change");
         let judged: Vec<(&str, Option<&str>, Option<&str>, Restore)> = second
@@ -670,6 +677,7 @@ mod tests {
                 pod_exists: &exists,
                 node: &nodes,
             },
+            false,
         )
         .expect("change");
         assert!(again.restorations.is_empty());
@@ -944,7 +952,8 @@ mod tests {
             pod_exists: &exists,
             node: &nodes,
         };
-        let change = change("web", &spec(None), 1, Some(&current), &observed).expect("change");
+        let change =
+            change("web", &spec(None), 1, Some(&current), &observed, false).expect("change");
         assert_eq!(
             change.replaced,
             [Replaced {

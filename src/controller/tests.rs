@@ -252,13 +252,59 @@ async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
 /// The first status write of the PPS `web` (its next write then waits for the pacing interval).
 async fn first_write(ctx: &Arc<Context>, handle: &mut Handle) {
     let first = Arc::new(pps(json!({"observedGeneration": 2})));
+    let recorded: Value = serde_json::from_str(RECORDED).expect("json");
+    let written = pps(json!({"observedGeneration": 2, "podStates": recorded, "recorded": 1}));
     let sent = drive(
         reconcile_pps(first.clone(), ctx.clone()),
         handle,
-        vec![serde_json::to_value(first.as_ref()).expect("json")],
+        vec![serde_json::to_value(&written).expect("json")],
     )
     .await;
     assert_eq!(sent.len(), 1, "the first change is written at once");
+}
+
+#[tokio::test]
+async fn under_a_crd_that_keeps_no_extension_field_the_status_settles_after_one_write() {
+    let caches = world();
+    // web-0 with its uid and IP: its state carries podUID and podIPs, beside `recorded`.
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-0", "ownerReferences": [{"apiVersion": "apps/v1",
+                "kind": "StatefulSet", "name": "web", "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeName": "n1", "containers": []},
+            "status": {"podIPs": [{"ip": "10.0.0.5"}], "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .expect("pod"),
+    ));
+    let (ctx, mut handle) = context(caches);
+    let first = Arc::new(pps(json!({"observedGeneration": 2})));
+    // Stored as OpenKruise's schema keeps it: every extension field pruned.
+    let recorded: Value = serde_json::from_str(RECORDED).expect("json");
+    let mut stored = pps(json!({"observedGeneration": 2, "podStates": recorded}));
+    stored.metadata.resource_version = Some("42".into());
+    let sent = drive(
+        reconcile_pps(first, ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(&stored).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let web0 = &sent[0].body["status"]["podStates"]["web-0"];
+    assert_eq!(
+        web0["podUID"], "pod-0",
+        "sent with its extension fields: {web0}"
+    );
+    // Looked at again past the pacing interval, as stored: nothing is written again (each
+    // look wrote the pruned fields again before, for ever).
+    ctx.pacing.0.lock().expect("pacing").clear();
+    let sent = drive(
+        reconcile_pps(Arc::new(stored), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "{sent:?}");
+    assert!(ctx.metrics.encode().contains("pps_status_writes_total 1"));
 }
 
 #[tokio::test]
@@ -780,11 +826,24 @@ fn waiting_pps(annotations: Value) -> Arc<PersistentPodState> {
 fn claim_and_volume(affinity: Value) -> Vec<Value> {
     vec![
         json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "data-web-0", "namespace": "ns", "uid": "claim-uid"},
+            "metadata": {"name": "data-web-0", "namespace": "ns", "uid": "claim-uid",
+                "resourceVersion": "3"},
             "spec": {"volumeName": "pv-1"}}),
         json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-1"},
             "spec": {"claimRef": {"name": "data-web-0", "namespace": "ns", "uid": "claim-uid"},
                      "nodeAffinity": affinity}}),
+    ]
+}
+
+/// The answers to the live reads right before a release ([`crate::release::still_waiting`]):
+/// `web-0` as the caches hold it, and node `n1` not found.
+fn still_waiting() -> Vec<Value> {
+    vec![
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7"},
+            "spec": {"containers": []}, "status": {"phase": "Pending"}}),
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+            "reason": "NotFound", "code": 404, "message": "nodes \"n1\" not found"}),
     ]
 }
 
@@ -798,6 +857,7 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
     let (ctx, mut handle, mut events) = context_with_events(waiting_world());
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
@@ -813,6 +873,9 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
                 "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0"
             ),
             ("GET".into(), "/api/v1/persistentvolumes/pv-1"),
+            // Read live right before: the same pod, unscheduled; its node still gone.
+            ("GET".into(), "/api/v1/namespaces/ns/pods/web-0"),
+            ("GET".into(), "/api/v1/nodes/n1"),
             (
                 "DELETE".into(),
                 "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?"
@@ -820,9 +883,12 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
             ("DELETE".into(), "/api/v1/namespaces/ns/pods/web-0?"),
         ]
     );
-    assert_eq!(sent[2].body["preconditions"], json!({"uid": "claim-uid"}));
+    assert_eq!(
+        sent[4].body["preconditions"],
+        json!({"uid": "claim-uid", "resourceVersion": "3"})
+    );
     // The pod by uid alone: its claims deleted, it cannot start anywhere.
-    assert_eq!(sent[3].body["preconditions"], json!({"uid": "pod-uid"}));
+    assert_eq!(sent[5].body["preconditions"], json!({"uid": "pod-uid"}));
     let metrics = ctx.metrics.encode();
     for series in [
         "pps_local_volumes_released_total{reason=\"node_gone\"} 1",
@@ -838,6 +904,55 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
     assert!(
         note.contains("web-0") && note.contains("data-web-0"),
         "{note}"
+    );
+}
+
+#[tokio::test]
+async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_since_the_caches() {
+    let scheduled = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "9"},
+        "spec": {"nodeName": "n1", "containers": []}, "status": {"phase": "Pending"}});
+    let recreated = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-0", "namespace": "ns", "uid": "other-uid", "resourceVersion": "9"},
+        "spec": {"containers": []}, "status": {"phase": "Pending"}});
+    let back = json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "n1", "uid": "n1-uid", "labels": {"kubernetes.io/hostname": "n1"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}});
+    let [pod, _gone] = <[Value; 2]>::try_from(still_waiting()).expect("two answers");
+    let cases = [
+        ("bound to the node back since", vec![scheduled]),
+        ("re-created since", vec![recreated]),
+        ("its node back since, ready", vec![pod, back]),
+    ];
+    for (case, live) in cases {
+        let (ctx, mut handle) = context(waiting_world());
+        let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+        let mut answers = claim_and_volume(on_host("n1"));
+        answers.extend(live);
+        let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+        assert!(
+            sent.iter().all(|s| s.method == Method::GET),
+            "{case}: {sent:?}"
+        );
+        assert!(
+            ctx.metrics
+                .encode()
+                .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 0"),
+            "{case}"
+        );
+    }
+    // The control: the same pod, its node still gone, is released.
+    let (ctx, mut handle) = context(waiting_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
+    assert_eq!(
+        sent.iter().filter(|s| s.method == Method::DELETE).count(),
+        2,
+        "{sent:?}"
     );
 }
 
@@ -987,6 +1102,7 @@ fn foreign_logs_claim(affinity: Value) -> Vec<Value> {
 async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(foreign_logs_claim(Value::Null));
+    answers.extend(still_waiting());
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
     let (ctx, mut handle) = context(two_claims_world());
@@ -1159,6 +1275,7 @@ async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() 
     let (ctx, mut handle) = context(waiting_world());
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
     let conflict = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "Conflict", "code": 409, "message": "the object has been modified"});
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
@@ -1173,10 +1290,10 @@ async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() 
         .iter()
         .map(|s| format!("{} {}", s.method, s.path_and_query))
         .collect();
-    assert_eq!(calls.len(), 6, "{calls:?}");
-    assert_eq!(calls[4], "GET /api/v1/namespaces/ns/pods/web-0");
+    assert_eq!(calls.len(), 8, "{calls:?}");
+    assert_eq!(calls[6], "GET /api/v1/namespaces/ns/pods/web-0");
     assert_eq!(
-        sent[5].body["preconditions"],
+        sent[7].body["preconditions"],
         json!({"uid": "pod-uid", "resourceVersion": "8"})
     );
     assert!(

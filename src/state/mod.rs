@@ -126,6 +126,9 @@ pub struct Caches {
     pub watches: Arc<Watches>,
     /// Called as the caches become synced, before [`Caches::is_synced`] says so.
     on_synced: fn(),
+    /// Whether the PersistentPodState CRD keeps none of the status's extension fields, as a
+    /// status written showed, until that CRD changes ([`Caches::bare_status`]).
+    bare_status: AtomicBool,
 }
 
 impl Caches {
@@ -150,6 +153,7 @@ impl Caches {
             synced: watch::channel(false).0,
             watches: Arc::default(),
             on_synced,
+            bare_status: AtomicBool::new(false),
         });
         caches.add_workload_kind(native_statefulset_resource());
         caches
@@ -296,6 +300,25 @@ impl Caches {
             }
             watcher::Event::Apply(_) | watcher::Event::Delete(_) => {}
         }
+    }
+
+    /// Whether statuses are written without this service's extension fields
+    /// ([`crate::api::PersistentPodStateStatus::without_extensions`]): a status written came
+    /// back without them (OpenKruise's CRD, which does not declare them, prunes them), and the
+    /// CRD has not changed since.
+    pub fn bare_status(&self) -> bool {
+        self.bare_status.load(Ordering::Relaxed)
+    }
+
+    /// A status written came back without the extension fields; `true` the first time.
+    pub fn status_came_back_bare(&self) -> bool {
+        !self.bare_status.swap(true, Ordering::Relaxed)
+    }
+
+    /// The PersistentPodState CRD changed: statuses are written whole again (the next write
+    /// shows whether the new definition keeps the extension fields); `true` if they were not.
+    pub fn pps_crd_changed(&self) -> bool {
+        self.bare_status.swap(false, Ordering::Relaxed)
     }
 
     /// How many node watch events were applied that changed a node as kept (what placement
