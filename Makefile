@@ -9,23 +9,27 @@ run:
 
 # Every stage in order, then how long each took (printed also when one fails). The stages in
 # BESIDE_E2E run beside the e2e stage, which mostly waits on the control plane's timers, at the
-# lowest CPU and I/O priority; their output is printed once the e2e stage is done, and either
-# failing fails `make test`. (The image check builds in a target directory of its own, so the
-# e2e suite's release binary is never replaced under it.)
+# lowest CPU priority (and the idle I/O class, where the disk's scheduler has one), each in a
+# session of its own; their output is printed once the e2e stage is done, and either failing
+# fails `make test`. They are stopped when the e2e stage fails or `make test` is interrupted.
+# (The image check builds in a target directory of its own, so the e2e suite's release binary
+# is never replaced under it.)
 STAGES := lint deny unit chart control-plane bench e2e e2e-v1.20
 BESIDE_E2E := image control-plane-v1.20
 test:
-	@times=$$(mktemp); beside_log=$$(mktemp); \
-	trap 'echo; echo "make test: seconds per stage"; cat "$$times"; rm -f "$$times" "$$beside_log"' EXIT; \
-	low() { nice -n 19 "$$@"; }; \
-	ionice -c 3 true 2>/dev/null && low() { nice -n 19 ionice -c 3 "$$@"; }; \
+	@times=$$(mktemp); beside_log=$$(mktemp); beside_pid=$$(mktemp); \
+	stop_beside() { pid=$$(cat "$$beside_pid" 2>/dev/null); [ -n "$$pid" ] && kill -s TERM -- "-$$pid" 2>/dev/null; : >"$$beside_pid"; }; \
+	trap 'stop_beside; echo; echo "make test: seconds per stage"; cat "$$times"; rm -f "$$times" "$$beside_log" "$$beside_pid"' EXIT; \
+	trap 'exit 130' INT TERM; \
+	low="nice -n 19"; ionice -c 3 true 2>/dev/null && low="$$low ionice -c 3"; \
 	for stage in $(STAGES); do \
 		if [ "$$stage" = e2e ]; then \
 			( for s in $(BESIDE_E2E); do \
 				start=$$(date +%s); \
-				low $(MAKE) --no-print-directory $$s >>"$$beside_log" 2>&1 || { echo "$$s (beside e2e) FAILED after $$(( $$(date +%s) - start ))" >>"$$times"; exit 1; }; \
+				setsid $$low $(MAKE) --no-print-directory $$s >>"$$beside_log" 2>&1 & echo $$! >"$$beside_pid"; \
+				wait $$! || { echo "$$s (beside e2e) FAILED after $$(( $$(date +%s) - start ))" >>"$$times"; exit 1; }; \
 				echo "$$s $$(( $$(date +%s) - start )) (beside e2e)" >>"$$times"; \
-			done ) & beside=$$!; \
+			done; : >"$$beside_pid" ) & beside=$$!; \
 		fi; \
 		start=$$(date +%s); \
 		passed=true; \
@@ -33,6 +37,7 @@ test:
 		if $$passed; then echo "$$stage $$(( $$(date +%s) - start ))" >>"$$times"; \
 		else echo "$$stage FAILED after $$(( $$(date +%s) - start ))" >>"$$times"; fi; \
 		if [ "$$stage" = e2e ]; then \
+			$$passed || stop_beside; \
 			start=$$(date +%s); wait $$beside || passed=false; \
 			echo; echo "make test: the output of the stages beside e2e ($(BESIDE_E2E)):"; cat "$$beside_log"; \
 			echo "waiting for them after e2e $$(( $$(date +%s) - start ))" >>"$$times"; \

@@ -193,10 +193,9 @@ SRC
   ln -sfn "$src" "$gopath/src/k8s.io/kubernetes"
   cd "$gopath/src/k8s.io/kubernetes"
   say "compiling kube-apiserver, kube-controller-manager and kube-scheduler $LEGACY_VERSION"
-  # Debian's Go 1.19 first on PATH: this tree does not build with a newer Go. Its build cache
-  # is kept beside the sources (nothing else shares that toolchain's objects).
+  # Debian's Go 1.19 first on PATH: this tree does not build with a newer Go (its build keeps
+  # its cache beside the sources: hack/lib/golang.sh sets GOCACHE).
   PATH="/usr/lib/go-1.19/bin:$PATH" GOTOOLCHAIN=local GO111MODULE=off GOPATH="$gopath" \
-    GOCACHE="$work/.gocache" \
     CGO_ENABLED=0 GOFLAGS="" KUBE_GIT_VERSION="$LEGACY_VERSION" KUBE_GIT_TREE_STATE=clean \
     make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler" >&2
   rm -rf "$LEGACY_BIN"

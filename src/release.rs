@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
-use kube::api::Api;
+use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use serde::Serialize;
 
@@ -123,8 +123,10 @@ pub async fn still_waiting(
     {
         return Ok(false);
     }
+    // Listed by name: the replicas may list nodes, not get one.
     let nodes: Api<Node> = Api::all(client.clone());
-    let node = nodes.get_opt(&waiting.node).await?;
+    let by_name = ListParams::default().fields(&format!("metadata.name={}", waiting.node));
+    let node = nodes.list(&by_name).await?.items.into_iter().next();
     Ok(node_gone(node.as_ref(), waiting.node_uid.as_deref(), health).is_some())
 }
 

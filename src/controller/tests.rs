@@ -836,14 +836,13 @@ fn claim_and_volume(affinity: Value) -> Vec<Value> {
 }
 
 /// The answers to the live reads right before a release ([`crate::release::still_waiting`]):
-/// `web-0` as the caches hold it, and node `n1` not found.
+/// `web-0` as the caches hold it, and no node `n1` listed.
 fn still_waiting() -> Vec<Value> {
     vec![
         json!({"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7"},
             "spec": {"containers": []}, "status": {"phase": "Pending"}}),
-        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
-            "reason": "NotFound", "code": 404, "message": "nodes \"n1\" not found"}),
+        json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": []}),
     ]
 }
 
@@ -875,7 +874,10 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
             ("GET".into(), "/api/v1/persistentvolumes/pv-1"),
             // Read live right before: the same pod, unscheduled; its node still gone.
             ("GET".into(), "/api/v1/namespaces/ns/pods/web-0"),
-            ("GET".into(), "/api/v1/nodes/n1"),
+            (
+                "GET".into(),
+                "/api/v1/nodes?&fieldSelector=metadata.name%3Dn1"
+            ),
             (
                 "DELETE".into(),
                 "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?"
@@ -915,14 +917,17 @@ async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_s
     let recreated = json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "web-0", "namespace": "ns", "uid": "other-uid", "resourceVersion": "9"},
         "spec": {"containers": []}, "status": {"phase": "Pending"}});
-    let back = json!({"apiVersion": "v1", "kind": "Node",
+    let back = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": [{
         "metadata": {"name": "n1", "uid": "n1-uid", "labels": {"kubernetes.io/hostname": "n1"}},
-        "status": {"conditions": [{"type": "Ready", "status": "True"}]}});
-    let [pod, _gone] = <[Value; 2]>::try_from(still_waiting()).expect("two answers");
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]});
+    let pod = still_waiting()[0].clone();
+    let refused = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "Forbidden", "code": 403, "message": "nodes is forbidden"});
     let cases = [
         ("bound to the node back since", vec![scheduled]),
         ("re-created since", vec![recreated]),
-        ("its node back since, ready", vec![pod, back]),
+        ("its node back since, ready", vec![pod.clone(), back]),
+        ("its node not read", vec![pod, refused]),
     ];
     for (case, live) in cases {
         let (ctx, mut handle) = context(waiting_world());
