@@ -11,6 +11,8 @@
 //! once the last renewal is older than the renew deadline (monotonic clock: a paused process
 //! wakes up fenced), and every write is conditional on the resourceVersion it was computed
 //! from, so even a write already under way when the hold was lost cannot overwrite newer data.
+//! One kind of write is not: a pod deleted once its claims on a lost node's volumes are
+//! deleted goes by uid alone (it cannot start anywhere then, whatever changed on it since).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
