@@ -21,7 +21,6 @@ use crate::api::{
 use crate::placement::{self, HOSTNAME_LABEL, Health, Nodes, PodDemands};
 use crate::release::{self, LocalClaim, NodeKeys};
 use crate::state::Caches;
-use crate::state::trim::CachedPod;
 use crate::webhook::admit::{CacheLookup, Kinds, LeftOut, Verdict, decide};
 use crate::workload::{WorkloadInfo, controller_owner, read_workload};
 
@@ -281,7 +280,7 @@ pub async fn explain(
     }
     caches.apply_pod(watcher::Event::InitDone);
     let mut out = explain_with(&caches, served, namespace, object, source);
-    if let Some(current) = current.filter(waits_unscheduled) {
+    if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);
         out.release = pinned_release(&current, caches.as_ref(), &health)
             .into_iter()
@@ -306,12 +305,6 @@ pub async fn explain(
         }
     }
     Ok(out)
-}
-
-/// Whether `pod` waits unscheduled (not being deleted, not finished).
-fn waits_unscheduled(pod: &Pod) -> bool {
-    let cached = CachedPod::from(pod.clone());
-    cached.node_name.as_deref().is_none_or(str::is_empty) && !cached.deleting && !cached.finished
 }
 
 /// When the controller releases a waiting pod the webhook pinned: now when no usable node has

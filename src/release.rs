@@ -97,6 +97,13 @@ pub fn waiting_on_gone_nodes(
         .collect()
 }
 
+/// Whether `pod` waits unscheduled (not being deleted, not finished), as
+/// [`waiting_on_gone_nodes`] judges a cached pod.
+pub fn waits_unscheduled(pod: &Pod) -> bool {
+    let cached = CachedPod::from(pod.clone());
+    cached.node_name.as_deref().is_none_or(str::is_empty) && !cached.deleting && !cached.finished
+}
+
 /// Whether `waiting` still waits, read live from the API server right before what cannot be
 /// undone (its claims deleted): the same pod (uid), unscheduled, not being deleted, and its
 /// recorded node still gone as [`node_gone`] judges. The caches may lag: a node back since and
@@ -112,15 +119,7 @@ pub async fn still_waiting(
     let Some(pod) = pods.get_opt(&waiting.pod).await? else {
         return Ok(false);
     };
-    let unscheduled = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .is_none_or(str::is_empty);
-    if pod.uid().as_deref() != Some(waiting.uid.as_str())
-        || pod.metadata.deletion_timestamp.is_some()
-        || !unscheduled
-    {
+    if pod.uid().as_deref() != Some(waiting.uid.as_str()) || !waits_unscheduled(&pod) {
         return Ok(false);
     }
     // Listed by name: the replicas may list nodes, not get one.
