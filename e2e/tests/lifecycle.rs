@@ -101,6 +101,46 @@ async fn scale_in_prunes_under_when_scaled_only_and_deletion_removes_generated_p
     delete_namespace(c, &ns).await;
 }
 
+/// A StatefulSet deleted with `--cascade=orphan` (to be created again with other claim
+/// templates) leaves its pods running: each keeps its state until it is gone (OpenKruise clears
+/// them all), and the StatefulSet created again steers a re-created pod back to its node.
+#[tokio::test]
+async fn a_statefulset_deleted_leaving_its_pods_keeps_their_states_for_the_one_created_again() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-orphan").await;
+    pps_api(c, &ns)
+        .create(&PostParams::default(), &hand_made("orphan", "orphan", None))
+        .await
+        .expect("hand-made pps");
+    let sts = statefulset("orphan", 3, &[]);
+    let (placed, _) = start_recorded(c, &ns, &sts).await;
+
+    let sts_api: Api<StatefulSet> = Api::namespaced(c.clone(), &ns);
+    sts_api
+        .delete("orphan", &DeleteParams::orphan())
+        .await
+        .expect("delete leaving the pods");
+    wait_for("the StatefulSet to be gone", TIMEOUT, || async {
+        sts_api
+            .get_opt("orphan")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    // One of the pods left behind goes: its state goes with it, the others' stay.
+    force_delete_pod(c, &ns, "orphan-2").await;
+    wait_state_names(c, &ns, "orphan", &["orphan-0", "orphan-1"]).await;
+
+    create_sts(c, &ns, &sts).await;
+    wait_sts_rolled(c, &ns, "orphan", 3).await;
+    let pod = recreate_pod(c, &ns, "orphan-1").await;
+    assert_steered_back(&pod, "orphan", &placed["orphan-1"]);
+    delete_namespace(c, &ns).await;
+}
+
 /// Auto-generation follows the annotations; a hand-made PPS with the workload's name is never
 /// overwritten nor deleted.
 #[tokio::test]

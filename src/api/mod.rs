@@ -161,7 +161,7 @@ pub enum RetentionPolicy {
     /// Drop the state of a pod once it is gone and its ordinal is no longer live (scale-in).
     #[default]
     WhenScaled,
-    /// Keep every state until the workload is deleted.
+    /// Keep every state until the workload is deleted and the state's pod is gone.
     WhenDeleted,
     /// A value this version does not know (stored by an older schema); treated as `WhenScaled`.
     #[serde(other)]

@@ -108,7 +108,10 @@ pub async fn reconcile_pps(
             None
         }
     };
-    let mut write_failed = None;
+    // When a failed write may be tried again.
+    let mut write_backoff = None;
+    // Nothing to write, or written: a failure before is over (once the releases succeed too).
+    let mut settled = change.patch.is_none();
     if let (Some(patch), None) = (&change.patch, paced) {
         // Conditional on the version the status was computed from: a stale writer (a replica
         // that lost the Lease, or a reconcile of an older copy) gets a conflict, never
@@ -138,19 +141,24 @@ pub async fn reconcile_pps(
                         "the API server keeps none of this service's status fields (recorded, restored, podIPs, podUID, nodeUID, lastRestore): the PersistentPodState CRD does not declare them (OpenKruise's?); statuses are written without them until that CRD changes"
                     );
                 }
-                ctx.pacing.wrote(key);
+                ctx.pacing.wrote(key.clone());
                 report::written(&ctx, &pps, &change);
+                settled = true;
             }
             // Stale: the next reconcile computes again from newer data, soon.
             Err(kube::Error::Api(e)) if e.code == 409 => return Err(kube::Error::Api(e).into()),
-            // Refused for good or failing (a policy, a quota, the API server): the pods this
-            // PersistentPodState strands are still released below, and looked at again as
-            // they need, however long the write keeps failing.
-            Err(e) => write_failed = Some(e),
+            // Refused for good or failing (a policy, a quota, the API server): counted and
+            // backed off as a failed reconcile is, and not tried again before the backoff is
+            // over, whatever events come meanwhile. The pods this PersistentPodState strands
+            // are still released below, and looked at again as they need.
+            Err(error) => {
+                ctx.metrics.reconcile_error(Reconciler::Status);
+                let delay = ctx.failures.failed(failure_key("pps", pps.as_ref()));
+                ctx.pacing.failed(key, delay);
+                tracing::warn!(pps = %pps.name_any(), namespace = %namespace, %error, ?delay, "status write failed; tried again after the delay (releases still run)");
+                write_backoff = Some(delay);
+            }
         }
-    }
-    if write_failed.is_none() {
-        ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
     }
     let health = Health::now(ctx.node_lost_after);
     report::unplaceable(&ctx, &pps, &change.status, &health);
@@ -188,13 +196,13 @@ pub async fn reconcile_pps(
     {
         wait = wait.min(later);
     }
-    if let Some(error) = write_failed {
-        // Counted and backed off as a failed reconcile is, but the releases' own next look
-        // (the release rate, a grace ending) is kept when it comes sooner.
-        ctx.metrics.reconcile_error(Reconciler::Status);
-        let delay = ctx.failures.failed(failure_key("pps", pps.as_ref()));
-        tracing::warn!(pps = %pps.name_any(), namespace = %namespace, %error, ?delay, "status write failed; releases ran, retrying");
+    // The releases' own next look (the release rate, a grace ending) is kept when it comes
+    // sooner than the write's backoff.
+    if let Some(delay) = write_backoff {
         wait = wait.min(delay);
+    }
+    if settled {
+        ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
     }
     Ok(Action::requeue(wait))
 }

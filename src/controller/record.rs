@@ -22,7 +22,7 @@ use crate::workload::{WorkloadInfo, pod_ordinal};
 pub enum Target {
     /// It exists.
     Live(WorkloadInfo),
-    /// It does not exist, or is being deleted: the status is cleared.
+    /// It does not exist, or is being deleted: each state goes with its pod.
     Gone,
     /// Its kind is not watched, so whether it exists is unknown: states are recorded but
     /// never pruned.
@@ -238,7 +238,9 @@ pub fn change(
 ///
 /// Ready pods with a node are (re-)recorded whenever what would be recorded differs from what
 /// is; under `WhenScaled`, a state is dropped once its ordinal is not live and its pod is gone;
-/// a gone workload clears every state.
+/// once the workload is gone, each state is dropped once its pod is gone (OpenKruise drops them
+/// all at once, which loses the states of the pods of a StatefulSet deleted with
+/// `--cascade=orphan` to be created again with other claim templates).
 ///
 /// A pod re-created since its state was recorded (another uid) that the webhook steered back
 /// (it carries the injected annotation naming `pps_name`) gets its `lastRestore` judged; the
@@ -256,6 +258,14 @@ pub fn desired_status(
     };
     let workload = match &observed.target {
         Target::Gone => {
+            if let Some(current) = current {
+                status.pod_states = current
+                    .pod_states
+                    .iter()
+                    .filter(|(name, _)| (observed.pod_exists)(name))
+                    .map(|(name, state)| (name.clone(), state.clone()))
+                    .collect();
+            }
             summarize(&mut status);
             return status;
         }
@@ -831,6 +841,25 @@ mod tests {
         let keep = Some(RetentionPolicy::WhenDeleted);
         assert_eq!(run(keep, live(1), &current, &[], &[]).len(), 3);
         assert!(run(keep, Target::Gone, &current, &[], &[]).is_empty());
+    }
+
+    #[test]
+    fn a_gone_workloads_states_go_with_their_pods() {
+        // Deleted with --cascade=orphan: web-0 and web-2 still run (owned by nobody now), web-1
+        // is gone. Under either retention the running pods keep their states, to be adopted
+        // by the workload created again.
+        let current = [
+            ("web-0", "node-1"),
+            ("web-1", "node-1"),
+            ("web-2", "node-2"),
+        ];
+        for retention in [None, Some(RetentionPolicy::WhenDeleted)] {
+            assert_eq!(
+                run(retention, Target::Gone, &current, &[], &["web-0", "web-2"]),
+                expect(&[("web-0", "node-1"), ("web-2", "node-2")]),
+                "{retention:?}"
+            );
+        }
     }
 
     #[test]

@@ -58,15 +58,19 @@ impl Backoff {
 /// that turn Ready together (a large StatefulSet comes up in bursts) go out in one write, not
 /// one per pod or two per burst; each pod is still recorded within about the longer of the two
 /// (plus a reconcile). The wait also lets the cache catch up with the last write, so the next is
-/// rarely computed from a stale copy (which would be a conflict and a retry).
+/// rarely computed from a stale copy (which would be a conflict and a retry). A write that failed
+/// (not a conflict) is not tried again before its backoff is over, however many events arrive
+/// meanwhile: an API server or a policy refusing it is not sent the same write on every event.
 #[derive(Default)]
 pub(super) struct Pacing(pub(super) Mutex<HashMap<ObjectRef<PersistentPodState>, Paced>>);
 
-/// A PersistentPodState's last write, and since when a change has been waiting for the next.
+/// A PersistentPodState's last write (or failed try), since when a change has been waiting for
+/// the next, and when a failed write may be tried again.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Paced {
     pub(super) wrote: Instant,
     pub(super) waiting_since: Option<Instant>,
+    pub(super) retry_at: Option<Instant>,
 }
 
 impl Pacing {
@@ -81,36 +85,68 @@ impl Pacing {
     pub(super) fn wait(&self, pps: &ObjectRef<PersistentPodState>) -> Option<Duration> {
         let mut paced = lock(&self.0);
         let p = paced.get_mut(pps)?;
+        let backoff = p.retry_at.map_or(Duration::ZERO, |at| {
+            at.saturating_duration_since(Instant::now())
+        });
         let since_write = p.wrote.elapsed();
-        if since_write >= Self::ROLLOUT {
-            return None;
-        }
-        let waiting = p.waiting_since.get_or_insert_with(Instant::now).elapsed();
-        let wait = Self::INTERVAL
-            .saturating_sub(since_write)
-            .max(Self::GATHER.saturating_sub(waiting));
+        let wait = if since_write >= Self::ROLLOUT {
+            backoff
+        } else {
+            let waiting = p.waiting_since.get_or_insert_with(Instant::now).elapsed();
+            Self::INTERVAL
+                .saturating_sub(since_write)
+                .max(Self::GATHER.saturating_sub(waiting))
+                .max(backoff)
+        };
         (!wait.is_zero()).then_some(wait)
     }
 
-    /// Notes that nothing of `pps` waits to be written (what waited was undone meanwhile).
+    /// Notes that nothing of `pps` waits to be written (what waited was undone meanwhile, or
+    /// what failed to be written is no longer needed).
     pub(super) fn settled(&self, pps: &ObjectRef<PersistentPodState>) {
         if let Some(p) = lock(&self.0).get_mut(pps) {
             p.waiting_since = None;
+            p.retry_at = None;
         }
     }
 
-    /// Notes a write to `pps` now (and forgets writes older than a rollout: the map holds only
-    /// the PersistentPodStates written in the last [`Pacing::ROLLOUT`]).
+    /// Notes a write to `pps` now.
     pub(super) fn wrote(&self, pps: ObjectRef<PersistentPodState>) {
+        let now = Instant::now();
+        let paced = Paced {
+            wrote: now,
+            waiting_since: None,
+            retry_at: None,
+        };
+        self.recent(now).insert(pps, paced);
+    }
+
+    /// Notes a failed write to `pps` now, not to be tried again for `backoff` (and then at
+    /// once: what failed has waited since now).
+    pub(super) fn failed(&self, pps: ObjectRef<PersistentPodState>, backoff: Duration) {
+        let now = Instant::now();
+        let mut paced = self.recent(now);
+        let wrote = paced.get(&pps).map_or(now, |p| p.wrote);
+        let failed = Paced {
+            wrote,
+            waiting_since: Some(now),
+            retry_at: now.checked_add(backoff),
+        };
+        paced.insert(pps, failed);
+    }
+
+    /// The map, without the PersistentPodStates written over a rollout ago whose backoff is
+    /// over: it holds only those written in the last [`Pacing::ROLLOUT`] or waiting to be
+    /// tried again.
+    fn recent(
+        &self,
+        now: Instant,
+    ) -> std::sync::MutexGuard<'_, HashMap<ObjectRef<PersistentPodState>, Paced>> {
         let mut paced = lock(&self.0);
-        paced.retain(|_, p| p.wrote.elapsed() < Self::ROLLOUT);
-        paced.insert(
-            pps,
-            Paced {
-                wrote: Instant::now(),
-                waiting_since: None,
-            },
-        );
+        paced.retain(|_, p| {
+            now.duration_since(p.wrote) < Self::ROLLOUT || p.retry_at.is_some_and(|at| at > now)
+        });
+        paced
     }
 }
 

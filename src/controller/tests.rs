@@ -89,6 +89,23 @@ async fn next_event(events: &mut Handle) -> (String, String) {
     (text("reason"), text("note"))
 }
 
+/// When `action` has the object looked at again (`Action` has no getter: read from its Debug
+/// form, `Action { requeue_after: Some(1.5s) }`).
+fn requeue_after(action: &kube::runtime::controller::Action) -> Option<Duration> {
+    let text = format!("{action:?}");
+    let inner = text.split_once("Some(")?.1.split_once(')')?.0;
+    let (number, unit) = inner.split_at(inner.find(|c: char| c.is_ascii_alphabetic())?);
+    let number: f64 = number.parse().ok()?;
+    let seconds = match unit {
+        "s" => number,
+        "ms" => number / 1e3,
+        "µs" => number / 1e6,
+        "ns" => number / 1e9,
+        _ => return None,
+    };
+    Some(Duration::from_secs_f64(seconds))
+}
+
 /// A request the reconcile sent.
 #[derive(Debug)]
 struct Sent {
@@ -377,6 +394,7 @@ fn during_a_rollout_a_change_waits_to_gather_those_that_follow_it() {
     set(Paced {
         wrote: ago(Duration::from_secs(1)),
         waiting_since: None,
+        retry_at: None,
     });
     let wait = pacing.wait(&key).expect("waits");
     assert!(
@@ -389,6 +407,7 @@ fn during_a_rollout_a_change_waits_to_gather_those_that_follow_it() {
     set(Paced {
         wrote: ago(Duration::from_secs(1)),
         waiting_since: Some(ago(Pacing::GATHER)),
+        retry_at: None,
     });
     assert_eq!(pacing.wait(&key), None, "gathered: written now");
 
@@ -409,8 +428,55 @@ fn during_a_rollout_a_change_waits_to_gather_those_that_follow_it() {
     set(Paced {
         wrote: ago(Pacing::ROLLOUT),
         waiting_since: None,
+        retry_at: None,
     });
     assert_eq!(pacing.wait(&key), None);
+}
+
+#[test]
+fn a_failed_write_waits_for_its_backoff_even_past_a_rollout_and_is_kept_until_then() {
+    use super::retry::{Paced, Pacing};
+    use std::time::Instant;
+    let pacing = Pacing::default();
+    let key = kube::runtime::reflector::ObjectRef::new("web").within("ns");
+    let other = kube::runtime::reflector::ObjectRef::new("other").within("ns");
+    let ago = |d: Duration| Instant::now().checked_sub(d).expect("uptime");
+    pacing.wrote(key.clone());
+    let written = pacing.0.lock().expect("pacing")[&key];
+    pacing.failed(key.clone(), Duration::from_secs(60));
+    let failed = pacing.0.lock().expect("pacing")[&key];
+    assert_eq!(failed.wrote, written.wrote, "the last write is kept");
+    // Past a rollout since the last write, the backoff still holds.
+    let failed = Paced {
+        wrote: ago(Pacing::ROLLOUT * 2),
+        ..failed
+    };
+    pacing.0.lock().expect("pacing").insert(key.clone(), failed);
+    let wait = pacing.wait(&key).expect("waits");
+    assert!(wait > Duration::from_secs(59), "{wait:?}");
+    // Another write (of another PersistentPodState) forgets the rollouts long over, not a
+    // backoff still running.
+    pacing.wrote(other.clone());
+    assert!(pacing.0.lock().expect("pacing").contains_key(&key));
+    // The backoff over: at once (what failed has waited since the failure).
+    pacing.0.lock().expect("pacing").insert(
+        key.clone(),
+        Paced {
+            retry_at: Some(Instant::now()),
+            waiting_since: Some(ago(Pacing::GATHER)),
+            ..failed
+        },
+    );
+    assert_eq!(pacing.wait(&key), None);
+    pacing.wrote(other);
+    assert!(
+        !pacing.0.lock().expect("pacing").contains_key(&key),
+        "forgotten once its backoff is over"
+    );
+    // Nothing left to write: the backoff no longer holds the next change.
+    pacing.failed(key.clone(), Duration::from_secs(60));
+    pacing.settled(&key);
+    assert!(pacing.wait(&key).is_none_or(|w| w <= Pacing::GATHER));
 }
 
 #[tokio::test]
@@ -707,6 +773,73 @@ async fn a_conflicting_status_write_fails_the_reconcile_timed_and_counted_for_a_
         metrics.contains("pps_reconcile_errors_total{controller=\"status\"} 1"),
         "counted: {metrics}"
     );
+}
+
+#[tokio::test]
+async fn a_failed_status_write_is_not_sent_again_before_its_backoff_however_many_events_come() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches);
+    let web = Arc::new(pps(json!({"observedGeneration": 2})));
+    let refused = || {
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "reason": "InternalError", "code": 500, "message": "etcd timed out"})
+    };
+    let sent = drive(
+        reconcile_pps(web.clone(), ctx.clone()),
+        &mut handle,
+        vec![refused()],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "the first write: {sent:?}");
+    // Its backoff (0.25-0.5 s), made long so that this test does not race it.
+    for p in ctx.pacing.0.lock().expect("pacing").values_mut() {
+        assert!(p.retry_at.is_some(), "{p:?}");
+        p.retry_at = std::time::Instant::now().checked_add(Duration::from_secs(60));
+    }
+    // Events right after (a pod's status, a node's heartbeat): the write waits for its backoff
+    // (`drive` fails on any request sent).
+    for _ in 0..3 {
+        let (sent, action) =
+            drive_to_action(reconcile_pps(web.clone(), ctx.clone()), &mut handle, vec![]).await;
+        assert!(sent.is_empty(), "{sent:?}");
+        let after = requeue_after(&action).expect("requeued");
+        assert!(
+            after > Duration::from_secs(30) && after <= Duration::from_secs(60),
+            "looked at again when the backoff is over: {action:?}"
+        );
+    }
+    // The backoff over: tried again, refused again; the waits before counted both failures
+    // as one run (the third failure's delay is 1-2 s; after a reset it would be under 1 s).
+    ctx.pacing.0.lock().expect("pacing").clear();
+    let sent = drive(
+        reconcile_pps(web.clone(), ctx.clone()),
+        &mut handle,
+        vec![refused()],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "tried again: {sent:?}");
+    let key = super::retry::failure_key("pps", web.as_ref());
+    assert!(ctx.failures.failed(key.clone()) >= Duration::from_secs(1));
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_reconcile_errors_total{controller=\"status\"} 2"),
+        "each failed write counted once"
+    );
+    // Written at last: the next change goes out as paced again, not backed off.
+    ctx.pacing.0.lock().expect("pacing").clear();
+    let recorded: Value = serde_json::from_str(RECORDED).expect("json");
+    let written = pps(json!({"observedGeneration": 2, "podStates": recorded, "recorded": 1}));
+    let sent = drive(
+        reconcile_pps(web, ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(&written).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert!(ctx.failures.failed(key) < Duration::from_secs(1), "reset");
+    let paced = ctx.pacing.0.lock().expect("pacing");
+    assert!(paced.values().all(|p| p.retry_at.is_none()), "{paced:?}");
 }
 
 #[tokio::test]

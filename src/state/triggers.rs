@@ -130,15 +130,17 @@ impl Caches {
             .collect()
     }
 
-    /// A pod changed or went: the PersistentPodStates of its workload.
+    /// A pod changed or went: the PersistentPodStates of its workload; for a pod no workload
+    /// controls, those that may hold its state ([`Caches::pps_of_ownerless`]).
     pub(super) fn trigger_for_pod(
         &self,
         event: &watcher::Event<std::sync::Arc<super::trim::CachedPod>>,
     ) {
         match event {
-            watcher::Event::Apply(p) | watcher::Event::Delete(p) => {
-                self.triggers.pps(self.pps_targeting(p.workload()));
-            }
+            watcher::Event::Apply(p) | watcher::Event::Delete(p) => match p.workload() {
+                Some(workload) => self.triggers.pps(self.pps_targeting(Some(workload))),
+                None => self.triggers.pps(self.pps_of_ownerless(p)),
+            },
             watcher::Event::InitDone => self.triggers.pps(self.all_pps()),
             watcher::Event::Init | watcher::Event::InitApply(_) => {}
         }
@@ -242,6 +244,30 @@ impl Caches {
                 .map(|name| ObjectRef::new(name).within(&w.namespace))
                 .collect()
         })
+    }
+
+    /// The PersistentPodStates that may hold the state of `pod`, which no workload controls:
+    /// those targeting a workload of a watched kind named as its pods would be
+    /// (`NAME-ORDINAL`). A workload deleted with `--cascade=orphan` leaves its pods so, and
+    /// each keeps its state until it goes.
+    fn pps_of_ownerless(&self, pod: &super::trim::CachedPod) -> Vec<ObjectRef<PersistentPodState>> {
+        let Some((name, _)) = pod
+            .name
+            .rsplit_once('-')
+            .filter(|_| crate::workload::pod_ordinal(&pod.name).is_some())
+        else {
+            return Vec::new();
+        };
+        self.workload_kinds()
+            .into_iter()
+            .flat_map(|(kind, _)| {
+                self.pps_targeting(Some(WorkloadRef {
+                    namespace: pod.namespace.to_string(),
+                    kind,
+                    name: name.to_owned(),
+                }))
+            })
+            .collect()
     }
 
     fn trigger_workload(&self, workload: &WorkloadRef) {
@@ -395,6 +421,22 @@ mod tests {
             Some(ObjectRef::new("web").within("ns")),
             "the other workload has no PPS: nothing was sent for it"
         );
+        assert!(requests.try_recv().is_err(), "nothing more queued");
+
+        // Pods no workload controls (left by a StatefulSet deleted with --cascade=orphan): the
+        // PPS of a workload named as their pods would be, in their namespace.
+        let ownerless = |name: &str, namespace: &str| -> k8s_openapi::api::core::v1::Pod {
+            serde_json::from_value(json!({"metadata": {"name": name, "namespace": namespace}}))
+                .expect("pod")
+        };
+        caches.apply_pod(watcher::Event::Delete(ownerless("web-2", "ns")));
+        assert_eq!(
+            requests.try_recv().ok(),
+            Some(ObjectRef::new("web").within("ns"))
+        );
+        for (name, namespace) in [("web-2", "elsewhere"), ("web", "ns"), ("other-0", "ns")] {
+            caches.apply_pod(watcher::Event::Delete(ownerless(name, namespace)));
+        }
         assert!(requests.try_recv().is_err(), "nothing more queued");
     }
 
