@@ -120,6 +120,13 @@ refused_with 'podDisruptionBudget.minAvailable=51% with replicaCount=2 lets no r
 refused_with 'prometheusRule.enabled needs serviceMonitor.enabled' --set prometheusRule.enabled=true
 refused_with 'prometheusRule.certificateExpiryDays=14 is not below certificates.certManager.renewBefore=240h' \
   -f "$CHART/ci/cert-manager-issuer-values.yaml" --set prometheusRule.enabled=true --set serviceMonitor.enabled=true
+refused_with 'prometheusRule.certificateExpiryDays=400 is not below certificates.selfSigned.validityDays=365' \
+  --set prometheusRule.enabled=true --set serviceMonitor.enabled=true --set prometheusRule.certificateExpiryDays=400
+refused_with 'terminationGracePeriodSeconds (20) must cover shutdownDelaySeconds (3) + drainSeconds (20)' \
+  --set terminationGracePeriodSeconds=20
+refused_with 'certificates.mode=external needs certificates.external.secretName' --set certificates.mode=external
+refused_with 'certificates.mode=external needs certificates.external.secretName' --set certificates.mode=external \
+  --set certificates.external.secretName=mine
 say "ok: inconsistent values refused by the templates"
 
 # ... and their consistent counterparts accepted.
@@ -133,6 +140,13 @@ out=$("$HELM" template t "$CHART" --set webhook.validatePersistentPodStates=fals
   fail "webhook.validatePersistentPodStates=false refused"
 ! grep -q 'kind: ValidatingWebhookConfiguration' <<<"$out" ||
   fail "webhook.validatePersistentPodStates=false renders the ValidatingWebhookConfiguration"
+out=$("$HELM" template t "$CHART" -f "$CHART/ci/single-replica-values.yaml") ||
+  fail "single-replica-values refused"
+grep -qF 'type: Recreate' <<<"$out" || fail "without leader election the Deployment is not updated by Recreate"
+out=$("$HELM" template a-release-name-of-thirty-five-chars "$CHART") || fail "a long release name refused"
+long=$(grep -oE '[a-z0-9.-]*-unregister' <<<"$out" | awk 'length($0) > 63' | head -n 1)
+[[ -z $long ]] || fail "the uninstall hook's name $long is over 63 characters (a label value)"
+grep -q -- '-unregister$' <<<"$out" || fail "no uninstall hook rendered"
 say "ok: their consistent counterparts accepted"
 
 tmp=$(mktemp -d)

@@ -315,6 +315,15 @@ mod tests {
     #[test]
     fn statuses_are_written_whole_again_once_the_pps_crd_changes() {
         let caches = Caches::new();
+        caches.apply_pps(watcher::Event::Apply(
+            serde_json::from_value(json!({
+                "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+                "metadata": {"name": "web", "namespace": "ns"},
+                "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
+            }))
+            .expect("pps"),
+        ));
+        let mut looks = caches.triggers.subscribe_pps();
         let pps_crd = |uid: &str, generation: i64| {
             let mut crd = crd(
                 true,
@@ -340,9 +349,15 @@ mod tests {
         other.metadata.name = Some("others.example.com".into());
         super::pps_crd_seen(&caches, &watcher::Event::Apply(other), &mut seen);
         assert!(caches.bare_status());
-        // Its definition changed (this service's replacing OpenKruise's): whole again.
+        assert!(looks.try_recv().is_err(), "nothing looked at meanwhile");
+        // Its definition changed (this service's replacing OpenKruise's): whole again, and
+        // every PersistentPodState looked at now (not at its next resync).
         super::pps_crd_seen(&caches, &watcher::Event::Apply(pps_crd("a", 2)), &mut seen);
         assert!(!caches.bare_status());
+        assert_eq!(
+            looks.try_recv().ok(),
+            Some(kube::runtime::reflector::ObjectRef::new("web").within("ns"))
+        );
         // Deleted and created again (another uid): whole again too.
         assert!(caches.status_came_back_bare());
         super::pps_crd_seen(&caches, &watcher::Event::Apply(pps_crd("c", 1)), &mut seen);

@@ -302,7 +302,7 @@ const NODE_CHANGES_GATHERED_FOR: Duration = Duration::from_secs(1);
 /// The node health changes of `changes` in batches: each one the first change to come and those
 /// that follow within [`NODE_CHANGES_GATHERED_FOR`], at most [`NODE_CHANGES_AT_ONCE`].
 fn gathered(
-    changes: futures::channel::mpsc::UnboundedReceiver<NodeHealthChange>,
+    changes: impl futures::Stream<Item = NodeHealthChange> + Unpin,
 ) -> impl futures::Stream<Item = Vec<NodeHealthChange>> {
     stream::unfold(changes.peekable(), |mut changes| async move {
         std::pin::Pin::new(&mut changes).peek().await?;
@@ -314,6 +314,59 @@ fn gathered(
             .await;
         Some((batch, changes))
     })
+}
+
+/// The node health changes of `changes`, and each again just after its node counts as lost
+/// (`lost_at`, judged when the change comes: `None` for a node healthy, lost already or not
+/// cached): no event comes then, and what a loss changes (a zone's last usable node lost, what
+/// the states concerned report) would otherwise wait for each PersistentPodState's resync. One
+/// timer per node, the latest change's.
+fn with_losses(
+    changes: impl futures::Stream<Item = NodeHealthChange> + Unpin,
+    lost_at: impl Fn(&str) -> Option<Duration>,
+) -> impl futures::Stream<Item = NodeHealthChange> {
+    use tokio::time::Instant as TokioInstant;
+    /// The changes to deliver again, by when, and when each node's is due (one per node).
+    struct Due {
+        by_time: BTreeMap<(TokioInstant, String), NodeHealthChange>,
+        by_node: HashMap<String, TokioInstant>,
+    }
+    let due = Due {
+        by_time: BTreeMap::new(),
+        by_node: HashMap::new(),
+    };
+    stream::unfold(
+        (changes, due, lost_at),
+        |(mut changes, mut due, lost_at)| async move {
+            let next_due = due.by_time.keys().next().map(|(at, _)| *at);
+            let timer = async {
+                match next_due {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let change = tokio::select! {
+                change = changes.next() => {
+                    let change = change?;
+                    if let Some(at) = due.by_node.remove(&change.name) {
+                        due.by_time.remove(&(at, change.name.clone()));
+                    }
+                    if let Some(after) = lost_at(&change.name) {
+                        let at = TokioInstant::now() + after;
+                        due.by_node.insert(change.name.clone(), at);
+                        due.by_time.insert((at, change.name.clone()), change.clone());
+                    }
+                    change
+                }
+                () = timer => {
+                    let ((_, name), change) = due.by_time.pop_first()?;
+                    due.by_node.remove(&name);
+                    change
+                }
+            };
+            Some((change, (changes, due, lost_at)))
+        },
+    )
 }
 
 /// How often pods pinned by a PersistentPodState that is gone are looked for (a pass over every
@@ -364,6 +417,16 @@ async fn run_controllers(ctx: &Arc<Context>, shutdown: CancellationToken) {
     let from_nodes = {
         let ctx = ctx.clone();
         let from_nodes = caches.triggers.subscribe_nodes();
+        let lost_after = ctx.node_lost_after;
+        let nodes = caches.clone();
+        // Just after the node counts as lost: the next whole second past `lost_at`.
+        let lost_at = move |name: &str| {
+            let health = Health::now(lost_after);
+            let at = health.lost_at(nodes.node(name)?.as_ref())?;
+            let secs = at.as_second().checked_sub(health.now.as_second())?;
+            (secs >= 0).then(|| Duration::from_secs(secs.unsigned_abs() + 1))
+        };
+        let from_nodes = Box::pin(with_losses(from_nodes, lost_at));
         gathered(from_nodes).flat_map(move |changes| stream::iter(ctx.concerned_by(&changes)))
     };
     let pps = Controller::for_stream(

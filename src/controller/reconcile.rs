@@ -212,15 +212,28 @@ pub async fn reconcile_pps(
 const ANNOTATIONS_UNREAD_RETRY: Duration = Duration::from_secs(2);
 
 /// What [`release_local_volumes`] did: the pods it released, and when to look again if the
-/// rate or a failed read held some back.
+/// rate, a failed read, a claim changed meanwhile or a claim kept held some back.
 #[derive(Default)]
 struct LocalReleases {
     released: BTreeSet<String>,
     later: Option<Duration>,
 }
 
-/// How soon pods whose claims could not be read are looked at again.
+impl LocalReleases {
+    /// Looks again within `wait` (or sooner, as asked before).
+    fn again_within(&mut self, wait: Duration) {
+        self.later = Some(self.later.map_or(wait, |later| later.min(wait)));
+    }
+}
+
+/// How soon pods whose claims could not be read, or whose release a kept claim holds back
+/// (claims and volumes are not watched: what an operator does about it wakes nothing), are
+/// looked at again.
 const UNREAD_CLAIMS_RETRY: Duration = Duration::from_secs(30);
+
+/// How soon a pod is looked at again when one of its claims changed between its read and its
+/// delete.
+const CHANGED_CLAIM_RETRY: Duration = Duration::from_secs(2);
 
 /// Pods that wait while the node their state records is gone, held by claims of their own on
 /// volumes only that node can mount: with the PersistentPodState's
@@ -281,7 +294,7 @@ async fn release_local_volumes(
             Ok(judged) => judged,
             Err(e) => {
                 tracing::warn!(pod = %w.pod, error = %e, "the waiting pod's claims could not be read");
-                out.later = Some(UNREAD_CLAIMS_RETRY);
+                out.again_within(UNREAD_CLAIMS_RETRY);
                 continue;
             }
         };
@@ -296,8 +309,11 @@ async fn release_local_volumes(
             .collect();
         let kept: Vec<Kept> = kept.into_iter().filter_map(Result::err).collect();
         if local.is_empty() {
-            if allowed && !kept.is_empty() && report::first_local_report(ctx, pps, &w.uid, &uids) {
-                report::local_volume_kept(ctx, pps, w, &kept);
+            if allowed && !kept.is_empty() {
+                if report::first_local_report(ctx, pps, &w.uid, &uids) {
+                    report::local_volume_kept(ctx, pps, w, &kept);
+                }
+                out.again_within(UNREAD_CLAIMS_RETRY);
             }
             continue;
         }
@@ -315,6 +331,7 @@ async fn release_local_volumes(
             if report::first_local_report(ctx, pps, &w.uid, &uids) {
                 report::local_volume_kept(ctx, pps, w, &kept);
             }
+            out.again_within(UNREAD_CLAIMS_RETRY);
             continue;
         }
         // What cannot be undone is judged on the API server's word, not the caches' alone.
@@ -326,13 +343,13 @@ async fn release_local_volumes(
             }
             Err(e) => {
                 tracing::warn!(pod = %w.pod, error = %e, "the waiting pod or its node could not be read");
-                out.later = Some(UNREAD_CLAIMS_RETRY);
+                out.again_within(UNREAD_CLAIMS_RETRY);
                 continue;
             }
         }
         if let Err(later) = ctx.releases.take(&key) {
             tracing::info!(pod = %w.pod, ?later, "release rate reached; the pod waits for the next");
-            out.later = Some(later);
+            out.again_within(later);
             return Ok(out);
         }
         let mut claims_gone = true;
@@ -356,6 +373,7 @@ async fn release_local_volumes(
             }
         }
         if !claims_gone {
+            out.again_within(CHANGED_CLAIM_RETRY);
             continue;
         }
         // By uid alone: with its claims deleted the pod cannot start anywhere, whatever

@@ -1195,12 +1195,15 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
     for (case, answers, why) in cases {
         let (ctx, mut handle, mut events) = context_with_events(waiting_world());
         let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
-        let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
+        let (sent, action) = drive_to_action(reconcile_pps(pps, ctx), &mut handle, answers).await;
         assert!(
             sent.iter().all(|s| s.method == Method::GET),
             "{case}: {sent:?}"
         );
         if let Some(why) = why {
+            // Claims are not watched: what the operator does about it is read again soon.
+            let after = requeue_after(&action).expect("requeued");
+            assert!(after <= Duration::from_secs(30), "{case}: {action:?}");
             let note = event_note(&mut events, "LocalVolumeKept").await;
             assert!(
                 note.contains(why) && note.contains("web-0"),
@@ -1406,6 +1409,32 @@ async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() 
     .await;
     assert_eq!(sent.len(), 1);
     assert!(result.is_err());
+}
+
+#[tokio::test]
+async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon() {
+    let (ctx, mut handle) = context(waiting_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
+    answers.push(
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
+    );
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    assert_eq!(
+        sent.last()
+            .map(|s| (s.method.clone(), s.path_and_query.clone())),
+        Some((
+            Method::DELETE,
+            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?".into()
+        )),
+        "the pod is not deleted after its claim's refused delete: {sent:?}"
+    );
+    // Claims are not watched: nothing else would bring the pod back before the resync.
+    let after = requeue_after(&action).expect("requeued");
+    assert!(after <= Duration::from_secs(2), "{action:?}");
 }
 
 #[tokio::test]
@@ -1707,6 +1736,59 @@ mod waiting_pod_deletes {
         assert_eq!(deleted, Deleted::Now);
         assert_eq!(methods, [Method::DELETE, Method::GET, Method::DELETE]);
     }
+}
+
+/// A node that is unhealthy but not lost yet is handed over again just after it counts as lost
+/// (no event comes then), at the time its latest change gives.
+#[tokio::test(start_paused = true)]
+async fn a_node_unhealthy_now_is_looked_at_again_once_it_counts_as_lost() {
+    use futures::StreamExt;
+
+    let change = |name: &str| crate::state::NodeHealthChange {
+        name: name.to_owned(),
+        labels: Default::default(),
+    };
+    // How long until each node counts as lost, as judged when its change comes.
+    let lost_at = |name: &str| match name {
+        "dying" => Some(Duration::from_secs(300)),
+        "soon" => Some(Duration::from_secs(60)),
+        _ => None,
+    };
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let mut changes = Box::pin(super::with_losses(rx, lost_at));
+    // Within 10 min (of the paused clock): none of this may wait for ever.
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(600), changes.next())
+            .await
+            .expect("within 10 min")
+    };
+    let started = tokio::time::Instant::now();
+    for name in ["healthy", "dying", "soon"] {
+        tx.unbounded_send(change(name)).expect("open");
+        assert_eq!(next().await.map(|c| c.name), Some(name.to_owned()));
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "at once");
+    // "soon" changes again 30 s later: its timer is the latest change's (one per node).
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    tx.unbounded_send(change("soon")).expect("open");
+    assert_eq!(next().await.map(|c| c.name), Some("soon".to_owned()));
+    let again = next().await.expect("delivered again");
+    assert_eq!(again.name, "soon");
+    let at = started.elapsed();
+    assert!(
+        at >= Duration::from_secs(90) && at < Duration::from_secs(91),
+        "{at:?}"
+    );
+    let again = next().await.expect("delivered again");
+    assert_eq!(again.name, "dying");
+    let at = started.elapsed();
+    assert!(
+        at >= Duration::from_secs(300) && at < Duration::from_secs(301),
+        "{at:?}"
+    );
+    // Nothing else is due: the stream waits for changes, and ends with them.
+    drop(tx);
+    assert!(next().await.is_none());
 }
 
 /// Node health changes arriving within the window after a first one are looked at in one pass

@@ -316,9 +316,15 @@ impl Caches {
     }
 
     /// The PersistentPodState CRD changed: statuses are written whole again (the next write
-    /// shows whether the new definition keeps the extension fields); `true` if they were not.
+    /// shows whether the new definition keeps the extension fields); `true` if they were not,
+    /// and then every PersistentPodState is looked at again at once (a CRD's change brings no
+    /// event of its objects).
     pub fn pps_crd_changed(&self) -> bool {
-        self.bare_status.swap(false, Ordering::Relaxed)
+        let was_bare = self.bare_status.swap(false, Ordering::Relaxed);
+        if was_bare {
+            self.triggers.pps(self.all_pps());
+        }
+        was_bare
     }
 
     /// How many node watch events were applied that changed a node as kept (what placement

@@ -61,7 +61,7 @@ impl Triggers {
         rx
     }
 
-    fn pps(&self, refs: impl IntoIterator<Item = ObjectRef<PersistentPodState>>) {
+    pub(super) fn pps(&self, refs: impl IntoIterator<Item = ObjectRef<PersistentPodState>>) {
         if let Some(tx) = lock(&self.pps).as_ref() {
             for r in refs {
                 // A closed channel means the controller stopped; nothing is waiting for it.
@@ -228,7 +228,7 @@ impl Caches {
         self.triggers.pps(naming);
     }
 
-    fn all_pps(&self) -> Vec<ObjectRef<PersistentPodState>> {
+    pub(super) fn all_pps(&self) -> Vec<ObjectRef<PersistentPodState>> {
         self.pps
             .state()
             .iter()
