@@ -124,8 +124,7 @@ refused_with 'prometheusRule.certificateExpiryDays=400 is not below certificates
   --set prometheusRule.enabled=true --set serviceMonitor.enabled=true --set prometheusRule.certificateExpiryDays=400
 refused_with 'terminationGracePeriodSeconds (20) must cover shutdownDelaySeconds (3) + drainSeconds (20)' \
   --set terminationGracePeriodSeconds=20
-refused_with 'certificates.mode=external needs certificates.external.secretName' --set certificates.mode=external
-refused_with 'certificates.mode=external needs certificates.external.secretName' --set certificates.mode=external \
+refused_with 'certificates.mode=external needs certificates.external.caBundle' --set certificates.mode=external \
   --set certificates.external.secretName=mine
 say "ok: inconsistent values refused by the templates"
 
