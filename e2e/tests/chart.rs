@@ -494,6 +494,36 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
         (pod_reviews(&env).await > reviews).then_some(())
     })
     .await;
+    // Down to one replica without leader election: the Deployment goes over to Recreate (two
+    // replicas would run the controllers at once in a rolling update). Its defaulted
+    // rollingUpdate must go with it, or the API server refuses the upgrade.
+    let mut single = verb("upgrade");
+    single.extend([
+        "--set",
+        "replicaCount=1",
+        "--set",
+        "leaderElection.enabled=false",
+    ]);
+    for s in &common[..4] {
+        single.extend(["--set", s]);
+    }
+    let (ok, out) = helm(&env, &single).await;
+    assert!(
+        ok,
+        "helm upgrade to one replica without leader election: {out}"
+    );
+    let strategy =
+        Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(c.clone(), &release_ns)
+            .get(&name)
+            .await
+            .expect("the Deployment")
+            .spec
+            .and_then(|s| s.strategy);
+    assert_eq!(
+        strategy.as_ref().and_then(|s| s.type_.as_deref()),
+        Some("Recreate"),
+        "{strategy:?}"
+    );
 
     // Uninstall: the hook (a Job of the project's image, run by the fake kubelet as its
     // ServiceAccount) removes the registrations first.

@@ -316,57 +316,87 @@ fn gathered(
     })
 }
 
+/// How often every cached node is looked at for a loss to come that no change announced (nodes
+/// unhealthy already when a term starts, or changed while a watch was cut, or that joined
+/// unhealthy: the trigger asks for every PersistentPodState then, not for a node).
+const LOSSES_SCANNED_EVERY: Duration = Duration::from_secs(30);
+
 /// The node health changes of `changes`, and each again just after its node counts as lost
 /// (`lost_at`, judged when the change comes: `None` for a node healthy, lost already or not
 /// cached): no event comes then, and what a loss changes (a zone's last usable node lost, what
 /// the states concerned report) would otherwise wait for each PersistentPodState's resync. One
-/// timer per node, the latest change's.
+/// timer per node, the latest change's; `unhealthy` (the nodes unhealthy and not lost yet, as
+/// changes, with how long until each is lost) gives a timer to those without one at the start
+/// and every [`LOSSES_SCANNED_EVERY`].
 fn with_losses(
     changes: impl futures::Stream<Item = NodeHealthChange> + Unpin,
     lost_at: impl Fn(&str) -> Option<Duration>,
+    unhealthy: impl Fn() -> Vec<(NodeHealthChange, Duration)>,
 ) -> impl futures::Stream<Item = NodeHealthChange> {
     use tokio::time::Instant as TokioInstant;
     /// The changes to deliver again, by when, and when each node's is due (one per node).
+    #[derive(Default)]
     struct Due {
         by_time: BTreeMap<(TokioInstant, String), NodeHealthChange>,
         by_node: HashMap<String, TokioInstant>,
     }
-    let due = Due {
-        by_time: BTreeMap::new(),
-        by_node: HashMap::new(),
-    };
+    impl Due {
+        fn arm(&mut self, change: NodeHealthChange, after: Option<Duration>) {
+            if let Some(at) = self.by_node.remove(&change.name) {
+                self.by_time.remove(&(at, change.name.clone()));
+            }
+            if let Some(after) = after {
+                let at = TokioInstant::now() + after;
+                self.by_node.insert(change.name.clone(), at);
+                self.by_time.insert((at, change.name.clone()), change);
+            }
+        }
+    }
+    let mut scan = tokio::time::interval(LOSSES_SCANNED_EVERY);
+    scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     stream::unfold(
-        (changes, due, lost_at),
-        |(mut changes, mut due, lost_at)| async move {
-            let next_due = due.by_time.keys().next().map(|(at, _)| *at);
-            let timer = async {
-                match next_due {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            let change = tokio::select! {
-                change = changes.next() => {
-                    let change = change?;
-                    if let Some(at) = due.by_node.remove(&change.name) {
-                        due.by_time.remove(&(at, change.name.clone()));
+        (changes, Due::default(), scan, (lost_at, unhealthy)),
+        |(mut changes, mut due, mut scan, judge)| async move {
+            loop {
+                let next_due = due.by_time.keys().next().map(|(at, _)| *at);
+                let timer = async {
+                    match next_due {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
                     }
-                    if let Some(after) = lost_at(&change.name) {
-                        let at = TokioInstant::now() + after;
-                        due.by_node.insert(change.name.clone(), at);
-                        due.by_time.insert((at, change.name.clone()), change.clone());
+                };
+                let change = tokio::select! {
+                    change = changes.next() => {
+                        let change = change?;
+                        due.arm(change.clone(), (judge.0)(&change.name));
+                        change
                     }
-                    change
-                }
-                () = timer => {
-                    let ((_, name), change) = due.by_time.pop_first()?;
-                    due.by_node.remove(&name);
-                    change
-                }
-            };
-            Some((change, (changes, due, lost_at)))
+                    () = timer => {
+                        let ((_, name), change) = due.by_time.pop_first()?;
+                        due.by_node.remove(&name);
+                        change
+                    }
+                    _ = scan.tick() => {
+                        for (change, after) in (judge.1)() {
+                            if !due.by_node.contains_key(&change.name) {
+                                due.arm(change, Some(after));
+                            }
+                        }
+                        continue;
+                    }
+                };
+                return Some((change, (changes, due, scan, judge)));
+            }
         },
     )
+}
+
+/// How long until `node`, unhealthy now, counts as lost (to the next whole second past it);
+/// `None` for a node healthy or lost already.
+fn until_lost(health: &Health, node: &k8s_openapi::api::core::v1::Node) -> Option<Duration> {
+    let at = health.lost_at(node)?;
+    let secs = at.as_second().checked_sub(health.now.as_second())?;
+    (secs >= 0).then(|| Duration::from_secs(secs.unsigned_abs() + 1))
 }
 
 /// How often pods pinned by a PersistentPodState that is gone are looked for (a pass over every
@@ -418,15 +448,28 @@ async fn run_controllers(ctx: &Arc<Context>, shutdown: CancellationToken) {
         let ctx = ctx.clone();
         let from_nodes = caches.triggers.subscribe_nodes();
         let lost_after = ctx.node_lost_after;
-        let nodes = caches.clone();
-        // Just after the node counts as lost: the next whole second past `lost_at`.
+        let (nodes, every_node) = (caches.clone(), caches.clone());
         let lost_at = move |name: &str| {
-            let health = Health::now(lost_after);
-            let at = health.lost_at(nodes.node(name)?.as_ref())?;
-            let secs = at.as_second().checked_sub(health.now.as_second())?;
-            (secs >= 0).then(|| Duration::from_secs(secs.unsigned_abs() + 1))
+            let node = nodes.node(name)?;
+            until_lost(&Health::now(lost_after), &node)
         };
-        let from_nodes = Box::pin(with_losses(from_nodes, lost_at));
+        let unhealthy = move || {
+            let health = Health::now(lost_after);
+            every_node
+                .nodes
+                .state()
+                .iter()
+                .filter_map(|node| {
+                    let after = until_lost(&health, node)?;
+                    let change = NodeHealthChange {
+                        name: node.metadata.name.clone()?,
+                        labels: node.metadata.labels.clone().unwrap_or_default(),
+                    };
+                    Some((change, after))
+                })
+                .collect()
+        };
+        let from_nodes = Box::pin(with_losses(from_nodes, lost_at, unhealthy));
         gathered(from_nodes).flat_map(move |changes| stream::iter(ctx.concerned_by(&changes)))
     };
     let pps = Controller::for_stream(

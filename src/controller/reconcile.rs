@@ -226,9 +226,9 @@ impl LocalReleases {
     }
 }
 
-/// How soon pods whose claims could not be read, or whose release a kept claim holds back
-/// (claims and volumes are not watched: what an operator does about it wakes nothing), are
-/// looked at again.
+/// How soon pods whose claims could not be read, or whose release another owner's claim on
+/// their node holds back (claims and volumes are not watched: what is done about it wakes
+/// nothing), are looked at again.
 const UNREAD_CLAIMS_RETRY: Duration = Duration::from_secs(30);
 
 /// How soon a pod is looked at again when one of its claims changed between its read and its
@@ -309,10 +309,11 @@ async fn release_local_volumes(
             .collect();
         let kept: Vec<Kept> = kept.into_iter().filter_map(Result::err).collect();
         if local.is_empty() {
-            if allowed && !kept.is_empty() {
-                if report::first_local_report(ctx, pps, &w.uid, &uids) {
-                    report::local_volume_kept(ctx, pps, w, &kept);
-                }
+            if allowed && !kept.is_empty() && report::first_local_report(ctx, pps, &w.uid, &uids) {
+                report::local_volume_kept(ctx, pps, w, &kept);
+            }
+            // Held by another owner's claim on a node-local volume: read again soon (see below).
+            if allowed && kept.iter().any(|k| k.local_to.is_some()) {
                 out.again_within(UNREAD_CLAIMS_RETRY);
             }
             continue;
@@ -331,6 +332,8 @@ async fn release_local_volumes(
             if report::first_local_report(ctx, pps, &w.uid, &uids) {
                 report::local_volume_kept(ctx, pps, w, &kept);
             }
+            // Another owner's claim holds the pod on its node: read again soon, since what its
+            // owner or an operator does about it wakes nothing.
             out.again_within(UNREAD_CLAIMS_RETRY);
             continue;
         }
@@ -373,6 +376,8 @@ async fn release_local_volumes(
             }
         }
         if !claims_gone {
+            // Nothing was released: the token goes back, for the look in a moment.
+            ctx.releases.give_back(&key);
             out.again_within(CHANGED_CLAIM_RETRY);
             continue;
         }

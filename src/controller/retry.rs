@@ -194,6 +194,16 @@ impl Releases {
     }
 }
 
+impl Releases {
+    /// Gives back a release taken for `pps` that released nothing.
+    pub(super) fn give_back(&self, pps: &ObjectRef<PersistentPodState>) {
+        let full = f64::from(self.per_minute);
+        if let Some((tokens, _)) = lock(&self.buckets).get_mut(pps) {
+            *tokens = (*tokens + 1.0).min(full);
+        }
+    }
+}
+
 /// The key a failure of `obj` is counted under, per controller.
 pub(super) fn failure_key<K: ResourceExt>(controller: &str, obj: &K) -> String {
     format!(
