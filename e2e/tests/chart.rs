@@ -495,8 +495,8 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
     })
     .await;
     // Down to one replica without leader election: the Deployment goes over to Recreate (two
-    // replicas would run the controllers at once in a rolling update). Its defaulted
-    // rollingUpdate must go with it, or the API server refuses the upgrade.
+    // replicas would run the controllers at once in a rolling update), its defaulted
+    // rollingUpdate dropped by the upgrade's patch (the API server refuses both together).
     let mut single = verb("upgrade");
     single.extend([
         "--set",
