@@ -530,6 +530,18 @@ fn skip_value(body: &[u8], mut i: usize) -> usize {
     i
 }
 
+/// How long a request's handler may take: `limit`, or less when its URL asks for less. The API
+/// server calls a webhook with `?timeout=Ns` (its `timeoutSeconds`) and gives up after it: an
+/// answer later than that is counted as timed out, not as answered.
+fn timeout_asked(uri: &axum::http::Uri, limit: Duration) -> Duration {
+    uri.query()
+        .and_then(|query| query.split('&').find_map(|kv| kv.strip_prefix("timeout=")))
+        .and_then(|value| value.strip_suffix('s'))
+        .and_then(|seconds| seconds.parse::<u64>().ok())
+        .filter(|seconds| *seconds > 0)
+        .map_or(limit, |seconds| limit.min(Duration::from_secs(seconds)))
+}
+
 /// Middleware: [`RequestLimit::run`] around the rest of the app (the request's body handed on
 /// whole, a [`TooComplex`] mark in its extensions).
 pub async fn limit_requests(
@@ -667,8 +679,9 @@ impl RequestLimit {
                 "too many requests in flight; retry",
             );
         };
+        let timeout = timeout_asked(&parts.uri, limit.timeout);
         let request = axum::http::Request::from_parts(parts, bytes);
-        let answered = tokio::time::timeout(limit.timeout, handler(request, too_complex)).await;
+        let answered = tokio::time::timeout(timeout, handler(request, too_complex)).await;
         let response = match answered {
             Ok(response) => response,
             Err(_) => {
@@ -1866,6 +1879,60 @@ async fn run_http<IO>(
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn a_request_may_ask_for_less_time_than_the_limit_never_more() {
+        let limit = Duration::from_secs(10);
+        let asked = |uri: &str| timeout_asked(&uri.parse().expect("uri"), limit);
+        assert_eq!(asked("/mutate-pod?timeout=5s"), Duration::from_secs(5));
+        assert_eq!(asked("/mutate-pod?x=1&timeout=3s"), Duration::from_secs(3));
+        for more_or_odd in [
+            "/mutate-pod",
+            "/mutate-pod?timeout=30s",
+            "/mutate-pod?timeout=0s",
+            "/mutate-pod?timeout=1m0s",
+            "/mutate-pod?timeout=soon",
+        ] {
+            assert_eq!(asked(more_or_odd), limit, "{more_or_odd}");
+        }
+    }
+
+    /// The API server gives up on a webhook after its `timeoutSeconds` (sent as `?timeout=`):
+    /// a handler still running then is answered, and counted, as timed out at that time.
+    #[tokio::test(start_paused = true)]
+    async fn a_handler_slower_than_the_time_asked_is_answered_as_timed_out_then() {
+        let budget = Budget {
+            in_flight: 4,
+            bytes: 1 << 20,
+            pruned: &[],
+            held_per_byte: 0,
+        };
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let limit = RequestLimit::new(
+            budget,
+            Duration::from_secs(10),
+            1 << 20,
+            Some(metrics.clone()),
+        );
+        let request = Request::post("/convert?timeout=2s")
+            .body(Body::from("{}"))
+            .expect("request");
+        let started = tokio::time::Instant::now();
+        let answer = limit
+            .run(request, |_, _| async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                StatusCode::OK.into_response()
+            })
+            .await;
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+        let text = metrics.encode();
+        assert!(text.contains("result=\"timed_out\"} 1"), "{text}");
+    }
 
     #[tokio::test]
     async fn an_answer_holds_its_bytes_of_the_share_until_it_is_sent_or_dropped() {
