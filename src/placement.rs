@@ -71,6 +71,15 @@ impl Health {
         })
     }
 
+    /// How long until `node`, unhealthy now, counts as lost, to the next whole second past it
+    /// (when to look again at what its loss changes); `None` for a node healthy or lost
+    /// already.
+    pub fn until_lost(&self, node: &Node) -> Option<Duration> {
+        let at = self.lost_at(node).filter(|at| *at > self.now)?;
+        let secs = at.as_second().saturating_sub(self.now.as_second());
+        Some(Duration::from_secs(u64::try_from(secs).unwrap_or(0) + 1))
+    }
+
     /// Whether `node` is lost: not ready, or tainted unreachable/not-ready, for longer than
     /// `lost_after`, or tainted out-of-service. A cordoned node is not lost.
     pub fn is_lost(&self, node: &Node) -> bool {
@@ -512,6 +521,26 @@ mod tests {
 
     fn tainted(key: &str, effect: &str, added: Option<&str>) -> Value {
         json!({"spec": {"taints": [{"key": key, "effect": effect, "timeAdded": added}]}})
+    }
+
+    #[test]
+    fn how_long_until_a_node_counts_as_lost_to_the_next_whole_second() {
+        let h = health();
+        let until = |extra: Value| h.until_lost(&node("n", "z", extra));
+        // Not ready for a minute of the five: lost in four, looked at one second past it.
+        assert_eq!(
+            until(ready("False", Some("2026-11-22T11:59:00Z"))),
+            Some(Duration::from_secs(241))
+        );
+        // Healthy, lost already (exactly now, long ago, out of service): nothing to wait for.
+        for extra in [
+            ready("True", Some("2026-11-22T11:00:00Z")),
+            ready("False", Some("2026-11-22T11:55:00Z")),
+            ready("False", Some("2026-11-22T11:00:00Z")),
+            tainted(OUT_OF_SERVICE_TAINT, "NoExecute", None),
+        ] {
+            assert_eq!(until(extra.clone()), None, "{extra}");
+        }
     }
 
     #[test]

@@ -391,14 +391,6 @@ fn with_losses(
     )
 }
 
-/// How long until `node`, unhealthy now, counts as lost (to the next whole second past it);
-/// `None` for a node healthy or lost already.
-fn until_lost(health: &Health, node: &k8s_openapi::api::core::v1::Node) -> Option<Duration> {
-    let at = health.lost_at(node)?;
-    let secs = at.as_second().checked_sub(health.now.as_second())?;
-    (secs >= 0).then(|| Duration::from_secs(secs.unsigned_abs() + 1))
-}
-
 /// How often pods pinned by a PersistentPodState that is gone are looked for (a pass over every
 /// cached pod; under a millisecond at 100,000).
 const ORPHANED_PINS_EVERY: Duration = Duration::from_secs(10);
@@ -451,7 +443,7 @@ async fn run_controllers(ctx: &Arc<Context>, shutdown: CancellationToken) {
         let (nodes, every_node) = (caches.clone(), caches.clone());
         let lost_at = move |name: &str| {
             let node = nodes.node(name)?;
-            until_lost(&Health::now(lost_after), &node)
+            Health::now(lost_after).until_lost(&node)
         };
         let unhealthy = move || {
             let health = Health::now(lost_after);
@@ -460,7 +452,7 @@ async fn run_controllers(ctx: &Arc<Context>, shutdown: CancellationToken) {
                 .state()
                 .iter()
                 .filter_map(|node| {
-                    let after = until_lost(&health, node)?;
+                    let after = health.until_lost(node)?;
                     let change = NodeHealthChange {
                         name: node.metadata.name.clone()?,
                         labels: node.metadata.labels.clone().unwrap_or_default(),

@@ -30,7 +30,6 @@ use crate::release::{self, Kept, LocalClaim};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
-use k8s_openapi::jiff::Timestamp;
 
 fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
     match caches.workload(workload) {
@@ -632,12 +631,12 @@ fn next_look(
     (pps_name, pods): (&str, &[&CachedPod]),
     health: &Health,
 ) -> Duration {
-    let mut lost_at: Vec<Timestamp> = status
+    let mut until_lost: Vec<Duration> = status
         .pod_states
         .values()
         .filter_map(|s| s.node_name.as_deref())
         .filter_map(|name| caches.node(name))
-        .filter_map(|node| health.lost_at(&node))
+        .filter_map(|node| health.until_lost(&node))
         .collect();
     // Each distinct pin once (many pods wait for one zone in an outage); an empty one names
     // no node.
@@ -648,18 +647,11 @@ fn next_look(
         .collect();
     for values in &pins {
         caches.visit_with_labels(&placement::borrowed(values), &mut |node| {
-            lost_at.extend(health.lost_at(node));
+            until_lost.extend(health.until_lost(node));
             false
         });
     }
-    lost_at
-        .into_iter()
-        .filter(|at| *at > health.now)
-        .map(|at| {
-            let secs = at.as_second().saturating_sub(health.now.as_second());
-            Duration::from_secs(u64::try_from(secs).unwrap_or(0) + 1)
-        })
-        .fold(RESYNC, Duration::min)
+    until_lost.into_iter().fold(RESYNC, Duration::min)
 }
 
 /// The context of one workload kind's generator.
