@@ -469,18 +469,19 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
 
     // An upgrade with changed values while pods are created.
     creator.phase("upgrading");
-    let mut upgrade = verb("upgrade");
-    upgrade.extend([
-        "--set",
+    // `helm upgrade` of the release with `values` set, and the first four common ones.
+    let upgrade_setting = |values: &[&'static str]| {
+        let mut args = verb("upgrade");
+        for s in values.iter().chain(&common[..4]) {
+            args.extend(["--set", s]);
+        }
+        args
+    };
+    let upgrade = upgrade_setting(&[
         "webhook.timeoutSeconds=7",
-        "--set",
         "replicaCount=3",
-        "--set",
         "nodeLostAfter=60s",
     ]);
-    for s in &common[..4] {
-        upgrade.extend(["--set", s]);
-    }
     let (ok, out) = helm(&env, &upgrade).await;
     assert!(ok, "helm upgrade: {out}");
     creator.phase("upgraded");
@@ -497,16 +498,7 @@ async fn helm_install_upgrade_uninstall_never_fails_an_admission() {
     // Down to one replica without leader election: the Deployment goes over to Recreate (two
     // replicas would run the controllers at once in a rolling update), its defaulted
     // rollingUpdate dropped by the upgrade's patch (the API server refuses both together).
-    let mut single = verb("upgrade");
-    single.extend([
-        "--set",
-        "replicaCount=1",
-        "--set",
-        "leaderElection.enabled=false",
-    ]);
-    for s in &common[..4] {
-        single.extend(["--set", s]);
-    }
+    let single = upgrade_setting(&["replicaCount=1", "leaderElection.enabled=false"]);
     let (ok, out) = helm(&env, &single).await;
     assert!(
         ok,
