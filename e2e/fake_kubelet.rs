@@ -3,7 +3,8 @@
 //! - registers Ready nodes (`--node NAME=ZONE`, repeatable) with hostname and zone labels, plus
 //!   `--node-label K=V` and `--node-taint K=V:EFFECT` on each;
 //! - marks every pod bound to one of its nodes Running and Ready (again, if something marked it
-//!   not ready), with a pod IP from its IPAM
+//!   not ready; Ready only once the condition of each of its `readinessGates` is True, as the
+//!   kubelet computes it, keeping those conditions), with a pod IP from its IPAM
 //!   (`--ipam`):
 //!   - `host-local` (default) as the seeds' patched host-local: per node a /24, the same pod
 //!     name on the same node gets the same IP back, another node another IP;
@@ -321,14 +322,35 @@ impl Kubelet {
             }
             return Ok(());
         }
-        // Running and Ready as reported: nothing to do. A pod the node lifecycle controller
-        // marked not ready (its node was unknown for a while) is reported Ready again, as the
-        // kubelet's status manager does.
+        // Running and Ready as it should be reported: nothing to do. A pod the node lifecycle
+        // controller marked not ready (its node was unknown for a while) is reported Ready
+        // again, as the kubelet's status manager does. Ready also needs the condition of each
+        // readiness gate True, as the kubelet computes it: others set those, and they are kept.
+        let conditions = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.clone())
+            .unwrap_or_default();
+        let gates: Vec<String> = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.readiness_gates.as_ref())
+            .map(|g| g.iter().map(|g| g.condition_type.clone()).collect())
+            .unwrap_or_default();
+        let gate_open = |gate: &String| {
+            conditions
+                .iter()
+                .any(|c| &c.type_ == gate && c.status == "True")
+        };
+        let closed = gates.iter().find(|g| !gate_open(g));
         let running = pod
             .status
             .as_ref()
             .is_some_and(|s| s.phase.as_deref() == Some("Running") && s.pod_ip.is_some())
-            && persistent_pod_state::workload::is_ready(pod);
+            && conditions
+                .iter()
+                .any(|c| c.type_ == "ContainersReady" && c.status == "True")
+            && persistent_pod_state::workload::is_ready(pod) == closed.is_none();
         if running {
             return Ok(());
         }
@@ -379,12 +401,31 @@ impl Kubelet {
                     .collect()
             })
             .unwrap_or_default();
+        let ready = match closed {
+            None => cond("Ready"),
+            Some(gate) => json!({"type": "Ready", "status": "False",
+                "reason": "ReadinessGatesNotReady", "lastTransitionTime": now,
+                "message": format!("corresponding condition of pod readiness gate \"{gate}\" does not exist.")}),
+        };
+        let mut reported = vec![
+            cond("PodReadyToStartContainers"),
+            cond("Initialized"),
+            ready,
+            cond("ContainersReady"),
+            cond("PodScheduled"),
+        ];
+        // The gates' conditions, as others set them (the list is written whole).
+        reported.extend(
+            conditions
+                .iter()
+                .filter(|c| gates.contains(&c.type_))
+                .filter_map(|c| serde_json::to_value(c).ok()),
+        );
         let status = json!({"metadata": {"uid": uid}, "status": {
             "observedGeneration": pod.metadata.generation,
             "phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
             "podIP": ip, "podIPs": [{"ip": ip}], "startTime": now,
-            "conditions": [cond("PodReadyToStartContainers"), cond("Initialized"), cond("Ready"),
-                cond("ContainersReady"), cond("PodScheduled")],
+            "conditions": reported,
             "initContainerStatuses": init,
             "containerStatuses": containers,
         }});

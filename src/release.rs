@@ -19,13 +19,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde::Serialize;
 
-use crate::api::PersistentPodStateStatus;
 #[cfg(doc)]
 use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
+use crate::api::{PersistentPodState, PersistentPodStateStatus, PodState};
 use crate::placement::{DropReason, HOSTNAME_LABEL, Health, Nodes, selector_matches};
 use crate::state::trim::CachedPod;
 
@@ -426,6 +426,145 @@ pub fn holds_on(node: &str, waiting: &Waiting) -> bool {
     node == waiting.node || waiting.hostname.as_deref() == Some(node)
 }
 
+/// `state` once the node-local data it was recorded with is released: it names no node any
+/// more (`nodeName`, `nodeUID` and the labels that name one node, as `keys` judges, dropped), so
+/// that a pod created again is not pinned to the node its data left (its new claim binds where
+/// it is scheduled: a pin to the old node, back later, would hold it there for ever). Wider
+/// labels (a zone), the IPs, the annotations and the last restore stay.
+pub fn without_node(state: &PodState, keys: &NodeKeys) -> PodState {
+    let mut out = state.clone();
+    out.node_name = None;
+    out.node_uid = None;
+    out.node_topology_labels
+        .retain(|key, _| !keys.names_a_node(key));
+    out
+}
+
+/// The JSON patch that turns pod `pod`'s state `old` into `new` in a PersistentPodState's
+/// status, provided it is still `old` on the API server (a `test` first: a state recorded again
+/// meanwhile, by any writer, makes the API server refuse the patch with 422, and nothing
+/// changes).
+pub fn state_patch(
+    pod: &str,
+    old: &PodState,
+    new: &PodState,
+) -> serde_json::Result<json_patch::Patch> {
+    let path = format!(
+        "/status/podStates/{}",
+        pod.replace('~', "~0").replace('/', "~1")
+    );
+    serde_json::from_value(serde_json::json!([
+        {"op": "test", "path": path, "value": old},
+        {"op": "replace", "path": path, "value": new},
+    ]))
+}
+
+/// Makes pod `pod`'s state in the PersistentPodState `pps` (in `api`'s namespace) name no
+/// node ([`without_node`]) while it still names `node`: tried on `cached` (the state as the
+/// caller read it), and when the API server holds another one, on the state read live. `Ok(true)`
+/// once done, or when the state names another node (recorded again) or none, or is gone;
+/// `Ok(false)` when it kept changing.
+pub async fn forget_node(
+    api: &Api<PersistentPodState>,
+    pps: &str,
+    (pod, node): (&str, &str),
+    cached: Option<&PodState>,
+    keys: &NodeKeys,
+) -> Result<bool, kube::Error> {
+    let mut known = cached.cloned();
+    for _ in 0..2 {
+        let state = match known.take() {
+            Some(state) => state,
+            None => {
+                let live = api.get_opt(pps).await?;
+                match live.and_then(|p| p.status?.pod_states.remove(pod)) {
+                    Some(state) => state,
+                    None => return Ok(true),
+                }
+            }
+        };
+        if state.node_name.as_deref() != Some(node) {
+            return Ok(true);
+        }
+        let patch = state_patch(pod, &state, &without_node(&state, keys))
+            .map_err(kube::Error::SerdeError)?;
+        match api
+            .patch_status(pps, &PatchParams::default(), &Patch::Json::<()>(patch))
+            .await
+        {
+            Ok(_) => return Ok(true),
+            // The `test` failed: another state than the one read; read live next.
+            Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(true),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
+/// For `release`: makes pod `pod`'s state name no node ([`forget_node`]) in the
+/// PersistentPodState in force for its workload `(apiVersion, kind, name)` (the oldest of those
+/// targeting it, as the webhook and the controller choose), when that state names the node of
+/// one of the claims released: what was done, for the report. A state that kept changing is an
+/// error.
+async fn forget_released_node(
+    client: &Client,
+    namespace: &str,
+    (api_version, kind, name): (&str, &str, &str),
+    pod: &str,
+    claims: &[LocalClaim],
+    keys: &NodeKeys,
+) -> anyhow::Result<Option<String>> {
+    use anyhow::Context as _;
+
+    let api: Api<PersistentPodState> = Api::namespaced(client.clone(), namespace);
+    let list = api
+        .list(&ListParams::default())
+        .await
+        .context("listing PersistentPodStates")?;
+    let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
+    let in_force = list
+        .items
+        .iter()
+        .filter(|p| {
+            let t = &p.spec.target_ref;
+            t.group() == group && t.kind == kind && t.name == name
+        })
+        .min_by(|a, b| {
+            let created = |p: &PersistentPodState| p.metadata.creation_timestamp.clone();
+            created(a)
+                .cmp(&created(b))
+                .then_with(|| a.metadata.name.cmp(&b.metadata.name))
+        });
+    let Some(pps) = in_force else {
+        return Ok(None);
+    };
+    let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(pod)) else {
+        return Ok(None);
+    };
+    let recorded = state.node_name.as_deref().unwrap_or_default();
+    let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
+    if !claims
+        .iter()
+        .any(|c| c.node == recorded || Some(c.node.as_str()) == hostname)
+    {
+        return Ok(None);
+    }
+    let pps_name = pps.name_any();
+    let done = forget_node(&api, &pps_name, (pod, recorded), Some(state), keys)
+        .await
+        .with_context(|| {
+            format!("making the state of {pod} in PersistentPodState {pps_name} name no node")
+        })?;
+    anyhow::ensure!(
+        done,
+        "the state of {pod} in PersistentPodState {pps_name} kept changing: it may still name node {recorded}; a pod created again once that node is back would be pinned there, away from its new claim (edit the state, or run release again while the pod waits)"
+    );
+    Ok(Some(format!(
+        "the state of {pod} in PersistentPodState {pps_name} names node {recorded} no more"
+    )))
+}
+
 /// What a released pod's local claims were, for a message: `claim (PersistentVolume pv)`, ...
 pub fn describe(claims: &[LocalClaim]) -> String {
     let by_claim: BTreeMap<&str, &str> = claims
@@ -455,6 +594,9 @@ pub struct ReleaseReport {
     pub because: Vec<String>,
     /// The pod's claims that are kept, and why.
     pub kept: Vec<Kept>,
+    /// The state that names the claims' node no more, once released.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
 }
 
 impl ReleaseReport {
@@ -479,6 +621,10 @@ impl ReleaseReport {
                 self.pod,
                 self.because.join("; ")
             ));
+        }
+        if let Some(state) = &self.state {
+            t.push_str(state);
+            t.push('\n');
         }
         for k in &self.kept {
             t.push_str(&format!("kept claim {}: {}\n", k.claim, k.why));
@@ -527,7 +673,8 @@ pub async fn release_pod(
     let caches = crate::state::Caches::with_nodes(client)
         .await
         .context("listing nodes")?;
-    let workload = match crate::workload::controller_owner(pod.owner_references()) {
+    let owner = crate::workload::controller_owner(pod.owner_references());
+    let workload = match owner {
         Some(o) => {
             crate::workload::read_workload(client, namespace, &o.api_version, &o.kind, &o.name)
                 .await
@@ -560,6 +707,7 @@ pub async fn release_pod(
         pod_deleted: false,
         because: Vec::new(),
         kept: Vec::new(),
+        state: None,
     };
     for judged in judged {
         match judged {
@@ -659,6 +807,12 @@ pub async fn release_pod(
                 )
             });
         }
+    }
+    // Its data there gone, its state names that node no more, as the controller's release does.
+    if let Some(o) = owner.filter(|_| workload.is_some() && !report.claims.is_empty()) {
+        let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
+        report.state =
+            forget_released_node(client, namespace, owner, name, &report.claims, keys).await?;
     }
     Ok(report)
 }
@@ -802,6 +956,51 @@ mod tests {
             got.as_ref()
                 .is_err_and(|e| e.contains("can be mounted on 2 nodes")),
             "{got:?}"
+        );
+    }
+
+    #[test]
+    fn a_released_state_names_no_node_and_keeps_the_rest() {
+        let state: PodState = serde_json::from_value(json!({
+            "nodeName": "n1", "nodeUID": "n1-uid", "podIPs": ["10.0.0.7"],
+            "annotations": {"a": "b"}, "lastRestore": {"node": "kept", "ip": "kept"},
+            "nodeTopologyLabels": {"kubernetes.io/hostname": "n1", "example.com/disk-node": "n1",
+                "topology.kubernetes.io/zone": "z1", "topology.topolvm.io/node": "n1"}
+        }))
+        .expect("state");
+        let keys = NodeKeys::with(&["example.com/disk-node".into()]);
+        let kept = json!({"podIPs": ["10.0.0.7"], "annotations": {"a": "b"},
+            "lastRestore": {"node": "kept", "ip": "kept"},
+            "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
+        let forgotten = without_node(&state, &keys);
+        assert_eq!(serde_json::to_value(&forgotten).expect("json"), kept);
+        assert_eq!(without_node(&forgotten, &keys), forgotten, "once is enough");
+        // Without the operator's key, a label only a driver the operator names stays.
+        let default = without_node(&state, &NodeKeys::default());
+        assert_eq!(
+            default
+                .node_topology_labels
+                .get("example.com/disk-node")
+                .map(|v| &**v),
+            Some("n1")
+        );
+
+        // Applied as the API server applies it: only to the state as it was read.
+        let patch = state_patch("web-0", &state, &forgotten).expect("patch");
+        let mut status =
+            json!({"status": {"podStates": {"web-0": &state, "web-1": {"nodeName": "n2"}}}});
+        json_patch::patch(&mut status, &patch).expect("applies");
+        assert_eq!(status["status"]["podStates"]["web-0"], kept);
+        assert_eq!(
+            status["status"]["podStates"]["web-1"],
+            json!({"nodeName": "n2"})
+        );
+        let mut recorded_again = json!({"status": {"podStates": {"web-0": {"nodeName": "n3", "nodeTopologyLabels": {}}}}});
+        let before = recorded_again.clone();
+        assert!(json_patch::patch(&mut recorded_again, &patch).is_err());
+        assert_eq!(
+            recorded_again, before,
+            "a state recorded again is left alone"
         );
     }
 

@@ -6,9 +6,11 @@
 //! then does on the operator's word.
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use persistent_pod_state::api::{
     AUTO_GENERATE_ANNOTATION, PREFERRED_TOPOLOGY_ANNOTATION, RELEASE_LOCAL_VOLUMES_ANNOTATION,
+    REQUIRED_TOPOLOGY_ANNOTATION,
 };
 use serde_json::json;
 
@@ -159,7 +161,10 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
     assert!(
         said.contains(&format!("deleted persistentvolumeclaim {ns}/data-kept-0"))
             && said.contains(&kept_volume)
-            && said.contains(&format!("deleted pod {ns}/kept-0")),
+            && said.contains(&format!("deleted pod {ns}/kept-0"))
+            && said.contains(&format!(
+                "the state of kept-0 in PersistentPodState kept names node {lost} no more"
+            )),
         "{said}"
     );
     let running = wait_replaced(c, &ns, "kept-0", &waiting.uid().unwrap_or_default()).await;
@@ -184,4 +189,117 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
 /// `explain` of `pod`, as text.
 async fn explained(env: &Env, ns: &str, pod: &str) -> String {
     pps_command(env, &["explain", pod, "-n", ns]).await
+}
+
+/// The readiness gate of [`a_pod_released_before_it_was_ready_elsewhere_is_not_pinned_back`]'s
+/// pods: a pod is Ready only once the test opens it.
+const GATE: &str = "e2e.persistent-pod-state.io/ready";
+
+/// Opens the readiness gate of pod `name` (as the controller a gate stands for would).
+async fn open_gate(c: &Client, ns: &str, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    let condition = json!({"status": {"conditions": [{"type": GATE, "status": "True"}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Strategic(condition))
+        .await
+        .expect("gate opened");
+}
+
+/// The pod `name` once scheduled (Ready or not), another one than `old_uid`.
+async fn scheduled_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    wait_for(
+        &format!("{name} to be created again and scheduled"),
+        TIMEOUT,
+        || async {
+            let pod = pods.get_opt(name).await.ok()??;
+            let scheduled = pod.spec.as_ref()?.node_name.is_some();
+            (pod.uid().as_deref() != Some(old_uid) && scheduled).then_some(pod)
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_pod_released_before_it_was_ready_elsewhere_is_not_pinned_back() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-local-back").await;
+    let class = "e2e-back-local";
+    let (lost, spare) = (NODES[3], NODES[0]);
+    local_storage_class(c, class).await;
+    let first = format!("{class}-{lost}");
+    local_volume(c, class, &first, lost).await;
+    // Pinned to its host; Ready only once its gate is opened.
+    let sts = statefulset_with(
+        "back",
+        1,
+        &[
+            (AUTO_GENERATE_ANNOTATION, "true"),
+            (REQUIRED_TOPOLOGY_ANNOTATION, HOST),
+            (RELEASE_LOCAL_VOLUMES_ANNOTATION, "true"),
+        ],
+        json!({"spec": {
+            "template": {"spec": {"readinessGates": [{"conditionType": GATE}]}},
+            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
+                "accessModes": ["ReadWriteOnce"], "storageClassName": class,
+                "resources": {"requests": {"storage": "1Gi"}}}}]}}),
+    );
+    create_sts(c, &ns, &sts).await;
+    let pod = scheduled_again(c, &ns, "back-0", "").await;
+    open_gate(c, &ns, "back-0").await;
+    let placed = placements(c, &ns, &["back-0".to_owned()]).await;
+    assert_eq!(placed["back-0"].node, lost);
+    wait_states(c, &ns, "back", &placed).await;
+    let second = format!("{class}-{spare}");
+    local_volume(c, class, &second, spare).await;
+
+    // The node is lost: the claim and the pod are released, the pod is created again on the
+    // spare node's volume, and never turns Ready there (its gate stays shut).
+    let kubelet = kubelet_dies(c, lost).await;
+    let tainted = taint_out_of_service(c, lost).await;
+    force_delete_pod(c, &ns, "back-0").await;
+    wait_event_noting(c, &ns, "back", "PodReleased", &["back-0", "data-back-0"]).await;
+    let elsewhere = scheduled_again(c, &ns, "back-0", &pod.uid().unwrap_or_default()).await;
+    assert_eq!(
+        elsewhere.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+        Some(spare)
+    );
+    assert_eq!(bound(c, &ns, "data-back-0").await.1, second);
+    assert!(!persistent_pod_state::workload::is_ready(&elsewhere));
+    // Its state names the lost node no more.
+    let pps = pps_api(c, &ns);
+    let state = wait_for("the state to name no node", TIMEOUT, || async {
+        let state = pps
+            .get("back")
+            .await
+            .ok()?
+            .status?
+            .pod_states
+            .remove("back-0")?;
+        state.node_name.is_none().then_some(state)
+    })
+    .await;
+    assert!(!state.node_topology_labels.contains_key(HOST), "{state:?}");
+
+    // The node is back; the pod, never Ready, is created again: it goes where its claim is,
+    // not pinned to the node its data left.
+    tainted.restore().await;
+    kubelet_returns(c, lost, kubelet).await;
+    let old = force_delete_pod(c, &ns, "back-0").await;
+    let again = scheduled_again(c, &ns, "back-0", &old).await;
+    assert_eq!(
+        again.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+        Some(spare),
+        "scheduled where its claim is"
+    );
+    // Once Ready there, it is recorded there.
+    open_gate(c, &ns, "back-0").await;
+    let placed = placements(c, &ns, &["back-0".to_owned()]).await;
+    wait_states(c, &ns, "back", &placed).await;
+    println!("back-0: released from {lost}, created again after it came back, runs on {spare}");
+
+    delete_namespace(c, &ns).await;
+    for v in [&first, &second] {
+        delete_volume(c, v).await;
+    }
 }

@@ -389,6 +389,22 @@ async fn release_local_volumes(
             report::released_with_volumes(ctx, pps, w, &local);
             out.released.insert(w.pod.clone());
         }
+        // Its data on that node gone, the state names the node no more: a pod created again
+        // once the node is back would be pinned there, away from its new claim. After the
+        // deletes: a delete that fails is tried again at the next look, found by that node.
+        ctx.fence.before_write(namespace).await?;
+        let cached = pps.status.as_ref().and_then(|s| s.pod_states.get(&w.pod));
+        let pps_api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
+        let pod = (w.pod.as_str(), w.node.as_str());
+        match release::forget_node(&pps_api, &pps.name_any(), pod, cached, &ctx.node_keys).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(pod = %w.pod, node = %w.node, "the released pod's state kept changing and may still name the node: a pod created again once the node is back may be pinned there");
+            }
+            Err(e) => {
+                tracing::warn!(pod = %w.pod, node = %w.node, error = %e, "the released pod's state could not be made to name no node: a pod created again once the node is back may be pinned there");
+            }
+        }
     }
     Ok(out)
 }

@@ -979,6 +979,16 @@ fn still_waiting() -> Vec<Value> {
     ]
 }
 
+/// The answers to a release's deletes (the claim, the pod), then to the patch that makes the
+/// pod's state name no node ([`crate::release::forget_node`]).
+fn released() -> Vec<Value> {
+    let mut forgotten = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
+    forgotten["status"]["podStates"]["web-0"] =
+        json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    vec![deleted.clone(), deleted, forgotten]
+}
+
 fn on_host(node: &str) -> Value {
     json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}})
@@ -990,8 +1000,7 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(still_waiting());
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.extend(released());
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
     let calls: Vec<(String, &str)> = sent
         .iter()
@@ -1016,7 +1025,22 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
                 "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?"
             ),
             ("DELETE".into(), "/api/v1/namespaces/ns/pods/web-0?"),
+            // Then the state names the node no more, provided it is still the one read.
+            (
+                "PATCH".into(),
+                "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status?"
+            ),
         ]
+    );
+    assert_eq!(
+        sent[6].body,
+        json!([
+            {"op": "test", "path": "/status/podStates/web-0", "value": {
+                "nodeName": "n1", "nodeUID": "n1-uid", "nodeTopologyLabels":
+                {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}},
+            {"op": "replace", "path": "/status/podStates/web-0", "value": {
+                "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}},
+        ])
     );
     assert_eq!(
         sent[4].body["preconditions"],
@@ -1084,8 +1108,7 @@ async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_s
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(still_waiting());
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.extend(released());
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
     assert_eq!(
         sent.iter().filter(|s| s.method == Method::DELETE).count(),
@@ -1249,8 +1272,7 @@ async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(foreign_logs_claim(Value::Null));
     answers.extend(still_waiting());
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.extend(released());
     let (ctx, mut handle) = context(two_claims_world());
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
@@ -1452,6 +1474,55 @@ async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon(
 }
 
 #[tokio::test]
+async fn a_released_state_is_made_to_name_no_node_as_read_live_unless_recorded_again() {
+    let live = |node: &str| {
+        let mut p = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
+        p["status"]["podStates"]["web-0"] = json!({"nodeName": node, "podIPs": ["10.0.0.9"],
+            "nodeTopologyLabels": {"kubernetes.io/hostname": node}});
+        p
+    };
+    let failed = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "Invalid", "code": 422, "message": "testing value /status/podStates/web-0 failed"});
+    // The cache was stale: the `test` fails, the state read live still names n1 and is made to
+    // name none; recorded again on another node meanwhile, it is left as it is.
+    for (case, node, patches) in [("stale cache", "n1", 2), ("recorded again", "n3", 1)] {
+        let (ctx, mut handle) = context(waiting_world());
+        let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+        let mut answers = claim_and_volume(on_host("n1"));
+        answers.extend(still_waiting());
+        let mut done = released();
+        let forgotten = done.pop().expect("the patch's answer");
+        answers.extend(done);
+        answers.push(failed.clone());
+        answers.push(live(node));
+        answers.push(forgotten);
+        let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+        let patches_sent: Vec<&Value> = sent
+            .iter()
+            .filter(|s| s.method == Method::PATCH)
+            .map(|s| &s.body)
+            .collect();
+        assert_eq!(patches_sent.len(), patches, "{case}: {sent:?}");
+        assert_eq!(
+            sent.iter().filter(|s| s.method == Method::DELETE).count(),
+            2,
+            "{case}: released all the same"
+        );
+        if patches == 2 {
+            assert_eq!(
+                patches_sent[1],
+                &json!([
+                    {"op": "test", "path": "/status/podStates/web-0", "value": {"nodeName": "n1",
+                        "podIPs": ["10.0.0.9"], "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}}},
+                    {"op": "replace", "path": "/status/podStates/web-0", "value": {"podIPs": ["10.0.0.9"]}},
+                ]),
+                "{case}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
 async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() {
     let (ctx, mut handle) = context(waiting_world());
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
@@ -1466,13 +1537,15 @@ async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() 
         "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "8"},
         "spec": {"containers": []}, "status": {"phase": "Pending"}}));
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.extend(released().pop());
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
     let calls: Vec<String> = sent
         .iter()
         .map(|s| format!("{} {}", s.method, s.path_and_query))
         .collect();
-    assert_eq!(calls.len(), 8, "{calls:?}");
+    assert_eq!(calls.len(), 9, "{calls:?}");
     assert_eq!(calls[6], "GET /api/v1/namespaces/ns/pods/web-0");
+    assert!(calls[8].starts_with("PATCH "), "{calls:?}");
     assert_eq!(
         sent[7].body["preconditions"],
         json!({"uid": "pod-uid", "resourceVersion": "8"})
