@@ -405,7 +405,7 @@ impl Kubelet {
             None => cond("Ready"),
             Some(gate) => json!({"type": "Ready", "status": "False",
                 "reason": "ReadinessGatesNotReady", "lastTransitionTime": now,
-                "message": format!("corresponding condition of pod readiness gate \"{gate}\" does not exist.")}),
+                "message": format!("the condition of pod readiness gate \"{gate}\" is not True")}),
         };
         let mut reported = vec![
             cond("PodReadyToStartContainers"),
@@ -421,7 +421,9 @@ impl Kubelet {
                 .filter(|c| gates.contains(&c.type_))
                 .filter_map(|c| serde_json::to_value(c).ok()),
         );
-        let status = json!({"metadata": {"uid": uid}, "status": {
+        // On the version read: a gate's condition set meanwhile is not written over (the
+        // conflict is left to the event that brings it).
+        let status = json!({"metadata": {"uid": uid, "resourceVersion": pod.resource_version()}, "status": {
             "observedGeneration": pod.metadata.generation,
             "phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
             "podIP": ip, "podIPs": [{"ip": ip}], "startTime": now,

@@ -460,53 +460,48 @@ pub fn state_patch(
 }
 
 /// Makes pod `pod`'s state in the PersistentPodState `pps` (in `api`'s namespace) name no
-/// node ([`without_node`]) while it still names `node`: tried on `cached` (the state as the
-/// caller read it), and when the API server holds another one, on the state read live. `Ok(true)`
-/// once done, or when the state names another node (recorded again) or none, or is gone;
-/// `Ok(false)` when it kept changing.
+/// node ([`without_node`]) while it still names `node`, provided the API server holds it as
+/// `state` (read live when `None`). `Ok(true)` once done, or when the state names another node
+/// (recorded again) or none, or is gone; `Ok(false)` when the API server holds another state
+/// than `state` (look again from a fresher view).
 pub async fn forget_node(
     api: &Api<PersistentPodState>,
     pps: &str,
     (pod, node): (&str, &str),
-    cached: Option<&PodState>,
+    state: Option<&PodState>,
     keys: &NodeKeys,
 ) -> Result<bool, kube::Error> {
-    let mut known = cached.cloned();
-    for _ in 0..2 {
-        let state = match known.take() {
-            Some(state) => state,
-            None => {
-                let live = api.get_opt(pps).await?;
-                match live.and_then(|p| p.status?.pod_states.remove(pod)) {
-                    Some(state) => state,
-                    None => return Ok(true),
-                }
+    let state = match state {
+        Some(state) => state.clone(),
+        None => {
+            let live = api.get_opt(pps).await?;
+            match live.and_then(|p| p.status?.pod_states.remove(pod)) {
+                Some(state) => state,
+                None => return Ok(true),
             }
-        };
-        if state.node_name.as_deref() != Some(node) {
-            return Ok(true);
         }
-        let patch = state_patch(pod, &state, &without_node(&state, keys))
-            .map_err(kube::Error::SerdeError)?;
-        match api
-            .patch_status(pps, &PatchParams::default(), &Patch::Json::<()>(patch))
-            .await
-        {
-            Ok(_) => return Ok(true),
-            // The `test` failed: another state than the one read; read live next.
-            Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(true),
-            Err(e) => return Err(e),
-        }
+    };
+    if state.node_name.as_deref() != Some(node) {
+        return Ok(true);
     }
-    Ok(false)
+    let patch =
+        state_patch(pod, &state, &without_node(&state, keys)).map_err(kube::Error::SerdeError)?;
+    match api
+        .patch_status(pps, &PatchParams::default(), &Patch::Json::<()>(patch))
+        .await
+    {
+        Ok(_) => Ok(true),
+        // The `test` failed (another state than the one read), or a conflict.
+        Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => Ok(false),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(true),
+        Err(e) => Err(e),
+    }
 }
 
 /// For `release`: makes pod `pod`'s state name no node ([`forget_node`]) in the
 /// PersistentPodState in force for its workload `(apiVersion, kind, name)` (the oldest of those
 /// targeting it, as the webhook and the controller choose), when that state names the node of
-/// one of the claims released: what was done, for the report. A state that kept changing is an
-/// error.
+/// one of the claims released: what was done, or why it was not, for the report.
 async fn forget_released_node(
     client: &Client,
     namespace: &str,
@@ -514,16 +509,18 @@ async fn forget_released_node(
     pod: &str,
     claims: &[LocalClaim],
     keys: &NodeKeys,
-) -> anyhow::Result<Option<String>> {
-    use anyhow::Context as _;
-
+) -> Option<String> {
     let api: Api<PersistentPodState> = Api::namespaced(client.clone(), namespace);
-    let list = api
-        .list(&ListParams::default())
-        .await
-        .context("listing PersistentPodStates")?;
+    let list = match api.list(&ListParams::default()).await {
+        Ok(list) => list,
+        Err(e) => {
+            return Some(format!(
+                "warning: the PersistentPodStates could not be listed ({e}): if one records {pod} on the claims' node, a pod created again once that node is back is pinned there, away from its new claim; edit its state"
+            ));
+        }
+    };
     let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
-    let in_force = list
+    let pps = list
         .items
         .iter()
         .filter(|p| {
@@ -535,34 +532,34 @@ async fn forget_released_node(
             created(a)
                 .cmp(&created(b))
                 .then_with(|| a.metadata.name.cmp(&b.metadata.name))
-        });
-    let Some(pps) = in_force else {
-        return Ok(None);
-    };
-    let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(pod)) else {
-        return Ok(None);
-    };
+        })?;
+    let state = pps.status.as_ref()?.pod_states.get(pod)?;
     let recorded = state.node_name.as_deref().unwrap_or_default();
     let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
     if !claims
         .iter()
         .any(|c| c.node == recorded || Some(c.node.as_str()) == hostname)
     {
-        return Ok(None);
+        return None;
     }
     let pps_name = pps.name_any();
-    let done = forget_node(&api, &pps_name, (pod, recorded), Some(state), keys)
-        .await
-        .with_context(|| {
-            format!("making the state of {pod} in PersistentPodState {pps_name} name no node")
-        })?;
-    anyhow::ensure!(
-        done,
-        "the state of {pod} in PersistentPodState {pps_name} kept changing: it may still name node {recorded}; a pod created again once that node is back would be pinned there, away from its new claim (edit the state, or run release again while the pod waits)"
-    );
-    Ok(Some(format!(
-        "the state of {pod} in PersistentPodState {pps_name} names node {recorded} no more"
-    )))
+    let target = (pod, recorded);
+    // As listed, then once as read live (it may have changed since the list).
+    let done = match forget_node(&api, &pps_name, target, Some(state), keys).await {
+        Ok(false) => forget_node(&api, &pps_name, target, None, keys).await,
+        done => done,
+    };
+    Some(match done {
+        Ok(true) => format!(
+            "the state of {pod} in PersistentPodState {pps_name} names node {recorded} no more"
+        ),
+        Ok(false) => format!(
+            "warning: the state of {pod} in PersistentPodState {pps_name} kept changing and may still name node {recorded}: a pod created again once that node is back is pinned there, away from its new claim; edit the state"
+        ),
+        Err(e) => format!(
+            "warning: the state of {pod} in PersistentPodState {pps_name} could not be made to name no node ({e}): a pod created again once node {recorded} is back is pinned there, away from its new claim; edit the state"
+        ),
+    })
 }
 
 /// What a released pod's local claims were, for a message: `claim (PersistentVolume pv)`, ...
@@ -594,7 +591,8 @@ pub struct ReleaseReport {
     pub because: Vec<String>,
     /// The pod's claims that are kept, and why.
     pub kept: Vec<Kept>,
-    /// The state that names the claims' node no more, once released.
+    /// What became of the pod's state, once its claims are released: it names their node no
+    /// more, or a warning why it may still.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
 }
@@ -621,6 +619,9 @@ impl ReleaseReport {
                 self.pod,
                 self.because.join("; ")
             ));
+        }
+        if self.dry_run && !self.claims.is_empty() {
+            t.push_str("would make the pod's recorded state name the claims' node no more\n");
         }
         if let Some(state) = &self.state {
             t.push_str(state);
@@ -812,7 +813,7 @@ pub async fn release_pod(
     if let Some(o) = owner.filter(|_| workload.is_some() && !report.claims.is_empty()) {
         let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
         report.state =
-            forget_released_node(client, namespace, owner, name, &report.claims, keys).await?;
+            forget_released_node(client, namespace, owner, name, &report.claims, keys).await;
     }
     Ok(report)
 }

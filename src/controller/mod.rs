@@ -219,7 +219,13 @@ pub struct Context {
     node_keys: NodeKeys,
     /// Releases of waiting pods allowed, by PersistentPodState.
     releases: Releases,
+    /// States of pods whose node-local claims were released that still name the node, by
+    /// PersistentPodState: (pod, node), made to name no node at each look until done.
+    unforgotten: Mutex<Unforgotten>,
 }
+
+/// Released pods' states still to be made to name no node: (pod, node), by PersistentPodState.
+type Unforgotten = HashMap<ObjectRef<PersistentPodState>, BTreeSet<(String, String)>>;
 
 impl Context {
     /// A controller context.
@@ -246,6 +252,7 @@ impl Context {
             failures: Backoff::default(),
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
+            unforgotten: Mutex::default(),
             observe_all: false,
             node_keys: NodeKeys::default(),
         }

@@ -213,9 +213,9 @@ const ANNOTATIONS_UNREAD_RETRY: Duration = Duration::from_secs(2);
 /// What [`release_local_volumes`] did: the pods it released, and when to look again if the
 /// rate, a failed read, a claim changed meanwhile or a claim kept held some back.
 #[derive(Default)]
-struct LocalReleases {
+pub(super) struct LocalReleases {
     released: BTreeSet<String>,
-    later: Option<Duration>,
+    pub(super) later: Option<Duration>,
 }
 
 impl LocalReleases {
@@ -251,6 +251,7 @@ async fn release_local_volumes(
     health: &Health,
 ) -> Result<LocalReleases, Error> {
     let mut out = LocalReleases::default();
+    forget_released(ctx, pps, namespace, &mut out).await?;
     let Target::Live(info) = target else {
         return Ok(out);
     };
@@ -380,6 +381,12 @@ async fn release_local_volumes(
             out.again_within(CHANGED_CLAIM_RETRY);
             continue;
         }
+        // Its data on that node gone, its state is to name the node no more (once the pod is
+        // deleted; tried again at each look until done, whatever fails in between).
+        crate::sync::lock(&ctx.unforgotten)
+            .entry(key.clone())
+            .or_default()
+            .insert((w.pod.clone(), w.node.clone()));
         // By uid alone: with its claims deleted the pod cannot start anywhere, whatever
         // changed since (the StatefulSet controller and the scheduler write it often now).
         // Gone already counts: the StatefulSet controller may delete it itself, to create
@@ -389,24 +396,61 @@ async fn release_local_volumes(
             report::released_with_volumes(ctx, pps, w, &local);
             out.released.insert(w.pod.clone());
         }
-        // Its data on that node gone, the state names the node no more: a pod created again
-        // once the node is back would be pinned there, away from its new claim. After the
-        // deletes: a delete that fails is tried again at the next look, found by that node.
-        ctx.fence.before_write(namespace).await?;
-        let cached = pps.status.as_ref().and_then(|s| s.pod_states.get(&w.pod));
-        let pps_api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
-        let pod = (w.pod.as_str(), w.node.as_str());
-        match release::forget_node(&pps_api, &pps.name_any(), pod, cached, &ctx.node_keys).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(pod = %w.pod, node = %w.node, "the released pod's state kept changing and may still name the node: a pod created again once the node is back may be pinned there");
-            }
-            Err(e) => {
-                tracing::warn!(pod = %w.pod, node = %w.node, error = %e, "the released pod's state could not be made to name no node: a pod created again once the node is back may be pinned there");
-            }
-        }
+        forget_released(ctx, pps, namespace, &mut out).await?;
     }
     Ok(out)
+}
+
+/// Makes the states of pods whose node-local claims were released name their node no more
+/// ([`release::forget_node`]): a pod created again once the node is back would be pinned there,
+/// away from its new claim. Each is tried at every look of its PersistentPodState until done
+/// (or recorded again elsewhere), looked at again soon while one is left.
+pub(super) async fn forget_released(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    namespace: &str,
+    out: &mut LocalReleases,
+) -> Result<(), Error> {
+    let key = ObjectRef::from_obj(pps);
+    let pending: Vec<(String, String)> = crate::sync::lock(&ctx.unforgotten)
+        .get(&key)
+        .map(|p| p.iter().cloned().collect())
+        .unwrap_or_default();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
+    for (pod, node) in pending {
+        let cached = pps.status.as_ref().and_then(|s| s.pod_states.get(&pod));
+        ctx.fence.before_write(namespace).await?;
+        let done = match release::forget_node(
+            &api,
+            &pps.name_any(),
+            (&pod, &node),
+            cached,
+            &ctx.node_keys,
+        )
+        .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(%pod, %node, error = %e, "the released pod's state could not be made to name no node yet; tried again soon");
+                false
+            }
+        };
+        if done {
+            let mut unforgotten = crate::sync::lock(&ctx.unforgotten);
+            if let Some(left) = unforgotten.get_mut(&key) {
+                left.remove(&(pod, node));
+                if left.is_empty() {
+                    unforgotten.remove(&key);
+                }
+            }
+        } else {
+            out.again_within(CHANGED_CLAIM_RETRY);
+        }
+    }
+    Ok(())
 }
 
 /// Why no pod pinned on a PersistentPodState's word is released while its workload is

@@ -286,9 +286,10 @@ pub fn desired_status(
         if let Some(mut state) = pod_state(spec, pod, observed.node) {
             let steered = pod.annotations.get(INJECTED_ANNOTATION) == Some(pps_name);
             state.last_restore = match status.pod_states.get(&*pod.name) {
-                // A new pod of that name: judged if it was steered back, else not known.
+                // A new pod of that name: judged if it was steered back to a node, else not
+                // known (a state that names no node, its local data released, steers to none).
                 Some(before) if before.pod_uid.is_some() && before.pod_uid != state.pod_uid => {
-                    steered.then(|| compare(before, &state))
+                    (steered && before.node_name.is_some()).then(|| compare(before, &state))
                 }
                 Some(before) => before.last_restore,
                 None => None,
@@ -692,6 +693,37 @@ mod tests {
         .expect("change");
         assert!(again.restorations.is_empty());
         assert_eq!(again.status.restored.as_deref(), Some("2/3"));
+    }
+
+    #[test]
+    fn a_pod_created_again_for_a_state_that_names_no_node_is_not_judged() {
+        // Its local data released, the state names no node: the pod created again was steered
+        // (an IP, a zone) but not to a node; it is recorded where it runs, not judged moved.
+        let forgotten = PodState {
+            pod_uid: Some("a0".into()),
+            pod_ips: vec!["10.0.0.5".into()],
+            ..PodState::default()
+        };
+        let current = PersistentPodStateStatus {
+            pod_states: [("web-0".to_owned(), forgotten)].into(),
+            ..PersistentPodStateStatus::default()
+        };
+        let pod = recreated("web-0", "b0", "n2", &["10.0.0.5"], true);
+        let refs = [&pod];
+        let exists = |_: &str| true;
+        let observed = Observed {
+            target: live(1),
+            pods: &refs,
+            pod_exists: &exists,
+            node: &nodes,
+        };
+        let change =
+            change("web", &spec(None), 1, Some(&current), &observed, false).expect("change");
+        let now = &change.status.pod_states["web-0"];
+        assert_eq!(now.node_name.as_deref(), Some("n2"));
+        assert_eq!(now.last_restore, None);
+        assert!(change.restorations.is_empty());
+        assert_eq!(change.status.restored, None);
     }
 
     #[test]

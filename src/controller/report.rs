@@ -545,7 +545,7 @@ pub(super) fn released_with_volumes(
         })
         .inc();
     let note = format!(
-        "pod {} released: it waited for node {}, but {}; its claims {} were released with it, and its state names that node no more (the pod is pinned where its new claim binds once it is Ready there)",
+        "pod {} released: it waited for node {}, but {}; its claims {} were released with it, and its state is made to name that node no more (the pod is pinned where its new claim binds once it is Ready there)",
         waiting.pod,
         waiting.node,
         gone_reason(waiting),

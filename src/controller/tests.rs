@@ -1474,52 +1474,76 @@ async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon(
 }
 
 #[tokio::test]
-async fn a_released_state_is_made_to_name_no_node_as_read_live_unless_recorded_again() {
-    let live = |node: &str| {
-        let mut p = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
-        p["status"]["podStates"]["web-0"] = json!({"nodeName": node, "podIPs": ["10.0.0.9"],
-            "nodeTopologyLabels": {"kubernetes.io/hostname": node}});
-        p
-    };
+async fn a_released_state_not_made_to_name_no_node_yet_is_tried_again_until_done() {
+    use super::reconcile::{LocalReleases, forget_released};
     let failed = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "Invalid", "code": 422, "message": "testing value /status/podStates/web-0 failed"});
-    // The cache was stale: the `test` fails, the state read live still names n1 and is made to
-    // name none; recorded again on another node meanwhile, it is left as it is.
-    for (case, node, patches) in [("stale cache", "n1", 2), ("recorded again", "n3", 1)] {
-        let (ctx, mut handle) = context(waiting_world());
-        let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
-        let mut answers = claim_and_volume(on_host("n1"));
-        answers.extend(still_waiting());
-        let mut done = released();
-        let forgotten = done.pop().expect("the patch's answer");
-        answers.extend(done);
-        answers.push(failed.clone());
-        answers.push(live(node));
-        answers.push(forgotten);
-        let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
-        let patches_sent: Vec<&Value> = sent
-            .iter()
-            .filter(|s| s.method == Method::PATCH)
-            .map(|s| &s.body)
-            .collect();
-        assert_eq!(patches_sent.len(), patches, "{case}: {sent:?}");
-        assert_eq!(
-            sent.iter().filter(|s| s.method == Method::DELETE).count(),
-            2,
-            "{case}: released all the same"
-        );
-        if patches == 2 {
-            assert_eq!(
-                patches_sent[1],
-                &json!([
-                    {"op": "test", "path": "/status/podStates/web-0", "value": {"nodeName": "n1",
-                        "podIPs": ["10.0.0.9"], "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}}},
-                    {"op": "replace", "path": "/status/podStates/web-0", "value": {"podIPs": ["10.0.0.9"]}},
-                ]),
-                "{case}"
-            );
+    let (ctx, mut handle) = context(waiting_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
+    let mut done = released();
+    let forgotten = done.pop().expect("the patch's answer");
+    answers.extend(done);
+    // The cache was stale: the `test` fails.
+    answers.push(failed);
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    assert_eq!(
+        sent.iter().filter(|s| s.method == Method::DELETE).count(),
+        2,
+        "released all the same: {sent:?}"
+    );
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        after <= Duration::from_secs(2),
+        "tried again soon: {action:?}"
+    );
+    let key = kube::runtime::reflector::ObjectRef::new("web").within("ns");
+    let pending = || crate::sync::lock(&ctx.unforgotten).get(&key).cloned();
+    assert_eq!(
+        pending(),
+        Some([("web-0".to_owned(), "n1".to_owned())].into()),
+        "kept to be tried again"
+    );
+
+    // The next look, from the fresher cache: the state as it is now, still on n1.
+    let mut fresher = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
+    fresher["status"]["podStates"]["web-0"] = json!({"nodeName": "n1", "podIPs": ["10.0.0.9"],
+        "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}});
+    let fresher: PersistentPodState = serde_json::from_value(fresher).expect("pps");
+    let look = |pps: PersistentPodState| {
+        let ctx = ctx.clone();
+        async move {
+            let mut out = LocalReleases::default();
+            forget_released(&ctx, &pps, "ns", &mut out).await?;
+            assert!(out.later.is_none(), "nothing left to try again");
+            Ok(kube::runtime::controller::Action::await_change())
         }
-    }
+    };
+    let sent = drive(look(fresher), &mut handle, vec![forgotten]).await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        sent[0].body,
+        json!([
+            {"op": "test", "path": "/status/podStates/web-0", "value": {"nodeName": "n1",
+                "podIPs": ["10.0.0.9"], "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}}},
+            {"op": "replace", "path": "/status/podStates/web-0", "value": {"podIPs": ["10.0.0.9"]}},
+        ])
+    );
+    assert_eq!(pending(), None, "done");
+
+    // Recorded again on another node meanwhile: left as it is, and done.
+    crate::sync::lock(&ctx.unforgotten)
+        .entry(key.clone())
+        .or_default()
+        .insert(("web-0".to_owned(), "n1".to_owned()));
+    let mut again = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
+    again["status"]["podStates"]["web-0"] = json!({"nodeName": "n3"});
+    let again: PersistentPodState = serde_json::from_value(again).expect("pps");
+    let sent = drive(look(again), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    assert_eq!(pending(), None);
 }
 
 #[tokio::test]
