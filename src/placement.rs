@@ -213,15 +213,23 @@ impl<'a> PodDemands<'a> {
 
     fn tolerates(&self, taints: &[Taint]) -> bool {
         self.any_taint
-            || taints
-                .iter()
-                .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
-                .filter(|t| {
-                    ![UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT]
-                        .contains(&t.key.as_str())
-                })
-                .all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
+            || judged_taints(taints).all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
     }
+}
+
+/// The taints of `node` a pod must tolerate to go there (NoSchedule and NoExecute), but those of
+/// node health and cordoning, which [`Health`] judges.
+pub fn scheduling_taints(node: &Node) -> impl Iterator<Item = &Taint> {
+    judged_taints(taints(node))
+}
+
+fn judged_taints(taints: &[Taint]) -> impl Iterator<Item = &Taint> {
+    taints
+        .iter()
+        .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
+        .filter(|t| {
+            ![UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT].contains(&t.key.as_str())
+        })
 }
 
 fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {

@@ -341,3 +341,102 @@ async fn a_pod_pinned_by_a_persistent_pod_state_since_gone_is_released_when_its_
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }
+
+const MAINTENANCE: &str = "e2e.persistent-pod-state.io/maintenance";
+
+/// Taints `node` `MAINTENANCE:NoSchedule` (kept beside its other taints), or takes it away.
+async fn maintenance_taint(c: &Client, node: &str, on: bool) {
+    let nodes: Api<Node> = Api::all(c.clone());
+    let mut kept: Vec<k8s_openapi::api::core::v1::Taint> =
+        taints(&nodes.get(node).await.expect("node"))
+            .into_iter()
+            .filter(|t| t.key != MAINTENANCE)
+            .collect();
+    if on {
+        kept.push(
+            serde_json::from_value(serde_json::json!({"key": MAINTENANCE, "effect": "NoSchedule"}))
+                .expect("taint"),
+        );
+    }
+    nodes
+        .patch(
+            node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": kept}})),
+        )
+        .await
+        .expect("maintenance taint");
+}
+
+/// A node cordoned and tainted for maintenance by a test; both taken away when dropped (also
+/// when the test fails half-way), so later tests find every node usable.
+struct Maintenance(String);
+
+impl Drop for Maintenance {
+    fn drop(&mut self) {
+        let node = self.0.clone();
+        put_back(move |client| async move {
+            maintenance_taint(&client, &node, false).await;
+            set_unschedulable(&client, &node, false).await;
+        });
+    }
+}
+
+/// A pod pinned to its node while the node is cordoned waits for it (maintenance, as asked).
+/// The node then takes a taint the pod does not tolerate: at admission the webhook would have
+/// left the pin out, so once the pod has waited so for `--node-lost-after` the controller
+/// releases it (by uid and resourceVersion), and re-created, it runs elsewhere.
+#[tokio::test]
+async fn a_pod_held_by_a_taint_its_node_took_after_admission_is_released_after_the_grace() {
+    let env = env().await;
+    let c = &env.client;
+    let lost_after = lost_after(&env);
+    let ns = namespace(c, "e2e-tainted").await;
+    let (placed, _) = start_recorded(c, &ns, &pinned_statefulset("tainted", 1)).await;
+    let node = placed["tainted-0"].node.clone();
+    let before = scrape(&env).await;
+    set_unschedulable(c, &node, true).await;
+    let maintenance = Maintenance(node.clone());
+    let first_uid = force_delete_pod(c, &ns, "tainted-0").await;
+    let waiting = created_again(c, &ns, "tainted-0", &first_uid).await;
+    assert_eq!(
+        pinned_to(&waiting).as_deref(),
+        Some(node.as_str()),
+        "a cordoned node is waited for: pinned"
+    );
+    let pinned_uid = waiting.uid().unwrap_or_default();
+    maintenance_taint(c, &node, true).await;
+    let tainted_at = std::time::Instant::now();
+    let released = wait_for(
+        "the pinned pod to be released and created again",
+        lost_after + std::time::Duration::from_secs(90),
+        || async {
+            let pod = Api::<Pod>::namespaced(c.clone(), &ns)
+                .get_opt("tainted-0")
+                .await
+                .ok()??;
+            (pod.uid().as_deref() != Some(pinned_uid.as_str())).then_some(pod)
+        },
+    )
+    .await;
+    let took = tainted_at.elapsed();
+    assert!(
+        took >= lost_after,
+        "released {took:?} after the taint: not before --node-lost-after ({lost_after:?})"
+    );
+    assert_ne!(pinned_to(&released).as_deref(), Some(node.as_str()));
+    let running = wait_replaced(c, &ns, "tainted-0", &pinned_uid).await;
+    assert_ne!(placement(&running).map(|p| p.node), Some(node.clone()));
+    wait_event_noting(c, &ns, "tainted", "PodReleased", &["tainted-0", &node]).await;
+    let series = "pps_pods_released_total{reason=\"pod_constraints\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    println!(
+        "tainted-0: pinned to cordoned {node}, which took a taint it does not tolerate; released {took:?} later, now runs on {}",
+        placement(&running).map(|p| p.node).unwrap_or_default()
+    );
+    drop(maintenance);
+    delete_namespace(c, &ns).await;
+}

@@ -5,6 +5,8 @@
 //! turns what happened into Events and metrics, `retry` paces writes and backs off failures;
 //! this module holds what they share and runs them.
 
+mod constrained;
+mod delete;
 pub mod generate;
 mod reconcile;
 pub mod record;
@@ -222,6 +224,8 @@ pub struct Context {
     /// States of pods whose node-local claims were released that still name the node, by
     /// PersistentPodState: (pod, node), made to name no node at each look until done.
     unforgotten: Mutex<Unforgotten>,
+    /// Since when pinned waiting pods have been held by their pin alone.
+    held_since: Mutex<constrained::HeldSince>,
 }
 
 /// Released pods' states still to be made to name no node: (pod, node), by PersistentPodState.
@@ -253,6 +257,7 @@ impl Context {
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
             unforgotten: Mutex::default(),
+            held_since: Mutex::default(),
             observe_all: false,
             node_keys: NodeKeys::default(),
         }

@@ -15,15 +15,15 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use serde_json::json;
 
+use super::delete::{Deleted, delete_waiting_pod};
 use super::generate::{self, Leave, Plan};
 use super::record::{self, Observed, Target};
 use super::retry::failure_key;
-use super::{Context, Error, FIELD_MANAGER, RESYNC, report};
+use super::{Context, Error, FIELD_MANAGER, RESYNC, constrained, report};
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState,
     PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION,
 };
-use crate::leader::Fence;
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, Health, Nodes as _};
 use crate::release::{self, Kept, LocalClaim};
@@ -485,8 +485,10 @@ async fn release_stranded(
 ) -> Result<Option<Duration>, Error> {
     let place = |values: &BTreeMap<String, String>| ctx.place_required(values, health);
     let stranded = record::stranded(&pps.name_any(), pods, &place);
-    if let Some(why) = held.filter(|_| !stranded.is_empty()) {
-        tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has; none is released: {why}");
+    if let Some(why) = held {
+        if !stranded.is_empty() {
+            tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has; none is released: {why}");
+        }
         return Ok(None);
     }
     let key = ObjectRef::from_obj(pps);
@@ -501,7 +503,10 @@ async fn release_stranded(
             report::released(ctx, report::PinnedBy::Live(pps), pod);
         }
     }
-    Ok(None)
+    // Held by a taint or relabel that came after admission instead.
+    let mut skip = handled.clone();
+    skip.extend(stranded.into_iter().map(|p| p.pod));
+    constrained::release_held_by_pin(ctx, pps, namespace, pods, health, &skip).await
 }
 
 /// Releases the pods pinned by PersistentPodStates that are gone ([`record::orphaned`]) once no
@@ -600,85 +605,6 @@ async fn creates_unpinned(ctx: &Context, workload: &WorkloadRef) -> Result<bool,
     Ok(![INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION]
         .iter()
         .any(|key| annotations.and_then(|a| a.get(key)).is_some()))
-}
-
-/// Deletes the waiting pod `name` (`uid`), conditionally on `resource_version` (the pod as the
-/// decision saw it). When that version is stale (the scheduler writes an unschedulable pod's
-/// conditions, say), reads the pod once more and deletes it at its current version if it is
-/// still that pod, unscheduled and not being deleted. That pod gone meanwhile (another of its
-/// name now, or it is being deleted: the StatefulSet controller deletes a pod whose claim is
-/// being deleted, to create both again) is [`Deleted::Already`]; scheduled, [`Deleted::Kept`].
-pub(super) async fn delete_waiting_pod(
-    api: &Api<Pod>,
-    fence: &Fence,
-    (namespace, name): (&str, &str),
-    uid: &str,
-    resource_version: Option<String>,
-) -> Result<Deleted, Error> {
-    // Each delete passes the fence right before it is sent, the second as the first.
-    let delete = |resource_version: Option<String>| {
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(uid.to_owned()),
-                resource_version,
-            }),
-            ..DeleteParams::default()
-        };
-        async move {
-            fence.before_write(namespace).await?;
-            api.delete(name, &params).await.map_err(Error::from)
-        }
-    };
-    match delete(resource_version).await {
-        Ok(_) => return Ok(Deleted::Now),
-        Err(Error::Kube(kube::Error::Api(e))) if e.code == 404 => {
-            tracing::info!(pod = name, "the waiting pod is gone already");
-            return Ok(Deleted::Already);
-        }
-        Err(Error::Kube(kube::Error::Api(e))) if e.code == 409 => {
-            tracing::info!(pod = name, message = %e.message, "the waiting pod changed since it was seen; reading it again");
-        }
-        Err(e) => return Err(e),
-    }
-    let Some(pod) = api.get_opt(name).await? else {
-        return Ok(Deleted::Already);
-    };
-    if pod.uid().as_deref() != Some(uid) || pod.metadata.deletion_timestamp.is_some() {
-        tracing::info!(
-            pod = name,
-            "the waiting pod was deleted by another meanwhile (re-created or being deleted)"
-        );
-        return Ok(Deleted::Already);
-    }
-    if pod
-        .spec
-        .as_ref()
-        .is_some_and(|s| s.node_name.as_deref().is_some_and(|n| !n.is_empty()))
-    {
-        tracing::info!(
-            pod = name,
-            "the pod no longer waits (scheduled); not released"
-        );
-        return Ok(Deleted::Kept);
-    }
-    match delete(pod.resource_version()).await {
-        Ok(_) => Ok(Deleted::Now),
-        Err(Error::Kube(kube::Error::Api(e))) if e.code == 404 => Ok(Deleted::Already),
-        // Changed again: looked at again from the cache.
-        Err(Error::Kube(kube::Error::Api(e))) if e.code == 409 => Ok(Deleted::Kept),
-        Err(e) => Err(e),
-    }
-}
-
-/// What became of a waiting pod to be released.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Deleted {
-    /// Deleted by this call.
-    Now,
-    /// Gone before it (deleted by another).
-    Already,
-    /// Not deleted: it no longer waits, or changed again.
-    Kept,
 }
 
 /// When to look at a PersistentPodState again without a change: at the resync period, or just

@@ -1744,7 +1744,7 @@ mod waiting_pod_deletes {
     //! What deleting a waiting pod makes of a pod that changed since it was seen.
 
     use super::*;
-    use crate::controller::reconcile::{Deleted, delete_waiting_pod};
+    use crate::controller::delete::{Deleted, delete_waiting_pod};
     use crate::leader::Fence;
     use k8s_openapi::api::core::v1::Pod;
     use kube::Api;
@@ -2154,4 +2154,103 @@ async fn a_pod_annotation_named_for_the_first_time_is_recorded_once_the_pods_are
         sent[0].body["status"]["podStates"]["web-0"]["annotations"],
         json!({"example.com/slot": "3"})
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_released_after_the_grace()
+{
+    // web-0 waits pinned to n1, which took a taint web-0 does not tolerate after it was
+    // admitted; n2 would take it.
+    let world = |tolerations: Value| {
+        let caches = Caches::new();
+        let sts = GroupKind::native_statefulset();
+        caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+        caches.apply_workload(&sts, watcher::Event::InitDone);
+        let mut n1 = zone_node("n1", "z1", false);
+        n1.spec = serde_json::from_value(
+            json!({"taints": [{"key": "example.com/maintenance", "effect": "NoSchedule"}]}),
+        )
+        .expect("spec");
+        caches.apply_node(watcher::Event::Apply(n1));
+        caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                    crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": [],
+                "tolerations": tolerations},
+            "status": {"phase": "Pending"}
+        }))
+        .expect("pod");
+        caches.apply_pod(watcher::Event::Apply(pod.clone()));
+        (caches, serde_json::to_value(pod).expect("json"))
+    };
+    let pps = || {
+        Arc::new(pps(
+            json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
+            "nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}}}),
+        ))
+    };
+
+    let (caches, live) = world(json!([]));
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    let (sent, action) = drive_to_action(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        vec![live.clone()],
+    )
+    .await;
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
+    assert_eq!(
+        calls,
+        ["GET /api/v1/namespaces/ns/pods/web-0"],
+        "read, not released yet"
+    );
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        (Duration::from_secs(300)..=Duration::from_secs(301)).contains(&after),
+        "looked at again once the grace is over: {action:?}"
+    );
+    tokio::time::advance(after).await;
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let sent = drive(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        vec![live, deleted],
+    )
+    .await;
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[1].method, Method::DELETE);
+    assert_eq!(
+        sent[1].body["preconditions"],
+        json!({"uid": "pod-uid", "resourceVersion": "7"})
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pods_released_total{reason=\"pod_constraints\"} 1")
+    );
+    let note = event_note(&mut events, "PodReleased").await;
+    assert!(note.contains("web-0") && note.contains("n1"), "{note}");
+
+    // Tolerated: it waits for its node's room; read, never released.
+    let tolerating = json!([{"key": "example.com/maintenance", "operator": "Exists"}]);
+    let (caches, live) = world(tolerating);
+    let (ctx, mut handle) = context(caches);
+    let sent = drive(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        vec![live.clone()],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    tokio::time::advance(Duration::from_secs(301)).await;
+    let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![live]).await;
+    assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
+    assert!(crate::sync::lock(&ctx.held_since).is_empty());
 }

@@ -364,7 +364,10 @@ impl Caches {
             (watcher::Event::Apply(node), Some(old))
                 if !labels_changed || !self.pps_read_any(&changed_keys(&old, node)) =>
             {
-                if unhealthy_since(&old) == unhealthy_since(node) {
+                // A taint pods must tolerate, come or gone, may hold pods pinned there.
+                let taints_same = crate::placement::scheduling_taints(&old)
+                    .eq(crate::placement::scheduling_taints(node));
+                if unhealthy_since(&old) == unhealthy_since(node) && taints_same {
                     NodeTrigger::None
                 } else {
                     NodeTrigger::Health(health_change(node))

@@ -148,8 +148,9 @@ impl Caches {
 
     /// A node came, or a label some PersistentPodState reads changed on it (rare: operator
     /// actions, autoscaling), or a list ended: every PersistentPodState re-records what it must
-    /// and reports what cannot be injected. A known node's health changed or it went (every node of a failing zone, one
-    /// by one): the controller is told which, and picks the PersistentPodStates it concerns.
+    /// and reports what cannot be injected. A known node's health or the taints pods must
+    /// tolerate changed, or it went (every node of a failing zone, one by one): the controller
+    /// is told which, and picks the PersistentPodStates it concerns.
     pub(super) fn trigger_for_node(&self, change: NodeTrigger) {
         match change {
             NodeTrigger::None => {}
@@ -487,9 +488,11 @@ mod tests {
     /// The node lifecycle controller marks a lost node in steps: the `Ready` condition
     /// `Unknown`, then an unreachable NoSchedule taint, later its NoExecute twin. Loss is judged
     /// from the earliest of them, so only the first step is a health change: at 10,000
-    /// PersistentPodStates each later step reconciled every one with a state on the node.
+    /// PersistentPodStates each later step reconciled every one with a state on the node. A
+    /// taint pods must tolerate, come or gone, is one too (a pod pinned there may be held).
     #[test]
-    fn only_a_change_of_since_when_a_node_is_unhealthy_is_a_health_change() {
+    fn only_a_change_of_since_when_a_node_is_unhealthy_or_of_the_taints_pods_tolerate_is_a_health_change()
+     {
         let caches = Caches::new();
         let mut nodes = caches.triggers.subscribe_nodes();
         let node = |version: &str, ready: &str, taints: serde_json::Value| {
@@ -557,6 +560,26 @@ mod tests {
                 Some(true),
             ),
             ("ready, untainted", node("8", "True", json!([])), Some(true)),
+            (
+                "a taint pods must tolerate (it may hold a pinned pod)",
+                node(
+                    "9",
+                    "True",
+                    json!([{"key": "example.com/maintenance", "effect": "NoSchedule"}]),
+                ),
+                Some(true),
+            ),
+            (
+                "a PreferNoSchedule taint beside it (holds no pod)",
+                node(
+                    "10",
+                    "True",
+                    json!([{"key": "example.com/maintenance", "effect": "NoSchedule"},
+                        {"key": "example.com/busy", "effect": "PreferNoSchedule"}]),
+                ),
+                Some(false),
+            ),
+            ("untainted again", node("11", "True", json!([])), Some(true)),
         ];
         for (what, node, health_change) in steps.drain(..) {
             caches.apply_node(watcher::Event::Apply(node));
