@@ -25,15 +25,38 @@ use crate::state::trim::CachedPod;
 /// When waiting pods whose pin was judged must be read again if their read failed.
 const UNREAD_RETRY: Duration = Duration::from_secs(30);
 
-/// Since when each pinned pod has been seen held by its own constraints, by PersistentPodState
-/// and pod uid.
-pub(super) type HeldSince =
-    std::collections::HashMap<(ObjectRef<PersistentPodState>, String), Instant>;
+/// At most how many pinned waiting pods one look reads live (the others are read at the next
+/// look, in a moment).
+const READS_PER_LOOK: usize = 16;
+
+/// How soon a look that left pods unread looks again.
+const MORE_TO_READ: Duration = Duration::from_secs(5);
+
+/// How long the judgement of a pod no look has seen (its PersistentPodState gone, or it no
+/// longer waits pinned) is kept.
+const FORGOTTEN_AFTER: Duration = Duration::from_secs(600);
+
+/// What was judged of a pinned waiting pod, by PersistentPodState and pod uid.
+pub(super) type Judged =
+    std::collections::HashMap<(ObjectRef<PersistentPodState>, String), Judgement>;
+
+/// What was judged of one pinned waiting pod.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Judgement {
+    /// Since when its pin alone has held it (`None`: it does not).
+    held_since: Option<Instant>,
+    /// What it was judged on: the pod's resourceVersion (hashed) and the nodes' change count.
+    /// While both stay, so does the judgement (the pod is not read again).
+    judged_on: (u64, u64),
+    /// When a look last saw it.
+    seen: Instant,
+}
 
 /// Whether `pod` (read live, waiting), pinned by the webhook to `values`, is held by that pin
 /// alone: no usable node with the values meets the pod's own demands (its nodeSelector without
 /// the values added, its required node affinity, its tolerations), while some usable node that
-/// is not cordoned meets them. The values left out then, as the webhook would leave them out.
+/// is not cordoned meets them, and no scheduling gate holds it. The values left out then, as
+/// the webhook would leave them out.
 pub fn held_by_pin(
     pod: &Pod,
     values: &BTreeMap<String, String>,
@@ -41,6 +64,14 @@ pub fn held_by_pin(
     every_node: &[std::sync::Arc<Node>],
     health: &Health,
 ) -> Option<Dropped> {
+    let spec = pod.spec.as_ref()?;
+    if spec
+        .scheduling_gates
+        .as_ref()
+        .is_some_and(|g| !g.is_empty())
+    {
+        return None;
+    }
     // The pod as it was created: without the values the webhook added to its nodeSelector.
     let mut own = pod.clone();
     if let Some(selector) = own.spec.as_mut().and_then(|s| s.node_selector.as_mut()) {
@@ -59,10 +90,24 @@ pub fn held_by_pin(
         .then_some(dropped)
 }
 
+/// Whether a usable node with `values` carries a taint pods must tolerate: only then can the
+/// pin alone hold a pod (the usual pinned pod, waiting for its node's room, is not read).
+fn tainted_carrier(values: &BTreeMap<String, String>, nodes: &dyn Nodes, health: &Health) -> bool {
+    let labels: BTreeMap<&str, &str> = values
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    nodes.visit_with_labels(&labels, &mut |n| {
+        !health.is_lost(n) && placement::scheduling_taints(n).next().is_some()
+    })
+}
+
 /// Releases the pods of `pods` that the PersistentPodState `pps` pinned and that its pin alone
 /// holds ([`held_by_pin`], read live) for `--node-lost-after` or longer, each by uid and
 /// resourceVersion within the release rate, with a `PodReleased` Event; `skip`: pods released
-/// otherwise in this look. When to look again: the end of a wait, the rate, a failed read.
+/// otherwise in this look. A pod is read live only when a usable node with its values carries
+/// a taint, and again only once it or a node changed (or to release it), at most
+/// [`READS_PER_LOOK`] a look. When to look again: the end of a wait, the rate, reads left.
 pub(super) async fn release_held_by_pin(
     ctx: &Context,
     pps: &PersistentPodState,
@@ -74,7 +119,7 @@ pub(super) async fn release_held_by_pin(
     let name = pps.name_any();
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    let (mut held_now, mut next) = (BTreeSet::new(), None::<Duration>);
+    let (mut seen, mut next, mut reads) = (BTreeSet::new(), None::<Duration>, 0usize);
     let mut sooner = |d: Duration| next = Some(next.map_or(d, |n| n.min(d)));
     // Once the rate is spent, the others are still judged (their waits are kept).
     let mut rate_spent = false;
@@ -82,19 +127,48 @@ pub(super) async fn release_held_by_pin(
         let Some(values) = record::pinned(&name, pod) else {
             continue;
         };
-        // Read live only when no usable node with the values is free of a taint that could
-        // hold the pod (the usual pinned pod, waiting for its node's room, is not read).
-        let strict =
-            placement::required_owned(&values, &PodDemands::default(), ctx.caches.as_ref(), health);
-        let Some(uid) = pod.uid().filter(|_| strict.dropped.is_some()) else {
+        let Some(uid) = pod.uid() else {
             continue;
         };
+        if !tainted_carrier(&values, ctx.caches.as_ref(), health) {
+            continue;
+        }
+        seen.insert(uid.clone());
+        let judged_on = (
+            stamp(pod.resource_version().as_deref()),
+            ctx.caches.nodes_changed(),
+        );
+        let id = (key.clone(), uid.clone());
+        let known = crate::sync::lock(&ctx.judged).get(&id).copied();
+        let now = Instant::now();
+        let grace_over = |since: Instant| since + ctx.node_lost_after <= now;
+        match known {
+            Some(j) if j.judged_on == judged_on && j.held_since.is_none_or(|s| !grace_over(s)) => {
+                remember(ctx, &id, Judgement { seen: now, ..j });
+                if let Some(since) = j.held_since {
+                    sooner(since + ctx.node_lost_after - now + Duration::from_secs(1));
+                }
+                continue;
+            }
+            _ => {}
+        }
+        if reads == READS_PER_LOOK {
+            sooner(MORE_TO_READ);
+            if let Some(j) = known {
+                remember(ctx, &id, Judgement { seen: now, ..j });
+            }
+            continue;
+        }
+        reads += 1;
         let live = match api.get_opt(&pod.name).await {
             Ok(Some(live)) => live,
             Ok(None) => continue,
             Err(e) => {
                 tracing::warn!(pod = %pod.name, error = %e, "a pinned waiting pod could not be read");
                 sooner(UNREAD_RETRY);
+                if let Some(j) = known {
+                    remember(ctx, &id, Judgement { seen: now, ..j });
+                }
                 continue;
             }
         };
@@ -110,17 +184,24 @@ pub(super) async fn release_held_by_pin(
             continue;
         }
         let every_node = ctx.caches.nodes.state();
-        let Some(dropped) = held_by_pin(&live, &values, ctx.caches.as_ref(), &every_node, health)
-        else {
+        let dropped = held_by_pin(&live, &values, ctx.caches.as_ref(), &every_node, health);
+        let held_since = dropped
+            .as_ref()
+            .map(|_| known.and_then(|j| j.held_since).unwrap_or(now));
+        remember(
+            ctx,
+            &id,
+            Judgement {
+                held_since,
+                judged_on,
+                seen: now,
+            },
+        );
+        let (Some(dropped), Some(since)) = (dropped, held_since) else {
             continue;
         };
-        held_now.insert(uid.clone());
-        let since = *crate::sync::lock(&ctx.held_since)
-            .entry((key.clone(), uid.clone()))
-            .or_insert_with(Instant::now);
-        let waited = since.elapsed();
-        if waited < ctx.node_lost_after {
-            sooner(ctx.node_lost_after - waited + Duration::from_secs(1));
+        if !grace_over(since) {
+            sooner(since + ctx.node_lost_after - now + Duration::from_secs(1));
             continue;
         }
         if rate_spent {
@@ -149,8 +230,32 @@ pub(super) async fn release_held_by_pin(
             report::released(ctx, report::PinnedBy::Live(pps), &stranded);
         }
     }
-    crate::sync::lock(&ctx.held_since).retain(|(k, uid), _| *k != key || held_now.contains(uid));
+    let now = Instant::now();
+    crate::sync::lock(&ctx.judged).retain(|(k, uid), j| {
+        if *k == key {
+            seen.contains(uid)
+        } else {
+            now.duration_since(j.seen) < FORGOTTEN_AFTER
+        }
+    });
     Ok(next)
+}
+
+/// Forgets what was judged of the pods of `pps` (none of them is released on its word now).
+pub(super) fn forget(ctx: &Context, pps: &PersistentPodState) {
+    let key = ObjectRef::from_obj(pps);
+    crate::sync::lock(&ctx.judged).retain(|(k, _), _| *k != key);
+}
+
+fn remember(ctx: &Context, id: &(ObjectRef<PersistentPodState>, String), judgement: Judgement) {
+    crate::sync::lock(&ctx.judged).insert(id.clone(), judgement);
+}
+
+/// A resourceVersion, hashed (it is only compared).
+fn stamp(resource_version: Option<&str>) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+        .hash_one(resource_version)
 }
 
 #[cfg(test)]
@@ -253,6 +358,12 @@ mod tests {
         let own = pod(json!({"nodeSelector": {"kubernetes.io/hostname": "n1", "disk": "hdd"}}));
         assert_eq!(
             judge(vec![node("n1", maintenance(), false), fine()], &own),
+            None
+        );
+        // A scheduling gate holds it, whatever the pin.
+        let gated = pod(json!({"schedulingGates": [{"name": "example.com/queue"}]}));
+        assert_eq!(
+            judge(vec![node("n1", maintenance(), false), fine()], &gated),
             None
         );
         // Lost or gone: the stranded pods' release judges those.

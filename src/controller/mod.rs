@@ -97,6 +97,53 @@ impl Context {
     /// what was last reported of them. The others would reconcile to nothing new: during a zone
     /// outage, each of its nodes would otherwise reconcile every PersistentPodState.
     fn concerned_by(&self, changes: &[NodeHealthChange]) -> Vec<ObjectRef<PersistentPodState>> {
+        let (tainted, changes): (Vec<&NodeHealthChange>, Vec<&NodeHealthChange>) =
+            changes.iter().partition(|c| c.taints_only);
+        let mut concerned = self.pinned_on(&tainted);
+        if !changes.is_empty() {
+            concerned.extend(self.concerned_by_health(&changes));
+        }
+        concerned.into_iter().collect()
+    }
+
+    /// The PersistentPodStates with a pod waiting where they steered it, pinned to values one
+    /// of `nodes` carries (their taints changed: such a pod may be held there now, or no more).
+    fn pinned_on(&self, nodes: &[&NodeHealthChange]) -> HashSet<ObjectRef<PersistentPodState>> {
+        if nodes.is_empty() {
+            return HashSet::new();
+        }
+        let carried = |values: &BTreeMap<String, String>| {
+            nodes
+                .iter()
+                .any(|n| values.iter().all(|(k, v)| n.labels.get(k) == Some(v)))
+        };
+        let waiting = self.caches.pods_where(|p| {
+            p.node_name.as_deref().is_none_or(str::is_empty)
+                && p.annotations
+                    .get(crate::api::INJECTED_REQUIRED_ANNOTATION)
+                    .is_some()
+        });
+        let concerned: HashSet<ObjectRef<PersistentPodState>> = waiting
+            .iter()
+            .filter_map(|p| {
+                let pps = p.annotations.get(crate::api::INJECTED_ANNOTATION)?;
+                let values = record::pinned(pps, p)?;
+                carried(&values).then(|| ObjectRef::new(pps).within(&p.namespace))
+            })
+            .collect();
+        tracing::debug!(
+            nodes = nodes.len(),
+            concerned = concerned.len(),
+            "taints pods must tolerate changed"
+        );
+        concerned
+    }
+
+    /// [`Self::concerned_by`] for changes of health.
+    fn concerned_by_health(
+        &self,
+        changes: &[&NodeHealthChange],
+    ) -> Vec<ObjectRef<PersistentPodState>> {
         let names: HashSet<&str> = changes.iter().map(|c| c.name.as_str()).collect();
         let labels: HashSet<(&str, &str)> = changes
             .iter()
@@ -224,8 +271,8 @@ pub struct Context {
     /// States of pods whose node-local claims were released that still name the node, by
     /// PersistentPodState: (pod, node), made to name no node at each look until done.
     unforgotten: Mutex<Unforgotten>,
-    /// Since when pinned waiting pods have been held by their pin alone.
-    held_since: Mutex<constrained::HeldSince>,
+    /// What was judged of pinned waiting pods whose node took a taint (held by the pin alone?).
+    judged: Mutex<constrained::Judged>,
 }
 
 /// Released pods' states still to be made to name no node: (pod, node), by PersistentPodState.
@@ -257,7 +304,7 @@ impl Context {
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
             unforgotten: Mutex::default(),
-            held_since: Mutex::default(),
+            judged: Mutex::default(),
             observe_all: false,
             node_keys: NodeKeys::default(),
         }
@@ -380,7 +427,9 @@ fn with_losses(
                 let change = tokio::select! {
                     change = changes.next() => {
                         let change = change?;
-                        due.arm(change.clone(), (judge.0)(&change.name));
+                        // What the timer delivers is the node's loss, whatever armed it.
+                        let loss = NodeHealthChange { taints_only: false, ..change.clone() };
+                        due.arm(loss, (judge.0)(&change.name));
                         change
                     }
                     () = timer => {
@@ -468,6 +517,7 @@ async fn run_controllers(ctx: &Arc<Context>, shutdown: CancellationToken) {
                     let change = NodeHealthChange {
                         name: node.metadata.name.clone()?,
                         labels: node.metadata.labels.clone().unwrap_or_default(),
+                        taints_only: false,
                     };
                     Some((change, after))
                 })

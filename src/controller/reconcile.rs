@@ -489,14 +489,17 @@ async fn release_stranded(
         if !stranded.is_empty() {
             tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has; none is released: {why}");
         }
+        constrained::forget(ctx, pps);
         return Ok(None);
     }
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    let mut rate = None;
     for pod in stranded.iter().filter(|p| !handled.contains(&p.pod)) {
         if let Err(later) = ctx.releases.take(&key) {
             tracing::info!(pod = %pod.pod, ?later, "release rate reached; the pod waits for the next");
-            return Ok(Some(later));
+            rate = Some(later);
+            break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
         if delete_waiting_pod(&api, &ctx.fence, target, &pod.uid, rv).await? == Deleted::Now {
@@ -506,7 +509,11 @@ async fn release_stranded(
     // Held by a taint or relabel that came after admission instead.
     let mut skip = handled.clone();
     skip.extend(stranded.into_iter().map(|p| p.pod));
-    constrained::release_held_by_pin(ctx, pps, namespace, pods, health, &skip).await
+    let held = constrained::release_held_by_pin(ctx, pps, namespace, pods, health, &skip).await?;
+    Ok(match (rate, held) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    })
 }
 
 /// Releases the pods pinned by PersistentPodStates that are gone ([`record::orphaned`]) once no

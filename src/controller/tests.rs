@@ -1720,6 +1720,7 @@ async fn a_node_health_change_reconciles_only_the_pps_it_concerns() {
             .concerned_by(&[NodeHealthChange {
                 name: name.into(),
                 labels,
+                taints_only: false,
             }])
             .iter()
             .map(|r: &ObjectRef<PersistentPodState>| r.name.clone())
@@ -1738,6 +1739,25 @@ async fn a_node_health_change_reconciles_only_the_pps_it_concerns() {
         "a1 was recorded by on-a1, and za is lost for elsewhere-in-za; on-b1 is not concerned"
     );
     assert_eq!(lose("b1", "zb"), ["on-b1", "waiting"]);
+
+    // Only the taints pods must tolerate changed: what is recorded on the node is not
+    // concerned, only a pod waiting pinned to values the node carries.
+    let tainted = |name: &str, zone: &str| {
+        let labels = std::collections::BTreeMap::from([
+            ("topology.kubernetes.io/zone".to_string(), zone.to_string()),
+            ("kubernetes.io/hostname".to_string(), name.to_string()),
+        ]);
+        ctx.concerned_by(&[NodeHealthChange {
+            name: name.into(),
+            labels,
+            taints_only: true,
+        }])
+        .iter()
+        .map(|r: &ObjectRef<PersistentPodState>| r.name.clone())
+        .collect::<Vec<_>>()
+    };
+    assert_eq!(tainted("c1", "zc"), ["waiting"]);
+    assert!(tainted("a1", "za").is_empty(), "on-a1 is not concerned");
 }
 
 mod waiting_pod_deletes {
@@ -1859,6 +1879,7 @@ async fn a_node_unhealthy_now_is_looked_at_again_once_it_counts_as_lost() {
     let change = |name: &str| crate::state::NodeHealthChange {
         name: name.to_owned(),
         labels: Default::default(),
+        taints_only: false,
     };
     // How long until each node counts as lost, as judged when its change comes.
     let lost_at = |name: &str| match name {
@@ -1919,6 +1940,7 @@ async fn node_health_changes_are_gathered_for_a_window_then_looked_at_together()
     let change = |i: usize| crate::state::NodeHealthChange {
         name: format!("node-{i}"),
         labels: Default::default(),
+        taints_only: false,
     };
     let (tx, rx) = futures::channel::mpsc::unbounded();
     let mut batches = Box::pin(super::gathered(rx));
@@ -2251,6 +2273,13 @@ async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_releas
     assert_eq!(sent.len(), 1, "{sent:?}");
     tokio::time::advance(Duration::from_secs(301)).await;
     let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![live]).await;
-    assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
-    assert!(crate::sync::lock(&ctx.held_since).is_empty());
+    assert!(
+        sent.is_empty(),
+        "judged already, neither it nor a node changed: not read again: {sent:?}"
+    );
+    assert!(
+        crate::sync::lock(&ctx.judged)
+            .values()
+            .all(|j| format!("{j:?}").contains("held_since: None"))
+    );
 }

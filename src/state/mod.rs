@@ -339,6 +339,7 @@ impl Caches {
         let health_change = |node: &Node| NodeHealthChange {
             name: node.name_any(),
             labels: node.labels().clone(),
+            taints_only: false,
         };
         let known = match &event {
             watcher::Event::Apply(node) => self.node(&node.name_any()),
@@ -367,10 +368,13 @@ impl Caches {
                 // A taint pods must tolerate, come or gone, may hold pods pinned there.
                 let taints_same = crate::placement::scheduling_taints(&old)
                     .eq(crate::placement::scheduling_taints(node));
-                if unhealthy_since(&old) == unhealthy_since(node) && taints_same {
-                    NodeTrigger::None
-                } else {
-                    NodeTrigger::Health(health_change(node))
+                match (unhealthy_since(&old) == unhealthy_since(node), taints_same) {
+                    (true, true) => NodeTrigger::None,
+                    (true, false) => NodeTrigger::Health(NodeHealthChange {
+                        taints_only: true,
+                        ..health_change(node)
+                    }),
+                    (false, _) => NodeTrigger::Health(health_change(node)),
                 }
             }
             // A new node, a known one relabelled, or the end of a list.

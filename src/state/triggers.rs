@@ -33,6 +33,9 @@ pub struct NodeHealthChange {
     pub name: String,
     /// Its labels.
     pub labels: BTreeMap<String, String>,
+    /// Only the taints pods must tolerate changed (its health did not): it concerns only the
+    /// pods waiting pinned to values the node carries.
+    pub taints_only: bool,
 }
 
 impl Triggers {
@@ -463,6 +466,7 @@ mod tests {
         let change = NodeHealthChange {
             name: "n1".into(),
             labels: BTreeMap::from([("topology.kubernetes.io/zone".into(), "z1".into())]),
+            taints_only: false,
         };
         assert_eq!(nodes.try_recv().ok(), Some(change.clone()), "its health");
         assert!(requests.try_recv().is_err(), "handed over, not every PPS");
@@ -584,7 +588,13 @@ mod tests {
         for (what, node, health_change) in steps.drain(..) {
             caches.apply_node(watcher::Event::Apply(node));
             if let Some(expected) = health_change {
-                assert_eq!(nodes.try_recv().is_ok(), expected, "{what}");
+                let change = nodes.try_recv().ok();
+                assert_eq!(change.is_some(), expected, "{what}");
+                let taints_only =
+                    what.starts_with("a taint") || what.starts_with("untainted again");
+                if let Some(change) = change {
+                    assert_eq!(change.taints_only, taints_only, "{what}");
+                }
             }
             assert!(nodes.try_recv().is_err(), "{what}: one change at most");
         }
