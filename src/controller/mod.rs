@@ -32,6 +32,7 @@ use crate::leader::{Fence, Fenced};
 use crate::metrics::Metrics;
 use crate::placement::{self, Health, PodDemands, Required};
 use crate::release::NodeKeys;
+use crate::state::trim::CachedPod;
 use crate::state::{Caches, NodeHealthChange, WorkloadStore, pps_target};
 use crate::workload::GroupKind;
 pub use reconcile::{WorkloadContext, reconcile_pps, reconcile_workload};
@@ -117,12 +118,7 @@ impl Context {
                 .iter()
                 .any(|n| values.iter().all(|(k, v)| n.labels.get(k) == Some(v)))
         };
-        let waiting = self.caches.pods_where(|p| {
-            p.node_name.as_deref().is_none_or(str::is_empty)
-                && p.annotations
-                    .get(crate::api::INJECTED_REQUIRED_ANNOTATION)
-                    .is_some()
-        });
+        let waiting = self.waiting_pinned();
         let concerned: HashSet<ObjectRef<PersistentPodState>> = waiting
             .iter()
             .filter_map(|p| {
@@ -137,6 +133,16 @@ impl Context {
             "taints pods must tolerate changed"
         );
         concerned
+    }
+
+    /// The cached pods that wait unscheduled with required values the webhook added.
+    fn waiting_pinned(&self) -> Vec<Arc<CachedPod>> {
+        self.caches.pods_where(|p| {
+            p.node_name.as_deref().is_none_or(str::is_empty)
+                && p.annotations
+                    .get(crate::api::INJECTED_REQUIRED_ANNOTATION)
+                    .is_some()
+        })
     }
 
     /// [`Self::concerned_by`] for changes of health.

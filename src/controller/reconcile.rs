@@ -523,10 +523,7 @@ async fn release_stranded(
 /// PersistentPodState's pods is logged and the others are still looked at; only a fenced write
 /// ends the pass.
 pub(super) async fn release_orphaned_pins(ctx: &Context) -> Result<(), Error> {
-    let mut waiting = ctx.caches.pods_where(|p| {
-        p.node_name.as_deref().is_none_or(str::is_empty)
-            && p.annotations.get(INJECTED_REQUIRED_ANNOTATION).is_some()
-    });
+    let mut waiting = ctx.waiting_pinned();
     if waiting.is_empty() {
         return Ok(());
     }

@@ -563,6 +563,24 @@ mod tests {
             .collect()
     }
 
+    /// The change a reconcile of one live pod makes when `web-0`'s state is `recorded`.
+    fn change_one(recorded: PodState, pod: &CachedPod) -> StatusChange {
+        let current = PersistentPodStateStatus {
+            observed_generation: 1,
+            pod_states: [("web-0".to_owned(), recorded)].into(),
+            ..PersistentPodStateStatus::default()
+        };
+        let refs = [pod];
+        let exists = |_: &str| true;
+        let observed = Observed {
+            target: live(1),
+            pods: &refs,
+            pod_exists: &exists,
+            node: &nodes,
+        };
+        change("web", &spec(None), 1, Some(&current), &observed, false).expect("change")
+    }
+
     fn expect(pairs: &[(&str, &str)]) -> BTreeMap<String, Option<String>> {
         pairs
             .iter()
@@ -704,21 +722,8 @@ mod tests {
             pod_ips: vec!["10.0.0.5".into()],
             ..PodState::default()
         };
-        let current = PersistentPodStateStatus {
-            pod_states: [("web-0".to_owned(), forgotten)].into(),
-            ..PersistentPodStateStatus::default()
-        };
         let pod = recreated("web-0", "b0", "n2", &["10.0.0.5"], true);
-        let refs = [&pod];
-        let exists = |_: &str| true;
-        let observed = Observed {
-            target: live(1),
-            pods: &refs,
-            pod_exists: &exists,
-            node: &nodes,
-        };
-        let change =
-            change("web", &spec(None), 1, Some(&current), &observed, false).expect("change");
+        let change = change_one(forgotten, &pod);
         let now = &change.status.pod_states["web-0"];
         assert_eq!(now.node_name.as_deref(), Some("n2"));
         assert_eq!(now.last_restore, None);
@@ -996,25 +1001,10 @@ mod tests {
 
     #[test]
     fn a_node_replaced_under_its_name_is_found_and_the_state_takes_the_new_uid() {
-        let pods = [pod("web-0", Some("node-1"), true, "u1")];
-        let refs: Vec<&CachedPod> = pods.iter().collect();
-        let exists = |_: &str| true;
         let mut recorded = state("node-1");
         assert_eq!(recorded.node_uid.as_deref(), Some("uid-node-1"), "recorded");
         recorded.node_uid = Some("uid-before".into());
-        let current = PersistentPodStateStatus {
-            observed_generation: 1,
-            pod_states: [("web-0".to_string(), recorded)].into(),
-            ..PersistentPodStateStatus::default()
-        };
-        let observed = Observed {
-            target: live(1),
-            pods: &refs,
-            pod_exists: &exists,
-            node: &nodes,
-        };
-        let change =
-            change("web", &spec(None), 1, Some(&current), &observed, false).expect("change");
+        let change = change_one(recorded, &pod("web-0", Some("node-1"), true, "u1"));
         assert_eq!(
             change.replaced,
             [Replaced {
