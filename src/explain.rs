@@ -180,7 +180,9 @@ impl Explanation {
         match &self.recorded {
             Some(s) => t.push_str(&format!(
                 "recorded: node {}, labels {:?}, IPs [{}]\n",
-                s.node_name.as_deref().unwrap_or("?"),
+                s.node_name.as_deref().unwrap_or(
+                    "none (its node-local data released, say): recorded again once Ready"
+                ),
                 s.node_topology_labels
                     .iter()
                     .collect::<std::collections::BTreeMap<_, _>>(),
