@@ -352,6 +352,9 @@ pub struct Metrics {
     /// Claims on node-local volumes of a node that is gone released (deleted, with their waiting
     /// pod, to be re-created elsewhere), by how the node is gone.
     pub local_volumes_released: Family<DropLabels, Counter>,
+    /// Pod states made to name no node because the pod's node-local claims are bound on
+    /// another node now.
+    pub state_nodes_forgotten: Counter,
     /// Pods let through without a patch, by reason.
     pub skipped: Family<SkipLabels, Counter>,
     /// Pod states recorded or re-recorded.
@@ -465,6 +468,7 @@ impl Metrics {
             states_unplaceable: Gauge::default(),
             pods_released: Family::default(),
             local_volumes_released: Family::default(),
+            state_nodes_forgotten: Counter::default(),
             skipped: Family::default(),
             states_recorded: Counter::default(),
             states_pruned: Counter::default(),
@@ -525,6 +529,11 @@ impl Metrics {
             "local_volumes_released",
             "Claims on node-local volumes of a node that is gone released with their waiting pod, by reason",
             m.local_volumes_released.clone(),
+        );
+        registry.register(
+            "state_nodes_forgotten",
+            "Pod states made to name no node because the pod's node-local claims are bound on another node now",
+            m.state_nodes_forgotten.clone(),
         );
         registry.register(
             "states_unplaceable",

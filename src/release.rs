@@ -423,7 +423,13 @@ pub fn on_node(local: &LocalClaim, waiting: &Waiting) -> bool {
 /// Whether a volume whose affinity names `node` holds the pod `waiting` to the node it waits
 /// for (by name, or by its recorded hostname).
 pub fn holds_on(node: &str, waiting: &Waiting) -> bool {
-    node == waiting.node || waiting.hostname.as_deref() == Some(node)
+    names_node(&waiting.node, waiting.hostname.as_deref(), node)
+}
+
+/// Whether `node` (as a volume's affinity names it) is the node a state records as `recorded`
+/// (its name) with `hostname` (its `kubernetes.io/hostname`, when recorded).
+pub fn names_node(recorded: &str, hostname: Option<&str>, node: &str) -> bool {
+    node == recorded || hostname == Some(node)
 }
 
 /// `state` once the node-local data it was recorded with is released: it names no node any
@@ -459,30 +465,40 @@ pub fn state_patch(
     ]))
 }
 
+/// What [`forget_node`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forgot {
+    /// The state names no node now.
+    Done,
+    /// Nothing to do: the state names another node (recorded again) or none, or it or its
+    /// PersistentPodState is gone.
+    Nothing,
+    /// The API server holds another state than the one given: look again from a fresher view.
+    Stale,
+}
+
 /// Makes pod `pod`'s state in the PersistentPodState `pps` (in `api`'s namespace) name no
 /// node ([`without_node`]) while it still names `node`, provided the API server holds it as
-/// `state` (read live when `None`). `Ok(true)` once done, or when the state names another node
-/// (recorded again) or none, or is gone; `Ok(false)` when the API server holds another state
-/// than `state` (look again from a fresher view).
+/// `state` (read live when `None`).
 pub async fn forget_node(
     api: &Api<PersistentPodState>,
     pps: &str,
     (pod, node): (&str, &str),
     state: Option<&PodState>,
     keys: &NodeKeys,
-) -> Result<bool, kube::Error> {
+) -> Result<Forgot, kube::Error> {
     let state = match state {
         Some(state) => state.clone(),
         None => {
             let live = api.get_opt(pps).await?;
             match live.and_then(|p| p.status?.pod_states.remove(pod)) {
                 Some(state) => state,
-                None => return Ok(true),
+                None => return Ok(Forgot::Nothing),
             }
         }
     };
     if state.node_name.as_deref() != Some(node) {
-        return Ok(true);
+        return Ok(Forgot::Nothing);
     }
     let patch =
         state_patch(pod, &state, &without_node(&state, keys)).map_err(kube::Error::SerdeError)?;
@@ -490,10 +506,10 @@ pub async fn forget_node(
         .patch_status(pps, &PatchParams::default(), &Patch::Json::<()>(patch))
         .await
     {
-        Ok(_) => Ok(true),
+        Ok(_) => Ok(Forgot::Done),
         // The `test` failed (another state than the one read), or a conflict.
-        Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => Ok(false),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => Ok(Forgot::Stale),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(Forgot::Nothing),
         Err(e) => Err(e),
     }
 }
@@ -538,7 +554,7 @@ async fn forget_released_node(
     let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
     if !claims
         .iter()
-        .any(|c| c.node == recorded || Some(c.node.as_str()) == hostname)
+        .any(|c| names_node(recorded, hostname, &c.node))
     {
         return None;
     }
@@ -546,14 +562,14 @@ async fn forget_released_node(
     let target = (pod, recorded);
     // As listed, then once as read live (it may have changed since the list).
     let done = match forget_node(&api, &pps_name, target, Some(state), keys).await {
-        Ok(false) => forget_node(&api, &pps_name, target, None, keys).await,
+        Ok(Forgot::Stale) => forget_node(&api, &pps_name, target, None, keys).await,
         done => done,
     };
     Some(match done {
-        Ok(true) => format!(
+        Ok(Forgot::Done | Forgot::Nothing) => format!(
             "the state of {pod} in PersistentPodState {pps_name} names node {recorded} no more"
         ),
-        Ok(false) => format!(
+        Ok(Forgot::Stale) => format!(
             "warning: the state of {pod} in PersistentPodState {pps_name} kept changing and may still name node {recorded}: a pod created again once that node is back is pinned there, away from its new claim; edit the state"
         ),
         Err(e) => format!(

@@ -221,23 +221,54 @@ async fn scheduled_again(c: &Client, ns: &str, name: &str, old_uid: &str) -> Pod
 
 #[tokio::test]
 async fn a_pod_released_before_it_was_ready_elsewhere_is_not_pinned_back() {
+    released_before_ready(Release::ByTheController).await;
+}
+
+/// The same, released by hand: the operator deletes the claim and the pod. The controller has
+/// no memory of that release (as after a leader change or a crash following its own): the state
+/// stops naming the old node from what the cluster shows (the pod on another node, its claim
+/// bound to a volume only that node can mount).
+#[tokio::test]
+async fn a_pod_released_by_hand_before_it_was_ready_elsewhere_is_not_pinned_back() {
+    released_before_ready(Release::ByHand).await;
+}
+
+/// Who releases the claim and the pod in [`released_before_ready`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// The controller, on `persistent-pod-state.io/release-local-volumes: "true"`.
+    ByTheController,
+    /// An operator, deleting the claim and then the pod.
+    ByHand,
+}
+
+/// A required-hostname StatefulSet pod on a local disk is released from its lost node (by
+/// `by`), created again on a spare node's volume and never turns Ready there: its state must
+/// name no node, and once the node is back the pod created again must go where its claim is.
+async fn released_before_ready(by: Release) {
     let env = env().await;
     let c = &env.client;
-    let ns = namespace(c, "e2e-local-back").await;
-    let class = "e2e-back-local";
+    let (ns, class) = match by {
+        Release::ByTheController => ("e2e-local-back", "e2e-back-local"),
+        Release::ByHand => ("e2e-local-hand", "e2e-hand-local"),
+    };
+    let ns = namespace(c, ns).await;
     let (lost, spare) = (NODES[3], NODES[0]);
     local_storage_class(c, class).await;
     let first = format!("{class}-{lost}");
     local_volume(c, class, &first, lost).await;
     // Pinned to its host; Ready only once its gate is opened.
+    let mut annotations = vec![
+        (AUTO_GENERATE_ANNOTATION, "true"),
+        (REQUIRED_TOPOLOGY_ANNOTATION, HOST),
+    ];
+    if by == Release::ByTheController {
+        annotations.push((RELEASE_LOCAL_VOLUMES_ANNOTATION, "true"));
+    }
     let sts = statefulset_with(
         "back",
         1,
-        &[
-            (AUTO_GENERATE_ANNOTATION, "true"),
-            (REQUIRED_TOPOLOGY_ANNOTATION, HOST),
-            (RELEASE_LOCAL_VOLUMES_ANNOTATION, "true"),
-        ],
+        &annotations,
         json!({"spec": {
             "template": {"spec": {"readinessGates": [{"conditionType": GATE}]}},
             "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
@@ -257,13 +288,42 @@ async fn a_pod_released_before_it_was_ready_elsewhere_is_not_pinned_back() {
     // spare node's volume, and never turns Ready there (its gate stays shut).
     let kubelet = kubelet_dies(c, lost).await;
     let tainted = taint_out_of_service(c, lost).await;
-    force_delete_pod(c, &ns, "back-0").await;
-    wait_event_noting(c, &ns, "back", "PodReleased", &["back-0", "data-back-0"]).await;
-    let elsewhere = scheduled_again(c, &ns, "back-0", &pod.uid().unwrap_or_default()).await;
+    let mut last = force_delete_pod(c, &ns, "back-0").await;
+    match by {
+        Release::ByTheController => {
+            wait_event_noting(c, &ns, "back", "PodReleased", &["back-0", "data-back-0"]).await;
+        }
+        Release::ByHand => {
+            // The pod created again waits for its claim's node: the operator deletes the claim
+            // (no scheduled pod uses it, so it goes at once), then the pod.
+            wait_event_noting(
+                c,
+                &ns,
+                "back",
+                "LocalVolumeBlocking",
+                &["back-0", "data-back-0"],
+            )
+            .await;
+            let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), &ns);
+            let (claim_uid, _) = bound(c, &ns, "data-back-0").await;
+            claims
+                .delete("data-back-0", &Default::default())
+                .await
+                .expect("claim deleted by hand");
+            wait_for("the claim deleted by hand to be gone", TIMEOUT, || async {
+                let claim = claims.get_opt("data-back-0").await.ok()?;
+                (claim.and_then(|c| c.uid()) != Some(claim_uid.clone())).then_some(())
+            })
+            .await;
+            last = force_delete_pod(c, &ns, "back-0").await;
+        }
+    }
+    let elsewhere = scheduled_again(c, &ns, "back-0", &last).await;
     assert_eq!(
         elsewhere.spec.as_ref().and_then(|s| s.node_name.as_deref()),
         Some(spare)
     );
+    assert_ne!(elsewhere.uid(), pod.uid());
     assert_eq!(bound(c, &ns, "data-back-0").await.1, second);
     assert!(!persistent_pod_state::workload::is_ready(&elsewhere));
     // Its state names the lost node no more.
@@ -280,6 +340,17 @@ async fn a_pod_released_before_it_was_ready_elsewhere_is_not_pinned_back() {
     })
     .await;
     assert!(!state.node_topology_labels.contains_key(HOST), "{state:?}");
+    if by == Release::ByHand {
+        // Found from the pod and its new claim, and said so.
+        wait_event_noting(
+            c,
+            &ns,
+            "back",
+            "NodeForgotten",
+            &["back-0", lost, &second, spare],
+        )
+        .await;
+    }
 
     // The node is back; the pod, never Ready, is created again: it goes where its claim is,
     // not pinned to the node its data left.
@@ -296,7 +367,13 @@ async fn a_pod_released_before_it_was_ready_elsewhere_is_not_pinned_back() {
     open_gate(c, &ns, "back-0").await;
     let placed = placements(c, &ns, &["back-0".to_owned()]).await;
     wait_states(c, &ns, "back", &placed).await;
-    println!("back-0: released from {lost}, created again after it came back, runs on {spare}");
+    let how = match by {
+        Release::ByTheController => "by the controller",
+        Release::ByHand => "by hand",
+    };
+    println!(
+        "back-0: released {how} from {lost}, created again after it came back, runs on {spare}"
+    );
 
     delete_namespace(c, &ns).await;
     for v in [&first, &second] {

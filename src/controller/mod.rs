@@ -8,6 +8,7 @@
 mod constrained;
 mod delete;
 pub mod generate;
+mod moved;
 mod reconcile;
 pub mod record;
 mod report;
@@ -274,15 +275,13 @@ pub struct Context {
     node_keys: NodeKeys,
     /// Releases of waiting pods allowed, by PersistentPodState.
     releases: Releases,
-    /// States of pods whose node-local claims were released that still name the node, by
-    /// PersistentPodState: (pod, node), made to name no node at each look until done.
-    unforgotten: Mutex<Unforgotten>,
+    /// Pods scheduled elsewhere than their state records whose claims were read and showed no
+    /// data moved (not read again while so, or for a while after a failed read), by
+    /// PersistentPodState and pod uid.
+    data_in_place: Reported<HashMap<String, moved::InPlace>>,
     /// What was judged of pinned waiting pods whose node took a taint (held by the pin alone?).
     judged: Mutex<constrained::Judged>,
 }
-
-/// Released pods' states still to be made to name no node: (pod, node), by PersistentPodState.
-type Unforgotten = HashMap<ObjectRef<PersistentPodState>, BTreeSet<(String, String)>>;
 
 impl Context {
     /// A controller context.
@@ -309,7 +308,7 @@ impl Context {
             failures: Backoff::default(),
             pacing: Pacing::default(),
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
-            unforgotten: Mutex::default(),
+            data_in_place: Reported::default(),
             judged: Mutex::default(),
             observe_all: false,
             node_keys: NodeKeys::default(),

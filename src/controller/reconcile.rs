@@ -19,14 +19,14 @@ use super::delete::{Deleted, delete_waiting_pod};
 use super::generate::{self, Leave, Plan};
 use super::record::{self, Observed, Target};
 use super::retry::failure_key;
-use super::{Context, Error, FIELD_MANAGER, RESYNC, constrained, report};
+use super::{Context, Error, FIELD_MANAGER, RESYNC, constrained, moved, report};
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState,
     PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION,
 };
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, Health, Nodes as _};
-use crate::release::{self, Kept, LocalClaim};
+use crate::release::{self, Kept, LocalClaim, Waiting};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
 use crate::workload::{GroupKind, WorkloadInfo, WorkloadRef};
@@ -183,6 +183,11 @@ pub async fn reconcile_pps(
     if let Some(later) = local.later {
         wait = wait.min(later);
     }
+    if let Some(later) =
+        moved::forget_moved(&ctx, &pps, &namespace, &pods, &workload_target).await?
+    {
+        wait = wait.min(later);
+    }
     if let Some(later) = release_stranded(
         &ctx,
         &pps,
@@ -251,7 +256,6 @@ async fn release_local_volumes(
     health: &Health,
 ) -> Result<LocalReleases, Error> {
     let mut out = LocalReleases::default();
-    forget_released(ctx, pps, namespace, &mut out).await?;
     let Target::Live(info) = target else {
         return Ok(out);
     };
@@ -381,12 +385,6 @@ async fn release_local_volumes(
             out.again_within(CHANGED_CLAIM_RETRY);
             continue;
         }
-        // Its data on that node gone, its state is to name the node no more (once the pod is
-        // deleted; tried again at each look until done, whatever fails in between).
-        crate::sync::lock(&ctx.unforgotten)
-            .entry(key.clone())
-            .or_default()
-            .insert((w.pod.clone(), w.node.clone()));
         // By uid alone: with its claims deleted the pod cannot start anywhere, whatever
         // changed since (the StatefulSet controller and the scheduler write it often now).
         // Gone already counts: the StatefulSet controller may delete it itself, to create
@@ -396,60 +394,34 @@ async fn release_local_volumes(
             report::released_with_volumes(ctx, pps, w, &local);
             out.released.insert(w.pod.clone());
         }
-        forget_released(ctx, pps, namespace, &mut out).await?;
+        // Its data on that node gone, its state names the node no more, so that a pod created
+        // again once the node is back is not pinned there. Tried once here; whatever fails, and
+        // a release this replica forgets (a leader change, a crash), is found again from the
+        // pod created again and its new claims ([`moved`]).
+        forget_released(ctx, pps, namespace, w).await?;
     }
     Ok(out)
 }
 
-/// Makes the states of pods whose node-local claims were released name their node no more
-/// ([`release::forget_node`]): a pod created again once the node is back would be pinned there,
-/// away from its new claim. Each is tried at every look of its PersistentPodState until done
-/// (or recorded again elsewhere), looked at again soon while one is left.
-pub(super) async fn forget_released(
+/// Makes the state of `w`, released with its node-local claims, name its node no more
+/// ([`release::forget_node`]), once, as the cache holds it: a failure is only logged.
+async fn forget_released(
     ctx: &Context,
     pps: &PersistentPodState,
     namespace: &str,
-    out: &mut LocalReleases,
+    w: &Waiting,
 ) -> Result<(), Error> {
-    let key = ObjectRef::from_obj(pps);
-    let pending: Vec<(String, String)> = crate::sync::lock(&ctx.unforgotten)
-        .get(&key)
-        .map(|p| p.iter().cloned().collect())
-        .unwrap_or_default();
-    if pending.is_empty() {
-        return Ok(());
-    }
+    let cached = pps.status.as_ref().and_then(|s| s.pod_states.get(&w.pod));
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
-    for (pod, node) in pending {
-        let cached = pps.status.as_ref().and_then(|s| s.pod_states.get(&pod));
-        ctx.fence.before_write(namespace).await?;
-        let done = match release::forget_node(
-            &api,
-            &pps.name_any(),
-            (&pod, &node),
-            cached,
-            &ctx.node_keys,
-        )
-        .await
-        {
-            Ok(done) => done,
-            Err(e) => {
-                tracing::warn!(%pod, %node, error = %e, "the released pod's state could not be made to name no node yet; tried again soon");
-                false
-            }
+    let target = (w.pod.as_str(), w.node.as_str());
+    ctx.fence.before_write(namespace).await?;
+    let error =
+        match release::forget_node(&api, &pps.name_any(), target, cached, &ctx.node_keys).await {
+            Ok(release::Forgot::Done | release::Forgot::Nothing) => return Ok(()),
+            Ok(release::Forgot::Stale) => "the state changed since it was read".to_owned(),
+            Err(e) => e.to_string(),
         };
-        if done {
-            let mut unforgotten = crate::sync::lock(&ctx.unforgotten);
-            if let Some(left) = unforgotten.get_mut(&key) {
-                left.remove(&(pod, node));
-                if left.is_empty() {
-                    unforgotten.remove(&key);
-                }
-            }
-        } else {
-            out.again_within(CHANGED_CLAIM_RETRY);
-        }
-    }
+    tracing::info!(pod = %w.pod, node = %w.node, %error, "the released pod's state still names its node: made to name none once the pod created again is scheduled where its new claims bind");
     Ok(())
 }
 

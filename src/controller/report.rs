@@ -545,7 +545,7 @@ pub(super) fn released_with_volumes(
         })
         .inc();
     let note = format!(
-        "pod {} released: it waited for node {}, but {}; its claims {} were released with it, and its state is made to name that node no more (the pod is pinned where its new claim binds once it is Ready there)",
+        "pod {} released: it waited for node {}, but {}; its claims {} were released with it, and its state is made to name that node no more, so that a pod created again once the node is back is not pinned there (it is recorded where its new claims bind once Ready)",
         waiting.pod,
         waiting.node,
         gone_reason(waiting),
@@ -559,6 +559,25 @@ pub(super) fn released_with_volumes(
         "Release",
         note,
     );
+}
+
+/// A pod's state made to name no node, its node-local data having moved to another node
+/// (`pod` and the node its state named): counted, and a `NodeForgotten` Event naming the claim
+/// that shows it.
+pub(super) fn node_forgotten(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    (pod, recorded): (&str, &str),
+    claim: &LocalClaim,
+) {
+    ctx.metrics.state_nodes_forgotten.inc();
+    tracing::info!(%pod, %recorded, claim = %claim.claim, node = %claim.node, "the pod's node-local data moved: its state names its old node no more");
+    let note = format!(
+        "the state of pod {pod} names node {recorded} no more: its claim {} is bound to PersistentVolume {}, which only node {} can mount (its claims were released and bound again there); it is recorded there once Ready, and a pod created again meanwhile is not pinned to {recorded}",
+        claim.claim, claim.volume, claim.node
+    );
+    ctx.events
+        .publish_about(pps, pod, EventType::Normal, "NodeForgotten", "Record", note);
 }
 
 /// How a waiting pod's node is gone, for a note.

@@ -1473,77 +1473,145 @@ async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon(
     );
 }
 
+/// `waiting_world`'s pod `web-0` scheduled to `n2` and not Ready, as the caches hold it.
+fn scheduled_elsewhere(caches: &Caches) {
+    caches.apply_pod(watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "9",
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"containers": [], "nodeName": "n2"},
+            "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}
+        }))
+        .expect("pod"),
+    ));
+}
+
 #[tokio::test]
-async fn a_released_state_not_made_to_name_no_node_yet_is_tried_again_until_done() {
-    use super::reconcile::{LocalReleases, forget_released};
+async fn a_pod_whose_node_local_data_moved_has_its_state_name_no_node_with_no_memory_of_a_release()
+{
+    // Nothing in the context knows of a release (another replica made it, or an operator by
+    // hand): web-0 runs on n2, not Ready, its state names n1, and its claim is bound to a
+    // volume only n2 can mount.
+    let caches = waiting_world();
+    scheduled_elsewhere(&caches);
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    let pps = waiting_pps(json!({}));
+    let mut forgotten = serde_json::to_value(pps.as_ref()).expect("pps");
+    forgotten["status"]["podStates"]["web-0"] =
+        json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
+    let mut answers = claim_and_volume(on_host("n2"));
+    answers.push(forgotten);
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    let calls: Vec<(String, &str)> = sent
+        .iter()
+        .map(|s| (s.method.to_string(), s.path_and_query.as_str()))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            (
+                "GET".into(),
+                "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0"
+            ),
+            ("GET".into(), "/api/v1/persistentvolumes/pv-1"),
+            (
+                "PATCH".into(),
+                "/apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status?"
+            ),
+        ]
+    );
+    // Provided the state is still the one read; the zone stays.
+    assert_eq!(
+        sent[2].body,
+        json!([
+            {"op": "test", "path": "/status/podStates/web-0", "value": {
+                "nodeName": "n1", "nodeUID": "n1-uid", "nodeTopologyLabels":
+                {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}},
+            {"op": "replace", "path": "/status/podStates/web-0", "value": {
+                "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}},
+        ])
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_state_nodes_forgotten_total 1"),
+        "counted"
+    );
+    let note = event_note(&mut events, "NodeForgotten").await;
+    for named in ["web-0", "node n1", "data-web-0", "pv-1", "node n2"] {
+        assert!(note.contains(named), "{named}: {note}");
+    }
+}
+
+#[tokio::test]
+async fn a_pod_scheduled_elsewhere_with_its_data_in_place_keeps_its_state_and_is_read_once() {
     let failed = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "Invalid", "code": 422, "message": "testing value /status/podStates/web-0 failed"});
-    let (ctx, mut handle) = context(waiting_world());
-    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
-    let mut answers = claim_and_volume(on_host("n1"));
-    answers.extend(still_waiting());
-    let mut done = released();
-    let forgotten = done.pop().expect("the patch's answer");
-    answers.extend(done);
-    // The cache was stale: the `test` fails.
+    let caches = waiting_world();
+    scheduled_elsewhere(&caches);
+    let (ctx, mut handle) = context(caches);
+    let pps = waiting_pps(json!({}));
+    // Its claim on a volume only n1 can mount (a pod held there would not run on n2; here the
+    // read is what counts): nothing moved, and nothing written.
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        claim_and_volume(on_host("n1")),
+    )
+    .await;
+    assert_eq!(sent.len(), 2, "the claim and its volume read: {sent:?}");
+    // Judged once: not read again while the pod and its state stay.
+    let sent = drive(reconcile_pps(pps.clone(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+
+    // A read that fails is tried again after a while, not at every look meanwhile.
+    let unavailable = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "ServiceUnavailable", "code": 503, "message": "try later"});
+    let caches = waiting_world();
+    scheduled_elsewhere(&caches);
+    let (ctx, mut handle) = context(caches);
+    let (sent, action) = drive_to_action(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        vec![unavailable],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        after > Duration::from_secs(2) && after <= Duration::from_secs(30),
+        "{action:?}"
+    );
+    let sent = drive(reconcile_pps(pps.clone(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "not read again at once: {sent:?}");
+
+    // Observed only: the states are another injector's to act on; nothing is read.
+    let caches = waiting_world();
+    scheduled_elsewhere(&caches);
+    let (ctx, mut handle) = context(caches);
+    let observed = waiting_pps(json!({"persistent-pod-state.io/mode": "observe"}));
+    let sent = drive(reconcile_pps(observed, ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+
+    // Its state recorded again meanwhile (the cache behind): the patch's `test` fails, nothing
+    // changes, and the pod is looked at again soon.
+    let caches = waiting_world();
+    scheduled_elsewhere(&caches);
+    let (ctx, mut handle) = context(caches);
+    let mut answers = claim_and_volume(on_host("n2"));
     answers.push(failed);
     let (sent, action) =
         drive_to_action(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
-    assert_eq!(
-        sent.iter().filter(|s| s.method == Method::DELETE).count(),
-        2,
-        "released all the same: {sent:?}"
-    );
+    assert_eq!(sent.len(), 3, "{sent:?}");
     let after = requeue_after(&action).expect("requeued");
+    assert!(after <= Duration::from_secs(2), "{action:?}");
     assert!(
-        after <= Duration::from_secs(2),
-        "tried again soon: {action:?}"
+        ctx.metrics
+            .encode()
+            .contains("pps_state_nodes_forgotten_total 0"),
+        "not counted"
     );
-    let key = kube::runtime::reflector::ObjectRef::new("web").within("ns");
-    let pending = || crate::sync::lock(&ctx.unforgotten).get(&key).cloned();
-    assert_eq!(
-        pending(),
-        Some([("web-0".to_owned(), "n1".to_owned())].into()),
-        "kept to be tried again"
-    );
-
-    // The next look, from the fresher cache: the state as it is now, still on n1.
-    let mut fresher = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
-    fresher["status"]["podStates"]["web-0"] = json!({"nodeName": "n1", "podIPs": ["10.0.0.9"],
-        "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}});
-    let fresher: PersistentPodState = serde_json::from_value(fresher).expect("pps");
-    let look = |pps: PersistentPodState| {
-        let ctx = ctx.clone();
-        async move {
-            let mut out = LocalReleases::default();
-            forget_released(&ctx, &pps, "ns", &mut out).await?;
-            assert!(out.later.is_none(), "nothing left to try again");
-            Ok(kube::runtime::controller::Action::await_change())
-        }
-    };
-    let sent = drive(look(fresher), &mut handle, vec![forgotten]).await;
-    assert_eq!(sent.len(), 1, "{sent:?}");
-    assert_eq!(
-        sent[0].body,
-        json!([
-            {"op": "test", "path": "/status/podStates/web-0", "value": {"nodeName": "n1",
-                "podIPs": ["10.0.0.9"], "nodeTopologyLabels": {"kubernetes.io/hostname": "n1"}}},
-            {"op": "replace", "path": "/status/podStates/web-0", "value": {"podIPs": ["10.0.0.9"]}},
-        ])
-    );
-    assert_eq!(pending(), None, "done");
-
-    // Recorded again on another node meanwhile: left as it is, and done.
-    crate::sync::lock(&ctx.unforgotten)
-        .entry(key.clone())
-        .or_default()
-        .insert(("web-0".to_owned(), "n1".to_owned()));
-    let mut again = serde_json::to_value(waiting_pps(json!({})).as_ref()).expect("pps");
-    again["status"]["podStates"]["web-0"] = json!({"nodeName": "n3"});
-    let again: PersistentPodState = serde_json::from_value(again).expect("pps");
-    let sent = drive(look(again), &mut handle, vec![]).await;
-    assert!(sent.is_empty(), "{sent:?}");
-    assert_eq!(pending(), None);
 }
 
 #[tokio::test]
