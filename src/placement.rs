@@ -194,7 +194,7 @@ impl<'a> PodDemands<'a> {
 
     /// At most how many values judging one node against these demands compares (each of the
     /// pod's selector entries, requirements and their values, and tolerations).
-    fn weight(&self) -> usize {
+    pub fn weight(&self) -> usize {
         let required = self.required.map_or(0, |r| {
             r.node_selector_terms
                 .iter()

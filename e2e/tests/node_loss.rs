@@ -440,3 +440,108 @@ async fn a_pod_held_by_a_taint_its_node_took_after_admission_is_released_after_t
     drop(maintenance);
     delete_namespace(c, &ns).await;
 }
+
+/// The node label a relabeled test's pods select by.
+const DISK: &str = "e2e.persistent-pod-state.io/disk";
+
+/// Sets (or, with `None`, removes) the label [`DISK`] on `node`.
+async fn disk_label(c: &Client, node: &str, value: Option<&str>) {
+    Api::<Node>::all(c.clone())
+        .patch(
+            node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"labels": {DISK: value}}})),
+        )
+        .await
+        .expect("node labelled");
+}
+
+/// The kubelet nodes labelled [`DISK`] by a test, and the one of them it cordoned: the labels
+/// are removed and the node uncordoned when dropped (also when the test fails half-way).
+struct DiskLabels(String);
+
+impl Drop for DiskLabels {
+    fn drop(&mut self) {
+        let cordoned = self.0.clone();
+        put_back(move |client| async move {
+            for node in NODES {
+                disk_label(&client, node, None).await;
+            }
+            if !cordoned.is_empty() {
+                set_unschedulable(&client, &cordoned, false).await;
+            }
+        });
+    }
+}
+
+/// A pod pinned to its node while the node is cordoned waits for it (maintenance, as asked).
+/// The node is then relabeled so that the pod's own nodeSelector excludes it, and uncordoned:
+/// no taint, so only the wait tells. Once the pod has waited pinned for `--node-lost-after`
+/// the controller reads it, finds it held by its pin alone, and releases it once it has been so
+/// for another `--node-lost-after`; re-created, it runs elsewhere.
+#[tokio::test]
+async fn a_pod_held_by_a_relabel_against_its_own_selector_after_admission_is_released() {
+    let env = env().await;
+    let c = &env.client;
+    let lost_after = lost_after(&env);
+    let ns = namespace(c, "e2e-relabeled").await;
+    let mut guard = DiskLabels(String::new());
+    for node in NODES {
+        disk_label(c, node, Some("ssd")).await;
+    }
+    let mut sts = pinned_statefulset("relabeled", 1);
+    if let Some(pod) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        pod.node_selector = Some([(DISK.to_owned(), "ssd".to_owned())].into());
+    }
+    let (placed, _) = start_recorded(c, &ns, &sts).await;
+    let node = placed["relabeled-0"].node.clone();
+    guard.0 = node.clone();
+    let before = scrape(&env).await;
+    set_unschedulable(c, &node, true).await;
+    let first_uid = force_delete_pod(c, &ns, "relabeled-0").await;
+    let waiting = created_again(c, &ns, "relabeled-0", &first_uid).await;
+    assert_eq!(
+        pinned_to(&waiting).as_deref(),
+        Some(node.as_str()),
+        "a cordoned node is waited for: pinned"
+    );
+    let pinned_uid = waiting.uid().unwrap_or_default();
+    disk_label(c, &node, Some("hdd")).await;
+    set_unschedulable(c, &node, false).await;
+    let relabeled_at = std::time::Instant::now();
+    let released = wait_for(
+        "the pinned pod to be released and created again",
+        lost_after * 2 + std::time::Duration::from_secs(90),
+        || async {
+            let pod = Api::<Pod>::namespaced(c.clone(), &ns)
+                .get_opt("relabeled-0")
+                .await
+                .ok()??;
+            (pod.uid().as_deref() != Some(pinned_uid.as_str())).then_some(pod)
+        },
+    )
+    .await;
+    // Read once it has waited pinned for the grace (it was created just before the relabel),
+    // found held by its pin alone then, and released after another grace.
+    let took = relabeled_at.elapsed();
+    let least = lost_after * 2 - std::time::Duration::from_secs(15);
+    assert!(
+        took >= least,
+        "released {took:?} after the relabel: not before about twice --node-lost-after ({lost_after:?})"
+    );
+    assert_ne!(pinned_to(&released).as_deref(), Some(node.as_str()));
+    let running = wait_replaced(c, &ns, "relabeled-0", &pinned_uid).await;
+    assert_ne!(placement(&running).map(|p| p.node), Some(node.clone()));
+    wait_event_noting(c, &ns, "relabeled", "PodReleased", &["relabeled-0", &node]).await;
+    let series = "pps_pods_released_total{reason=\"pod_constraints\"}";
+    assert!(
+        metric(&scrape(&env).await, series) > metric(&before, series),
+        "{series} counted"
+    );
+    println!(
+        "relabeled-0: pinned to cordoned {node}, relabeled against its own nodeSelector and uncordoned; released {took:?} later, now runs on {}",
+        placement(&running).map(|p| p.node).unwrap_or_default()
+    );
+    drop(guard);
+    delete_namespace(c, &ns).await;
+}

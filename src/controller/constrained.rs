@@ -1,16 +1,21 @@
 //! Pods the webhook pinned to values whose nodes no longer admit them: a NoSchedule or
-//! NoExecute taint they do not tolerate came to every usable node with those values after the
-//! pod was admitted (at admission the webhook would have left the values out). Such a pod waits
-//! only because of the pin; once it has waited so for `--node-lost-after` (a pressure taint that
-//! comes and goes holds no pod back), it is released as a pod pinned to a lost node is, and the
-//! webhook injects what is still usable when it is created again. A pod is read live only when
-//! every usable node with its values carries such a taint: a relabel against the pod's own
-//! affinity alone is not looked for.
+//! NoExecute taint they do not tolerate, or a relabel against their own node selector or
+//! affinity, came to every usable node with those values after the pod was admitted (at
+//! admission the webhook would have left the values out). Such a pod waits only because of the
+//! pin; once it has waited so for `--node-lost-after` (a pressure taint that comes and goes
+//! holds no pod back), it is released as a pod pinned to a lost node is, and the webhook injects
+//! what is still usable when it is created again. A pod is read live when a usable node with
+//! its values carries such a taint, or once it has waited pinned for `--node-lost-after` (what
+//! else holds it, a relabel, can only be judged from the pod itself); what it demands of a node
+//! is then judged again at each look, on the nodes as they are, from that read, and it is read
+//! again only right before its release (or, held by a scheduling gate when read, once it
+//! changed, at most once a minute).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Affinity, Node, Pod, PodSpec};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use tokio::time::Instant;
@@ -40,16 +45,78 @@ const FORGOTTEN_AFTER: Duration = Duration::from_secs(600);
 pub(super) type Judged =
     std::collections::HashMap<(ObjectRef<PersistentPodState>, String), Judgement>;
 
+/// How often at most a pinned waiting pod held back by a scheduling gate when read is read
+/// again while it keeps changing (its gate may be gone).
+const REREAD_EVERY: Duration = Duration::from_secs(60);
+
 /// What was judged of one pinned waiting pod.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct Judgement {
-    /// Since when its pin alone has held it (`None`: it does not).
+    /// Since when a look has seen it waiting pinned.
+    waiting_since: Instant,
+    /// Since when its pin alone has held it (`None`: it does not, or it was not read).
     held_since: Option<Instant>,
-    /// What it was judged on: the pod's resourceVersion (hashed) and the nodes' change count.
-    /// While both stay, so does the judgement (the pod is not read again).
-    judged_on: (u64, u64),
+    /// The pod as last read live, if it was.
+    read: Option<Read>,
+    /// Not read again before then (its last read failed, or found it no longer waiting while
+    /// the cache still had it so).
+    retry_at: Option<Instant>,
     /// When a look last saw it.
     seen: Instant,
+}
+
+/// A pinned waiting pod as read live: what it demands of a node (its own nodeSelector,
+/// affinity, tolerations and scheduling gates, which change only by a gate removed or a
+/// toleration added), judged again on the nodes as they are at each look without another read.
+#[derive(Clone, Debug)]
+struct Read {
+    pod: Arc<Pod>,
+    /// Its resourceVersion (hashed).
+    stamp: u64,
+    at: Instant,
+}
+
+impl Read {
+    /// What `pod` demands of a node, kept (not the rest of the pod).
+    fn of(pod: &Pod, at: Instant) -> Self {
+        let spec = pod.spec.as_ref();
+        let demands = Pod {
+            spec: Some(PodSpec {
+                node_selector: spec.and_then(|s| s.node_selector.clone()),
+                affinity: spec
+                    .and_then(|s| s.affinity.as_ref())
+                    .and_then(|a| a.node_affinity.clone())
+                    .map(|node_affinity| Affinity {
+                        node_affinity: Some(node_affinity),
+                        ..Affinity::default()
+                    }),
+                tolerations: spec.and_then(|s| s.tolerations.clone()),
+                scheduling_gates: spec.and_then(|s| s.scheduling_gates.clone()),
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        };
+        Self {
+            stamp: stamp(pod.resource_version().as_deref()),
+            pod: Arc::new(demands),
+            at,
+        }
+    }
+
+    /// Whether it still tells what the pod cached at `stamp` demands: the same version, or no
+    /// gate then (a toleration added since is found by the read before a release), or a gated
+    /// one read within [`REREAD_EVERY`].
+    fn current(&self, stamp: u64, now: Instant) -> bool {
+        self.stamp == stamp || !gated(&self.pod) || self.at + REREAD_EVERY > now
+    }
+}
+
+/// Whether a scheduling gate holds `pod`.
+fn gated(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.scheduling_gates.as_ref())
+        .is_some_and(|g| !g.is_empty())
 }
 
 /// Whether `pod` (read live, waiting), pinned by the webhook to `values`, is held by that pin
@@ -64,12 +131,7 @@ pub fn held_by_pin(
     every_node: &[std::sync::Arc<Node>],
     health: &Health,
 ) -> Option<Dropped> {
-    let spec = pod.spec.as_ref()?;
-    if spec
-        .scheduling_gates
-        .as_ref()
-        .is_some_and(|g| !g.is_empty())
-    {
+    if gated(pod) {
         return None;
     }
     // The pod as it was created: without the values the webhook added to its nodeSelector.
@@ -83,6 +145,16 @@ pub fn held_by_pin(
         // Gone or lost: the stranded pods' release judges those.
         return None;
     }
+    // Judged whole: a judgement the webhook's budget cut short (left out there, to answer in
+    // time) holds no release.
+    let (weight, mut work) = (demands.weight(), 0usize);
+    let admitted = nodes.visit_with_labels(&placement::borrowed(values), &mut |n| {
+        work = work.saturating_add(weight);
+        work > placement::JUDGING_WORK || (!health.is_lost(n) && demands.admit(n))
+    });
+    if admitted {
+        return None;
+    }
     let cordoned = |n: &Node| n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
     every_node
         .iter()
@@ -90,8 +162,9 @@ pub fn held_by_pin(
         .then_some(dropped)
 }
 
-/// Whether a usable node with `values` carries a taint pods must tolerate: only then can the
-/// pin alone hold a pod (the usual pinned pod, waiting for its node's room, is not read).
+/// Whether a usable node with `values` carries a taint pods must tolerate: a pod pinned there
+/// is read at once (any other only once it has waited for the grace: the usual pinned pod,
+/// waiting for its node's room, is not read).
 fn tainted_carrier(values: &BTreeMap<String, String>, nodes: &dyn Nodes, health: &Health) -> bool {
     let labels: BTreeMap<&str, &str> = values
         .iter()
@@ -106,8 +179,10 @@ fn tainted_carrier(values: &BTreeMap<String, String>, nodes: &dyn Nodes, health:
 /// holds ([`held_by_pin`], read live) for `--node-lost-after` or longer, each by uid and
 /// resourceVersion within the release rate, with a `PodReleased` Event; `skip`: pods released
 /// otherwise in this look. A pod is read live only when a usable node with its values carries
-/// a taint, and again only once it or a node changed (or to release it), at most
-/// [`READS_PER_LOOK`] a look. When to look again: the end of a wait, the rate, reads left.
+/// a taint or once it has waited pinned for `--node-lost-after`, then judged from that read
+/// ([`Read::current`]) and read again right before its release, within the rate; at most
+/// [`READS_PER_LOOK`] first reads a look. When to look again: the end of a wait, the rate,
+/// reads left.
 pub(super) async fn release_held_by_pin(
     ctx: &Context,
     pps: &PersistentPodState,
@@ -123,6 +198,7 @@ pub(super) async fn release_held_by_pin(
     let mut sooner = |d: Duration| next = Some(next.map_or(d, |n| n.min(d)));
     // Once the rate is spent, the others are still judged (their waits are kept).
     let mut rate_spent = false;
+    let every_node = ctx.caches.nodes.state();
     for pod in pods.iter().filter(|p| !skip.contains(&*p.name)) {
         let Some(values) = record::pinned(&name, pod) else {
             continue;
@@ -130,70 +206,106 @@ pub(super) async fn release_held_by_pin(
         let Some(uid) = pod.uid() else {
             continue;
         };
-        if !tainted_carrier(&values, ctx.caches.as_ref(), health) {
-            continue;
-        }
         seen.insert(uid.clone());
-        let judged_on = (
-            stamp(pod.resource_version().as_deref()),
-            ctx.caches.nodes_changed(),
-        );
         let id = (key.clone(), uid.clone());
-        let known = crate::sync::lock(&ctx.judged).get(&id).copied();
+        let known = crate::sync::lock(&ctx.judged).get(&id).cloned();
         let now = Instant::now();
         let grace_over = |since: Instant| since + ctx.node_lost_after <= now;
-        match known {
-            Some(j) if j.judged_on == judged_on && j.held_since.is_none_or(|s| !grace_over(s)) => {
-                remember(ctx, &id, Judgement { seen: now, ..j });
-                if let Some(since) = j.held_since {
-                    sooner(since + ctx.node_lost_after - now + Duration::from_secs(1));
-                }
-                continue;
-            }
-            _ => {}
-        }
-        if reads == READS_PER_LOOK {
-            sooner(MORE_TO_READ);
-            if let Some(j) = known {
-                remember(ctx, &id, Judgement { seen: now, ..j });
-            }
+        let waiting_since = known.as_ref().map_or(now, |j| j.waiting_since);
+        // Not held (or not read) yet: what was read stays, its judgement starts again.
+        let unheld = Judgement {
+            waiting_since,
+            held_since: None,
+            read: known.as_ref().and_then(|j| j.read.clone()),
+            retry_at: known.as_ref().and_then(|j| j.retry_at),
+            seen: now,
+        };
+        if !grace_over(waiting_since) && !tainted_carrier(&values, ctx.caches.as_ref(), health) {
+            // Waiting as pinned pods do, for their node's room (a taint gone within the grace
+            // with it): looked at again once it has waited for the grace.
+            remember(ctx, &id, unheld);
+            sooner(waiting_since + ctx.node_lost_after - now + Duration::from_secs(1));
             continue;
         }
-        reads += 1;
-        let live = match api.get_opt(&pod.name).await {
-            Ok(Some(live)) => live,
-            Ok(None) => continue,
-            Err(e) => {
-                tracing::warn!(pod = %pod.name, error = %e, "a pinned waiting pod could not be read");
-                sooner(UNREAD_RETRY);
-                if let Some(j) = known {
-                    remember(ctx, &id, Judgement { seen: now, ..j });
-                }
+        let cached = stamp(pod.resource_version().as_deref());
+        let last = known.as_ref().and_then(|j| j.read.clone());
+        if let Some(read) = last.as_ref().filter(|r| r.stamp != cached && gated(&r.pod)) {
+            // Its gate may be gone: read again once that is allowed.
+            sooner(read.at + REREAD_EVERY - now + Duration::from_secs(1));
+        }
+        let retry_at = known.as_ref().and_then(|j| j.retry_at);
+        // The pod's resourceVersion as read now, if it is.
+        let (read, read_now) = match last.filter(|r| r.current(cached, now)) {
+            Some(read) => (read, None),
+            // Not judged in this look: what was judged stays.
+            None if retry_at.is_some_and(|at| at > now) => {
+                sooner(retry_at.map_or(MORE_TO_READ, |at| at - now));
+                remember(
+                    ctx,
+                    &id,
+                    Judgement {
+                        seen: now,
+                        ..known.unwrap_or(unheld)
+                    },
+                );
                 continue;
+            }
+            None if reads == READS_PER_LOOK => {
+                sooner(MORE_TO_READ);
+                remember(
+                    ctx,
+                    &id,
+                    Judgement {
+                        seen: now,
+                        ..known.unwrap_or(unheld)
+                    },
+                );
+                continue;
+            }
+            None => {
+                reads += 1;
+                let wait = match read_waiting(&api, &pod.name, &uid).await {
+                    Ok(Some(live)) => Ok(live),
+                    // The cache is behind: it is looked at again from a fresher one.
+                    Ok(None) => Err(MORE_TO_READ),
+                    Err(e) => {
+                        tracing::warn!(pod = %pod.name, error = %e, "a pinned waiting pod could not be read");
+                        Err(UNREAD_RETRY)
+                    }
+                };
+                match wait {
+                    Ok(live) => (Read::of(&live, now), Some(live.resource_version())),
+                    Err(wait) => {
+                        sooner(wait);
+                        let retry_at = Some(now + wait);
+                        let j = known.unwrap_or(unheld);
+                        remember(
+                            ctx,
+                            &id,
+                            Judgement {
+                                retry_at,
+                                seen: now,
+                                ..j
+                            },
+                        );
+                        continue;
+                    }
+                }
             }
         };
-        let scheduled = live
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.as_deref())
-            .is_some_and(|n| !n.is_empty());
-        if live.uid().as_deref() != Some(&uid)
-            || live.metadata.deletion_timestamp.is_some()
-            || scheduled
-        {
-            continue;
-        }
-        let every_node = ctx.caches.nodes.state();
-        let dropped = held_by_pin(&live, &values, ctx.caches.as_ref(), &every_node, health);
+        let judge = |pod: &Pod| held_by_pin(pod, &values, ctx.caches.as_ref(), &every_node, health);
+        let dropped = judge(&read.pod);
         let held_since = dropped
             .as_ref()
-            .map(|_| known.and_then(|j| j.held_since).unwrap_or(now));
+            .map(|_| known.as_ref().and_then(|j| j.held_since).unwrap_or(now));
         remember(
             ctx,
             &id,
             Judgement {
+                waiting_since,
                 held_since,
-                judged_on,
+                read: Some(read.clone()),
+                retry_at: None,
                 seen: now,
             },
         );
@@ -213,9 +325,49 @@ pub(super) async fn release_held_by_pin(
             rate_spent = true;
             continue;
         }
+        // What cannot be undone is judged on the pod as it is now.
+        let (rv, dropped) = if let Some(rv) = read_now {
+            (rv, dropped)
+        } else {
+            let live = match read_waiting(&api, &pod.name, &uid).await {
+                Ok(live) => live,
+                Err(e) => {
+                    tracing::warn!(pod = %pod.name, error = %e, "a pinned waiting pod could not be read");
+                    sooner(UNREAD_RETRY);
+                    None
+                }
+            };
+            let judged = live.map(|live| {
+                let dropped = judge(&live);
+                remember(
+                    ctx,
+                    &id,
+                    Judgement {
+                        waiting_since,
+                        held_since: dropped.as_ref().map(|_| since),
+                        read: Some(Read::of(&live, now)),
+                        retry_at: None,
+                        seen: now,
+                    },
+                );
+                (live.resource_version(), dropped)
+            });
+            match judged {
+                Some((rv, Some(dropped))) => (rv, dropped),
+                _ => {
+                    ctx.releases.give_back(&key);
+                    continue;
+                }
+            }
+        };
         let target = (namespace, &*pod.name);
-        let rv = live.resource_version();
-        if delete_waiting_pod(&api, &ctx.fence, target, &uid, rv.clone()).await? == Deleted::Now {
+        let still = |live: &Pod| judge(live).is_some();
+        let deleted =
+            delete_waiting_pod(&api, &ctx.fence, target, (&uid, rv.clone()), &still).await?;
+        if deleted != Deleted::Now {
+            // Nothing released by this call: the token goes back.
+            ctx.releases.give_back(&key);
+        } else {
             let node = values
                 .get(HOSTNAME_LABEL)
                 .cloned()
@@ -239,6 +391,20 @@ pub(super) async fn release_held_by_pin(
         }
     });
     Ok(next)
+}
+
+/// Pod `name` read live, while it is the pod `uid`, waits unscheduled and is not being deleted.
+async fn read_waiting(api: &Api<Pod>, name: &str, uid: &str) -> Result<Option<Pod>, kube::Error> {
+    Ok(api.get_opt(name).await?.filter(|live| {
+        let scheduled = live
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .is_some_and(|n| !n.is_empty());
+        live.uid().as_deref() == Some(uid)
+            && live.metadata.deletion_timestamp.is_none()
+            && !scheduled
+    }))
 }
 
 /// Forgets what was judged of the pods of `pps` (none of them is released on its word now).

@@ -11,15 +11,16 @@ use crate::leader::Fence;
 /// Deletes the waiting pod `name` (`uid`), conditionally on `resource_version` (the pod as the
 /// decision saw it). When that version is stale (the scheduler writes an unschedulable pod's
 /// conditions, say), reads the pod once more and deletes it at its current version if it is
-/// still that pod, unscheduled and not being deleted. That pod gone meanwhile (another of its
-/// name now, or it is being deleted: the StatefulSet controller deletes a pod whose claim is
-/// being deleted, to create both again) is [`Deleted::Already`]; scheduled, [`Deleted::Kept`].
+/// still that pod, unscheduled, not being deleted, and `still` released as it is now. That pod
+/// gone meanwhile (another of its name now, or it is being deleted: the StatefulSet controller
+/// deletes a pod whose claim is being deleted, to create both again) is [`Deleted::Already`];
+/// scheduled, or no longer to be released, [`Deleted::Kept`].
 pub(super) async fn delete_waiting_pod(
     api: &Api<Pod>,
     fence: &Fence,
     (namespace, name): (&str, &str),
-    uid: &str,
-    resource_version: Option<String>,
+    (uid, resource_version): (&str, Option<String>),
+    still: &(dyn Fn(&Pod) -> bool + Sync),
 ) -> Result<Deleted, Error> {
     // Each delete passes the fence right before it is sent, the second as the first.
     let delete = |resource_version: Option<String>| {
@@ -64,6 +65,13 @@ pub(super) async fn delete_waiting_pod(
         tracing::info!(
             pod = name,
             "the pod no longer waits (scheduled); not released"
+        );
+        return Ok(Deleted::Kept);
+    }
+    if !still(&pod) {
+        tracing::info!(
+            pod = name,
+            "the pod as it is now is not to be released; not released"
         );
         return Ok(Deleted::Kept);
     }

@@ -390,7 +390,9 @@ async fn release_local_volumes(
         // Gone already counts: the StatefulSet controller may delete it itself, to create
         // both again.
         let target = (namespace, w.pod.as_str());
-        if delete_waiting_pod(&pod_api, &ctx.fence, target, &w.uid, None).await? != Deleted::Kept {
+        if delete_waiting_pod(&pod_api, &ctx.fence, target, (&w.uid, None), &|_| true).await?
+            != Deleted::Kept
+        {
             report::released_with_volumes(ctx, pps, w, &local);
             out.released.insert(w.pod.clone());
         }
@@ -474,7 +476,9 @@ async fn release_stranded(
             break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
-        if delete_waiting_pod(&api, &ctx.fence, target, &pod.uid, rv).await? == Deleted::Now {
+        if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &|_| true).await?
+            == Deleted::Now
+        {
             report::released(ctx, report::PinnedBy::Live(pps), pod);
         }
     }
@@ -557,7 +561,9 @@ async fn release_orphans_of(
             break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
-        if delete_waiting_pod(&api, &ctx.fence, target, &pod.uid, rv).await? == Deleted::Now {
+        if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &|_| true).await?
+            == Deleted::Now
+        {
             report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod);
         }
     }

@@ -41,6 +41,11 @@ fn context(caches: Arc<Caches>) -> (Arc<Context>, Handle) {
 
 /// [`context`], and the mock the Events are sent to.
 fn context_with_events(caches: Arc<Caches>) -> (Arc<Context>, Handle, Handle) {
+    context_lost_after(caches, Duration::from_secs(300))
+}
+
+/// [`context_with_events`], with `--node-lost-after` at `lost_after`.
+fn context_lost_after(caches: Arc<Caches>, lost_after: Duration) -> (Arc<Context>, Handle, Handle) {
     let (client, handle) = mock_client();
     let (events_client, events_handle) = mock_client();
     let events = Arc::new(Events::new(events_client, None, Duration::from_secs(30)));
@@ -49,7 +54,7 @@ fn context_with_events(caches: Arc<Caches>) -> (Arc<Context>, Handle, Handle) {
         caches,
         Arc::new(Metrics::new()),
         events,
-        Duration::from_secs(300),
+        lost_after,
         crate::leader::Fence::open(),
     );
     (Arc::new(ctx), handle, events_handle)
@@ -1850,20 +1855,27 @@ mod waiting_pod_deletes {
     /// with a conflict and then shows `now` under that name (and accepts a second delete):
     /// what it made of it, and the methods of the requests sent.
     async fn delete_after_a_conflict(now: Value) -> (Deleted, Vec<Method>) {
-        let (result, methods) = delete_after_a_conflict_fenced(now, false).await;
+        let (result, methods) = delete_after_a_conflict_fenced(now, false, &|_| true).await;
         (result.expect("no API error"), methods)
     }
 
     /// As [`delete_after_a_conflict`]; with `close`, this replica's hold on the Lease ends as
-    /// the conflict arrives.
+    /// the conflict arrives; `still` judges the pod read again.
     async fn delete_after_a_conflict_fenced(
         now: Value,
         close: bool,
+        still: &(dyn Fn(&Pod) -> bool + Sync),
     ) -> (Result<Deleted, Error>, Vec<Method>) {
         let (client, mut handle) = mock_client();
         let api: Api<Pod> = Api::namespaced(client, "ns");
         let fence = Fence::open();
-        let delete = delete_waiting_pod(&api, &fence, ("ns", "web-0"), "old", Some("1".into()));
+        let delete = delete_waiting_pod(
+            &api,
+            &fence,
+            ("ns", "web-0"),
+            ("old", Some("1".into())),
+            still,
+        );
         tokio::pin!(delete);
         let mut methods = Vec::new();
         loop {
@@ -1892,7 +1904,8 @@ mod waiting_pod_deletes {
 
     #[tokio::test]
     async fn a_hold_on_the_lease_lost_between_the_two_deletes_stops_the_second() {
-        let (result, methods) = delete_after_a_conflict_fenced(pod("old", json!({})), true).await;
+        let (result, methods) =
+            delete_after_a_conflict_fenced(pod("old", json!({})), true, &|_| true).await;
         assert!(matches!(result, Err(Error::Fenced(_))), "{result:?}");
         assert_eq!(methods, [Method::DELETE, Method::GET], "no second DELETE");
     }
@@ -1934,6 +1947,22 @@ mod waiting_pod_deletes {
         let (deleted, methods) = delete_after_a_conflict(pod("old", json!({}))).await;
         assert_eq!(deleted, Deleted::Now);
         assert_eq!(methods, [Method::DELETE, Method::GET, Method::DELETE]);
+    }
+
+    #[tokio::test]
+    async fn a_pod_no_longer_to_be_released_as_read_again_is_kept() {
+        // A toleration added between the decision and the delete, say.
+        let tolerating = json!({"spec": {"tolerations": [{"operator": "Exists"}]}});
+        let untolerating = |p: &Pod| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.tolerations.as_ref())
+                .is_none_or(Vec::is_empty)
+        };
+        let (deleted, methods) =
+            delete_after_a_conflict_fenced(pod("old", tolerating), false, &untolerating).await;
+        assert_eq!(deleted.expect("no API error"), Deleted::Kept);
+        assert_eq!(methods, [Method::DELETE, Method::GET], "no second DELETE");
     }
 }
 
@@ -2350,4 +2379,160 @@ async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_releas
             .values()
             .all(|j| format!("{j:?}").contains("held_since: None"))
     );
+
+    // A taint gone within the grace releases nothing: when it comes back, the grace starts
+    // again.
+    let lost_after = Duration::from_secs(120);
+    let (caches, live) = world(json!([]));
+    let (ctx, mut handle, _) = context_lost_after(caches.clone(), lost_after);
+    let sent = drive(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        vec![live.clone()],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "read, held: {sent:?}");
+    let n1 = |taints: Value| {
+        let mut n1 = zone_node("n1", "z1", false);
+        n1.spec = serde_json::from_value(json!({"taints": taints})).expect("spec");
+        watcher::Event::Apply(n1)
+    };
+    tokio::time::advance(Duration::from_secs(10)).await;
+    caches.apply_node(n1(json!([])));
+    let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    tokio::time::advance(Duration::from_secs(105)).await;
+    caches.apply_node(n1(
+        json!([{"key": "example.com/maintenance", "effect": "NoSchedule"}]),
+    ));
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "judged from the first read: {sent:?}");
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        after > Duration::from_secs(110),
+        "the grace starts again: {action:?}"
+    );
+    tokio::time::advance(Duration::from_secs(10)).await;
+    let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(
+        sent.is_empty(),
+        "past the first read's grace, not released: {sent:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_after_waiting_twice_the_grace()
+ {
+    // web-0 waits pinned to n1, whose `disk` label no longer matches web-0's own nodeSelector
+    // (relabeled after it was admitted); n2 would take it. No taint: only the wait tells.
+    let world = |n1_disk: &str| {
+        let caches = Caches::new();
+        let sts = GroupKind::native_statefulset();
+        caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+        caches.apply_workload(&sts, watcher::Event::InitDone);
+        for (name, disk) in [("n1", n1_disk), ("n2", "ssd")] {
+            caches.apply_node(watcher::Event::Apply(
+                serde_json::from_value(
+                    json!({"metadata": {"name": name, "uid": format!("{name}-uid"),
+                    "labels": {"kubernetes.io/hostname": name, "topology.kubernetes.io/zone": "z1",
+                        "disk": disk}},
+                    "status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
+                )
+                .expect("node"),
+            ));
+        }
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                    crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                    "uid": "sts-uid", "controller": true}]},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1", "disk": "ssd"},
+                "containers": []},
+            "status": {"phase": "Pending"}
+        }))
+        .expect("pod");
+        caches.apply_pod(watcher::Event::Apply(pod.clone()));
+        (caches, serde_json::to_value(pod).expect("json"))
+    };
+    let pps = || {
+        Arc::new(pps(
+            json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
+            "nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}}}),
+        ))
+    };
+    // Another grace than the resync's 300 s, so the looks below are the grace's.
+    let lost_after = Duration::from_secs(120);
+    let grace = lost_after..=lost_after + Duration::from_secs(1);
+
+    let (caches, live) = world("hdd");
+    let (ctx, mut handle, mut events) = context_lost_after(caches, lost_after);
+    // Just seen waiting: not read (pinned pods wait for their node's room), looked at again
+    // once it has waited for the grace.
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    let after = requeue_after(&action).expect("requeued");
+    assert!(grace.contains(&after), "{action:?}");
+    tokio::time::advance(after).await;
+    // Waited for the grace: read, held by its pin alone since now, not released yet.
+    let (sent, action) = drive_to_action(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        vec![live.clone()],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].method, Method::GET);
+    let after = requeue_after(&action).expect("requeued");
+    assert!(grace.contains(&after), "{action:?}");
+    tokio::time::advance(after).await;
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let sent = drive(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        vec![live, deleted],
+    )
+    .await;
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[1].method, Method::DELETE);
+    assert_eq!(
+        sent[1].body["preconditions"],
+        json!({"uid": "pod-uid", "resourceVersion": "7"})
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pods_released_total{reason=\"pod_constraints\"} 1")
+    );
+    let note = event_note(&mut events, "PodReleased").await;
+    assert!(note.contains("web-0") && note.contains("n1"), "{note}");
+
+    // Its node still matches: it waits for the node's room; read once it has waited for the
+    // grace, never released, and not read again while neither it nor a node changes.
+    let (caches, live) = world("ssd");
+    let (ctx, mut handle, _) = context_lost_after(caches.clone(), lost_after);
+    let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    tokio::time::advance(lost_after + Duration::from_secs(1)).await;
+    let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![live]).await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    // Judged again from that read as the nodes change, not read again: n1 relabeled now, the
+    // pin alone holds it from this look on, and it is read again only right before its release.
+    tokio::time::advance(lost_after).await;
+    let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    caches.apply_node(watcher::Event::Apply(
+        serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid",
+            "labels": {"kubernetes.io/hostname": "n1", "topology.kubernetes.io/zone": "z1",
+                "disk": "hdd"}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+        .expect("node"),
+    ));
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    let after = requeue_after(&action).expect("requeued");
+    assert!(grace.contains(&after), "{action:?}");
 }
