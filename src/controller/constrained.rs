@@ -237,21 +237,10 @@ pub(super) async fn release_held_by_pin(
         // The pod's resourceVersion as read now, if it is.
         let (read, read_now) = match last.filter(|r| r.current(cached, now)) {
             Some(read) => (read, None),
-            // Not judged in this look: what was judged stays.
-            None if retry_at.is_some_and(|at| at > now) => {
-                sooner(retry_at.map_or(MORE_TO_READ, |at| at - now));
-                remember(
-                    ctx,
-                    &id,
-                    Judgement {
-                        seen: now,
-                        ..known.unwrap_or(unheld)
-                    },
-                );
-                continue;
-            }
-            None if reads == READS_PER_LOOK => {
-                sooner(MORE_TO_READ);
+            // Not read again yet, or no reads left in this look: what was judged stays.
+            None if retry_at.is_some_and(|at| at > now) || reads == READS_PER_LOOK => {
+                let retry_in = retry_at.filter(|at| *at > now).map(|at| at - now);
+                sooner(retry_in.unwrap_or(MORE_TO_READ));
                 remember(
                     ctx,
                     &id,

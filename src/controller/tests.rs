@@ -2275,43 +2275,60 @@ async fn a_pod_annotation_named_for_the_first_time_is_recorded_once_the_pods_are
     );
 }
 
+/// `web-0`, pinned by the webhook to `n1` (`kubernetes.io/hostname`) and waiting unscheduled,
+/// with `spec` merged into its own, among `nodes`: the caches, and the pod as a read of it
+/// answers.
+fn pinned_waiting(
+    nodes: Vec<k8s_openapi::api::core::v1::Node>,
+    spec: Value,
+) -> (Arc<Caches>, Value) {
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    for node in nodes {
+        caches.apply_node(watcher::Event::Apply(node));
+    }
+    let mut pod = json!({
+        "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
+            "annotations": {crate::api::INJECTED_ANNOTATION: "web",
+                crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
+                "uid": "sts-uid", "controller": true}]},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": []},
+        "status": {"phase": "Pending"}
+    });
+    json_patch::merge(&mut pod["spec"], &spec);
+    let pod: Pod = serde_json::from_value(pod).expect("pod");
+    caches.apply_pod(watcher::Event::Apply(pod.clone()));
+    (caches, serde_json::to_value(pod).expect("json"))
+}
+
+/// The PersistentPodState of [`pinned_waiting`]'s pod, recorded on `n1`.
+fn pinned_pps() -> Arc<PersistentPodState> {
+    Arc::new(pps(
+        json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
+        "nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}}}),
+    ))
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_released_after_the_grace()
 {
     // web-0 waits pinned to n1, which took a taint web-0 does not tolerate after it was
     // admitted; n2 would take it.
     let world = |tolerations: Value| {
-        let caches = Caches::new();
-        let sts = GroupKind::native_statefulset();
-        caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
-        caches.apply_workload(&sts, watcher::Event::InitDone);
         let mut n1 = zone_node("n1", "z1", false);
         n1.spec = serde_json::from_value(
             json!({"taints": [{"key": "example.com/maintenance", "effect": "NoSchedule"}]}),
         )
         .expect("spec");
-        caches.apply_node(watcher::Event::Apply(n1));
-        caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
-        let pod: Pod = serde_json::from_value(json!({
-            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
-                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
-                    crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
-                    "uid": "sts-uid", "controller": true}]},
-            "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1"}, "containers": [],
-                "tolerations": tolerations},
-            "status": {"phase": "Pending"}
-        }))
-        .expect("pod");
-        caches.apply_pod(watcher::Event::Apply(pod.clone()));
-        (caches, serde_json::to_value(pod).expect("json"))
+        pinned_waiting(
+            vec![n1, zone_node("n2", "z1", false)],
+            json!({"tolerations": tolerations}),
+        )
     };
-    let pps = || {
-        Arc::new(pps(
-            json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
-            "nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}}}),
-        ))
-    };
+    let pps = pinned_pps;
 
     let (caches, live) = world(json!([]));
     let (ctx, mut handle, mut events) = context_with_events(caches);
@@ -2426,42 +2443,22 @@ async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_a
  {
     // web-0 waits pinned to n1, whose `disk` label no longer matches web-0's own nodeSelector
     // (relabeled after it was admitted); n2 would take it. No taint: only the wait tells.
+    let disk_node = |name: &str, disk: &str| -> k8s_openapi::api::core::v1::Node {
+        serde_json::from_value(
+            json!({"metadata": {"name": name, "uid": format!("{name}-uid"),
+            "labels": {"kubernetes.io/hostname": name, "topology.kubernetes.io/zone": "z1",
+                "disk": disk}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
+        )
+        .expect("node")
+    };
     let world = |n1_disk: &str| {
-        let caches = Caches::new();
-        let sts = GroupKind::native_statefulset();
-        caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
-        caches.apply_workload(&sts, watcher::Event::InitDone);
-        for (name, disk) in [("n1", n1_disk), ("n2", "ssd")] {
-            caches.apply_node(watcher::Event::Apply(
-                serde_json::from_value(
-                    json!({"metadata": {"name": name, "uid": format!("{name}-uid"),
-                    "labels": {"kubernetes.io/hostname": name, "topology.kubernetes.io/zone": "z1",
-                        "disk": disk}},
-                    "status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
-                )
-                .expect("node"),
-            ));
-        }
-        let pod: Pod = serde_json::from_value(json!({
-            "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "7",
-                "annotations": {crate::api::INJECTED_ANNOTATION: "web",
-                    crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"},
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web",
-                    "uid": "sts-uid", "controller": true}]},
-            "spec": {"nodeSelector": {"kubernetes.io/hostname": "n1", "disk": "ssd"},
-                "containers": []},
-            "status": {"phase": "Pending"}
-        }))
-        .expect("pod");
-        caches.apply_pod(watcher::Event::Apply(pod.clone()));
-        (caches, serde_json::to_value(pod).expect("json"))
+        pinned_waiting(
+            vec![disk_node("n1", n1_disk), disk_node("n2", "ssd")],
+            json!({"nodeSelector": {"disk": "ssd"}}),
+        )
     };
-    let pps = || {
-        Arc::new(pps(
-            json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {
-            "nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}}}),
-        ))
-    };
+    let pps = pinned_pps;
     // Another grace than the resync's 300 s, so the looks below are the grace's.
     let lost_after = Duration::from_secs(120);
     let grace = lost_after..=lost_after + Duration::from_secs(1);
@@ -2523,13 +2520,7 @@ async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_a
     tokio::time::advance(lost_after).await;
     let sent = drive(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
     assert!(sent.is_empty(), "{sent:?}");
-    caches.apply_node(watcher::Event::Apply(
-        serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid",
-            "labels": {"kubernetes.io/hostname": "n1", "topology.kubernetes.io/zone": "z1",
-                "disk": "hdd"}},
-            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
-        .expect("node"),
-    ));
+    caches.apply_node(watcher::Event::Apply(disk_node("n1", "hdd")));
     let (sent, action) =
         drive_to_action(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
     assert!(sent.is_empty(), "{sent:?}");
