@@ -25,7 +25,9 @@ use super::record::{self, Stranded};
 use super::{Context, Error, report};
 use crate::api::{PersistentPodState, encode_required};
 use crate::placement::{self, DropReason, Dropped, HOSTNAME_LABEL, Health, Nodes, PodDemands};
+use crate::release::{self, Forgot, LocalClaim, NodeKeys};
 use crate::state::trim::CachedPod;
+use crate::workload::WorkloadInfo;
 
 /// When waiting pods whose pin was judged must be read again if their read failed.
 const UNREAD_RETRY: Duration = Duration::from_secs(30);
@@ -71,14 +73,17 @@ pub(super) struct Judgement {
 #[derive(Clone, Debug)]
 struct Read {
     pod: Arc<Pod>,
+    /// Its own claims bound to node-local volumes, read with it (they hold it to their node).
+    claims: Arc<[LocalClaim]>,
     /// Its resourceVersion (hashed).
     stamp: u64,
     at: Instant,
 }
 
 impl Read {
-    /// What `pod` demands of a node, kept (not the rest of the pod).
-    fn of(pod: &Pod, at: Instant) -> Self {
+    /// What `pod` demands of a node, kept (not the rest of the pod), with its node-local
+    /// `claims`.
+    fn of(pod: &Pod, claims: Vec<LocalClaim>, at: Instant) -> Self {
         let spec = pod.spec.as_ref();
         let demands = Pod {
             spec: Some(PodSpec {
@@ -99,6 +104,7 @@ impl Read {
         Self {
             stamp: stamp(pod.resource_version().as_deref()),
             pod: Arc::new(demands),
+            claims: claims.into(),
             at,
         }
     }
@@ -162,6 +168,44 @@ pub fn held_by_pin(
         .then_some(dropped)
 }
 
+/// What holds a pinned waiting pod, read as `pod` with its node-local `claims`, that a
+/// release would free: its pin alone ([`held_by_pin`]), or its own claims, all bound to volumes
+/// of one usable node that lacks the values naming one node (as `keys` judges) but has the
+/// wider ones (a zone): the pin and its volumes exclude each other, it can never be scheduled,
+/// and once its state names no node the pod created again goes there. Held to a node with the
+/// values, by claims on several nodes, on a node that is gone or lost, or away from the wider
+/// values, nothing a release does frees it: not held. The values left out, and a claim on that
+/// other node if that is what holds it.
+pub fn held(
+    pod: &Pod,
+    claims: &[LocalClaim],
+    (values, keys): (&BTreeMap<String, String>, &NodeKeys),
+    nodes: &dyn Nodes,
+    every_node: &[Arc<Node>],
+    health: &Health,
+) -> Option<(Dropped, Option<LocalClaim>)> {
+    let Some(first) = claims.first() else {
+        return held_by_pin(pod, values, nodes, every_node, health).map(|d| (d, None));
+    };
+    if gated(pod) || claims.iter().any(|c| c.node != first.node) {
+        return None;
+    }
+    let node = every_node
+        .iter()
+        .find(|n| n.name_any() == first.node)
+        .filter(|n| !health.is_lost(n))?;
+    let has = |(k, v): &(&String, &String)| node.labels().get(*k) == Some(*v);
+    let (naming, wider): (Vec<_>, Vec<_>) = values.iter().partition(|(k, _)| keys.names_a_node(k));
+    if naming.iter().all(has) || !wider.iter().all(has) {
+        return None;
+    }
+    let dropped = Dropped {
+        values: values.clone(),
+        reason: DropReason::PodConstraints,
+    };
+    Some((dropped, Some(first.clone())))
+}
+
 /// Whether a usable node with `values` carries a taint pods must tolerate: a pod pinned there
 /// is read at once (any other only once it has waited for the grace: the usual pinned pod,
 /// waiting for its node's room, is not read).
@@ -189,7 +233,7 @@ pub(super) async fn release_held_by_pin(
     namespace: &str,
     pods: &[&CachedPod],
     health: &Health,
-    skip: &BTreeSet<String>,
+    (skip, workload): (&BTreeSet<String>, Option<&WorkloadInfo>),
 ) -> Result<Option<Duration>, Error> {
     let name = pps.name_any();
     let key = ObjectRef::from_obj(pps);
@@ -253,7 +297,9 @@ pub(super) async fn release_held_by_pin(
             }
             None => {
                 reads += 1;
-                let wait = match read_waiting(&api, &pod.name, &uid).await {
+                let wait = match read_waiting(ctx, &api, (namespace, &pod.name, &uid), workload)
+                    .await
+                {
                     Ok(Some(live)) => Ok(live),
                     // The cache is behind: it is looked at again from a fresher one.
                     Ok(None) => Err(MORE_TO_READ),
@@ -263,7 +309,10 @@ pub(super) async fn release_held_by_pin(
                     }
                 };
                 match wait {
-                    Ok(live) => (Read::of(&live, now), Some(live.resource_version())),
+                    Ok((live, claims)) => {
+                        let rv = live.resource_version();
+                        (Read::of(&live, claims, now), Some(rv))
+                    }
                     Err(wait) => {
                         sooner(wait);
                         let retry_at = Some(now + wait);
@@ -282,8 +331,18 @@ pub(super) async fn release_held_by_pin(
                 }
             }
         };
-        let judge = |pod: &Pod| held_by_pin(pod, &values, ctx.caches.as_ref(), &every_node, health);
-        let dropped = judge(&read.pod);
+        let judge = |pod: &Pod, claims: &[LocalClaim]| {
+            let pinned = (&values, &ctx.node_keys);
+            held(
+                pod,
+                claims,
+                pinned,
+                ctx.caches.as_ref(),
+                &every_node,
+                health,
+            )
+        };
+        let dropped = judge(&read.pod, &read.claims);
         let held_since = dropped
             .as_ref()
             .map(|_| known.as_ref().and_then(|j| j.held_since).unwrap_or(now));
@@ -314,11 +373,11 @@ pub(super) async fn release_held_by_pin(
             rate_spent = true;
             continue;
         }
-        // What cannot be undone is judged on the pod as it is now.
-        let (rv, dropped) = if let Some(rv) = read_now {
-            (rv, dropped)
+        // What cannot be undone is judged on the pod and its claims as they are now.
+        let (rv, (dropped, elsewhere), claims) = if let Some(rv) = read_now {
+            (rv, dropped, read.claims.clone())
         } else {
-            let live = match read_waiting(&api, &pod.name, &uid).await {
+            let live = match read_waiting(ctx, &api, (namespace, &pod.name, &uid), workload).await {
                 Ok(live) => live,
                 Err(e) => {
                     tracing::warn!(pod = %pod.name, error = %e, "a pinned waiting pod could not be read");
@@ -326,31 +385,51 @@ pub(super) async fn release_held_by_pin(
                     None
                 }
             };
-            let judged = live.map(|live| {
-                let dropped = judge(&live);
+            let judged = live.map(|(live, claims)| {
+                let rv = live.resource_version();
+                let read = Read::of(&live, claims, now);
+                let dropped = judge(&read.pod, &read.claims);
                 remember(
                     ctx,
                     &id,
                     Judgement {
                         waiting_since,
                         held_since: dropped.as_ref().map(|_| since),
-                        read: Some(Read::of(&live, now)),
+                        read: Some(read.clone()),
                         retry_at: None,
                         seen: now,
                     },
                 );
-                (live.resource_version(), dropped)
+                (rv, dropped, read.claims)
             });
             match judged {
-                Some((rv, Some(dropped))) => (rv, dropped),
+                Some((rv, Some(dropped), claims)) => (rv, dropped, claims),
                 _ => {
                     ctx.releases.give_back(&key);
                     continue;
                 }
             }
         };
+        // Held by a claim of its own elsewhere: its state must name the node it was pinned to
+        // no more first, or it would be pinned there again.
+        if let Some(claim) = &elsewhere {
+            let wait = match forget_pinned_node(ctx, pps, namespace, &pod.name, claim).await {
+                Ok(Forgot::Stale) => Some(MORE_TO_READ),
+                Ok(_) => None,
+                Err(Error::Fenced(e)) => return Err(Error::Fenced(e)),
+                Err(e) => {
+                    tracing::warn!(pod = %pod.name, error = %e, "the state of a pod whose claim is bound elsewhere could not be made to name no node; not released yet");
+                    Some(UNREAD_RETRY)
+                }
+            };
+            if let Some(wait) = wait {
+                ctx.releases.give_back(&key);
+                sooner(wait);
+                continue;
+            }
+        }
         let target = (namespace, &*pod.name);
-        let still = |live: &Pod| judge(live).is_some();
+        let still = |live: &Pod| judge(live, &claims).is_some();
         let deleted =
             delete_waiting_pod(&api, &ctx.fence, target, (&uid, rv.clone()), &still).await?;
         if deleted != Deleted::Now {
@@ -382,9 +461,15 @@ pub(super) async fn release_held_by_pin(
     Ok(next)
 }
 
-/// Pod `name` read live, while it is the pod `uid`, waits unscheduled and is not being deleted.
-async fn read_waiting(api: &Api<Pod>, name: &str, uid: &str) -> Result<Option<Pod>, kube::Error> {
-    Ok(api.get_opt(name).await?.filter(|live| {
+/// Pod `name` read live, while it is the pod `uid`, waits unscheduled and is not being deleted,
+/// with its own claims bound to node-local volumes (named after `workload`'s templates).
+async fn read_waiting(
+    ctx: &Context,
+    api: &Api<Pod>,
+    (namespace, name, uid): (&str, &str, &str),
+    workload: Option<&WorkloadInfo>,
+) -> Result<Option<(Pod, Vec<LocalClaim>)>, kube::Error> {
+    let Some(live) = api.get_opt(name).await?.filter(|live| {
         let scheduled = live
             .spec
             .as_ref()
@@ -393,7 +478,61 @@ async fn read_waiting(api: &Api<Pod>, name: &str, uid: &str) -> Result<Option<Po
         live.uid().as_deref() == Some(uid)
             && live.metadata.deletion_timestamp.is_none()
             && !scheduled
-    }))
+    }) else {
+        return Ok(None);
+    };
+    let claims = match workload.filter(|w| !w.claim_templates.is_empty()) {
+        Some(w) => release::local_claims(
+            &ctx.client,
+            namespace,
+            (name, uid),
+            &w.claim_templates,
+            &w.uid,
+            ctx.caches.as_ref(),
+            &ctx.node_keys,
+        )
+        .await?
+        .into_iter()
+        .filter_map(Result::ok)
+        .collect(),
+        None => Vec::new(),
+    };
+    Ok(Some((live, claims)))
+}
+
+/// Makes pod `pod`'s state in `pps` name no node ([`release::forget_node`]) when it names one
+/// other than the node `claim` (a claim of its own, bound elsewhere) is on, with a
+/// `NodeForgotten` Event when done.
+async fn forget_pinned_node(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    namespace: &str,
+    pod: &str,
+    claim: &LocalClaim,
+) -> Result<Forgot, Error> {
+    // Observed only: the states are another injector's to act on.
+    if crate::api::observed_only(pps, ctx.observe_all) {
+        return Ok(Forgot::Nothing);
+    }
+    let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(pod)) else {
+        return Ok(Forgot::Nothing);
+    };
+    let Some(recorded) = state.node_name.as_deref() else {
+        return Ok(Forgot::Nothing);
+    };
+    let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
+    if release::names_node(recorded, hostname, &claim.node) {
+        return Ok(Forgot::Nothing);
+    }
+    ctx.fence.before_write(namespace).await?;
+    let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
+    let target = (pod, recorded);
+    let forgot =
+        release::forget_node(&api, &pps.name_any(), target, Some(state), &ctx.node_keys).await?;
+    if forgot == Forgot::Done {
+        report::node_forgotten(ctx, pps, target, claim);
+    }
+    Ok(forgot)
 }
 
 /// Forgets what was judged of the pods of `pps` (none of them is released on its word now).
@@ -528,5 +667,65 @@ mod tests {
             None
         );
         assert_eq!(judge(vec![fine()], &pod(json!({}))), None);
+    }
+
+    #[test]
+    fn a_claim_of_its_own_holds_a_pod_where_it_is_bound() {
+        let claim = |node: &str| LocalClaim {
+            claim: "data-web-0".into(),
+            uid: "claim-uid".into(),
+            resource_version: None,
+            deleting: false,
+            volume: "pv-1".into(),
+            node: node.into(),
+        };
+        let lost = json!([{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}]);
+        let caches = Caches::new();
+        for n in [
+            node("n1", maintenance(), false),
+            node("n2", json!([]), false),
+            node("n3", lost, false),
+        ] {
+            caches.apply_node(watcher::Event::Apply(n));
+        }
+        let values = [("kubernetes.io/hostname".to_owned(), "n1".to_owned())].into();
+        let health = Health::now(Duration::from_secs(300));
+        let every_node = caches.nodes.state();
+        let keys = NodeKeys::default();
+        let judge_with = |values: &BTreeMap<String, String>, pod: &Pod, claims: &[LocalClaim]| {
+            held(
+                pod,
+                claims,
+                (values, &keys),
+                caches.as_ref(),
+                &every_node,
+                &health,
+            )
+            .map(|(d, elsewhere)| (d.reason, elsewhere.map(|c| c.node)))
+        };
+        let judge = |pod: &Pod, claims: &[LocalClaim]| judge_with(&values, pod, claims);
+        // No node-local claim: the pin alone (n1 tainted, n2 would take it).
+        assert_eq!(
+            judge(&pod(json!({})), &[]),
+            Some((DropReason::PodConstraints, None))
+        );
+        // Its volume on n1 holds it there too: releasing it would free nothing.
+        assert_eq!(judge(&pod(json!({})), &[claim("n1")]), None);
+        // On n2, away from its pin: neither node takes it, ever.
+        assert_eq!(
+            judge(&pod(json!({})), &[claim("n2")]),
+            Some((DropReason::PodConstraints, Some("n2".into())))
+        );
+        // On a lost node: the local-volume release's, not this one's.
+        assert_eq!(judge(&pod(json!({})), &[claim("n3")]), None);
+        let gated = pod(json!({"schedulingGates": [{"name": "example.com/queue"}]}));
+        assert_eq!(judge(&gated, &[claim("n2")]), None);
+        // Claims on two nodes: released, it could go to neither.
+        assert_eq!(judge(&pod(json!({})), &[claim("n2"), claim("n1")]), None);
+        // Pinned to a rack as well, which n2 lacks: once its node is forgotten, the pod created
+        // again would still be pinned to the rack, away from its volume (released for ever).
+        let mut racked = values.clone();
+        racked.insert("example.com/rack".into(), "r1".into());
+        assert_eq!(judge_with(&racked, &pod(json!({})), &[claim("n2")]), None);
     }
 }

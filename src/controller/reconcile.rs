@@ -191,7 +191,7 @@ pub async fn reconcile_pps(
     if let Some(later) = release_stranded(
         &ctx,
         &pps,
-        (&namespace, release_held(&workload_target)),
+        (&namespace, &workload_target),
         &pods,
         &health,
         &local.released,
@@ -452,14 +452,14 @@ fn release_held(target: &Target) -> Option<&'static str> {
 async fn release_stranded(
     ctx: &Context,
     pps: &PersistentPodState,
-    (namespace, held): (&str, Option<&str>),
+    (namespace, target): (&str, &Target),
     pods: &[&CachedPod],
     health: &Health,
     handled: &BTreeSet<String>,
 ) -> Result<Option<Duration>, Error> {
     let place = |values: &BTreeMap<String, String>| ctx.place_required(values, health);
     let stranded = record::stranded(&pps.name_any(), pods, &place);
-    if let Some(why) = held {
+    if let Some(why) = release_held(target) {
         if !stranded.is_empty() {
             tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has; none is released: {why}");
         }
@@ -485,7 +485,13 @@ async fn release_stranded(
     // Held by a taint or relabel that came after admission instead.
     let mut skip = handled.clone();
     skip.extend(stranded.into_iter().map(|p| p.pod));
-    let held = constrained::release_held_by_pin(ctx, pps, namespace, pods, health, &skip).await?;
+    let workload = match target {
+        Target::Live(info) => Some(info),
+        _ => None,
+    };
+    let held =
+        constrained::release_held_by_pin(ctx, pps, namespace, pods, health, (&skip, workload))
+            .await?;
     Ok(match (rate, held) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),

@@ -2527,3 +2527,98 @@ async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_a
     let after = requeue_after(&action).expect("requeued");
     assert!(grace.contains(&after), "{action:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_pinned_away_from_its_own_claims_node_is_released_and_its_state_names_no_node() {
+    // web-0 waits pinned to n1 (its state names n1), but its claim is bound to a volume only n2
+    // can mount (released and bound again there, and the pod on n2 gone before any look saw it
+    // scheduled): neither node can take it, for ever.
+    let (caches, live) = pinned_waiting(
+        vec![zone_node("n1", "z1", false), zone_node("n2", "z1", false)],
+        json!({}),
+    );
+    let sts = GroupKind::native_statefulset();
+    let mut workload = statefulset(json!({}));
+    workload.data["spec"]["volumeClaimTemplates"] = json!([{"metadata": {"name": "data"}}]);
+    caches.apply_workload(&sts, watcher::Event::Apply(workload));
+    let lost_after = Duration::from_secs(120);
+    let (ctx, mut handle, mut events) = context_lost_after(caches, lost_after);
+    let mut claim = claim_and_volume(on_host("n2"));
+    claim[0]["metadata"]["ownerReferences"] = json!([{"apiVersion": "apps/v1",
+        "kind": "StatefulSet", "name": "web", "uid": "sts-uid"}]);
+    let read = || {
+        let mut answers = vec![live.clone()];
+        answers.extend(claim.clone());
+        answers
+    };
+    let sent = drive(
+        reconcile_pps(pinned_pps(), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "just seen waiting: {sent:?}");
+    tokio::time::advance(lost_after + Duration::from_secs(1)).await;
+    // Read with its claims: held there, not released yet.
+    let sent = drive(
+        reconcile_pps(pinned_pps(), ctx.clone()),
+        &mut handle,
+        read(),
+    )
+    .await;
+    let paths: Vec<&str> = sent.iter().map(|s| s.path_and_query.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/api/v1/namespaces/ns/pods/web-0",
+            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0",
+            "/api/v1/persistentvolumes/pv-1",
+        ]
+    );
+    tokio::time::advance(lost_after + Duration::from_secs(1)).await;
+    // Read again right before: its state names no node first, then the pod is deleted.
+    let mut forgotten = serde_json::to_value(pinned_pps().as_ref()).expect("pps");
+    forgotten["status"]["podStates"]["web-0"] =
+        json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
+    let mut answers = read();
+    answers.push(forgotten);
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    let sent = drive(
+        reconcile_pps(pinned_pps(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
+    assert_eq!(calls.len(), 5, "{calls:?}");
+    assert!(
+        calls[3].starts_with(
+            "PATCH /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status"
+        ),
+        "{calls:?}"
+    );
+    assert_eq!(
+        sent[3].body[1],
+        json!({"op": "replace", "path": "/status/podStates/web-0", "value": {
+            "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}})
+    );
+    assert_eq!(calls[4], "DELETE /api/v1/namespaces/ns/pods/web-0?");
+    assert_eq!(
+        sent[4].body["preconditions"],
+        json!({"uid": "pod-uid", "resourceVersion": "7"})
+    );
+    let metrics = ctx.metrics.encode();
+    for series in [
+        "pps_state_nodes_forgotten_total 1",
+        "pps_pods_released_total{reason=\"pod_constraints\"} 1",
+    ] {
+        assert!(metrics.contains(series), "{series}: {metrics}");
+    }
+    let note = event_note(&mut events, "NodeForgotten").await;
+    assert!(note.contains("data-web-0") && note.contains("n2"), "{note}");
+    let note = event_note(&mut events, "PodReleased").await;
+    assert!(note.contains("web-0"), "{note}");
+}
