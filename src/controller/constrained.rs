@@ -482,19 +482,12 @@ async fn read_waiting(
         return Ok(None);
     };
     let claims = match workload.filter(|w| !w.claim_templates.is_empty()) {
-        Some(w) => release::local_claims(
-            &ctx.client,
-            namespace,
-            (name, uid),
-            &w.claim_templates,
-            &w.uid,
-            ctx.caches.as_ref(),
-            &ctx.node_keys,
-        )
-        .await?
-        .into_iter()
-        .filter_map(Result::ok)
-        .collect(),
+        Some(w) => ctx
+            .own_claims(namespace, (name, uid), w)
+            .await?
+            .into_iter()
+            .filter_map(Result::ok)
+            .collect(),
         None => Vec::new(),
     };
     Ok(Some((live, claims)))

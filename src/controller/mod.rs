@@ -322,6 +322,26 @@ impl Context {
         self
     }
 
+    /// The claims of pod `pod` (name, uid) in `namespace` named after `workload`'s
+    /// `volumeClaimTemplates`, read and judged ([`crate::release::local_claims`]).
+    async fn own_claims(
+        &self,
+        namespace: &str,
+        pod: (&str, &str),
+        workload: &crate::workload::WorkloadInfo,
+    ) -> Result<Vec<Result<crate::release::LocalClaim, crate::release::Kept>>, kube::Error> {
+        crate::release::local_claims(
+            &self.client,
+            namespace,
+            pod,
+            &workload.claim_templates,
+            &workload.uid,
+            self.caches.as_ref(),
+            &self.node_keys,
+        )
+        .await
+    }
+
     /// The context with `keys` as the labels that name one node in a volume's affinity.
     pub fn naming_nodes_by(mut self, keys: NodeKeys) -> Self {
         self.node_keys = keys;

@@ -145,17 +145,7 @@ pub(super) async fn forget_moved(
     };
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
     for pod in unjudged.into_iter().take(READS_PER_LOOK) {
-        let judged = match release::local_claims(
-            &ctx.client,
-            namespace,
-            (&pod.pod, &pod.uid),
-            &info.claim_templates,
-            &info.uid,
-            ctx.caches.as_ref(),
-            &ctx.node_keys,
-        )
-        .await
-        {
+        let judged = match ctx.own_claims(namespace, (&pod.pod, &pod.uid), info).await {
             Ok(judged) => judged,
             Err(e) => {
                 tracing::warn!(pod = %pod.pod, error = %e, "the claims of a pod scheduled elsewhere than recorded could not be read");

@@ -284,17 +284,7 @@ async fn release_local_volumes(
         if !allowed && report::local_reported(ctx, pps, &w.uid, &uids) {
             continue;
         }
-        let judged = match release::local_claims(
-            &ctx.client,
-            namespace,
-            (&w.pod, &w.uid),
-            &info.claim_templates,
-            &info.uid,
-            ctx.caches.as_ref(),
-            &ctx.node_keys,
-        )
-        .await
-        {
+        let judged = match ctx.own_claims(namespace, (&w.pod, &w.uid), info).await {
             Ok(judged) => judged,
             Err(e) => {
                 tracing::warn!(pod = %w.pod, error = %e, "the waiting pod's claims could not be read");
