@@ -299,6 +299,21 @@ pub struct LocalClaim {
     pub node: String,
 }
 
+#[cfg(test)]
+impl LocalClaim {
+    /// `data-web-0`, bound to `pv-1`, which only `node` can mount (a test fixture).
+    pub fn fixture(node: &str) -> Self {
+        Self {
+            claim: "data-web-0".into(),
+            uid: "claim-uid".into(),
+            resource_version: None,
+            deleting: false,
+            volume: "pv-1".into(),
+            node: node.into(),
+        }
+    }
+}
+
 /// A claim of the pod that is not released, and why.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Kept {

@@ -664,14 +664,7 @@ mod tests {
 
     #[test]
     fn a_claim_of_its_own_holds_a_pod_where_it_is_bound() {
-        let claim = |node: &str| LocalClaim {
-            claim: "data-web-0".into(),
-            uid: "claim-uid".into(),
-            resource_version: None,
-            deleting: false,
-            volume: "pv-1".into(),
-            node: node.into(),
-        };
+        let claim = LocalClaim::fixture;
         let lost = json!([{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}]);
         let caches = Caches::new();
         for n in [

@@ -213,15 +213,10 @@ mod tests {
         CachedPod::from(pod)
     }
 
+    use crate::release::LocalClaim;
+
     fn claim(node: &str) -> LocalClaim {
-        LocalClaim {
-            claim: "data-web-0".into(),
-            uid: "claim-uid".into(),
-            resource_version: None,
-            deleting: false,
-            volume: "pv-1".into(),
-            node: node.into(),
-        }
+        LocalClaim::fixture(node)
     }
 
     #[test]

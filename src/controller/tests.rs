@@ -2275,6 +2275,37 @@ async fn a_pod_annotation_named_for_the_first_time_is_recorded_once_the_pods_are
     );
 }
 
+/// A look at [`pinned_pps`] whose pin release is due: `web-0` read again (answered with `live`)
+/// and deleted by uid and resourceVersion, counted as `pod_constraints`, with a `PodReleased`
+/// Event naming it and `n1`.
+async fn released_held_by_pin(
+    ctx: &Arc<Context>,
+    handle: &mut Handle,
+    events: &mut Handle,
+    live: Value,
+) {
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let sent = drive(
+        reconcile_pps(pinned_pps(), ctx.clone()),
+        handle,
+        vec![live, deleted],
+    )
+    .await;
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[1].method, Method::DELETE);
+    assert_eq!(
+        sent[1].body["preconditions"],
+        json!({"uid": "pod-uid", "resourceVersion": "7"})
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pods_released_total{reason=\"pod_constraints\"} 1")
+    );
+    let note = event_note(events, "PodReleased").await;
+    assert!(note.contains("web-0") && note.contains("n1"), "{note}");
+}
+
 /// `web-0`, pinned by the webhook to `n1` (`kubernetes.io/hostname`) and waiting unscheduled,
 /// with `spec` merged into its own, among `nodes`: the caches, and the pod as a read of it
 /// answers.
@@ -2353,26 +2384,7 @@ async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_releas
         "looked at again once the grace is over: {action:?}"
     );
     tokio::time::advance(after).await;
-    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
-    let sent = drive(
-        reconcile_pps(pps(), ctx.clone()),
-        &mut handle,
-        vec![live, deleted],
-    )
-    .await;
-    assert_eq!(sent.len(), 2, "{sent:?}");
-    assert_eq!(sent[1].method, Method::DELETE);
-    assert_eq!(
-        sent[1].body["preconditions"],
-        json!({"uid": "pod-uid", "resourceVersion": "7"})
-    );
-    assert!(
-        ctx.metrics
-            .encode()
-            .contains("pps_pods_released_total{reason=\"pod_constraints\"} 1")
-    );
-    let note = event_note(&mut events, "PodReleased").await;
-    assert!(note.contains("web-0") && note.contains("n1"), "{note}");
+    released_held_by_pin(&ctx, &mut handle, &mut events, live).await;
 
     // Tolerated: it waits for its node's room; read, never released.
     let tolerating = json!([{"key": "example.com/maintenance", "operator": "Exists"}]);
@@ -2485,26 +2497,7 @@ async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_a
     let after = requeue_after(&action).expect("requeued");
     assert!(grace.contains(&after), "{action:?}");
     tokio::time::advance(after).await;
-    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
-    let sent = drive(
-        reconcile_pps(pps(), ctx.clone()),
-        &mut handle,
-        vec![live, deleted],
-    )
-    .await;
-    assert_eq!(sent.len(), 2, "{sent:?}");
-    assert_eq!(sent[1].method, Method::DELETE);
-    assert_eq!(
-        sent[1].body["preconditions"],
-        json!({"uid": "pod-uid", "resourceVersion": "7"})
-    );
-    assert!(
-        ctx.metrics
-            .encode()
-            .contains("pps_pods_released_total{reason=\"pod_constraints\"} 1")
-    );
-    let note = event_note(&mut events, "PodReleased").await;
-    assert!(note.contains("web-0") && note.contains("n1"), "{note}");
+    released_held_by_pin(&ctx, &mut handle, &mut events, live).await;
 
     // Its node still matches: it waits for the node's room; read once it has waited for the
     // grace, never released, and not read again while neither it nor a node changes.
