@@ -352,8 +352,8 @@ pub struct Metrics {
     /// Claims on node-local volumes of a node that is gone released (deleted, with their waiting
     /// pod, to be re-created elsewhere), by how the node is gone.
     pub local_volumes_released: Family<DropLabels, Counter>,
-    /// Pod states made to name no node because the pod's node-local claims are bound on
-    /// another node now.
+    /// Pod states made to name no node, or to record no label the node of the pod's node-local
+    /// claims lacks, because those claims are bound there.
     pub state_nodes_forgotten: Counter,
     /// Pods let through without a patch, by reason.
     pub skipped: Family<SkipLabels, Counter>,
@@ -532,7 +532,7 @@ impl Metrics {
         );
         registry.register(
             "state_nodes_forgotten",
-            "Pod states made to name no node because the pod's node-local claims are bound on another node now",
+            "Pod states made to name no node, or to record no label the node of the pod's node-local claims lacks, because those claims are bound there",
             m.state_nodes_forgotten.clone(),
         );
         registry.register(

@@ -447,18 +447,66 @@ pub fn names_node(recorded: &str, hostname: Option<&str>, node: &str) -> bool {
     node == recorded || hostname == Some(node)
 }
 
-/// `state` once the node-local data it was recorded with is released: it names no node any
-/// more (`nodeName`, `nodeUID` and the labels that name one node, as `keys` judges, dropped), so
-/// that a pod created again is not pinned to the node its data left (its new claim binds where
-/// it is scheduled: a pin to the old node, back later, would hold it there for ever). Wider
-/// labels (a zone), the IPs, the annotations and the last restore stay.
-pub fn without_node(state: &PodState, keys: &NodeKeys) -> PodState {
+/// The node a pod's node-local data is on now, as the cache holds it.
+#[derive(Clone, Copy, Debug)]
+pub struct DataNode<'a> {
+    /// Its name (as a volume's affinity names it).
+    pub name: &'a str,
+    /// Its labels.
+    pub labels: &'a BTreeMap<String, String>,
+}
+
+/// `state` once the node-local data it was recorded with is released or moved: it names no
+/// node any more (`nodeName`, `nodeUID` and the labels that name one node, as `keys` judges,
+/// dropped), so that a pod created again is not pinned to the node its data left (its new claim
+/// binds where it is scheduled: a pin to the old node, back later, would hold it there for
+/// ever). When the data's node is known (`data`), the wider labels (a zone) it lacks are
+/// dropped too: a pod pinned to them could never reach its data; and if that node is the one
+/// the state names (relabeled since), the state keeps naming it. The other wider labels, the
+/// IPs, the annotations and the last restore stay.
+pub fn without_node(state: &PodState, keys: &NodeKeys, data: Option<DataNode<'_>>) -> PodState {
+    let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
+    let stays = data.is_some_and(|d| {
+        let recorded = state.node_name.as_deref();
+        recorded.is_some_and(|r| names_node(r, hostname, d.name))
+    });
     let mut out = state.clone();
-    out.node_name = None;
-    out.node_uid = None;
-    out.node_topology_labels
-        .retain(|key, _| !keys.names_a_node(key));
+    if !stays {
+        out.node_name = None;
+        out.node_uid = None;
+    }
+    out.node_topology_labels.retain(|key, value| {
+        let has = |d: DataNode<'_>| d.labels.get(&**key).map(String::as_str) == Some(&**value);
+        (stays || !keys.names_a_node(key)) && data.is_none_or(has)
+    });
     out
+}
+
+/// What a state forgot ([`forget_node`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// The node it named, when it names it no more.
+    pub node: Option<String>,
+    /// The wider labels (`key=value`, not naming a node as the keys judge) it records no more.
+    pub wider: Vec<String>,
+}
+
+impl Forgotten {
+    /// What `new` forgot of `old`.
+    fn of(old: &PodState, new: &PodState, keys: &NodeKeys) -> Self {
+        let wider = old
+            .node_topology_labels
+            .iter()
+            .filter(|(k, _)| !keys.names_a_node(k) && !new.node_topology_labels.contains_key(*k))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let node = old
+            .node_name
+            .as_deref()
+            .filter(|_| new.node_name.is_none())
+            .map(str::to_owned);
+        Self { node, wider }
+    }
 }
 
 /// The JSON patch that turns pod `pod`'s state `old` into `new` in a PersistentPodState's
@@ -481,26 +529,27 @@ pub fn state_patch(
 }
 
 /// What [`forget_node`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Forgot {
-    /// The state names no node now.
-    Done,
-    /// Nothing to do: the state names another node (recorded again) or none, or it or its
-    /// PersistentPodState is gone.
+    /// The state forgot what is said.
+    Done(Forgotten),
+    /// Nothing to do: the state names another node than the one given (recorded again), or has
+    /// nothing to forget, or it or its PersistentPodState is gone.
     Nothing,
     /// The API server holds another state than the one given: look again from a fresher view.
     Stale,
 }
 
 /// Makes pod `pod`'s state in the PersistentPodState `pps` (in `api`'s namespace) name no
-/// node ([`without_node`]) while it still names `node`, provided the API server holds it as
-/// `state` (read live when `None`).
+/// node, nor the wider labels its data's node lacks ([`without_node`]), while it names `node`
+/// (`None`: whatever it names, if anything), provided the API server holds it as `state` (read
+/// live when `None`).
 pub async fn forget_node(
     api: &Api<PersistentPodState>,
     pps: &str,
-    (pod, node): (&str, &str),
+    (pod, node): (&str, Option<&str>),
     state: Option<&PodState>,
-    keys: &NodeKeys,
+    (keys, data): (&NodeKeys, Option<DataNode<'_>>),
 ) -> Result<Forgot, kube::Error> {
     let state = match state {
         Some(state) => state.clone(),
@@ -512,16 +561,19 @@ pub async fn forget_node(
             }
         }
     };
-    if state.node_name.as_deref() != Some(node) {
+    if node.is_some_and(|node| state.node_name.as_deref() != Some(node)) {
         return Ok(Forgot::Nothing);
     }
-    let patch =
-        state_patch(pod, &state, &without_node(&state, keys)).map_err(kube::Error::SerdeError)?;
+    let forgotten = without_node(&state, keys, data);
+    if forgotten == state {
+        return Ok(Forgot::Nothing);
+    }
+    let patch = state_patch(pod, &state, &forgotten).map_err(kube::Error::SerdeError)?;
     match api
         .patch_status(pps, &PatchParams::default(), &Patch::Json::<()>(patch))
         .await
     {
-        Ok(_) => Ok(Forgot::Done),
+        Ok(_) => Ok(Forgot::Done(Forgotten::of(&state, &forgotten, keys))),
         // The `test` failed (another state than the one read), or a conflict.
         Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => Ok(Forgot::Stale),
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(Forgot::Nothing),
@@ -574,14 +626,14 @@ async fn forget_released_node(
         return None;
     }
     let pps_name = pps.name_any();
-    let target = (pod, recorded);
+    let target = (pod, Some(recorded));
     // As listed, then once as read live (it may have changed since the list).
-    let done = match forget_node(&api, &pps_name, target, Some(state), keys).await {
-        Ok(Forgot::Stale) => forget_node(&api, &pps_name, target, None, keys).await,
+    let done = match forget_node(&api, &pps_name, target, Some(state), (keys, None)).await {
+        Ok(Forgot::Stale) => forget_node(&api, &pps_name, target, None, (keys, None)).await,
         done => done,
     };
     Some(match done {
-        Ok(Forgot::Done | Forgot::Nothing) => format!(
+        Ok(Forgot::Done(_) | Forgot::Nothing) => format!(
             "the state of {pod} in PersistentPodState {pps_name} names node {recorded} no more"
         ),
         Ok(Forgot::Stale) => format!(
@@ -1001,14 +1053,66 @@ mod tests {
         }))
         .expect("state");
         let keys = NodeKeys::with(&["example.com/disk-node".into()]);
-        let kept = json!({"podIPs": ["10.0.0.7"], "annotations": {"a": "b"},
+        let kept_json = json!({"podIPs": ["10.0.0.7"], "annotations": {"a": "b"},
             "lastRestore": {"node": "kept", "ip": "kept"},
             "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
-        let forgotten = without_node(&state, &keys);
-        assert_eq!(serde_json::to_value(&forgotten).expect("json"), kept);
-        assert_eq!(without_node(&forgotten, &keys), forgotten, "once is enough");
+        let forgotten = without_node(&state, &keys, None);
+        assert_eq!(serde_json::to_value(&forgotten).expect("json"), kept_json);
+        assert_eq!(
+            without_node(&forgotten, &keys, None),
+            forgotten,
+            "once is enough"
+        );
+        assert_eq!(
+            Forgotten::of(&state, &forgotten, &keys),
+            Forgotten {
+                node: Some("n1".into()),
+                wider: vec![]
+            }
+        );
+        // Its data's new node in the same zone keeps the zone; in another, not (a pod pinned
+        // to z1 could never reach it), and what was forgotten says which.
+        let labels = |host: &str, zone: &str| -> BTreeMap<String, String> {
+            [
+                (HOSTNAME_LABEL.to_owned(), host.to_owned()),
+                ("topology.kubernetes.io/zone".to_owned(), zone.to_owned()),
+            ]
+            .into()
+        };
+        let (z1, z2) = (labels("n2", "z1"), labels("n2", "z2"));
+        let on = |name, labels| Some(DataNode { name, labels });
+        assert_eq!(without_node(&state, &keys, on("n2", &z1)), forgotten);
+        let away = without_node(&state, &keys, on("n2", &z2));
+        assert!(away.node_topology_labels.is_empty(), "{away:?}");
+        assert_eq!(away.pod_ips, state.pod_ips);
+        assert_eq!(
+            Forgotten::of(&state, &away, &keys).wider,
+            ["topology.kubernetes.io/zone=z1"]
+        );
+        // Its data on the very node the state names, relabeled into z2: that node stays named
+        // (with the labels naming it that it still has), the zone goes.
+        let mut relabeled = labels("n1", "z2");
+        relabeled.insert("topology.topolvm.io/node".into(), "n1".into());
+        let kept = without_node(&state, &keys, on("n1", &relabeled));
+        assert_eq!(kept.node_name.as_deref(), Some("n1"));
+        assert_eq!(kept.node_uid.as_deref(), Some("n1-uid"));
+        let names: Vec<&str> = kept.node_topology_labels.keys().map(|k| &**k).collect();
+        assert_eq!(names, [HOSTNAME_LABEL, "topology.topolvm.io/node"]);
+        assert_eq!(
+            Forgotten::of(&state, &kept, &keys),
+            Forgotten {
+                node: None,
+                wider: vec!["topology.kubernetes.io/zone=z1".into()]
+            }
+        );
+        // A state naming no node any more still forgets the zone its data's node lacks.
+        assert!(
+            without_node(&forgotten, &keys, on("n2", &z2))
+                .node_topology_labels
+                .is_empty()
+        );
         // Without the operator's key, a label only a driver the operator names stays.
-        let default = without_node(&state, &NodeKeys::default());
+        let default = without_node(&state, &NodeKeys::default(), None);
         assert_eq!(
             default
                 .node_topology_labels
@@ -1022,7 +1126,7 @@ mod tests {
         let mut status =
             json!({"status": {"podStates": {"web-0": &state, "web-1": {"nodeName": "n2"}}}});
         json_patch::patch(&mut status, &patch).expect("applies");
-        assert_eq!(status["status"]["podStates"]["web-0"], kept);
+        assert_eq!(status["status"]["podStates"]["web-0"], kept_json);
         assert_eq!(
             status["status"]["podStates"]["web-1"],
             json!({"nodeName": "n2"})

@@ -70,14 +70,6 @@ async fn wait_recorded_ip(c: &Client, ns: &str, name: &str, pod: &str, ip: &str)
     .await;
 }
 
-async fn wait_pod_gone(c: &Client, ns: &str, name: &str) {
-    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
-    wait_for(&format!("{ns}/{name} to be gone"), TIMEOUT, || async {
-        pods.get_opt(name).await.ok()?.is_none().then_some(())
-    })
-    .await;
-}
-
 fn restored(text: &str, node: &str, ip: &str) -> f64 {
     metric(
         text,

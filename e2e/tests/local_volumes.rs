@@ -380,3 +380,170 @@ async fn released_before_ready(by: Release) {
         delete_volume(c, v).await;
     }
 }
+
+/// A pod pinned to its recorded zone whose claim is bound, by the operator's hand, to a node-local
+/// volume in another zone can never be scheduled: once it has waited pinned for
+/// `--node-lost-after` and been found so for another, the controller makes its state name
+/// neither its node nor its zone (a `NodeForgotten` Event names both) and releases it; created
+/// again, it runs where its claim is, and is recorded there.
+#[tokio::test]
+async fn a_pod_pinned_to_a_zone_its_claims_node_lacks_is_released_to_its_claim() {
+    let env = env().await;
+    let c = &env.client;
+    let lost_after = lost_after(&env);
+    let ns = namespace(c, "e2e-local-zone").await;
+    let class = "e2e-zone-local";
+    let (first_node, other_zone) = (NODES[0], NODES[2]);
+    local_storage_class(c, class).await;
+    let (first, second) = (
+        format!("{class}-{first_node}"),
+        format!("{class}-{other_zone}"),
+    );
+    local_volume(c, class, &first, first_node).await;
+    // Its zone required, its host preferred; states kept while the StatefulSet lives (it is
+    // scaled to none and back).
+    let pps = serde_json::from_value(json!({
+        "apiVersion": "apps.kruise.io/v1alpha1", "kind": "PersistentPodState",
+        "metadata": {"name": "zoned"},
+        "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "zoned"},
+                 "requiredPersistentTopology": {"nodeTopologyKeys": [ZONE]},
+                 "preferredPersistentTopology": [{"weight": 100, "preference": {"nodeTopologyKeys": [HOST]}}],
+                 "persistentPodStateRetentionPolicy": "WhenDeleted"}
+    }))
+    .expect("pps");
+    pps_api(c, &ns)
+        .create(&Default::default(), &pps)
+        .await
+        .expect("create pps");
+    let sts = statefulset_with(
+        "zoned",
+        1,
+        &[],
+        json!({"spec": {"volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": class,
+            "resources": {"requests": {"storage": "1Gi"}}}}]}}),
+    );
+    let (placed, states) = start_recorded(c, &ns, &sts).await;
+    assert_eq!(placed["zoned-0"].node, first_node);
+    assert_eq!(
+        states["zoned-0"]
+            .node_topology_labels
+            .get(ZONE)
+            .map(|z| &**z),
+        Some("zone-a")
+    );
+
+    // The operator moves its data to a volume of a node in zone-b: the pod stopped, its claim
+    // deleted and made again bound to that volume.
+    scale(c, &ns, "zoned", 0).await;
+    wait_pod_gone(c, &ns, "zoned-0").await;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), &ns);
+    let (old_claim, _) = bound(c, &ns, "data-zoned-0").await;
+    claims
+        .delete("data-zoned-0", &Default::default())
+        .await
+        .expect("claim deleted");
+    wait_for("the claim to be gone", TIMEOUT, || async {
+        let claim = claims.get_opt("data-zoned-0").await.ok()?;
+        (claim.and_then(|c| c.uid()) != Some(old_claim.clone())).then_some(())
+    })
+    .await;
+    local_volume(c, class, &second, other_zone).await;
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data-zoned-0"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": class,
+                 "volumeName": second, "resources": {"requests": {"storage": "1Gi"}}}}))
+    .expect("claim");
+    let uid = claims
+        .create(&Default::default(), &claim)
+        .await
+        .expect("claim made again")
+        .uid();
+    let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(c.clone());
+    wait_for(
+        "the volume in zone-b bound to the claim",
+        TIMEOUT,
+        || async {
+            let pv = volumes.get_opt(&second).await.ok()??;
+            let by = pv.spec?.claim_ref?.uid;
+            (by.is_some() && by == uid).then_some(())
+        },
+    )
+    .await;
+
+    // Created again, it is pinned to zone-a, where its volume is not: it waits.
+    scale(c, &ns, "zoned", 1).await;
+    let pinned = scheduled_or_waiting(c, &ns, "zoned-0").await;
+    let selector = pinned.spec.as_ref().and_then(|s| s.node_selector.clone());
+    assert_eq!(
+        selector
+            .as_ref()
+            .and_then(|s| s.get(ZONE))
+            .map(String::as_str),
+        Some("zone-a"),
+        "pinned to its zone: {selector:?}"
+    );
+    let pinned_uid = pinned.uid().unwrap_or_default();
+    let created_at = std::time::Instant::now();
+    wait_for(
+        "the pinned pod to be released",
+        lost_after * 2 + std::time::Duration::from_secs(90),
+        || async {
+            let pod = Api::<Pod>::namespaced(c.clone(), &ns)
+                .get_opt("zoned-0")
+                .await
+                .ok()?;
+            (pod.and_then(|p| p.uid()).as_deref() != Some(pinned_uid.as_str())).then_some(())
+        },
+    )
+    .await;
+    let took = created_at.elapsed();
+    let running = wait_replaced(c, &ns, "zoned-0", &pinned_uid).await;
+    assert_eq!(
+        placement(&running).map(|p| p.node).as_deref(),
+        Some(other_zone)
+    );
+    let zone = format!("{ZONE}=zone-a");
+    wait_event_noting(
+        c,
+        &ns,
+        "zoned",
+        "NodeForgotten",
+        &["zoned-0", first_node, &zone, &second, other_zone],
+    )
+    .await;
+    let why = format!(
+        "its claim data-zoned-0 is bound to PersistentVolume {second}, which only node {other_zone} can mount"
+    );
+    wait_event_noting(c, &ns, "zoned", "PodReleased", &["zoned-0", &zone, &why]).await;
+    // Recorded where it runs now, in zone-b.
+    let placed = placements(c, &ns, &["zoned-0".to_owned()]).await;
+    let states = wait_states(c, &ns, "zoned", &placed).await;
+    assert_eq!(
+        states["zoned-0"]
+            .node_topology_labels
+            .get(ZONE)
+            .map(|z| &**z),
+        Some("zone-b")
+    );
+    println!(
+        "zoned-0: pinned to zone-a with its claim bound in zone-b; released {took:?} after it was created, runs on {other_zone}"
+    );
+
+    delete_namespace(c, &ns).await;
+    for v in [&first, &second] {
+        delete_volume(c, v).await;
+    }
+}
+
+/// The pod `name` once it exists and is not being deleted.
+async fn scheduled_or_waiting(c: &Client, ns: &str, name: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    wait_for(&format!("{name} to be created"), TIMEOUT, || async {
+        pods.get_opt(name)
+            .await
+            .ok()?
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+    })
+    .await
+}

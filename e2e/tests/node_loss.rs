@@ -143,19 +143,6 @@ async fn a_node_replaced_under_its_name_is_reported() {
     delete_namespace(c, &ns).await;
 }
 
-/// The replicas' `--node-lost-after` (`45s`, `5m`, ...).
-fn lost_after(env: &Env) -> std::time::Duration {
-    let text = env.node_lost_after.trim();
-    let (number, unit) = text.split_at(text.len() - 1);
-    let n: u64 = number.parse().expect("a duration like 45s or 5m");
-    std::time::Duration::from_secs(match unit {
-        "s" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        other => panic!("unit {other}"),
-    })
-}
-
 /// A pod re-created while its node was unreachable is pinned to it (the grace period); when
 /// the node stays away past `--node-lost-after`, the controller releases the waiting pod (it
 /// runs nothing: deleted by uid and resourceVersion), its StatefulSet re-creates it, and the

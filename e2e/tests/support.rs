@@ -239,6 +239,9 @@ pub async fn wait_sts_rolled(client: &Client, ns: &str, name: &str, replicas: i3
 /// The node label the seeds pin pods by.
 pub const HOST: &str = "kubernetes.io/hostname";
 
+/// The node label of the nodes' zones (`zone-a`, `zone-b`).
+pub const ZONE: &str = "topology.kubernetes.io/zone";
+
 /// The preferred term the webhook injects for a recorded node (weight 100, the seeds').
 pub fn preferred_host_term(node: &str) -> Value {
     json!({"weight": 100, "preference": {"matchExpressions": [
@@ -1168,4 +1171,26 @@ pub fn yaml_documents(text: &str) -> Vec<Value> {
         .map(|doc| Value::deserialize(doc).expect("yaml document"))
         .filter(|v| !v.is_null())
         .collect()
+}
+
+/// The replicas' `--node-lost-after` (`45s`, `5m`, ...).
+pub fn lost_after(env: &Env) -> std::time::Duration {
+    let text = env.node_lost_after.trim();
+    let (number, unit) = text.split_at(text.len() - 1);
+    let n: u64 = number.parse().expect("a duration like 45s or 5m");
+    std::time::Duration::from_secs(match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        other => panic!("unit {other}"),
+    })
+}
+
+/// Waits until pod `name` is gone.
+pub async fn wait_pod_gone(c: &Client, ns: &str, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(c.clone(), ns);
+    wait_for(&format!("{ns}/{name} to be gone"), TIMEOUT, || async {
+        pods.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await;
 }

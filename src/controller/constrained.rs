@@ -170,12 +170,13 @@ pub fn held_by_pin(
 
 /// What holds a pinned waiting pod, read as `pod` with its node-local `claims`, that a
 /// release would free: its pin alone ([`held_by_pin`]), or its own claims, all bound to volumes
-/// of one usable node that lacks the values naming one node (as `keys` judges) but has the
-/// wider ones (a zone): the pin and its volumes exclude each other, it can never be scheduled,
-/// and once its state names no node the pod created again goes there. Held to a node with the
-/// values, by claims on several nodes, on a node that is gone or lost, or away from the wider
-/// values, nothing a release does frees it: not held. The values left out, and a claim on that
-/// other node if that is what holds it.
+/// of one usable node that lacks some of the values: the pin and its volumes exclude each
+/// other, it can never be scheduled, and once its state names neither its node nor the wider
+/// values (a zone) that node lacks, the pod created again goes there. Held to a node with the
+/// values (its room), by claims on several nodes or on a node that is gone or lost, nothing a
+/// release does frees it: not held. Neither is a pod whose claims' node is one its values
+/// name (by any key), lacking another value: no node has them all, the stranded pods' release
+/// judges it. The values left out, and a claim on that other node if that is what holds it.
 pub fn held(
     pod: &Pod,
     claims: &[LocalClaim],
@@ -195,12 +196,21 @@ pub fn held(
         .find(|n| n.name_any() == first.node)
         .filter(|n| !health.is_lost(n))?;
     let has = |(k, v): &(&String, &String)| node.labels().get(*k) == Some(*v);
-    let (naming, wider): (Vec<_>, Vec<_>) = values.iter().partition(|(k, _)| keys.names_a_node(k));
-    if naming.iter().all(has) || !wider.iter().all(has) {
+    let naming: Vec<_> = values
+        .iter()
+        .filter(|(k, _)| keys.names_a_node(k))
+        .collect();
+    if values.iter().all(|kv| has(&kv)) || naming.iter().any(has) {
         return None;
     }
+    // What the pod created again is pinned to no more: the node, and what that node lacks.
+    let left_out = values
+        .iter()
+        .filter(|kv| keys.names_a_node(kv.0) || !has(kv))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     let dropped = Dropped {
-        values: values.clone(),
+        values: left_out,
         reason: DropReason::PodConstraints,
     };
     Some((dropped, Some(first.clone())))
@@ -411,11 +421,13 @@ pub(super) async fn release_held_by_pin(
             }
         };
         // Held by a claim of its own elsewhere: its state must name the node it was pinned to
-        // no more first, or it would be pinned there again.
+        // (and the values that node lacks) no more first, or it would be pinned there again;
+        // released at a later look, once this replica's cache holds the state so (the webhooks
+        // admit the pod created again from theirs).
         if let Some(claim) = &elsewhere {
             let wait = match forget_pinned_node(ctx, pps, namespace, &pod.name, claim).await {
-                Ok(Forgot::Stale) => Some(MORE_TO_READ),
-                Ok(_) => None,
+                Ok(Forgot::Stale | Forgot::Done(_)) => Some(MORE_TO_READ),
+                Ok(Forgot::Nothing) => None,
                 Err(Error::Fenced(e)) => return Err(Error::Fenced(e)),
                 Err(e) => {
                     tracing::warn!(pod = %pod.name, error = %e, "the state of a pod whose claim is bound elsewhere could not be made to name no node; not released yet");
@@ -447,7 +459,12 @@ pub(super) async fn release_held_by_pin(
                 node,
                 dropped,
             };
-            report::released(ctx, report::PinnedBy::Live(pps), &stranded);
+            report::released(
+                ctx,
+                report::PinnedBy::Live(pps),
+                &stranded,
+                elsewhere.as_ref(),
+            );
         }
     }
     let now = Instant::now();
@@ -493,9 +510,11 @@ async fn read_waiting(
     Ok(Some((live, claims)))
 }
 
-/// Makes pod `pod`'s state in `pps` name no node ([`release::forget_node`]) when it names one
-/// other than the node `claim` (a claim of its own, bound elsewhere) is on, with a
-/// `NodeForgotten` Event when done.
+/// Makes pod `pod`'s state in `pps` name no node, nor the wider values the node `claim` (a claim
+/// of its own that its pin keeps it from) is on lacks, unless that node is the one it names
+/// ([`release::forget_node`]), with a `NodeForgotten` Event when done. `Nothing` when the state
+/// (as cached) has nothing left that keeps a pod created again from that node, or when nothing
+/// of ours pins it (no state, or the PersistentPodState observed only).
 async fn forget_pinned_node(
     ctx: &Context,
     pps: &PersistentPodState,
@@ -510,20 +529,21 @@ async fn forget_pinned_node(
     let Some(state) = pps.status.as_ref().and_then(|s| s.pod_states.get(pod)) else {
         return Ok(Forgot::Nothing);
     };
-    let Some(recorded) = state.node_name.as_deref() else {
-        return Ok(Forgot::Nothing);
+    // Judged on that node as held judged it; gone since, the next look judges again.
+    let Some(node) = ctx.caches.node(&claim.node) else {
+        return Ok(Forgot::Stale);
     };
-    let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
-    if release::names_node(recorded, hostname, &claim.node) {
-        return Ok(Forgot::Nothing);
-    }
+    let data = release::DataNode {
+        name: &claim.node,
+        labels: node.labels(),
+    };
     ctx.fence.before_write(namespace).await?;
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
-    let target = (pod, recorded);
-    let forgot =
-        release::forget_node(&api, &pps.name_any(), target, Some(state), &ctx.node_keys).await?;
-    if forgot == Forgot::Done {
-        report::node_forgotten(ctx, pps, target, claim);
+    let keys = (&ctx.node_keys, Some(data));
+    let target = (pod, None);
+    let forgot = release::forget_node(&api, &pps.name_any(), target, Some(state), keys).await?;
+    if let Forgot::Done(forgotten) = &forgot {
+        report::node_forgotten(ctx, pps, pod, claim, forgotten);
     }
     Ok(forgot)
 }
@@ -708,10 +728,58 @@ mod tests {
         assert_eq!(judge(&gated, &[claim("n2")]), None);
         // Claims on two nodes: released, it could go to neither.
         assert_eq!(judge(&pod(json!({})), &[claim("n2"), claim("n1")]), None);
-        // Pinned to a rack as well, which n2 lacks: once its node is forgotten, the pod created
-        // again would still be pinned to the rack, away from its volume (released for ever).
+        // Pinned to a rack as well, which n2 lacks: the rack is left out with the node (the
+        // pod created again would be pinned away from its volume by the rack alone).
         let mut racked = values.clone();
         racked.insert("example.com/rack".into(), "r1".into());
-        assert_eq!(judge_with(&racked, &pod(json!({})), &[claim("n2")]), None);
+        let rack = |pod: &Pod, claims: &[LocalClaim]| {
+            held(
+                pod,
+                claims,
+                (&racked, &keys),
+                caches.as_ref(),
+                &every_node,
+                &health,
+            )
+            .map(|(d, elsewhere)| (d.values, elsewhere.map(|c| c.node)))
+        };
+        assert_eq!(
+            rack(&pod(json!({})), &[claim("n2")]),
+            Some((racked.clone(), Some("n2".into())))
+        );
+        // Pinned to a rack alone (no node): on n2, which lacks it, the rack is left out.
+        let rack_alone: BTreeMap<String, String> =
+            [("example.com/rack".to_owned(), "r1".to_owned())].into();
+        assert_eq!(
+            judge_with(&rack_alone, &pod(json!({})), &[claim("n2")]),
+            Some((DropReason::PodConstraints, Some("n2".into())))
+        );
+        // A wider value n2 has as well (its disk): only the node is left out, the disk kept.
+        let mut disk = values.clone();
+        disk.insert("disk".into(), "ssd".into());
+        let left_out = held(
+            &pod(json!({})),
+            &[claim("n2")],
+            (&disk, &keys),
+            caches.as_ref(),
+            &every_node,
+            &health,
+        )
+        .map(|(d, _)| d.values);
+        assert_eq!(left_out, Some(values.clone()));
+        // Its claims on the node its values name, lacking a wider one: no node has them all,
+        // the stranded pods' release judges it, not this one.
+        assert_eq!(rack(&pod(json!({})), &[claim("n1")]), None);
+        // On n1 by its hostname, lacking a driver's node value its state records (relabeled):
+        // no node has them all, the stranded pods' release judges it, not this one.
+        let mut driver = values.clone();
+        driver.insert("topology.topolvm.io/node".into(), "n1".into());
+        assert_eq!(judge_with(&driver, &pod(json!({})), &[claim("n1")]), None);
+        // On n1, which has them all: waiting for its room.
+        assert_eq!(
+            judge_with(&disk, &pod(json!({})), &[claim("n1")]),
+            None,
+            "n1 has them all: its room"
+        );
     }
 }

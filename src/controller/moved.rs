@@ -169,9 +169,18 @@ pub(super) async fn forget_moved(
         };
         ctx.fence.before_write(namespace).await?;
         let state = status.pod_states.get(&pod.pod);
-        let target = (pod.pod.as_str(), pod.recorded.as_str());
-        match release::forget_node(&api, &pps.name_any(), target, state, &ctx.node_keys).await {
-            Ok(Forgot::Done) => report::node_forgotten(ctx, pps, (&pod.pod, &pod.recorded), claim),
+        let target = (pod.pod.as_str(), Some(pod.recorded.as_str()));
+        // Its node not in the cache (gone), the wider labels stay: nothing tells what it had.
+        let data = ctx.caches.node(&claim.node);
+        let on = data.as_ref().map(|n| release::DataNode {
+            name: &claim.node,
+            labels: n.labels(),
+        });
+        match release::forget_node(&api, &pps.name_any(), target, state, (&ctx.node_keys, on)).await
+        {
+            Ok(Forgot::Done(forgotten)) => {
+                report::node_forgotten(ctx, pps, &pod.pod, claim, &forgotten);
+            }
             Ok(Forgot::Nothing) => {}
             // Recorded meanwhile (the cache is behind): judged again from the next look's.
             Ok(Forgot::Stale) => again(SOON),

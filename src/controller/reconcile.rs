@@ -405,14 +405,14 @@ async fn forget_released(
 ) -> Result<(), Error> {
     let cached = pps.status.as_ref().and_then(|s| s.pod_states.get(&w.pod));
     let api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
-    let target = (w.pod.as_str(), w.node.as_str());
+    let target = (w.pod.as_str(), Some(w.node.as_str()));
     ctx.fence.before_write(namespace).await?;
-    let error =
-        match release::forget_node(&api, &pps.name_any(), target, cached, &ctx.node_keys).await {
-            Ok(release::Forgot::Done | release::Forgot::Nothing) => return Ok(()),
-            Ok(release::Forgot::Stale) => "the state changed since it was read".to_owned(),
-            Err(e) => e.to_string(),
-        };
+    let keys = (&ctx.node_keys, None);
+    let error = match release::forget_node(&api, &pps.name_any(), target, cached, keys).await {
+        Ok(release::Forgot::Done(_) | release::Forgot::Nothing) => return Ok(()),
+        Ok(release::Forgot::Stale) => "the state changed since it was read".to_owned(),
+        Err(e) => e.to_string(),
+    };
     tracing::info!(pod = %w.pod, node = %w.node, %error, "the released pod's state still names its node: made to name none once the pod created again is scheduled where its new claims bind");
     Ok(())
 }
@@ -469,7 +469,7 @@ async fn release_stranded(
         if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &|_| true).await?
             == Deleted::Now
         {
-            report::released(ctx, report::PinnedBy::Live(pps), pod);
+            report::released(ctx, report::PinnedBy::Live(pps), pod, None);
         }
     }
     // Held by a taint or relabel that came after admission instead.
@@ -560,7 +560,7 @@ async fn release_orphans_of(
         if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &|_| true).await?
             == Deleted::Now
         {
-            report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod);
+            report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod, None);
         }
     }
     Ok(())

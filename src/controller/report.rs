@@ -18,7 +18,7 @@ use crate::api::ip_request::IP_REQUEST_ANNOTATION;
 use crate::api::{IpRestore, NodeRestore, PersistentPodState, PersistentPodStateStatus, PodState};
 use crate::metrics::{DropLabels, RestoreLabels};
 use crate::placement::{self, Dropped, Health};
-use crate::release::{self, Kept, LocalClaim, Waiting};
+use crate::release::{self, Forgotten, Kept, LocalClaim, Waiting};
 use crate::webhook::admit::LeftOut;
 use crate::workload::{MAX_RESERVED_ENTRIES, WorkloadRef};
 
@@ -341,15 +341,30 @@ pub(super) enum PinnedBy<'a> {
     Gone(&'a str, &'a str),
 }
 
-/// A waiting pod released: counted, and a Warning Event naming the pod, the node and why; on
-/// the PersistentPodState, or on the pod when that is gone.
-pub(super) fn released(ctx: &Context, by: PinnedBy<'_>, stranded: &Stranded) {
+/// A waiting pod released: counted, and a Warning Event naming the pod, the node and why (a
+/// claim of its own `held_by`, bound on a node without the values, when that is what held it);
+/// on the PersistentPodState, or on the pod when that is gone.
+pub(super) fn released(
+    ctx: &Context,
+    by: PinnedBy<'_>,
+    stranded: &Stranded,
+    held_by: Option<&LocalClaim>,
+) {
     let reason = stranded.dropped.reason;
     ctx.metrics
         .pods_released
         .get_or_create(&DropLabels { reason })
         .inc();
-    let left_out: Vec<LeftOut> = LeftOut::required(&stranded.dropped).collect();
+    let mut left_out: Vec<LeftOut> = LeftOut::required(&stranded.dropped).collect();
+    if let Some(claim) = held_by {
+        let why = format!(
+            "its claim {} is bound to PersistentVolume {}, which only node {} can mount, and that node lacks them",
+            claim.claim, claim.volume, claim.node
+        );
+        for l in &mut left_out {
+            l.why.clone_from(&why);
+        }
+    }
     let gone = match by {
         PinnedBy::Gone(_, pps) => format!("; the PersistentPodState {pps} that pinned it is gone"),
         PinnedBy::Live(_) => String::new(),
@@ -561,21 +576,34 @@ pub(super) fn released_with_volumes(
     );
 }
 
-/// A pod's state made to name no node, its node-local data having moved to another node
-/// (`pod` and the node its state named): counted, and a `NodeForgotten` Event naming the claim
-/// that shows it.
+/// A pod's state made to name no node, nor the wider labels the node its node-local data is on
+/// lacks (`forgotten`; `claim` shows where that data is): counted, and a `NodeForgotten` Event.
 pub(super) fn node_forgotten(
     ctx: &Context,
     pps: &PersistentPodState,
-    (pod, recorded): (&str, &str),
+    pod: &str,
     claim: &LocalClaim,
+    forgotten: &Forgotten,
 ) {
     ctx.metrics.state_nodes_forgotten.inc();
-    tracing::info!(%pod, %recorded, claim = %claim.claim, node = %claim.node, "the pod's node-local data moved: its state names its old node no more");
-    let note = format!(
-        "the state of pod {pod} names node {recorded} no more: its claim {} is bound to PersistentVolume {}, which only node {} can mount (its claims were released and bound again there); it is recorded there once Ready, and a pod created again meanwhile is not pinned to {recorded}",
-        claim.claim, claim.volume, claim.node
-    );
+    let Forgotten { node, wider } = forgotten;
+    tracing::info!(%pod, forgotten = ?node, ?wider, claim = %claim.claim, node = %claim.node, "the pod's node-local data is on another node than its state names, or one without the labels it records: its state names them no more");
+    let (data, volume, on) = (&claim.claim, &claim.volume, &claim.node);
+    let labels = wider.join(", ");
+    let note = match (node, wider.is_empty()) {
+        (Some(old), true) => format!(
+            "the state of pod {pod} names node {old} no more: its claim {data} is bound to PersistentVolume {volume}, which only node {on} can mount; it is recorded there once Ready, and a pod created again meanwhile is not pinned to {old}"
+        ),
+        (Some(old), false) => format!(
+            "the state of pod {pod} names node {old} no more, nor {labels}, which node {on} lacks: its claim {data} is bound to PersistentVolume {volume}, which only node {on} can mount; it is recorded there once Ready, and a pod created again meanwhile is not pinned to {old} nor to {labels}"
+        ),
+        (None, false) => format!(
+            "the state of pod {pod} records {labels} no more, which node {on} lacks: its claim {data} is bound to PersistentVolume {volume}, which only node {on} can mount; a pod created again is not pinned to {labels}"
+        ),
+        (None, true) => format!(
+            "the state of pod {pod} records no label naming another node than {on} any more: its claim {data} is bound to PersistentVolume {volume}, which only node {on} can mount; a pod created again is not pinned away from it"
+        ),
+    };
     ctx.events
         .publish_about(pps, pod, EventType::Normal, "NodeForgotten", "Record", note);
 }

@@ -1497,14 +1497,32 @@ async fn a_pod_whose_node_local_data_moved_has_its_state_name_no_node_with_no_me
 {
     // Nothing in the context knows of a release (another replica made it, or an operator by
     // hand): web-0 runs on n2, not Ready, its state names n1, and its claim is bound to a
-    // volume only n2 can mount.
+    // volume only n2 can mount. n2 is in the recorded zone, which stays.
+    data_moved_to("z1").await;
+}
+
+#[tokio::test]
+async fn a_pod_whose_node_local_data_moved_to_another_zone_has_its_state_forget_the_zone_too() {
+    // The same, n2 in another zone: a pod created again pinned to z1 could never reach its
+    // data, so the zone goes with the node.
+    data_moved_to("z2").await;
+}
+
+/// `web-0` scheduled, not Ready, on `n2` in `zone`, its claim bound to a volume only `n2` can
+/// mount, its state naming `n1` in `z1`: the state names no node, nor `z1` unless `n2` is there.
+async fn data_moved_to(zone: &str) {
     let caches = waiting_world();
+    caches.apply_node(watcher::Event::Apply(zone_node("n2", zone, false)));
     scheduled_elsewhere(&caches);
     let (ctx, mut handle, mut events) = context_with_events(caches);
     let pps = waiting_pps(json!({}));
+    let kept = if zone == "z1" {
+        json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}})
+    } else {
+        json!({})
+    };
     let mut forgotten = serde_json::to_value(pps.as_ref()).expect("pps");
-    forgotten["status"]["podStates"]["web-0"] =
-        json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
+    forgotten["status"]["podStates"]["web-0"] = kept.clone();
     let mut answers = claim_and_volume(on_host("n2"));
     answers.push(forgotten);
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
@@ -1526,15 +1544,14 @@ async fn a_pod_whose_node_local_data_moved_has_its_state_name_no_node_with_no_me
             ),
         ]
     );
-    // Provided the state is still the one read; the zone stays.
+    // Provided the state is still the one read.
     assert_eq!(
         sent[2].body,
         json!([
             {"op": "test", "path": "/status/podStates/web-0", "value": {
                 "nodeName": "n1", "nodeUID": "n1-uid", "nodeTopologyLabels":
                 {"topology.kubernetes.io/zone": "z1", "kubernetes.io/hostname": "n1"}}},
-            {"op": "replace", "path": "/status/podStates/web-0", "value": {
-                "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}},
+            {"op": "replace", "path": "/status/podStates/web-0", "value": kept},
         ])
     );
     assert!(
@@ -1547,6 +1564,11 @@ async fn a_pod_whose_node_local_data_moved_has_its_state_name_no_node_with_no_me
     for named in ["web-0", "node n1", "data-web-0", "pv-1", "node n2"] {
         assert!(note.contains(named), "{named}: {note}");
     }
+    assert_eq!(
+        note.contains("nor topology.kubernetes.io/zone=z1"),
+        zone != "z1",
+        "{note}"
+    );
 }
 
 #[tokio::test]
@@ -2525,11 +2547,91 @@ async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_a
 async fn a_pod_pinned_away_from_its_own_claims_node_is_released_and_its_state_names_no_node() {
     // web-0 waits pinned to n1 (its state names n1), but its claim is bound to a volume only n2
     // can mount (released and bound again there, and the pod on n2 gone before any look saw it
-    // scheduled): neither node can take it, for ever.
-    let (caches, live) = pinned_waiting(
-        vec![zone_node("n1", "z1", false), zone_node("n2", "z1", false)],
+    // scheduled): neither node can take it, for ever. n2 is in n1's zone, which stays recorded.
+    pinned_away_from_its_claim(Zone::Same).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_pinned_to_a_zone_its_own_claims_node_lacks_is_released_and_its_state_names_neither()
+{
+    // The same, pinned to n1's zone as well, and n2 in another (its claim bound there by hand,
+    // or by a class that binds at once): the zone is left out with the node, and said so.
+    pinned_away_from_its_claim(Zone::Other).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pod_pinned_to_a_zone_alone_its_claims_node_lacks_is_released_and_its_state_forgets_it() {
+    // Its state names no node any more (its claims were released once), only z1, and its new
+    // claim is bound on n2 in z2: the zone is forgotten, then the pod released (not released
+    // for nothing, again and again, with the zone kept).
+    pinned_away_from_its_claim(Zone::NoNode).await;
+}
+
+/// Where the node a pinned pod's claim is bound on is, in [`pinned_away_from_its_claim`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Zone {
+    /// In the zone its state records (`z1`), the pod pinned to its node alone.
+    Same,
+    /// In another (`z2`), the pod pinned to its node and to `z1`.
+    Other,
+    /// In another (`z2`), the pod pinned to `z1` alone, its state naming no node.
+    NoNode,
+}
+
+/// `web-0`, pinned to `n1` (and to `z1` when `zone` is [`Zone::Other`]; to `z1` alone when it
+/// is [`Zone::NoNode`]), waits with its claim bound on `n2`: after the grace its state is made
+/// to name neither what `n2` lacks, and the pod is released.
+async fn pinned_away_from_its_claim(zone: Zone) {
+    let n2_zone = match zone {
+        Zone::Same => "z1",
+        Zone::Other | Zone::NoNode => "z2",
+    };
+    let the_pps = || {
+        let pps = pinned_pps();
+        if zone != Zone::NoNode {
+            return pps;
+        }
+        let mut pps = (*pps).clone();
+        if let Some(status) = pps.status.as_mut() {
+            status.pod_states.insert(
+                "web-0".into(),
+                serde_json::from_value(json!({
+                    "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}))
+                .expect("state"),
+            );
+        }
+        Arc::new(pps)
+    };
+    let (caches, mut live) = pinned_waiting(
+        vec![
+            zone_node("n1", "z1", false),
+            zone_node("n2", n2_zone, false),
+        ],
         json!({}),
     );
+    let pinned = match zone {
+        Zone::Same => None,
+        Zone::Other => Some((
+            "kubernetes.io/hostname=n1,topology.kubernetes.io/zone=z1",
+            json!({"kubernetes.io/hostname": "n1", "topology.kubernetes.io/zone": "z1"}),
+        )),
+        Zone::NoNode => Some((
+            "topology.kubernetes.io/zone=z1",
+            json!({"topology.kubernetes.io/zone": "z1"}),
+        )),
+    };
+    if let Some((annotation, selector)) = pinned {
+        live["metadata"]["annotations"][crate::api::INJECTED_REQUIRED_ANNOTATION] =
+            json!(annotation);
+        live["spec"]["nodeSelector"] = selector;
+        caches.apply_pod(watcher::Event::Apply(
+            serde_json::from_value(live.clone()).expect("pod"),
+        ));
+    }
+    let kept = match zone {
+        Zone::Same => json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}),
+        Zone::Other | Zone::NoNode => json!({}),
+    };
     let sts = GroupKind::native_statefulset();
     let mut workload = statefulset(json!({}));
     workload.data["spec"]["volumeClaimTemplates"] = json!([{"metadata": {"name": "data"}}]);
@@ -2544,21 +2646,11 @@ async fn a_pod_pinned_away_from_its_own_claims_node_is_released_and_its_state_na
         answers.extend(claim.clone());
         answers
     };
-    let sent = drive(
-        reconcile_pps(pinned_pps(), ctx.clone()),
-        &mut handle,
-        vec![],
-    )
-    .await;
+    let sent = drive(reconcile_pps(the_pps(), ctx.clone()), &mut handle, vec![]).await;
     assert!(sent.is_empty(), "just seen waiting: {sent:?}");
     tokio::time::advance(lost_after + Duration::from_secs(1)).await;
     // Read with its claims: held there, not released yet.
-    let sent = drive(
-        reconcile_pps(pinned_pps(), ctx.clone()),
-        &mut handle,
-        read(),
-    )
-    .await;
+    let sent = drive(reconcile_pps(the_pps(), ctx.clone()), &mut handle, read()).await;
     let paths: Vec<&str> = sent.iter().map(|s| s.path_and_query.as_str()).collect();
     assert_eq!(
         paths,
@@ -2569,24 +2661,18 @@ async fn a_pod_pinned_away_from_its_own_claims_node_is_released_and_its_state_na
         ]
     );
     tokio::time::advance(lost_after + Duration::from_secs(1)).await;
-    // Read again right before: its state names no node first, then the pod is deleted.
-    let mut forgotten = serde_json::to_value(pinned_pps().as_ref()).expect("pps");
-    forgotten["status"]["podStates"]["web-0"] =
-        json!({"nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}});
+    // Read again right before: its state names no node first; the pod is not deleted yet.
+    let mut forgotten = serde_json::to_value(the_pps().as_ref()).expect("pps");
+    forgotten["status"]["podStates"]["web-0"] = kept.clone();
     let mut answers = read();
-    answers.push(forgotten);
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
-    let sent = drive(
-        reconcile_pps(pinned_pps(), ctx.clone()),
-        &mut handle,
-        answers,
-    )
-    .await;
+    answers.push(forgotten.clone());
+    let (sent, action) =
+        drive_to_action(reconcile_pps(the_pps(), ctx.clone()), &mut handle, answers).await;
     let calls: Vec<String> = sent
         .iter()
         .map(|s| format!("{} {}", s.method, s.path_and_query))
         .collect();
-    assert_eq!(calls.len(), 5, "{calls:?}");
+    assert_eq!(calls.len(), 4, "{calls:?}");
     assert!(
         calls[3].starts_with(
             "PATCH /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status"
@@ -2595,12 +2681,29 @@ async fn a_pod_pinned_away_from_its_own_claims_node_is_released_and_its_state_na
     );
     assert_eq!(
         sent[3].body[1],
-        json!({"op": "replace", "path": "/status/podStates/web-0", "value": {
-            "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}}})
+        json!({"op": "replace", "path": "/status/podStates/web-0", "value": kept})
     );
-    assert_eq!(calls[4], "DELETE /api/v1/namespaces/ns/pods/web-0?");
+    let soon = requeue_after(&action).expect("requeued");
+    assert!(soon <= Duration::from_secs(5), "{action:?}");
+    // Once this replica's cache holds the state so (the webhooks admit the pod created again
+    // from theirs): read again, nothing more to forget, released.
+    let cached: PersistentPodState = serde_json::from_value(forgotten).expect("pps");
+    let mut answers = read();
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    let sent = drive(
+        reconcile_pps(Arc::new(cached), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    let calls: Vec<String> = sent
+        .iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect();
+    assert_eq!(calls.len(), 4, "{calls:?}");
+    assert_eq!(calls[3], "DELETE /api/v1/namespaces/ns/pods/web-0?");
     assert_eq!(
-        sent[4].body["preconditions"],
+        sent[3].body["preconditions"],
         json!({"uid": "pod-uid", "resourceVersion": "7"})
     );
     let metrics = ctx.metrics.encode();
@@ -2612,6 +2715,17 @@ async fn a_pod_pinned_away_from_its_own_claims_node_is_released_and_its_state_na
     }
     let note = event_note(&mut events, "NodeForgotten").await;
     assert!(note.contains("data-web-0") && note.contains("n2"), "{note}");
+    let said = match zone {
+        Zone::Same => "names node n1 no more:",
+        Zone::Other => {
+            "names node n1 no more, nor topology.kubernetes.io/zone=z1, which node n2 lacks"
+        }
+        Zone::NoNode => "records topology.kubernetes.io/zone=z1 no more, which node n2 lacks",
+    };
+    assert!(note.contains(said), "{said}: {note}");
     let note = event_note(&mut events, "PodReleased").await;
     assert!(note.contains("web-0"), "{note}");
+    assert_eq!(note.contains("zone"), zone != Zone::Same, "{note}");
+    let why = "its claim data-web-0 is bound to PersistentVolume pv-1, which only node n2 can mount, and that node lacks them";
+    assert!(note.contains(why), "{note}");
 }
