@@ -150,8 +150,9 @@ pub enum OutputFormat {
 /// Flags of `serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// HTTPS address of the admission webhooks.
-    #[arg(long, env = "PPS_LISTEN", default_value = "0.0.0.0:9443")]
+    /// HTTPS address of the admission webhooks (`[::]`: every address, IPv4 and IPv6; IPv4
+    /// alone on a host without IPv6).
+    #[arg(long, env = "PPS_LISTEN", default_value = "[::]:9443")]
     pub listen: SocketAddr,
     /// PEM serving certificate (re-read when it changes).
     #[arg(long, env = "PPS_TLS_CERT", default_value = "certs/tls.crt")]
@@ -164,8 +165,8 @@ pub struct ServeArgs {
     /// docs/install.md).
     #[arg(long, env = "PPS_CLIENT_CA")]
     pub client_ca: Option<PathBuf>,
-    /// Plain HTTP address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "PPS_PROBE_LISTEN", default_value = "0.0.0.0:8080")]
+    /// Plain HTTP address of /healthz, /readyz and /metrics (`[::]` as for `--listen`).
+    #[arg(long, env = "PPS_PROBE_LISTEN", default_value = "[::]:8080")]
     pub probe_listen: SocketAddr,
     /// A custom StatefulSet-like workload kind, GROUP/KIND (repeatable; comma list in the env var).
     #[arg(long = "custom-workload", env = "PPS_CUSTOM_WORKLOADS", value_delimiter = ',', value_parser = parse_group_kind)]
@@ -331,8 +332,8 @@ mod tests {
         let Command::Serve(args) = cli.command else {
             panic!("serve expected")
         };
-        assert_eq!(args.listen.to_string(), "0.0.0.0:9443");
-        assert_eq!(args.probe_listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(args.listen.to_string(), "[::]:9443");
+        assert_eq!(args.probe_listen.to_string(), "[::]:8080");
         assert_eq!(args.tls_cert, PathBuf::from("certs/tls.crt"));
         assert_eq!(args.tls_key, PathBuf::from("certs/tls.key"));
     }

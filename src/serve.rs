@@ -58,13 +58,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (draining, shutdown) = (CancellationToken::new(), CancellationToken::new());
     let drain = Duration::from_secs(args.drain_seconds);
 
-    let webhook_listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    let probe_listener = TcpListener::bind(args.probe_listen)
-        .await
+    let webhook_listener =
+        crate::serving::listen(args.listen).with_context(|| format!("binding {}", args.listen))?;
+    let probe_listener = crate::serving::listen(args.probe_listen)
         .with_context(|| format!("binding {}", args.probe_listen))?;
-    tracing::info!(webhook = %args.listen, probes = %args.probe_listen, "listening");
+    let bound = |l: &TcpListener| l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    tracing::info!(webhook = %bound(&webhook_listener), probes = %bound(&probe_listener), "listening");
 
     let custom_kinds = Arc::new(CustomKinds::new(args.custom_workloads.iter().cloned()));
     let kinds_changed = Arc::new(tokio::sync::watch::channel(0).0);

@@ -1528,6 +1528,45 @@ pub struct Server {
     pub drain: Duration,
 }
 
+/// A listener on `addr` (in a Tokio runtime). The unspecified IPv6 address (`[::]`, the
+/// default) takes IPv4 connections as well, whatever `net.ipv6.bindv6only` says, as a Go
+/// server's `:PORT` does, so one default serves IPv4, IPv6 and dual-stack clusters. Where the
+/// kernel has no IPv6 at all (booted with `ipv6.disable=1`), it listens on `0.0.0.0` at the same
+/// port instead, and logs that.
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    match listen_on(addr) {
+        Err(e) if addr.is_ipv6() && addr.ip().is_unspecified() && no_ipv6(&e) => {
+            let v4 = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port());
+            tracing::info!(%addr, listening = %v4, error = %e, "no IPv6 on this host: listening on IPv4 alone");
+            listen_on(v4)
+        }
+        bound => bound,
+    }
+}
+
+/// Whether `e`, from creating or binding an IPv6 socket, says the host has no IPv6.
+fn no_ipv6(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL | libc::EPROTONOSUPPORT)
+    )
+}
+
+/// A listener on `addr` as Tokio's `TcpListener::bind` makes one (address reuse, a backlog of
+/// 1,024), dual-stack when `addr` is the unspecified IPv6 address.
+fn listen_on(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    TcpListener::from_std(socket.into())
+}
+
 /// Runs `server` on `listener`, on the caller's runtime.
 pub async fn serve(listener: TcpListener, server: Server) {
     accept(listener, server, Spread(Vec::new())).await;
@@ -2167,6 +2206,49 @@ mod tests {
             .block_on(async { tokio::spawn(async { slice_and_nice() }).await })
             .expect("task");
         assert_eq!(slice, default, "none asked: the kernel's default");
+    }
+
+    #[tokio::test]
+    async fn the_default_listener_takes_ipv4_and_ipv6_connections() {
+        let listener = listen("[::]:0".parse().expect("addr")).expect("listen");
+        let bound = listener.local_addr().expect("addr");
+        let at = |ip: &str| SocketAddr::new(ip.parse().expect("ip"), bound.port());
+        // IPv4 whether the host has IPv6 or not (then it listens on 0.0.0.0 alone), and IPv6
+        // where the host has a loopback address of it (a container may have IPv6 turned off by
+        // sysctl: the socket binds, ::1 does not exist).
+        let mut targets = vec![at("127.0.0.1")];
+        if bound.is_ipv6() {
+            assert!(bound.ip().is_unspecified(), "{bound}");
+            if std::net::TcpListener::bind("[::1]:0").is_ok() {
+                targets.push(at("::1"));
+            }
+        } else {
+            assert!(
+                listen_on("[::]:0".parse().expect("addr")).is_err_and(|e| no_ipv6(&e)),
+                "fell back to IPv4 only where there is no IPv6: {bound}"
+            );
+        }
+        for target in targets {
+            let (dialled, accepted) = tokio::join!(TcpStream::connect(target), listener.accept());
+            dialled.unwrap_or_else(|e| panic!("{target}: {e}"));
+            let (_, peer) = accepted.unwrap_or_else(|e| panic!("{target}: {e}"));
+            let from = match peer.ip() {
+                std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), Into::into),
+                v4 => v4,
+            };
+            assert_eq!(from, target.ip(), "{target} accepted from {peer}");
+        }
+        // A port in use is an error, not a fallback.
+        let taken = listen(SocketAddr::new(bound.ip(), bound.port()));
+        assert!(
+            taken.is_err_and(|e| e.kind() == std::io::ErrorKind::AddrInUse),
+            "{bound} in use"
+        );
+        let again = listen(format!("[::]:{}", bound.port()).parse().expect("addr"));
+        assert!(again.is_err(), "[::]:{} in use", bound.port());
+        // An address given is bound as it is.
+        let v4 = listen("127.0.0.1:0".parse().expect("addr")).expect("listen");
+        assert!(v4.local_addr().expect("addr").is_ipv4());
     }
 
     #[tokio::test]
