@@ -10,8 +10,6 @@ use serde_json::json;
 
 use crate::support::*;
 
-const ZONE: &str = "topology.kubernetes.io/zone";
-
 /// 7a: the seeds' echoserver (as an apps/v1 StatefulSet, same annotations and template).
 #[tokio::test]
 async fn echoserver_from_the_seeds_comes_back_on_its_node_with_its_ip() {

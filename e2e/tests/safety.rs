@@ -13,8 +13,6 @@ use std::time::Duration;
 
 use crate::support::*;
 
-const ZONE: &str = "topology.kubernetes.io/zone";
-
 /// Issue 3.6: a state pinned to a zone that no longer exists gets only its preferred part, so
 /// the pod runs; a Warning Event on the PPS and a metric say so.
 #[tokio::test]
