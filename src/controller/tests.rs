@@ -111,6 +111,13 @@ fn requeue_after(action: &kube::runtime::controller::Action) -> Option<Duration>
     Some(Duration::from_secs_f64(seconds))
 }
 
+/// What `sent` asked, `METHOD path?query` each.
+fn calls_of(sent: &[Sent]) -> Vec<String> {
+    sent.iter()
+        .map(|s| format!("{} {}", s.method, s.path_and_query))
+        .collect()
+}
+
 /// A request the reconcile sent.
 #[derive(Debug)]
 struct Sent {
@@ -1374,10 +1381,7 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
         vec![deleted],
     )
     .await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(calls, ["DELETE /api/v1/namespaces/ns/pods/web-0?"]);
 
     let copied = json!({"metadata": {"annotations": {
@@ -1417,10 +1421,7 @@ async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() 
         vec![refused(403), no_claim, deleted],
     )
     .await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(calls.len(), 3, "{calls:?}");
     assert!(calls[0].starts_with("PATCH "), "{calls:?}");
     assert_eq!(calls[2], "DELETE /api/v1/namespaces/ns/pods/web-0?");
@@ -1658,10 +1659,7 @@ async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() 
     answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
     answers.extend(released().pop());
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(calls.len(), 9, "{calls:?}");
     assert_eq!(calls[6], "GET /api/v1/namespaces/ns/pods/web-0");
     assert!(calls[8].starts_with("PATCH "), "{calls:?}");
@@ -2205,10 +2203,7 @@ async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable
         ],
     )
     .await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(
         calls,
         [
@@ -2391,10 +2386,7 @@ async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_releas
         vec![live.clone()],
     )
     .await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(
         calls,
         ["GET /api/v1/namespaces/ns/pods/web-0"],
@@ -2668,10 +2660,7 @@ async fn pinned_away_from_its_claim(zone: Zone) {
     answers.push(forgotten.clone());
     let (sent, action) =
         drive_to_action(reconcile_pps(the_pps(), ctx.clone()), &mut handle, answers).await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(calls.len(), 4, "{calls:?}");
     assert!(
         calls[3].starts_with(
@@ -2696,10 +2685,7 @@ async fn pinned_away_from_its_claim(zone: Zone) {
         answers,
     )
     .await;
-    let calls: Vec<String> = sent
-        .iter()
-        .map(|s| format!("{} {}", s.method, s.path_and_query))
-        .collect();
+    let calls = calls_of(&sent);
     assert_eq!(calls.len(), 4, "{calls:?}");
     assert_eq!(calls[3], "DELETE /api/v1/namespaces/ns/pods/web-0?");
     assert_eq!(
