@@ -47,6 +47,26 @@ async fn bound(c: &Client, ns: &str, name: &str) -> (String, String) {
     .await
 }
 
+/// Deletes the bound claim `name` as an operator would, and waits until that claim (by uid) is
+/// gone.
+async fn delete_claim_by_hand(c: &Client, ns: &str, name: &str) {
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), ns);
+    let (uid, _) = bound(c, ns, name).await;
+    claims
+        .delete(name, &Default::default())
+        .await
+        .expect("claim deleted by hand");
+    wait_for(
+        &format!("{name}, deleted by hand, to be gone"),
+        TIMEOUT,
+        || async {
+            let claim = claims.get_opt(name).await.ok()?;
+            (claim.and_then(|c| c.uid()) != Some(uid.clone())).then_some(())
+        },
+    )
+    .await;
+}
+
 /// Runs the binary's `release` command; its standard output.
 async fn release(env: &Env, ns: &str, pod: &str, dry_run: bool) -> String {
     let mut args = vec!["release", pod, "-n", ns];
@@ -304,17 +324,7 @@ async fn released_before_ready(by: Release) {
                 &["back-0", "data-back-0"],
             )
             .await;
-            let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), &ns);
-            let (claim_uid, _) = bound(c, &ns, "data-back-0").await;
-            claims
-                .delete("data-back-0", &Default::default())
-                .await
-                .expect("claim deleted by hand");
-            wait_for("the claim deleted by hand to be gone", TIMEOUT, || async {
-                let claim = claims.get_opt("data-back-0").await.ok()?;
-                (claim.and_then(|c| c.uid()) != Some(claim_uid.clone())).then_some(())
-            })
-            .await;
+            delete_claim_by_hand(c, &ns, "data-back-0").await;
             last = force_delete_pod(c, &ns, "back-0").await;
         }
     }
@@ -437,17 +447,8 @@ async fn a_pod_pinned_to_a_zone_its_claims_node_lacks_is_released_to_its_claim()
     // deleted and made again bound to that volume.
     scale(c, &ns, "zoned", 0).await;
     wait_pod_gone(c, &ns, "zoned-0").await;
+    delete_claim_by_hand(c, &ns, "data-zoned-0").await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(c.clone(), &ns);
-    let (old_claim, _) = bound(c, &ns, "data-zoned-0").await;
-    claims
-        .delete("data-zoned-0", &Default::default())
-        .await
-        .expect("claim deleted");
-    wait_for("the claim to be gone", TIMEOUT, || async {
-        let claim = claims.get_opt("data-zoned-0").await.ok()?;
-        (claim.and_then(|c| c.uid()) != Some(old_claim.clone())).then_some(())
-    })
-    .await;
     local_volume(c, class, &second, other_zone).await;
     let claim: PersistentVolumeClaim = serde_json::from_value(json!({
         "metadata": {"name": "data-zoned-0"},

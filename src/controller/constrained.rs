@@ -698,7 +698,7 @@ mod tests {
         let health = Health::now(Duration::from_secs(300));
         let every_node = caches.nodes.state();
         let keys = NodeKeys::default();
-        let judge_with = |values: &BTreeMap<String, String>, pod: &Pod, claims: &[LocalClaim]| {
+        let held_with = |values: &BTreeMap<String, String>, pod: &Pod, claims: &[LocalClaim]| {
             held(
                 pod,
                 claims,
@@ -707,7 +707,10 @@ mod tests {
                 &every_node,
                 &health,
             )
-            .map(|(d, elsewhere)| (d.reason, elsewhere.map(|c| c.node)))
+        };
+        let judge_with = |values: &BTreeMap<String, String>, pod: &Pod, claims: &[LocalClaim]| {
+            held_with(values, pod, claims)
+                .map(|(d, elsewhere)| (d.reason, elsewhere.map(|c| c.node)))
         };
         let judge = |pod: &Pod, claims: &[LocalClaim]| judge_with(&values, pod, claims);
         // No node-local claim: the pin alone (n1 tainted, n2 would take it).
@@ -733,15 +736,8 @@ mod tests {
         let mut racked = values.clone();
         racked.insert("example.com/rack".into(), "r1".into());
         let rack = |pod: &Pod, claims: &[LocalClaim]| {
-            held(
-                pod,
-                claims,
-                (&racked, &keys),
-                caches.as_ref(),
-                &every_node,
-                &health,
-            )
-            .map(|(d, elsewhere)| (d.values, elsewhere.map(|c| c.node)))
+            held_with(&racked, pod, claims)
+                .map(|(d, elsewhere)| (d.values, elsewhere.map(|c| c.node)))
         };
         assert_eq!(
             rack(&pod(json!({})), &[claim("n2")]),
@@ -757,15 +753,7 @@ mod tests {
         // A wider value n2 has as well (its disk): only the node is left out, the disk kept.
         let mut disk = values.clone();
         disk.insert("disk".into(), "ssd".into());
-        let left_out = held(
-            &pod(json!({})),
-            &[claim("n2")],
-            (&disk, &keys),
-            caches.as_ref(),
-            &every_node,
-            &health,
-        )
-        .map(|(d, _)| d.values);
+        let left_out = held_with(&disk, &pod(json!({})), &[claim("n2")]).map(|(d, _)| d.values);
         assert_eq!(left_out, Some(values.clone()));
         // Its claims on the node its values name, lacking a wider one: no node has them all,
         // the stranded pods' release judges it, not this one.
