@@ -227,7 +227,8 @@ pub struct ServeArgs {
     #[arg(long, env = "PPS_DRAIN_SECONDS", default_value_t = 20)]
     pub drain_seconds: u64,
     /// Runs the code a review runs (linked first, `link/`) from one 2 MiB huge page, copied
-    /// there at start (Linux; skipped, with a warning, where the kernel refuses a step). `perf`
+    /// there at start (Linux on x86-64, where `link/` lays the code out; skipped, with a
+    /// warning, where the kernel refuses a step; no effect on other architectures). `perf`
     /// does not name the functions of that page by itself: see `--hot-code-perf-map`.
     #[arg(long, env = "PPS_HOT_CODE_HUGE_PAGE", default_value_t = true,
           action = clap::ArgAction::Set)]

@@ -25,7 +25,7 @@ pub mod discovery;
 pub mod events;
 pub mod explain;
 pub mod files;
-#[cfg(target_os = "linux")]
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
 pub mod hot_code;
 pub mod ip_request;
 pub mod leader;

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use persistent_pod_state::cli::{Cli, Command, LogFormat, Mode, OutputFormat};
-#[cfg(target_os = "linux")]
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
 use persistent_pod_state::hot_code;
 use persistent_pod_state::{api, certs, explain, plugin, release, serve, serving, unregister};
 
@@ -38,14 +38,15 @@ fn main() -> anyhow::Result<()> {
         return serving::main_runtime(0)?.block_on(plugin::run(cli));
     }
     let cli = Cli::parse();
-    // `serve`'s hot code onto a huge page, while the process has one thread.
-    #[cfg(target_os = "linux")]
+    // `serve`'s hot code onto a huge page, while the process has one thread (x86-64 only:
+    // `link/` lays the code out for it there alone).
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
     let hot_code = match &cli.command {
         Command::Serve(args) if args.hot_code_huge_page => Some(hot_code::place()),
         _ => None,
     };
     init_logging(cli.log_format);
-    #[cfg(target_os = "linux")]
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
     match hot_code {
         Some(Ok(at)) => {
             tracing::info!(

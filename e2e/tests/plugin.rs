@@ -19,8 +19,8 @@ async fn install_from_krew_package(env: &Env) -> PathBuf {
     let out = env.cluster_dir.join("krew");
     let made = tokio::process::Command::new("bash")
         .arg(root.join("plugins/krew/package.sh"))
-        .arg(&env.pps_bin)
         .arg(&out)
+        .arg(&env.pps_bin)
         .output()
         .await
         .expect("package.sh");
@@ -35,7 +35,18 @@ async fn install_from_krew_package(env: &Env) -> PathBuf {
     )
     .remove(0);
     assert_eq!(manifest["kind"], "Plugin");
-    let platform = &manifest["spec"]["platforms"][0];
+    let platforms = manifest["spec"]["platforms"].as_array().expect("platforms");
+    assert_eq!(platforms.len(), 1, "one platform per binary packaged");
+    let platform = &platforms[0];
+    let arch = match std::env::consts::ARCH {
+        "aarch64" => "arm64",
+        _ => "amd64",
+    };
+    assert_eq!(
+        platform["selector"]["matchLabels"],
+        serde_json::json!({"os": "linux", "arch": arch}),
+        "the platform is the binary's own"
+    );
     let sum = tokio::process::Command::new("sha256sum")
         .arg(&archive)
         .output()
