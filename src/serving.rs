@@ -7,8 +7,8 @@
 //! waited for longer).
 //!
 //! Bounds ([`Limits`]): a cap on concurrent connections (at it, the connection idle the longest,
-//! of those not closing already, is closed to make room; a new one is refused only if none
-//! frees in time); a deadline for the TLS handshake; a deadline for request headers (HTTP/1:
+//! of those not closing already, is closed to make room, within 0.2 s whatever is in flight on
+//! it; a new one is refused only if none frees in time); a deadline for the TLS handshake; a deadline for request headers (HTTP/1:
 //! each request's, from the request's first byte; HTTP/2: the first request's, from the
 //! connection's first byte after the handshake, past which a connection speaking HTTP/2 is told
 //! GOAWAY, and any other closed at once); an idle timeout (no byte read or written for that long
@@ -1662,10 +1662,19 @@ async fn accept(listener: TcpListener, server: Server, threads: Spread) {
 /// How long a new connection at the cap waits for the evicted one's slot.
 const EVICTION_WAIT: Duration = Duration::from_millis(500);
 
-/// The open connections: each one's activity and the token that closes it.
+/// How long an evicted connection may take to close gracefully (a request in flight on it
+/// finishing) before it is dropped: less than [`EVICTION_WAIT`], so that the connection it
+/// makes room for gets the slot, however slowly the evicted one's client sends or reads.
+const EVICTED_CLOSE: Duration = Duration::from_millis(200);
+
+/// One open connection as the cap sees it: its activity, the token that closes it (shutdown
+/// or eviction), and the one that says it was evicted.
+type LiveConnection = (Activity, CancellationToken, CancellationToken);
+
+/// The open connections, by id.
 #[derive(Clone, Default)]
 struct Live(
-    Arc<std::sync::Mutex<HashMap<u64, (Activity, CancellationToken)>>>,
+    Arc<std::sync::Mutex<HashMap<u64, LiveConnection>>>,
     Arc<AtomicU64>,
 );
 
@@ -1675,6 +1684,8 @@ struct Entry {
     id: u64,
     activity: Activity,
     close: CancellationToken,
+    /// Cancelled when the cap evicts it.
+    evicted: CancellationToken,
     /// The server's [`Server::draining`].
     draining: CancellationToken,
 }
@@ -1685,25 +1696,31 @@ impl Live {
     fn enter(&self, shutdown: &CancellationToken, draining: &CancellationToken) -> Entry {
         let id = self.1.fetch_add(1, Ordering::Relaxed);
         let (activity, close) = (Activity::new(), shutdown.child_token());
-        crate::sync::lock(&self.0).insert(id, (activity.clone(), close.clone()));
+        let evicted = CancellationToken::new();
+        crate::sync::lock(&self.0).insert(id, (activity.clone(), close.clone(), evicted.clone()));
         Entry {
             live: self.clone(),
             id,
             activity,
             close,
+            evicted,
             draining: draining.clone(),
         }
     }
 
-    /// Closes the connection that has moved no byte for the longest, of those not closing
-    /// already.
+    /// Evicts the connection that has moved no byte for the longest, of those not closing
+    /// already (a request in flight on one closing finishes); where every one is closing, the
+    /// one idle the longest of them. Evicted, a connection ends within [`EVICTED_CLOSE`],
+    /// whatever is in flight on it: a client that sends or reads slowly on every connection
+    /// cannot hold the cap.
     fn evict_most_idle(&self) {
         let live = crate::sync::lock(&self.0);
-        if let Some((_, (_, close))) = live
+        if let Some((_, (_, close, evicted))) = live
             .iter()
-            .filter(|(_, (_, close))| !close.is_cancelled())
-            .min_by_key(|(id, (activity, _))| (activity.last(), **id))
+            .filter(|(_, (_, _, evicted))| !evicted.is_cancelled())
+            .min_by_key(|(id, (activity, close, _))| (close.is_cancelled(), activity.last(), **id))
         {
+            evicted.cancel();
             close.cancel();
         }
     }
@@ -1728,6 +1745,7 @@ async fn serve_connection(
         Stops {
             draining: entry.draining.clone(),
             shutdown: entry.close.clone(),
+            evicted: entry.evicted.clone(),
         },
     );
     let tcp = Tapped {
@@ -1776,8 +1794,11 @@ struct Stops {
     /// told GOAWAY.
     draining: CancellationToken,
     /// The server's shutdown, or this connection's eviction: closed now, gracefully (and
-    /// cancelled once the connection is closing, which eviction then passes over).
+    /// cancelled once the connection is closing, which eviction then passes over while it
+    /// has another to evict).
     shutdown: CancellationToken,
+    /// This connection's eviction at the cap: it closes within [`EVICTED_CLOSE`].
+    evicted: CancellationToken,
 }
 
 /// Serves one connection within its bounds, in the protocol the client `chosen` in the TLS
@@ -1910,6 +1931,12 @@ async fn run_http<IO>(
         () = activity.idle_for(limits.idle_timeout) => {}
         () = tokio::time::sleep(at_most) => {
             tracing::debug!(%peer, "closing the connection: it did not end in time");
+        }
+        () = async {
+            stops.evicted.cancelled().await;
+            tokio::time::sleep(EVICTED_CLOSE).await;
+        } => {
+            tracing::debug!(%peer, "closing the connection: evicted at the cap, it did not end in time");
         }
     }
 }
@@ -2591,6 +2618,7 @@ mod tests {
         let stops = Stops {
             draining: CancellationToken::new(),
             shutdown: CancellationToken::new(),
+            evicted: CancellationToken::new(),
         };
         client
             .write_all(b"GET /big HTTP/1.1\r\nhost: pps\r\n\r\n")

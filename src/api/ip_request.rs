@@ -5,6 +5,7 @@
 use std::net::IpAddr;
 
 use super::keys::annotation_key_error;
+use super::{INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION};
 
 /// PersistentPodState annotation: which CNI annotation re-created pods request their recorded
 /// IPs with.
@@ -32,13 +33,19 @@ pub enum IpRequest {
 }
 
 impl IpRequest {
-    /// Parses the value of [`IP_REQUEST_ANNOTATION`].
+    /// Parses the value of [`IP_REQUEST_ANNOTATION`]. The annotations the webhook writes
+    /// itself are refused as the request's key: its own value would replace the addresses.
     pub fn parse(value: &str) -> Result<Self, String> {
         match value.trim() {
             "calico" => Ok(Self::Calico),
             "kube-ovn" => Ok(Self::KubeOvn),
             "antrea" => Ok(Self::Antrea),
             other => match other.strip_prefix("annotation:") {
+                Some(key) if [INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION].contains(&key) => {
+                    Err(format!(
+                        "{other:?}: the webhook writes {key} itself, so it cannot carry the request"
+                    ))
+                }
                 Some(key) => match annotation_key_error(key) {
                     None => Ok(Self::Annotation(key.to_owned())),
                     Some(e) => Err(format!("{other:?}: the annotation key is invalid: {e}")),
@@ -123,5 +130,20 @@ mod tests {
         );
         let garbage = BTreeMap::from([(CALICO_IP_ANNOTATION.to_owned(), "not json".to_owned())]);
         assert!(requested_ips(|k| garbage.get(k).map(String::as_str)).is_empty());
+    }
+
+    #[test]
+    fn an_annotation_the_webhook_writes_itself_cannot_carry_the_request() {
+        for key in [INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION] {
+            let refused = IpRequest::parse(&format!("annotation:{key}"));
+            assert!(
+                refused.as_ref().is_err_and(|e| e.contains("writes")),
+                "{key}: {refused:?}"
+            );
+        }
+        assert_eq!(
+            IpRequest::parse("annotation:example.com/ips"),
+            Ok(IpRequest::Annotation("example.com/ips".to_owned()))
+        );
     }
 }

@@ -57,7 +57,10 @@ pub async fn reconcile_pps(
     let (Some(namespace), Some(target)) = (pps.namespace(), pps_target(&pps)) else {
         return Ok(Action::await_change());
     };
-    if let Some(in_force) = ctx.caches.pps_for(&target)
+    // One being deleted is in force for nothing, and shadows none: it records and releases
+    // its own pods until it is gone.
+    if pps.metadata.deletion_timestamp.is_none()
+        && let Some(in_force) = ctx.caches.pps_for(&target)
         && in_force.metadata.name != pps.metadata.name
     {
         report::duplicate(&ctx, &pps, &in_force.name_any(), &target);

@@ -515,8 +515,9 @@ impl Caches {
     }
 
     /// The PersistentPodState in force for `workload`: when several target it (made before
-    /// validation, or in a race), the oldest by creation time, then by name. The webhook and
-    /// the controller both use this one; the others record nothing.
+    /// validation, or in a race), the oldest by creation time, then by name; one being deleted
+    /// (held by a finalizer) is never in force, as upstream's webhook skips it. The webhook
+    /// and the controller both use this one; the others record nothing.
     pub fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
         // Read in place under the index's lock (no list of names copied per review); the
         // writer takes the store's lock and the index's one after the other, never both.
@@ -527,6 +528,7 @@ impl Caches {
                 self.pps
                     .get(&ObjectRef::new(name).within(&workload.namespace))
             })
+            .filter(|pps| pps.metadata.deletion_timestamp.is_none())
             .min_by(|a, b| {
                 let created = |p: &PersistentPodState| p.metadata.creation_timestamp.clone();
                 created(a)
@@ -2388,7 +2390,7 @@ mod tests {
     }
 
     #[test]
-    fn the_oldest_pps_of_a_workload_is_in_force() {
+    fn the_oldest_pps_of_a_workload_not_being_deleted_is_in_force() {
         let caches = Caches::new();
         let named = |name: &str, created: &str| {
             let mut p = pps();
@@ -2429,6 +2431,15 @@ mod tests {
             "then by name"
         );
         assert_eq!(caches.shadowed_pps(), 1);
+        // One being deleted (a finalizer holds it) is never in force.
+        let mut deleting = named("a-newer", "2026-01-02T00:00:00Z");
+        deleting.metadata.deletion_timestamp = deleting.metadata.creation_timestamp.clone();
+        caches.apply_pps(watcher::Event::Apply(deleting));
+        assert_eq!(in_force(&caches).as_deref(), Some("b-newer"));
+        let mut deleting = named("b-newer", "2026-01-02T00:00:00Z");
+        deleting.metadata.deletion_timestamp = deleting.metadata.creation_timestamp.clone();
+        caches.apply_pps(watcher::Event::Apply(deleting));
+        assert_eq!(in_force(&caches), None, "none: nothing steers its pods");
     }
 
     #[test]

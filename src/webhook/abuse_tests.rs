@@ -1481,6 +1481,52 @@ async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_pl
 }
 
 #[tokio::test]
+async fn at_the_connection_cap_a_connection_mid_request_makes_room_within_the_wait() {
+    let limits = Limits {
+        max_connections: 2,
+        ..NO_EARLY_BOUND
+    };
+    let server = start_with(None, limits).await;
+    // Both slots held by connections in the middle of a review's body, the rest never sent
+    // (the body's deadline and the idle bound are seconds away).
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut stream = server.tls(&server.connector).await;
+        stream
+            .write_all(
+                format!(
+                    "POST {} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{{\"kind\"",
+                    endpoints::MUTATE_POD
+                )
+                .as_bytes(),
+            )
+            .await
+            .expect("write");
+        held.push(stream);
+    }
+    // A new connection: the one idle the longest is evicted and ends, its request unfinished,
+    // in time for the new one to be served (which `tls` needs: no handshake without a slot).
+    let started = Instant::now();
+    let mut new = server.tls(&server.connector).await;
+    let head = send_review(&mut new).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+        "the new connection is served: {head:?}"
+    );
+    assert!(
+        matches!(read_answer(&mut held[0]).await, Got::Closed),
+        "the evicted connection is closed without an answer"
+    );
+    assert!(
+        started.elapsed() < NO_EARLY_BOUND.idle_timeout,
+        "evicted after {:?}",
+        started.elapsed()
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
 async fn at_the_connection_cap_a_handshake_that_never_ends_makes_room() {
     let limits = Limits {
         max_connections: 2,
