@@ -351,8 +351,11 @@ impl Context {
     /// This replica's controllers stopped (its term as leader ended, or the process stops):
     /// what only the leader keeps current is dropped, so that its gauges say nothing stale
     /// beside the new leader's (the alerts take the largest over the replicas), and a next
-    /// term reports afresh.
+    /// term reports afresh; and what was judged of pinned waiting pods, which nothing kept
+    /// current meanwhile (a taint gone and back unseen), so that a next term judges them
+    /// afresh, each held for a whole grace before it is released, as a new leader does.
     fn term_ended(&self) {
+        crate::sync::lock(&self.judged).clear();
         crate::sync::lock(&self.reported_unplaceable.0)
             .by_pps
             .clear();

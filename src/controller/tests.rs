@@ -2465,6 +2465,52 @@ async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_releas
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_term_that_ends_forgets_what_it_judged_of_waiting_pods() {
+    // web-0 waits pinned to n1, which took a taint web-0 does not tolerate; n2 would take it.
+    let mut n1 = zone_node("n1", "z1", false);
+    n1.spec = serde_json::from_value(
+        json!({"taints": [{"key": "example.com/maintenance", "effect": "NoSchedule"}]}),
+    )
+    .expect("spec");
+    let (caches, live) = pinned_waiting(
+        vec![n1, zone_node("n2", "z1", false)],
+        json!({"tolerations": []}),
+    );
+    let (ctx, mut handle) = context(caches);
+    let sent = drive(
+        reconcile_pps(pinned_pps(), ctx.clone()),
+        &mut handle,
+        vec![live.clone()],
+    )
+    .await;
+    assert_eq!(
+        calls_of(&sent),
+        ["GET /api/v1/namespaces/ns/pods/web-0"],
+        "read: held by its pin from now"
+    );
+    // The term ends (the Lease lost); the replica leads again after the grace. Meanwhile the
+    // taint may have gone and come back unseen: what was judged is not taken as held since.
+    ctx.term_ended();
+    assert!(crate::sync::lock(&ctx.judged).is_empty());
+    tokio::time::advance(Duration::from_secs(301)).await;
+    let (sent, action) = drive_to_action(
+        reconcile_pps(pinned_pps(), ctx.clone()),
+        &mut handle,
+        vec![live],
+    )
+    .await;
+    assert!(
+        calls_of(&sent).iter().all(|c| !c.starts_with("DELETE")),
+        "not released at the new term's first look: {sent:?}"
+    );
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        after >= Duration::from_secs(300),
+        "its grace starts again: {action:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_pod_pinned_to_a_node_relabeled_against_its_own_selector_is_released_after_waiting_twice_the_grace()
  {
     // web-0 waits pinned to n1, whose `disk` label no longer matches web-0's own nodeSelector
