@@ -172,6 +172,7 @@ fn pps_crd_seen(
     if crd.metadata.name.as_deref() != Some(pps_crd_name()) {
         return;
     }
+    caches.pps_crd_declares_extensions(declares_extensions(crd));
     let now = (crd.metadata.uid.clone(), crd.metadata.generation);
     if seen.as_ref().is_some_and(|before| *before != now) && caches.pps_crd_changed() {
         tracing::info!(
@@ -179,6 +180,22 @@ fn pps_crd_seen(
         );
     }
     *seen = Some(now);
+}
+
+/// Whether every version `crd` serves declares this service's status fields (this service's
+/// CRD does; OpenKruise's does not, and its API server prunes them), read by `recorded`.
+fn declares_extensions(crd: &CustomResourceDefinition) -> bool {
+    let mut served = crd.spec.versions.iter().filter(|v| v.served).peekable();
+    served.peek().is_some()
+        && served.all(|v| {
+            v.schema
+                .as_ref()
+                .and_then(|s| s.open_api_v3_schema.as_ref())
+                .and_then(|s| s.properties.as_ref())
+                .and_then(|p| p.get("status"))
+                .and_then(|s| s.properties.as_ref())
+                .is_some_and(|p| p.contains_key("recorded"))
+        })
 }
 
 fn reconcile_kinds(caches: &Arc<Caches>, custom: &CustomKinds, known: &EstablishedCrds) {
@@ -310,6 +327,31 @@ mod tests {
         assert!(custom.contains(&flag), "flags stay");
         shutdown.cancel();
         std::fs::remove_file(&path).ok();
+    }
+
+    #[test]
+    fn a_bare_answer_under_a_crd_that_declares_the_fields_leaves_them_in() {
+        let caches = Caches::new();
+        let mut seen = None;
+        // This service's CRD: an answer without the fields came from an API server that had
+        // not loaded it yet; the next write carries them again.
+        let ours = crate::api::crd(&crate::api::ConversionEndpoint::default(), None, true);
+        assert!(super::declares_extensions(&ours));
+        super::pps_crd_seen(&caches, &watcher::Event::Apply(ours), &mut seen);
+        assert!(!caches.status_came_back_bare());
+        assert!(!caches.bare_status());
+        // A CRD that does not declare them (OpenKruise's): left out from then on.
+        let mut theirs = crd(
+            true,
+            json!([{"name": "v1alpha1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "properties": {"status": {
+                    "type": "object", "properties": {"podStates": {"type": "object"}}}}}}}]),
+        );
+        theirs.metadata.name = Some(super::pps_crd_name().into());
+        assert!(!super::declares_extensions(&theirs));
+        super::pps_crd_seen(&caches, &watcher::Event::Apply(theirs), &mut seen);
+        assert!(caches.status_came_back_bare());
+        assert!(caches.bare_status());
     }
 
     #[test]

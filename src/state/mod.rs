@@ -129,6 +129,9 @@ pub struct Caches {
     /// Whether the PersistentPodState CRD keeps none of the status's extension fields, as a
     /// status written showed, until that CRD changes ([`Caches::bare_status`]).
     bare_status: AtomicBool,
+    /// Whether the PersistentPodState CRD as last seen declares the extension fields in every
+    /// version it serves ([`Caches::pps_crd_declares_extensions`]).
+    crd_declares_extensions: AtomicBool,
 }
 
 impl Caches {
@@ -154,6 +157,7 @@ impl Caches {
             watches: Arc::default(),
             on_synced,
             bare_status: AtomicBool::new(false),
+            crd_declares_extensions: AtomicBool::new(false),
         });
         caches.add_workload_kind(native_statefulset_resource());
         caches
@@ -310,9 +314,19 @@ impl Caches {
         self.bare_status.load(Ordering::Relaxed)
     }
 
-    /// A status written came back without the extension fields; `true` the first time.
+    /// A status written came back without the extension fields; `true` the first time they
+    /// are then left out. Not while the CRD as seen declares them: that answer came from an API
+    /// server that had not loaded the CRD's change yet (each loads it on its own), and the
+    /// fields it pruned are written again at the next look, once it has.
     pub fn status_came_back_bare(&self) -> bool {
-        !self.bare_status.swap(true, Ordering::Relaxed)
+        !self.crd_declares_extensions.load(Ordering::Relaxed)
+            && !self.bare_status.swap(true, Ordering::Relaxed)
+    }
+
+    /// Notes whether the PersistentPodState CRD as seen declares the extension fields.
+    pub fn pps_crd_declares_extensions(&self, declares: bool) {
+        self.crd_declares_extensions
+            .store(declares, Ordering::Relaxed);
     }
 
     /// The PersistentPodState CRD changed: statuses are written whole again (the next write
