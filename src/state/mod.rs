@@ -648,7 +648,18 @@ impl Nodes for Caches {
     ) -> bool {
         let index = self.node_labels.read();
         match index.with_all(labels) {
-            Some(names) => names.filter_map(|name| self.node(name)).any(|n| visit(&n)),
+            // The node as stored is checked again: a relabel reaches the store before the
+            // index, and a review between the two would otherwise see a node carrying values
+            // it no longer has.
+            Some(names) => names
+                .filter_map(|name| self.node(name))
+                .filter(|n| {
+                    let have = n.labels();
+                    labels
+                        .iter()
+                        .all(|(k, v)| have.get(*k).is_some_and(|h| h == v))
+                })
+                .any(|n| visit(&n)),
             None => self.nodes.state().iter().any(|n| visit(n)),
         }
     }
@@ -2454,6 +2465,26 @@ mod tests {
         deleting.metadata.deletion_timestamp = deleting.metadata.creation_timestamp.clone();
         caches.apply_pps(watcher::Event::Apply(deleting));
         assert_eq!(in_force(&caches), None, "none: nothing steers its pods");
+    }
+
+    #[test]
+    fn a_node_relabeled_in_the_store_before_the_index_is_not_shown_for_its_old_values() {
+        let caches = Caches::new();
+        let node = |zone: &str| -> Node {
+            serde_json::from_value(json!({"metadata": {"name": "n1",
+                "labels": {"topology.kubernetes.io/zone": zone}}}))
+            .expect("node")
+        };
+        caches.apply_node(watcher::Event::Apply(node("z1")));
+        let z1 = BTreeMap::from([("topology.kubernetes.io/zone", "z1")]);
+        let shown = |c: &Caches| c.visit_with_labels(&z1, &mut |_| true);
+        assert!(shown(&caches));
+        // The relabel as `apply_node` makes it, caught between its two writes: in the store,
+        // not in the index yet.
+        let mut relabeled = node("z2");
+        trim::node(&mut relabeled);
+        lock(&caches.nodes_writer).apply_watcher_event(&watcher::Event::Apply(relabeled));
+        assert!(!shown(&caches), "n1 carries z1 no more");
     }
 
     #[test]
