@@ -90,7 +90,7 @@ impl Limits {
         handshake_timeout: Duration::from_secs(10),
         header_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(120),
-        max_streams: 64,
+        max_streams: 16,
         max_age: Duration::from_secs(600),
         send_timeout: Duration::from_secs(10),
     };
@@ -112,8 +112,14 @@ impl Limits {
 /// once this much is read is answered 431 and its connection closed, so a connection holds at
 /// most about twice this (one more read) before its body is counted by a [`Budget`]. hyper's own
 /// default is about 400 KiB; a review's head is under 1 KiB. (HTTP/2 heads are bounded by
-/// hyper's 16 KiB header list.)
+/// [`H2_HEADER_LIST_BYTES`].)
 pub const HEADER_BYTES: usize = 32 << 10;
+
+/// The largest HTTP/2 request head taken (`SETTINGS_MAX_HEADER_LIST_SIZE`, decoded; hyper's
+/// default is 16 KiB): a stream's head is held before its body is counted by a [`Budget`],
+/// so at most this times the streams of every connection (16 x 1,024 at the webhook port's
+/// limits: 128 MiB) waits so. A review's head is under 1 KiB.
+pub const H2_HEADER_LIST_BYTES: u32 = 8 << 10;
 
 /// A JSON error body `{"error": message}` with `status`.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
@@ -1841,7 +1847,8 @@ async fn run_http<IO>(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_concurrent_streams(limits.max_streams);
+        .max_concurrent_streams(limits.max_streams)
+        .max_header_list_size(H2_HEADER_LIST_BYTES);
     // Set up (the handshake done): what the client sends next is a request, whenever it does.
     activity.awaits_request();
     let app = Marked {

@@ -1308,6 +1308,32 @@ fn kinds(frames: &[Frame]) -> Vec<u8> {
 }
 
 #[tokio::test]
+async fn an_http2_connection_is_told_the_webhooks_stream_and_head_limits() {
+    let server = start_with(None, Limits::WEBHOOK).await;
+    let mut h2 = RawH2::open(server.tls(&server.h2).await).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let (kind, _, _, payload) = h2.next(deadline).await.expect("the server's first frame");
+    assert_eq!(kind, SETTINGS);
+    let settings: Vec<(u16, u32)> = payload
+        .chunks_exact(6)
+        .map(|s| {
+            (
+                u16::from_be_bytes([s[0], s[1]]),
+                u32::from_be_bytes([s[2], s[3], s[4], s[5]]),
+            )
+        })
+        .collect();
+    // SETTINGS_MAX_CONCURRENT_STREAMS (3) and SETTINGS_MAX_HEADER_LIST_SIZE (6): what a stream
+    // may hold before its body is counted.
+    assert!(settings.contains(&(3, 16)), "{settings:?}");
+    assert!(
+        settings.contains(&(6, serving::H2_HEADER_LIST_BYTES)),
+        "{settings:?}"
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
 async fn an_http2_connection_whose_first_request_is_late_is_told_goaway_before_it_closes() {
     // A client may dial an HTTP/2 connection ahead of need and hold it unused: closed without
     // a GOAWAY, it could send a request just as the connection goes. So whether it chose
