@@ -281,7 +281,24 @@ pub struct Context {
     data_in_place: Reported<HashMap<String, moved::InPlace>>,
     /// What was judged of pinned waiting pods whose node took a taint (held by the pin alone?).
     judged: Mutex<constrained::Judged>,
+    /// Since when this term has seen each recorded node deleted or replaced, by name, with
+    /// the uid recorded: its pods' node-local claims wait for the grace from then
+    /// ([`Context::gone_for_the_grace`]).
+    gone_seen: Mutex<HashMap<String, GoneSeen>>,
 }
+
+/// A recorded node seen deleted or replaced under its name.
+struct GoneSeen {
+    /// The uid the state recorded for it.
+    uid: Option<String>,
+    /// When first seen so.
+    since: tokio::time::Instant,
+    /// When last seen so.
+    seen: tokio::time::Instant,
+}
+
+/// How long a node no look has seen deleted or replaced is remembered as such.
+const GONE_FORGOTTEN_AFTER: Duration = Duration::from_secs(600);
 
 impl Context {
     /// A controller context.
@@ -310,6 +327,7 @@ impl Context {
             releases: Releases::new(Releases::DEFAULT_PER_MINUTE),
             data_in_place: Reported::default(),
             judged: Mutex::default(),
+            gone_seen: Mutex::default(),
             observe_all: false,
             node_keys: NodeKeys::default(),
         }
@@ -351,17 +369,49 @@ impl Context {
     /// This replica's controllers stopped (its term as leader ended, or the process stops):
     /// what only the leader keeps current is dropped, so that its gauges say nothing stale
     /// beside the new leader's (the alerts take the largest over the replicas), and a next
-    /// term reports afresh; and what was judged of pinned waiting pods, which nothing kept
-    /// current meanwhile (a taint gone and back unseen), so that a next term judges them
-    /// afresh, each held for a whole grace before it is released, as a new leader does.
+    /// term reports afresh; and what was judged of pinned waiting pods and of nodes seen
+    /// deleted, which nothing kept current meanwhile (a taint gone and back, a node back,
+    /// unseen), so that a next term judges them afresh, each for a whole grace, as a new
+    /// leader does.
     fn term_ended(&self) {
         crate::sync::lock(&self.judged).clear();
+        crate::sync::lock(&self.gone_seen).clear();
         crate::sync::lock(&self.reported_unplaceable.0)
             .by_pps
             .clear();
         self.metrics.states_unplaceable.set(0);
         crate::sync::lock(&self.reported_limits.0).by_pps.clear();
         self.metrics.over_limits.set(0);
+    }
+
+    /// How much of the grace is left for the node `name` (recorded with `uid`), deleted or
+    /// replaced under its name, before its pods' node-local claims may be deleted: the grace
+    /// (`--node-lost-after`) runs from when this term first saw it so. A node deleted by
+    /// mistake, or by a kubelet that registers it again, comes back within it with its disks;
+    /// what cannot be undone waits for that. `None`: the grace is over.
+    pub(super) fn gone_for_the_grace(&self, name: &str, uid: Option<&str>) -> Option<Duration> {
+        let now = tokio::time::Instant::now();
+        let mut seen = crate::sync::lock(&self.gone_seen);
+        seen.retain(|_, g| g.seen + GONE_FORGOTTEN_AFTER > now);
+        let entry = seen
+            .entry(name.to_owned())
+            .and_modify(|g| {
+                if g.uid.as_deref() != uid {
+                    *g = GoneSeen {
+                        uid: uid.map(str::to_owned),
+                        since: now,
+                        seen: now,
+                    };
+                }
+            })
+            .or_insert_with(|| GoneSeen {
+                uid: uid.map(str::to_owned),
+                since: now,
+                seen: now,
+            });
+        entry.seen = now;
+        let over = entry.since + self.node_lost_after;
+        (over > now).then(|| over - now)
     }
 
     /// At most `per_minute` waiting pods released per PersistentPodState per minute (0: none).

@@ -25,7 +25,7 @@ use crate::api::{
     PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION,
 };
 use crate::metrics::{GeneratorAction, Reconciler};
-use crate::placement::{self, Health, Nodes as _};
+use crate::placement::{self, DropReason, Health, Nodes as _};
 use crate::release::{self, Kept, LocalClaim, Waiting};
 use crate::state::trim::CachedPod;
 use crate::state::{Caches, WorkloadLookup, pps_target};
@@ -248,7 +248,7 @@ const CHANGED_CLAIM_RETRY: Duration = Duration::from_secs(2);
 /// (by uid: its claims deleted, it cannot start anywhere) are deleted, within the release rate,
 /// so that the workload re-creates both and the new claim binds elsewhere; without it, a
 /// Warning Event says what blocks the pod and how to release it. Never while the node is only
-/// within the grace period.
+/// within the grace period, lost or seen deleted or replaced.
 async fn release_local_volumes(
     ctx: &Context,
     pps: &PersistentPodState,
@@ -285,6 +285,15 @@ async fn release_local_volumes(
         // Not allowed, a pod's claims are read until once read (a failed read is tried again):
         // what blocks it is said once.
         if !allowed && report::local_reported(ctx, pps, &w.uid, &uids) {
+            continue;
+        }
+        // Its node deleted or replaced: nothing is read or deleted for it before the grace
+        // from then is over (lost, the node's own grace is over already).
+        if allowed
+            && w.reason == DropReason::NodeGone
+            && let Some(left) = ctx.gone_for_the_grace(&w.node, w.node_uid.as_deref())
+        {
+            out.again_within(left + Duration::from_secs(1));
             continue;
         }
         let judged = match ctx.own_claims(namespace, (&w.pod, &w.uid), info).await {

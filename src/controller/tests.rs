@@ -1006,9 +1006,20 @@ fn on_host(node: &str) -> Value {
         {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}})
 }
 
-#[tokio::test]
+/// Lets the grace after `n1`'s deletion pass as `ctx` sees it (its pods' node-local claims
+/// wait for it): seen gone now, then `--node-lost-after` later.
+async fn after_n1s_deletion_grace(ctx: &Context) {
+    assert!(
+        ctx.gone_for_the_grace("n1", Some("n1-uid")).is_some(),
+        "first seen gone now"
+    );
+    tokio::time::advance(Duration::from_secs(301)).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allowed() {
     let (ctx, mut handle, mut events) = context_with_events(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(still_waiting());
@@ -1078,7 +1089,44 @@ async fn a_claim_on_a_gone_nodes_local_volume_is_released_with_its_pod_when_allo
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
+async fn a_deleted_nodes_local_claims_wait_for_the_grace_from_when_it_was_seen_gone() {
+    // n1 is deleted (a node deleted by mistake comes back, registered again by its kubelet,
+    // with its disks): nothing is read or deleted before `--node-lost-after` from the first
+    // look that saw it gone.
+    let (ctx, mut handle) = context(waiting_world());
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps.clone(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        (Duration::from_secs(300)..=Duration::from_secs(301)).contains(&after),
+        "looked at again once the grace is over: {action:?}"
+    );
+    tokio::time::advance(Duration::from_secs(150)).await;
+    let sent = drive(reconcile_pps(pps.clone(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "half the grace: {sent:?}");
+    tokio::time::advance(Duration::from_secs(151)).await;
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
+    answers.extend(released());
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    assert_eq!(
+        sent.iter().filter(|s| s.method == Method::DELETE).count(),
+        2,
+        "the claim, then the pod: {sent:?}"
+    );
+    // Another uid recorded for n1 since (a state recorded again on a node of that name): its
+    // grace starts anew.
+    assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
+    assert_eq!(
+        ctx.gone_for_the_grace("n1", Some("n1-uid-2")),
+        Some(Duration::from_secs(300))
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_since_the_caches() {
     let scheduled = json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "web-0", "namespace": "ns", "uid": "pod-uid", "resourceVersion": "9"},
@@ -1100,6 +1148,7 @@ async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_s
     ];
     for (case, live) in cases {
         let (ctx, mut handle) = context(waiting_world());
+        after_n1s_deletion_grace(&ctx).await;
         let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
         let mut answers = claim_and_volume(on_host("n1"));
         answers.extend(live);
@@ -1117,6 +1166,7 @@ async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_s
     }
     // The control: the same pod, its node still gone, is released.
     let (ctx, mut handle) = context(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(still_waiting());
@@ -1192,7 +1242,7 @@ async fn a_blocking_local_volume_is_still_reported_after_its_claims_could_not_be
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
     let zone = json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
         {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1", "z2"]}]}]}});
@@ -1229,6 +1279,7 @@ async fn odd_volumes_and_claims_of_other_owners_are_never_released() {
     ];
     for (case, answers, why) in cases {
         let (ctx, mut handle, mut events) = context_with_events(waiting_world());
+        after_n1s_deletion_grace(&ctx).await;
         let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
         let (sent, action) = drive_to_action(reconcile_pps(pps, ctx), &mut handle, answers).await;
         assert!(
@@ -1279,13 +1330,14 @@ fn foreign_logs_claim(affinity: Value) -> Vec<Value> {
     ]
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(foreign_logs_claim(Value::Null));
     answers.extend(still_waiting());
     answers.extend(released());
     let (ctx, mut handle) = context(two_claims_world());
+    after_n1s_deletion_grace(&ctx).await;
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
     let deleted: Vec<&str> = sent
@@ -1303,7 +1355,7 @@ async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_local_claim_beside_another_owners_on_the_same_node_is_not_released_for_nothing() {
     let caches = two_claims_world();
     // data-web-0 is the pod's own, on n1's local volume; logs-web-0, on another of n1's, is
@@ -1311,6 +1363,7 @@ async fn a_local_claim_beside_another_owners_on_the_same_node_is_not_released_fo
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(foreign_logs_claim(on_host("n1")));
     let (ctx, mut handle, mut events) = context_with_events(caches);
+    after_n1s_deletion_grace(&ctx).await;
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
     assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
@@ -1444,9 +1497,10 @@ async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() 
     assert!(result.is_err());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon() {
     let (ctx, mut handle) = context(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
     // One release a minute: the look in a moment must not find the rate spent.
     let ctx = Arc::new(Arc::into_inner(ctx).expect("one owner").releasing(1));
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
@@ -1642,9 +1696,10 @@ async fn a_pod_scheduled_elsewhere_with_its_data_in_place_keeps_its_state_and_is
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_waiting_pod_refused_as_changed_is_read_again_before_it_is_released() {
     let (ctx, mut handle) = context(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let mut answers = claim_and_volume(on_host("n1"));
     answers.extend(still_waiting());
