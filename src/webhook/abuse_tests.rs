@@ -1475,6 +1475,17 @@ async fn once_readiness_is_off_an_http2_connection_is_told_goaway_and_its_stream
     server.stop.cancel();
 }
 
+/// A new connection at the connection cap is served: a review on it answered 200.
+async fn served_at_the_cap(server: &Server) {
+    let mut new = server.tls(&server.connector).await;
+    let head = send_review(&mut new).await;
+    assert!(
+        head.as_deref()
+            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+        "the new connection is served: {head:?}"
+    );
+}
+
 #[tokio::test]
 async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_place_of_an_idle_one()
 {
@@ -1493,13 +1504,7 @@ async fn at_the_connection_cap_a_connection_closing_already_is_not_evicted_in_pl
     // Idle, opened since.
     let mut idle = server.tls(&server.connector).await;
     // At the cap, a new connection: the idle one makes room for it.
-    let mut new = server.tls(&server.connector).await;
-    let head = send_review(&mut new).await;
-    assert!(
-        head.as_deref()
-            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
-        "the new connection is served: {head:?}"
-    );
+    served_at_the_cap(&server).await;
     assert!(matches!(read_answer(&mut idle).await, Got::Closed));
     // The closing one still answers its review.
     closing.finish_review(&rest, deadline).await;
@@ -1533,13 +1538,7 @@ async fn at_the_connection_cap_a_connection_mid_request_makes_room_within_the_wa
     // A new connection: the one idle the longest is evicted and ends, its request unfinished,
     // in time for the new one to be served (which `tls` needs: no handshake without a slot).
     let started = Instant::now();
-    let mut new = server.tls(&server.connector).await;
-    let head = send_review(&mut new).await;
-    assert!(
-        head.as_deref()
-            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
-        "the new connection is served: {head:?}"
-    );
+    served_at_the_cap(&server).await;
     assert!(
         matches!(read_answer(&mut held[0]).await, Got::Closed),
         "the evicted connection is closed without an answer"
@@ -1571,13 +1570,7 @@ async fn at_the_connection_cap_a_handshake_that_never_ends_makes_room() {
     ];
     // Each new connection evicts one of them, within the eviction wait, and is served.
     for _ in 0..2 {
-        let mut new = server.tls(&server.connector).await;
-        let head = send_review(&mut new).await;
-        assert!(
-            head.as_deref()
-                .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
-            "the new connection is served: {head:?}"
-        );
+        served_at_the_cap(&server).await;
     }
     drop(stalled);
     server.stop.cancel();
