@@ -393,22 +393,15 @@ impl Context {
         let now = tokio::time::Instant::now();
         let mut seen = crate::sync::lock(&self.gone_seen);
         seen.retain(|_, g| g.seen + GONE_FORGOTTEN_AFTER > now);
-        let entry = seen
-            .entry(name.to_owned())
-            .and_modify(|g| {
-                if g.uid.as_deref() != uid {
-                    *g = GoneSeen {
-                        uid: uid.map(str::to_owned),
-                        since: now,
-                        seen: now,
-                    };
-                }
-            })
-            .or_insert_with(|| GoneSeen {
-                uid: uid.map(str::to_owned),
-                since: now,
-                seen: now,
-            });
+        let fresh = || GoneSeen {
+            uid: uid.map(str::to_owned),
+            since: now,
+            seen: now,
+        };
+        let entry = seen.entry(name.to_owned()).or_insert_with(fresh);
+        if entry.uid.as_deref() != uid {
+            *entry = fresh();
+        }
         entry.seen = now;
         let over = entry.since + self.node_lost_after;
         (over > now).then(|| over - now)
