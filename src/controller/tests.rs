@@ -2415,22 +2415,26 @@ fn pinned_pps() -> Arc<PersistentPodState> {
     ))
 }
 
+/// web-0 waits pinned to n1, which took a NoSchedule taint since (web-0 has `tolerations`);
+/// n2, in the same zone, would take it.
+fn pinned_to_a_tainted_node(tolerations: Value) -> (Arc<Caches>, Value) {
+    let mut n1 = zone_node("n1", "z1", false);
+    n1.spec = serde_json::from_value(
+        json!({"taints": [{"key": "example.com/maintenance", "effect": "NoSchedule"}]}),
+    )
+    .expect("spec");
+    pinned_waiting(
+        vec![n1, zone_node("n2", "z1", false)],
+        json!({"tolerations": tolerations}),
+    )
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_released_after_the_grace()
 {
     // web-0 waits pinned to n1, which took a taint web-0 does not tolerate after it was
     // admitted; n2 would take it.
-    let world = |tolerations: Value| {
-        let mut n1 = zone_node("n1", "z1", false);
-        n1.spec = serde_json::from_value(
-            json!({"taints": [{"key": "example.com/maintenance", "effect": "NoSchedule"}]}),
-        )
-        .expect("spec");
-        pinned_waiting(
-            vec![n1, zone_node("n2", "z1", false)],
-            json!({"tolerations": tolerations}),
-        )
-    };
+    let world = pinned_to_a_tainted_node;
     let pps = pinned_pps;
 
     let (caches, live) = world(json!([]));
@@ -2521,16 +2525,7 @@ async fn a_pod_pinned_to_a_node_that_took_a_taint_it_does_not_tolerate_is_releas
 
 #[tokio::test(start_paused = true)]
 async fn a_term_that_ends_forgets_what_it_judged_of_waiting_pods() {
-    // web-0 waits pinned to n1, which took a taint web-0 does not tolerate; n2 would take it.
-    let mut n1 = zone_node("n1", "z1", false);
-    n1.spec = serde_json::from_value(
-        json!({"taints": [{"key": "example.com/maintenance", "effect": "NoSchedule"}]}),
-    )
-    .expect("spec");
-    let (caches, live) = pinned_waiting(
-        vec![n1, zone_node("n2", "z1", false)],
-        json!({"tolerations": []}),
-    );
+    let (caches, live) = pinned_to_a_tainted_node(json!([]));
     let (ctx, mut handle) = context(caches);
     let sent = drive(
         reconcile_pps(pinned_pps(), ctx.clone()),
