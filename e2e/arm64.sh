@@ -28,10 +28,14 @@ SYSROOT=/usr/aarch64-linux-gnu
 say() { echo "arm64: $*" >&2; }
 fail() { echo "arm64: $*" >&2; exit 1; }
 
-installed_version() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || true; }
+# The version of package $1 if it is installed (not one removed with its configuration kept).
+installed_version() {
+  dpkg-query -W -f='${Status} ${Version}' "$1" 2>/dev/null | sed -n 's/^install ok installed //p' || true
+}
 packages() {
   local missing=()
-  [[ $(installed_version gcc-aarch64-linux-gnu) == "$CROSS_GCC_VERSION"* ]] || missing+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
+  [[ $(installed_version gcc-aarch64-linux-gnu) == "$CROSS_GCC_VERSION"* ]] || missing+=(gcc-aarch64-linux-gnu)
+  [[ -n $(installed_version libc6-dev-arm64-cross) ]] || missing+=(libc6-dev-arm64-cross)
   [[ $(installed_version qemu-user) == "$QEMU_VERSION"* ]] || missing+=(qemu-user)
   if ((${#missing[@]})); then
     local sudo=""
@@ -76,7 +80,9 @@ build() {
 krew() {
   local x86=$1 out
   out=$(mktemp -d)
-  mapfile -t archives < <(bash plugins/krew/package.sh "$out" "$x86" "$BIN")
+  local made
+  made=$(bash plugins/krew/package.sh "$out" "$x86" "$BIN") || fail "package.sh failed"
+  mapfile -t archives <<<"$made"
   ((${#archives[@]} == 2)) || fail "package.sh made ${#archives[@]} archives of 2 binaries"
   local arch sum
   for arch in amd64 arm64; do
