@@ -1192,6 +1192,9 @@ impl http_body::Body for Unsent {
 struct Tapped<IO, T> {
     inner: IO,
     tap: T,
+    /// What is sent in place of a write its tap [`Tap::answer_instead`] of, and how much of it
+    /// has been: sent before any later write, flush or shutdown.
+    instead: Option<(Vec<u8>, usize)>,
 }
 
 /// What a [`Tapped`] IO is told of the bytes moving through it.
@@ -1202,6 +1205,10 @@ trait Tap {
     fn wrote(&self, n: usize);
     /// A write waits: no byte of it could be taken.
     fn write_waits(&self) {}
+    /// The bytes to send in place of `written` (one write), if any.
+    fn answer_instead(&self, _written: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 /// The socket's own tap: a byte read or written is the connection's activity.
@@ -1251,6 +1258,85 @@ impl Tap for Preface {
     }
 
     fn wrote(&self, _: usize) {}
+
+    fn answer_instead(&self, written: &[u8]) -> Option<Vec<u8>> {
+        with_json_message(written)
+    }
+}
+
+/// hyper's own answer to a request head it could not take (HTTP/1: 400 malformed, 414 URI too
+/// long, 431 over [`HEADER_BYTES`]), written as a head alone with `content-length: 0` and
+/// `connection: close`, given a JSON message as every other refusal has: the same head, a
+/// `content-type` and the message. Any other write: `None` (every answer of this server's own
+/// handlers carries a body).
+fn with_json_message(written: &[u8]) -> Option<Vec<u8>> {
+    use memchr::memmem::find;
+    const LENGTH: &[u8] = b"\r\ncontent-length: 0\r\n";
+    let status = written
+        .strip_prefix(b"HTTP/1.1 ")
+        .or_else(|| written.strip_prefix(b"HTTP/1.0 "))?;
+    let message = match status.get(..4)? {
+        b"400 " => "the request's HTTP head is malformed".to_owned(),
+        b"414 " => "the request's URI is too long".to_owned(),
+        b"431 " => format!(
+            "the request's HTTP head is over its bound ({} KiB)",
+            HEADER_BYTES >> 10
+        ),
+        _ => return None,
+    };
+    // One whole head (its one blank line at the end), no body, the connection closing.
+    let end = written.len().checked_sub(4)?;
+    if &written[end..] != b"\r\n\r\n" || find(&written[..end], b"\r\n\r\n").is_some() {
+        return None;
+    }
+    let at = find(written, LENGTH)?;
+    find(written, b"\r\nconnection: close\r\n")?;
+    let body = serde_json::to_vec(&json!({ "error": message })).ok()?;
+    let mut answer = Vec::with_capacity(written.len() + body.len() + 48);
+    answer.extend_from_slice(&written[..at]);
+    answer.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+    answer.extend_from_slice(body.len().to_string().as_bytes());
+    answer.extend_from_slice(&written[at + LENGTH.len() - 2..]);
+    answer.extend_from_slice(&body);
+    Some(answer)
+}
+
+impl<IO: AsyncWrite + Unpin, T> Tapped<IO, T> {
+    /// Sends what replaced an earlier write, before anything else is.
+    fn send_instead(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        while let Some((bytes, sent)) = &mut self.instead {
+            if *sent == bytes.len() {
+                self.instead = None;
+                break;
+            }
+            match Pin::new(&mut self.inner).poll_write(cx, &bytes[*sent..]) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+                }
+                Poll::Ready(Ok(n)) => *sent += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<IO: AsyncWrite + Unpin, T: Tap> Tapped<IO, T> {
+    /// Takes `written` whole when the tap answers something else instead, which is sent from
+    /// now on (what is not sent at once is sent first by whatever comes next).
+    fn instead_of(
+        &mut self,
+        cx: &mut Context<'_>,
+        written: &[u8],
+    ) -> Option<Poll<std::io::Result<usize>>> {
+        let instead = self.tap.answer_instead(written)?;
+        self.instead = Some((instead, 0));
+        Some(match self.send_instead(cx) {
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            _ => Poll::Ready(Ok(written.len())),
+        })
+    }
 }
 
 impl<IO, T: Tap> Tapped<IO, T> {
@@ -1281,23 +1367,37 @@ impl<IO: AsyncRead + Unpin, T: Tap + Unpin> AsyncRead for Tapped<IO, T> {
 
 impl<IO: AsyncWrite + Unpin, T: Tap + Unpin> AsyncWrite for Tapped<IO, T> {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.wrote(polled)
+        let this = self.get_mut();
+        std::task::ready!(this.send_instead(cx))?;
+        if let Some(taken) = this.instead_of(cx, buf) {
+            return taken;
+        }
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(polled)
     }
 
     // Vectored writes pass through, so that rustls writes the TLS records it has queued (a
     // handshake flight) in one system call rather than one call and one segment per record.
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.wrote(polled)
+        let this = self.get_mut();
+        std::task::ready!(this.send_instead(cx))?;
+        // A head written alone is one slice (hyper queues a head and a body's pieces).
+        if let Some((first, rest)) = bufs.split_first()
+            && rest.iter().all(|b| b.is_empty())
+            && let Some(taken) = this.instead_of(cx, first)
+        {
+            return taken;
+        }
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -1305,10 +1405,12 @@ impl<IO: AsyncWrite + Unpin, T: Tap + Unpin> AsyncWrite for Tapped<IO, T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.send_instead(cx))?;
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.send_instead(cx))?;
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
@@ -1755,6 +1857,7 @@ async fn serve_connection(
         },
     );
     let tcp = Tapped {
+        instead: None,
         inner: tcp,
         tap: activity.clone(),
     };
@@ -1833,6 +1936,7 @@ async fn run_http<IO>(
     };
     // Where nothing was chosen, the preface tells HTTP/2 apart before its first request.
     let io = Tapped {
+        instead: None,
         inner: io,
         tap: Preface {
             activity: activity.clone(),
@@ -2479,6 +2583,7 @@ mod tests {
             blocked: tokio::sync::Notify::new(),
         }));
         let mut watched = Tapped {
+            instead: None,
             inner: tcp,
             tap: activity.clone(),
         };
@@ -2571,6 +2676,7 @@ mod tests {
         activity.headers_arrived(axum::http::Version::HTTP_11);
         let (server, mut client) = tokio::io::duplex(64);
         let mut tapped = Tapped {
+            instead: None,
             inner: server,
             tap: activity.clone(),
         };
@@ -2619,6 +2725,7 @@ mod tests {
         let activity = Activity::new();
         let (server, mut client) = tokio::io::duplex(4096);
         let io = Tapped {
+            instead: None,
             inner: server,
             tap: activity.clone(),
         };
@@ -2648,6 +2755,89 @@ mod tests {
             !got.is_empty() && got.len() < 1 << 20,
             "{} bytes",
             got.len()
+        );
+    }
+
+    /// hyper's own answer to a head it could not parse, as it writes it.
+    const HYPERS_400: &[u8] = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\ndate: Sun, 06 Dec 2026 23:03:01 GMT\r\n\r\n";
+
+    #[test]
+    fn only_hypers_own_bodiless_refusals_are_given_a_json_message() {
+        let answer = with_json_message(HYPERS_400).expect("hyper's 400");
+        let text = String::from_utf8(answer).expect("text");
+        let (head, body) = text.split_once("\r\n\r\n").expect("a head and a body");
+        assert!(head.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{head}");
+        assert!(
+            head.contains("\r\ncontent-type: application/json\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains(&format!("\r\ncontent-length: {}\r\n", body.len())),
+            "{head}"
+        );
+        assert!(head.contains("\r\nconnection: close\r\n") && head.contains("\r\ndate: "));
+        let message: serde_json::Value = serde_json::from_str(body).expect("json");
+        assert!(
+            message["error"]
+                .as_str()
+                .is_some_and(|m| m.contains("malformed"))
+        );
+        let swap = |from: &str, to: &str| {
+            String::from_utf8_lossy(HYPERS_400)
+                .replace(from, to)
+                .into_bytes()
+        };
+        let too_large = swap("400 Bad Request", "431 Request Header Fields Too Large");
+        assert!(with_json_message(&too_large).is_some());
+        // Anything else passes as it is: another status, an answer with a body or kept alive,
+        // a part of a head, a head and more.
+        for other in [
+            swap("400 Bad Request", "404 Not Found"),
+            swap("400 Bad Request", "200 OK"),
+            swap("content-length: 0", "content-length: 17"),
+            swap("connection: close\r\n", ""),
+            HYPERS_400[..HYPERS_400.len() - 2].to_vec(),
+            [HYPERS_400, b"{}".as_slice()].concat(),
+            [HYPERS_400, HYPERS_400].concat(),
+            b"HTTP/1.1 400".to_vec(),
+            Vec::new(),
+        ] {
+            assert_eq!(
+                with_json_message(&other),
+                None,
+                "{}",
+                String::from_utf8_lossy(&other)
+            );
+        }
+    }
+
+    /// The answer put in place of hyper's head is sent whole, before what is written after it,
+    /// however few bytes the socket takes at a time.
+    #[tokio::test]
+    async fn an_answer_sent_instead_goes_out_whole_through_a_narrow_socket() {
+        let (server, mut client) = tokio::io::duplex(7);
+        let mut io = Tapped {
+            instead: None,
+            inner: server,
+            tap: Preface {
+                activity: Activity::new(),
+                matched: None,
+            },
+        };
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.map(|_| got)
+        });
+        io.write_all(HYPERS_400).await.expect("head");
+        io.write_all(b"after").await.expect("more");
+        io.shutdown().await.expect("shutdown");
+        drop(io);
+        let got = reader.await.expect("reader").expect("read");
+        let mut want = with_json_message(HYPERS_400).expect("answer");
+        want.extend_from_slice(b"after");
+        assert_eq!(
+            String::from_utf8_lossy(&got),
+            String::from_utf8_lossy(&want)
         );
     }
 

@@ -341,6 +341,12 @@ async fn malformed_requests_get_clear_answers_and_the_server_keeps_serving() {
             ("no content type", server.raw(format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}").as_bytes()).await, Want::Error(415)),
             ("GET", server.raw(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes()).await, Want::Error(405)),
             ("PUT", server.raw(format!("PUT {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").as_bytes()).await, Want::Error(405)),
+            // Heads hyper itself refuses: its own 400, given the JSON message every refusal has.
+            ("a header line with no colon", server.raw(format!("POST {path} HTTP/1.1\r\nhost: x\r\nno colon here\r\n\r\n").as_bytes()).await, Want::Error(400)),
+            ("a malformed method", server.raw(format!("P@ST {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await, Want::Error(400)),
+            ("an unknown HTTP version", server.raw(format!("POST {path} HTTP/7.1\r\nhost: x\r\n\r\n").as_bytes()).await, Want::Error(400)),
+            ("a content-length that is no number", server.raw(format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: two\r\n\r\n{{}}").as_bytes()).await, Want::Error(400)),
+            ("an HTTP/1.0 head with a bad header", server.raw(format!("POST {path} HTTP/1.0\r\nbad\x01name: x\r\n\r\n").as_bytes()).await, Want::Error(400)),
         ] {
             check(path, what, &got, want);
             cases += 1;
@@ -472,10 +478,16 @@ async fn a_request_head_over_its_bound_is_refused_before_it_is_handled() {
     // handled.
     let over = 2 * HEADER_BYTES + (16 << 10);
     let got = server.raw(&head(over)).await;
-    assert!(
-        matches!(got, Got::Closed | Got::Answer(431, _)),
-        "a head of {over} bytes: {got:?}"
-    );
+    // Closed under the bytes still arriving (the client's read may then fail), or answered
+    // with a JSON message.
+    if let Got::Answer(..) = got {
+        check(
+            "a head",
+            &format!("of {over} bytes"),
+            &got,
+            Want::Error(431),
+        );
+    }
     server.stop.cancel();
 }
 
