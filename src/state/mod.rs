@@ -1047,8 +1047,8 @@ async fn run_watch<K>(
     listed: Arc<AtomicBool>,
     mut relist: Option<Relist<K>>,
 ) -> Stopped {
-    // When the last list made aside ended: the next waits [`ASIDE_PAUSE`] after it.
-    let mut aside_done: Option<tokio::time::Instant> = None;
+    // When the next list made aside may begin ([`aside_pause`] after the last one ended).
+    let mut aside_next: Option<tokio::time::Instant> = None;
     loop {
         let streaming =
             !listed.load(Ordering::Relaxed) && !watches.paginate.load(Ordering::Relaxed);
@@ -1071,13 +1071,13 @@ async fn run_watch<K>(
             let next = tokio::select! {
                 biased;
                 // Told to list again once listed (a list under way when told is listed again
-                // once done, and lists aside are [`ASIDE_PAUSE`] apart): listed aside, for
+                // once done, and lists aside are [`aside_pause`] apart): listed aside, for
                 // `relist.fill`, the watch running on as it was.
                 now = asked_again(
                     relist.as_mut().map(|r| &mut r.told),
                     asked,
                     listed_here && !listing_aside,
-                    aside_done.map(|at| at + ASIDE_PAUSE),
+                    aside_next,
                 ) => {
                     tracing::info!(%kind, "listing again aside, to read what is kept now");
                     aside = Some(Aside {
@@ -1103,7 +1103,7 @@ async fn run_watch<K>(
                             if let Some(a) = aside.take_if(|_| done) {
                                 tracing::info!(%kind, objects = a.objects, seconds = a.started.elapsed().as_secs_f64(), "listed aside");
                                 asked = a.generation;
-                                aside_done = Some(tokio::time::Instant::now());
+                                aside_next = Some(tokio::time::Instant::now() + aside_pause(Some(a.started.elapsed())));
                             }
                         }
                         // Failed or ended before its end: dropped, made again after the pause;
@@ -1112,7 +1112,7 @@ async fn run_watch<K>(
                             let why = failed.err().map_or("it ended".to_owned(), |e| e.to_string());
                             tracing::warn!(%kind, %why, "the list made aside failed; listing again aside after a pause");
                             aside = None;
-                            aside_done = Some(tokio::time::Instant::now());
+                            aside_next = Some(tokio::time::Instant::now() + aside_pause(None));
                         }
                     }
                     continue;
@@ -1273,9 +1273,23 @@ async fn next_aside<K>(aside: Option<&mut Aside<K>>) -> watcher::Result<Option<w
     }
 }
 
-/// The least time between the end of a list made aside and the start of the next: a run of
-/// PersistentPodStates each naming a new annotation lists the pods again at most this often.
+/// The most time between the end of a list made aside and the start of the next: a run of
+/// PersistentPodStates each naming a new annotation lists the pods again at least this far
+/// apart, however long the lists take; so does a list made aside after one that failed.
 const ASIDE_PAUSE: Duration = Duration::from_secs(30);
+
+/// The least time between the end of a list made aside and the start of the next.
+const ASIDE_PAUSE_MIN: Duration = Duration::from_secs(1);
+
+/// The pause after a list made aside that `took` this long (`None`: it failed): ten times it,
+/// from [`ASIDE_PAUSE_MIN`] to [`ASIDE_PAUSE`]. Lists made one after another so take at most
+/// about a tenth of the time, and a small cluster's next new annotation is read within a
+/// second or so, a large one's (100,000 pods listed in seconds) within the whole pause.
+fn aside_pause(took: Option<Duration>) -> Duration {
+    took.map_or(ASIDE_PAUSE, |took| {
+        took.saturating_mul(10).clamp(ASIDE_PAUSE_MIN, ASIDE_PAUSE)
+    })
+}
 
 /// How long a listed watch refused for the moment (429, 503, 504: the API server's cache of its
 /// kind being filled again, after a change of its CRD or a restart) is asked again from where it
@@ -1508,11 +1522,24 @@ mod tests {
         (handle, watches, task)
     }
 
+    #[test]
+    fn lists_aside_pause_ten_times_what_the_last_took_within_bounds() {
+        let pause = |ms: u64| aside_pause(Some(Duration::from_millis(ms)));
+        assert_eq!(pause(0), ASIDE_PAUSE_MIN);
+        assert_eq!(pause(40), ASIDE_PAUSE_MIN);
+        assert_eq!(pause(500), Duration::from_secs(5));
+        assert_eq!(pause(2_000), Duration::from_secs(20));
+        assert_eq!(pause(6_000), ASIDE_PAUSE);
+        assert_eq!(aside_pause(Some(Duration::MAX)), ASIDE_PAUSE);
+        assert_eq!(aside_pause(None), ASIDE_PAUSE);
+    }
+
     /// A listed watch told to list again (the pods', a PersistentPodState having named an
     /// annotation not kept before) lists aside for its `fill`, its watch running on as it was
     /// (its events applied meanwhile, the cache current throughout). Told again while that list
-    /// is under way, it lists once more, [`ASIDE_PAUSE`] after it; a list aside that fails is
-    /// made again after the pause, the watch untouched.
+    /// is under way, it lists once more, [`aside_pause`] after it (ten times what the list took);
+    /// a list aside that fails is made again after the whole [`ASIDE_PAUSE`], the watch
+    /// untouched.
     #[tokio::test(start_paused = true)]
     async fn a_listed_watch_told_to_list_again_lists_aside_and_runs_on() {
         let (client, mut handle, watches) = mock_paginated_watch();
@@ -1586,13 +1613,19 @@ mod tests {
         let mut n1 = node_list();
         n1["metadata"]["resourceVersion"] = json!("2");
         n1["items"] = json!([{"metadata": {"name": "n1", "resourceVersion": "2"}}]);
+        // The list took 2 s.
+        tokio::time::advance(Duration::from_secs(2)).await;
         respond(aside_list, 200, n1.clone());
         let ended = tokio::time::Instant::now();
-        // No watch of its own: the next request is the next list, after the pause. It fails:
-        // made again after the pause, the watch untouched.
+        // No watch of its own: the next request is the next list, 20 s after (ten times what
+        // the list took). It fails: made again after the whole pause, the watch untouched.
         let (request, again) = next(&mut handle).await;
         assert!(!is_watch(&request), "listed again: {}", request.uri());
-        assert!(ended.elapsed() >= ASIDE_PAUSE, "{:?}", ended.elapsed());
+        let waited = ended.elapsed();
+        assert!(
+            waited >= Duration::from_secs(20) && waited < ASIDE_PAUSE,
+            "{waited:?}"
+        );
         respond_500(again, "etcd is slow");
         let failed = tokio::time::Instant::now();
         let (request, again) = next(&mut handle).await;
