@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use super::inject::{Conflict, Injection, injection_for};
 use crate::api::PersistentPodState;
-use crate::api::ip_request::IP_REQUEST_ANNOTATION;
+use crate::api::ip_request::{IP_REQUEST_ANNOTATION, IpRequest};
 use crate::ip_request::{self, IpDecision, IpSkipReason};
 use crate::placement::{self, Dropped, Health, Nodes, PodDemands};
 use crate::state::Caches;
@@ -339,9 +339,20 @@ fn judge(
         &state.pod_ips,
         &holder,
     );
-    let request = match &ip {
-        IpDecision::Request { annotation, value } => Some((annotation.as_str(), value.as_str())),
+    // Not made (an IP held by another pod, none recorded, ...): the request's key is not
+    // restored from the persisted annotations either.
+    let withheld = match &ip {
+        IpDecision::Skip { .. } => pps
+            .annotations()
+            .get(IP_REQUEST_ANNOTATION)
+            .and_then(|r| IpRequest::parse(r).ok()),
         _ => None,
+    };
+    let request = match &ip {
+        IpDecision::Request { annotation, value } => {
+            Some((annotation.as_str(), Some(value.as_str())))
+        }
+        _ => withheld.as_ref().map(|r| (r.annotation(), None)),
     };
     let injection = injection_for(
         pod,
@@ -520,6 +531,78 @@ pub(super) mod tests {
         };
         assert_eq!(injection.required, 1);
         assert!(decision.left_out().is_empty());
+    }
+
+    /// A recorded IP the request leaves out (another pod holds it) is not asked for through a
+    /// persisted annotation of the request's key either; made, the request carries its value.
+    #[test]
+    fn a_persisted_annotation_never_asks_for_an_ip_the_request_left_out() {
+        const CALICO: &str = "cni.projectcalico.org/ipAddrs";
+        struct Held(Fake, bool);
+        impl Lookup for Held {
+            fn nodes(&self) -> &dyn Nodes {
+                &self.0
+            }
+            fn handles(&self, kind: &GroupKind) -> bool {
+                self.0.handles(kind)
+            }
+            fn pps_for(&self, workload: &WorkloadRef) -> Option<Arc<PersistentPodState>> {
+                self.0.pps_for(workload)
+            }
+            fn health(&self) -> Health {
+                self.0.health()
+            }
+            fn ip_holder(&self, _: &str, _: &str, _: &str) -> Option<String> {
+                self.1.then(|| "ns/other-0".to_owned())
+            }
+        }
+        let pps: PersistentPodState = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns", "annotations": {
+                "persistent-pod-state.io/ip-request": "calico"}},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"},
+                     "persistentPodAnnotations": [{"key": CALICO}, {"key": "slot"}]},
+            "status": {"podStates": {"web-0": {"nodeName": "n1", "podIPs": ["10.0.0.5"],
+                "annotations": {CALICO: "[\"10.0.0.5\"]", "slot": "a"}}}}
+        }))
+        .expect("pps");
+        let pps = Arc::new(pps);
+        let annotations = |held: bool| {
+            let lookup = Held(
+                Fake {
+                    pps: Some(pps.clone()),
+                    nodes: true,
+                },
+                held,
+            );
+            let decision = decide(&pod(Some("StatefulSet")), "ns", &lookup);
+            let Verdict::Inject { injection, ip } = &decision.verdict else {
+                panic!("injects")
+            };
+            let held_so = matches!(
+                ip,
+                IpDecision::Skip {
+                    reason: IpSkipReason::IpHeld,
+                    ..
+                }
+            );
+            assert_eq!(held_so, held, "{ip:?}");
+            let patch = injection.patch.to_value();
+            let added = patch
+                .as_array()
+                .and_then(|ops| {
+                    ops.iter()
+                        .find(|op| op["path"] == "/metadata/annotations")
+                        .map(|op| op["value"].clone())
+                })
+                .expect("annotations added");
+            (added.get(CALICO).cloned(), added["slot"].clone())
+        };
+        assert_eq!(annotations(true), (None, json!("a")), "held: not asked for");
+        assert_eq!(
+            annotations(false),
+            (Some(json!("[\"10.0.0.5\"]")), json!("a")),
+            "free: requested"
+        );
     }
 
     #[test]

@@ -151,7 +151,9 @@ impl JsonValue for Preferred<'_, '_> {
 }
 
 /// Computes the patch that restores `state` onto `pod` as asked by `spec`, with the IP request
-/// annotation `ip_request` if one is to be made.
+/// annotation `ip_request` (its key, and its value where one is to be made: none, the key is
+/// not restored from the persisted annotations either, so a recorded IP the request left out
+/// is never asked for another way).
 ///
 /// The patch applies to the pod exactly as the API server sent it: missing maps and lists are
 /// created, what the pod already has is kept, and keys are escaped in JSON Pointers. Constraints
@@ -164,7 +166,7 @@ pub fn injection_for<'a, 's>(
     spec: &'s PersistentPodStateSpec,
     state: &'s PodState,
     place: &dyn Fn(BTreeMap<&'s str, &'s str>) -> Required<&'s str>,
-    ip_request: Option<(&str, &str)>,
+    ip_request: Option<(&str, Option<&str>)>,
 ) -> Injection {
     // Generic in its caller's type only: the webhook's is always a `PodView`.
     let pod: PodView<'_> = pod.into();
@@ -281,16 +283,18 @@ pub fn injection_for<'a, 's>(
     }
 
     // c. persistent annotations (never over the pod's own, never the webhook's own: those say
-    // what this answer did) and the injected-state marker
+    // what this answer did, never the IP request's: that is made as decided) and the
+    // injected-state marker
     let mut annotations: BTreeMap<&str, &str> = spec
         .persistent_annotation_keys()
         .filter(|key| ![INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION].contains(key))
+        .filter(|key| ip_request.is_none_or(|(ip, _)| ip != *key))
         .filter(|key| pod_annotations.is_none_or(|m| !m.contains_key(*key)))
         .filter_map(|key| state.annotations.get(key).map(|v| (key, v.as_str())))
         .collect();
     out.annotations = annotations.len();
     // The IP request (decided by `ip_request::decide`, which never overrides the pod's own).
-    if let Some((key, value)) =
+    if let Some((key, Some(value))) =
         ip_request.filter(|(k, _)| pod_annotations.is_none_or(|m| !m.contains_key(*k)))
     {
         annotations.insert(key, value);

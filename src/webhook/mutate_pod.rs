@@ -565,7 +565,7 @@ mod tests {
             let partial = read.view();
             assert_eq!(PodDemands::of(&full), PodDemands::of(partial));
             assert_eq!(PodView::from(&full).workload("ns"), partial.workload("ns"));
-            let request = Some(("cni.projectcalico.org/ipAddrs", "[\"10.0.0.1\"]"));
+            let request = Some(("cni.projectcalico.org/ipAddrs", Some("[\"10.0.0.1\"]")));
             let inject = |pod: PodView<'_>| {
                 super::super::inject::injection_for(pod, "web", &pps.spec, &state, &keep, request)
                     .patch
