@@ -11,6 +11,8 @@
 //!   lifecycle controller sets its NoSchedule taints so) dates from its twin of the same key
 //!   that has one (the NoExecute taint), else from when the `Ready` condition stopped being
 //!   `True`; with neither, it has been there for an unknown time and the node is lost at once;
+//! - on a node whose `Ready` is `True`, such a taint with no date, or dated no later than
+//!   `Ready` turned `True`, is left from before the node came back and does not count;
 //! - a `node.kubernetes.io/out-of-service` taint (non-graceful node shutdown) makes a node lost
 //!   at once, whatever its conditions;
 //! - a node selector requirement with an unknown operator, or a `Gt`/`Lt` value that is not
@@ -92,9 +94,9 @@ impl Health {
 /// ready and untainted. Node loss is judged from this alone, so a change of a node's health
 /// fields that leaves it unchanged (the node lifecycle controller's taints, added after the
 /// `Ready` condition they follow) changes no judgement. On a node whose `Ready` is `True`, an
-/// unreachable or not-ready taint with no date (the NoSchedule one, before its twin is added or
-/// after the node came back, until the node lifecycle controller takes it off) does not count:
-/// the node is back, not lost since an unknown time.
+/// unreachable or not-ready taint with no date, or dated no later than `Ready` turned `True`
+/// (left from before the node came back, until the node lifecycle controller takes it off, some
+/// seconds later), does not count: the node is back, not lost since the taint.
 pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
     let mut since: Option<Timestamp> = None;
     let mut earliest = |t: Timestamp| since = Some(since.map_or(t, |s| s.min(t)));
@@ -104,6 +106,10 @@ pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
         .and_then(|s| s.conditions.as_ref())
         .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
     let ready_now = ready.is_some_and(|c| c.status == "True");
+    // Ready since (`Some(None)`: ready, since when unknown).
+    let ready_since = ready
+        .filter(|c| c.status == "True")
+        .map(|c| c.last_transition_time.as_ref().map(|t| t.0));
     // Not ready since (`Some(None)`: not ready, since when unknown).
     let not_ready_since = ready
         .filter(|c| c.status != "True")
@@ -127,6 +133,8 @@ pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
                 })
                 .or(not_ready_since.flatten());
             match dated {
+                // From before the node came back.
+                Some(t) if ready_since.is_some_and(|back| back.is_none_or(|b| t <= b)) => {}
                 Some(t) => earliest(t),
                 None if ready_now => {}
                 None => earliest(Timestamp::MIN),
@@ -632,12 +640,28 @@ mod tests {
             "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-22T11:59:59Z"}]}});
         assert!(!h.is_lost(&node("n", "z", back.clone())));
         assert_eq!(unhealthy_since(&node("n", "z", back)), None);
-        // Back with the dated NoExecute twin still on: judged by its date (a second ago).
-        let back_dated = json!({"spec": {"taints": [
+        // Back with the dated NoExecute twin still on, unreachable for an hour before: the
+        // taints are left from before it came back (they come off some seconds later): not
+        // lost, and not unhealthy at all.
+        let back_dated = |ready_since: &str| {
+            json!({"spec": {"taints": [
                 {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"},
-                {"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": "2026-11-22T11:59:59Z"}]},
-            "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-22T12:00:00Z"}]}});
-        assert!(!h.is_lost(&node("n", "z", back_dated)));
+                {"key": UNREACHABLE_TAINT, "effect": "NoExecute", "timeAdded": "2026-11-22T11:00:00Z"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": ready_since}]}})
+        };
+        for back_at in ["2026-11-22T11:59:59Z", "2026-11-22T11:00:00Z"] {
+            let back = node("n", "z", back_dated(back_at));
+            assert!(!h.is_lost(&back), "back at {back_at}");
+            assert_eq!(unhealthy_since(&back), None, "back at {back_at}");
+        }
+        // Tainted after Ready last turned True (no kubelet said it is back since): judged by
+        // the taint's date.
+        let tainted_since = node("n", "z", back_dated("2026-11-22T10:59:59Z"));
+        assert!(h.is_lost(&tainted_since));
+        assert_eq!(
+            unhealthy_since(&tainted_since),
+            Some(at("2026-11-22T11:00:00Z"))
+        );
         // Only the NoSchedule taint, Ready False since a minute: dated by the condition.
         let not_ready = json!({"spec": {"taints": [{"key": NOT_READY_TAINT, "effect": "NoSchedule"}]},
             "status": {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": "2026-11-22T11:59:00Z"}]}});
