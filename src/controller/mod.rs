@@ -281,16 +281,16 @@ pub struct Context {
     data_in_place: Reported<HashMap<String, moved::InPlace>>,
     /// What was judged of pinned waiting pods whose node took a taint (held by the pin alone?).
     judged: Mutex<constrained::Judged>,
-    /// Since when this term has seen each recorded node deleted or replaced, by name, with
-    /// the uid recorded: its pods' node-local claims wait for the grace from then
-    /// ([`Context::gone_for_the_grace`]).
-    gone_seen: Mutex<HashMap<String, GoneSeen>>,
+    /// Since when this term has seen each recorded node (by name and the uid recorded)
+    /// deleted or replaced as it is now: its pods' node-local claims wait for the grace from
+    /// then ([`Context::gone_for_the_grace`]).
+    gone_seen: Mutex<HashMap<(String, Option<String>), GoneSeen>>,
 }
 
 /// A recorded node seen deleted or replaced under its name.
 struct GoneSeen {
-    /// The uid the state recorded for it.
-    uid: Option<String>,
+    /// The uid of the node of that name when last seen so (none: deleted).
+    now_there: Option<String>,
     /// When first seen so.
     since: tokio::time::Instant,
     /// When last seen so.
@@ -386,21 +386,25 @@ impl Context {
 
     /// How much of the grace is left for the node `name` (recorded with `uid`), deleted or
     /// replaced under its name, before its pods' node-local claims may be deleted: the grace
-    /// (`--node-lost-after`) runs from when this term first saw it so. A node deleted by
-    /// mistake, or by a kubelet that registers it again, comes back within it with its disks;
-    /// what cannot be undone waits for that. `None`: the grace is over.
+    /// (`--node-lost-after`) runs from when this term first saw it so, as it is now (a node
+    /// of that name back, under another uid, or deleted again, starts it anew). A node deleted
+    /// by mistake, or by a kubelet that registers it again, comes back within it with its
+    /// disks; what cannot be undone waits for that. `None`: the grace is over.
     pub(super) fn gone_for_the_grace(&self, name: &str, uid: Option<&str>) -> Option<Duration> {
         let now = tokio::time::Instant::now();
+        let now_there = self.caches.node(name).and_then(|n| n.metadata.uid.clone());
         let mut seen = crate::sync::lock(&self.gone_seen);
         seen.retain(|_, g| g.seen + GONE_FORGOTTEN_AFTER > now);
-        let fresh = || GoneSeen {
-            uid: uid.map(str::to_owned),
-            since: now,
-            seen: now,
-        };
-        let entry = seen.entry(name.to_owned()).or_insert_with(fresh);
-        if entry.uid.as_deref() != uid {
-            *entry = fresh();
+        let entry = seen
+            .entry((name.to_owned(), uid.map(str::to_owned)))
+            .or_insert_with(|| GoneSeen {
+                now_there: now_there.clone(),
+                since: now,
+                seen: now,
+            });
+        if entry.now_there != now_there {
+            entry.now_there = now_there;
+            entry.since = now;
         }
         entry.seen = now;
         let over = entry.since + self.node_lost_after;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::{Method, Request, Response};
 use http_body_util::BodyExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::DynamicObject;
 use kube::client::Body;
 use kube::runtime::watcher;
@@ -1118,12 +1118,42 @@ async fn a_deleted_nodes_local_claims_wait_for_the_grace_from_when_it_was_seen_g
         "the claim, then the pod: {sent:?}"
     );
     // Another uid recorded for n1 since (a state recorded again on a node of that name): its
-    // grace starts anew.
+    // grace starts anew, and looking at it starts nothing anew for the first (the states of
+    // two pods recorded on n1 under two uids, looked at in turn, never end each other's).
     assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
     assert_eq!(
         ctx.gone_for_the_grace("n1", Some("n1-uid-2")),
         Some(Duration::from_secs(300))
     );
+    assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
+    assert!(ctx.gone_for_the_grace("n1", None).is_some());
+    assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_back_under_its_name_and_gone_again_starts_the_grace_anew() {
+    let (ctx, _handle) = context(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
+    assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
+    // n1 registered again by its kubelet (another uid: still replaced for the state recorded
+    // on the first): the grace runs from now.
+    let again: Node = serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid-2",
+        "labels": {"kubernetes.io/hostname": "n1"}}}))
+    .expect("node");
+    ctx.caches.apply_node(watcher::Event::Apply(again.clone()));
+    assert_eq!(
+        ctx.gone_for_the_grace("n1", Some("n1-uid")),
+        Some(Duration::from_secs(300))
+    );
+    tokio::time::advance(Duration::from_secs(200)).await;
+    // Deleted again: from now again.
+    ctx.caches.apply_node(watcher::Event::Delete(again));
+    assert_eq!(
+        ctx.gone_for_the_grace("n1", Some("n1-uid")),
+        Some(Duration::from_secs(300))
+    );
+    tokio::time::advance(Duration::from_secs(301)).await;
+    assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
 }
 
 #[tokio::test(start_paused = true)]
