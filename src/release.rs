@@ -883,7 +883,10 @@ pub async fn release_pod(
     };
     match pods.delete(name, &params).await {
         Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 404 && !report.claims.is_empty() => {}
+        // Its claims deleted, the pod gone or created again since (by uid alone, a conflict
+        // is another pod of that name): released all the same.
+        Err(kube::Error::Api(e))
+            if (e.code == 404 || e.code == 409) && !report.claims.is_empty() => {}
         Err(e) => {
             return Err(e).with_context(|| {
                 format!(

@@ -285,7 +285,15 @@ pub struct Context {
     /// deleted or replaced as it is now: its pods' node-local claims wait for the grace from
     /// then ([`Context::gone_for_the_grace`]).
     gone_seen: Mutex<HashMap<(String, Option<String>), GoneSeen>>,
+    /// The waiting pods (by uid) whose node-local claims a look deleted, each with those
+    /// claims, until the pod is deleted too: a delete of the pod that failed after its claims
+    /// went is made by the next look, which finds no claim of it left to judge.
+    claims_deleted: Mutex<HashMap<String, (tokio::time::Instant, Vec<crate::release::LocalClaim>)>>,
 }
+
+/// How long a pod whose claims were deleted is remembered so, its own delete failing (the
+/// pod replaced or gone meanwhile: never looked at again).
+const CLAIMS_DELETED_FORGOTTEN_AFTER: Duration = Duration::from_secs(3600);
 
 /// A recorded node seen deleted or replaced under its name.
 struct GoneSeen {
@@ -328,6 +336,7 @@ impl Context {
             data_in_place: Reported::default(),
             judged: Mutex::default(),
             gone_seen: Mutex::default(),
+            claims_deleted: Mutex::default(),
             observe_all: false,
             node_keys: NodeKeys::default(),
         }
@@ -409,6 +418,28 @@ impl Context {
         entry.seen = now;
         let over = entry.since + self.node_lost_after;
         (over > now).then(|| over - now)
+    }
+
+    /// The node-local claims of the waiting pod `uid` are being deleted: remembered until
+    /// [`Context::pod_released`], so that the pod's own delete is made even if it fails now.
+    pub(super) fn claims_deleting(&self, uid: &str, claims: &[crate::release::LocalClaim]) {
+        let now = tokio::time::Instant::now();
+        let mut deleted = crate::sync::lock(&self.claims_deleted);
+        deleted.retain(|_, (at, _)| *at + CLAIMS_DELETED_FORGOTTEN_AFTER > now);
+        deleted.insert(uid.to_owned(), (now, claims.to_vec()));
+    }
+
+    /// The node-local claims deleted for the waiting pod `uid` whose own delete is still to
+    /// be made, if any.
+    pub(super) fn claims_deleted_of(&self, uid: &str) -> Option<Vec<crate::release::LocalClaim>> {
+        crate::sync::lock(&self.claims_deleted)
+            .get(uid)
+            .map(|(_, claims)| claims.clone())
+    }
+
+    /// The waiting pod `uid` was deleted (or is gone, or changed) after its claims.
+    pub(super) fn pod_released(&self, uid: &str) {
+        crate::sync::lock(&self.claims_deleted).remove(uid);
     }
 
     /// At most `per_minute` waiting pods released per PersistentPodState per minute (0: none).

@@ -279,7 +279,6 @@ async fn release_local_volumes(
         .map(String::as_str)
         == Some("true");
     let key = ObjectRef::from_obj(pps);
-    let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
     let claim_api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), namespace);
     for w in &waiting {
         // Not allowed, a pod's claims are read until once read (a failed read is tried again):
@@ -314,6 +313,15 @@ async fn release_local_volumes(
             .filter(|c| release::on_node(c, w))
             .collect();
         let kept: Vec<Kept> = kept.into_iter().filter_map(Result::err).collect();
+        // Its claims deleted by an earlier look, whose delete of the pod failed: the pod now.
+        if local.is_empty()
+            && allowed
+            && let Some(claims) = ctx.claims_deleted_of(&w.uid)
+        {
+            tracing::info!(pod = %w.pod, "its node-local claims were deleted before; deleting the pod now");
+            release_after_claims(ctx, pps, namespace, w, &claims, &mut out).await?;
+            continue;
+        }
         if local.is_empty() {
             if allowed && !kept.is_empty() && report::first_local_report(ctx, pps, &w.uid, &uids) {
                 report::local_volume_kept(ctx, pps, w, &kept);
@@ -362,6 +370,7 @@ async fn release_local_volumes(
             return Ok(out);
         }
         let mut claims_gone = true;
+        ctx.claims_deleting(&w.uid, &local);
         for claim in local.iter().filter(|c| !c.deleting) {
             // Each delete passes the fence right before it is sent (a hold lost between two
             // of them must stop the next), by uid and the resourceVersion read.
@@ -387,24 +396,39 @@ async fn release_local_volumes(
             out.again_within(CHANGED_CLAIM_RETRY);
             continue;
         }
-        // By uid alone: with its claims deleted the pod cannot start anywhere, whatever
-        // changed since (the StatefulSet controller and the scheduler write it often now).
-        // Gone already counts: the StatefulSet controller may delete it itself, to create
-        // both again.
-        let target = (namespace, w.pod.as_str());
-        if delete_waiting_pod(&pod_api, &ctx.fence, target, (&w.uid, None), &|_| true).await?
-            != Deleted::Kept
-        {
-            report::released_with_volumes(ctx, pps, w, &local);
-            out.released.insert(w.pod.clone());
-        }
-        // Its data on that node gone, its state names the node no more, so that a pod created
-        // again once the node is back is not pinned there. Tried once here; whatever fails, and
-        // a release this replica forgets (a leader change, a crash), is found again from the
-        // pod created again and its new claims ([`moved`]).
-        forget_released(ctx, pps, namespace, w).await?;
+        release_after_claims(ctx, pps, namespace, w, &local, &mut out).await?;
     }
     Ok(out)
+}
+
+/// Deletes the waiting pod `w`, its node-local `claims` deleted (remembered until it is,
+/// whatever fails: [`Context::claims_deleting`]), and makes its state name its node no more.
+async fn release_after_claims(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    namespace: &str,
+    w: &Waiting,
+    claims: &[LocalClaim],
+    out: &mut LocalReleases,
+) -> Result<(), Error> {
+    // By uid alone: with its claims deleted the pod cannot start anywhere, whatever
+    // changed since (the StatefulSet controller and the scheduler write it often now).
+    // Gone already counts: the StatefulSet controller may delete it itself, to create
+    // both again.
+    let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    let target = (namespace, w.pod.as_str());
+    if delete_waiting_pod(&pod_api, &ctx.fence, target, (&w.uid, None), &|_| true).await?
+        != Deleted::Kept
+    {
+        report::released_with_volumes(ctx, pps, w, claims);
+        out.released.insert(w.pod.clone());
+    }
+    ctx.pod_released(&w.uid);
+    // Its data on that node gone, its state names the node no more, so that a pod created
+    // again once the node is back is not pinned there. Tried once here; whatever fails, and
+    // a release this replica forgets (a leader change, a crash), is found again from the
+    // pod created again and its new claims ([`moved`]).
+    forget_released(ctx, pps, namespace, w).await
 }
 
 /// Makes the state of `w`, released with its node-local claims, name its node no more

@@ -1130,6 +1130,74 @@ async fn a_deleted_nodes_local_claims_wait_for_the_grace_from_when_it_was_seen_g
     assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
 }
 
+/// The pod's delete fails after its claims were deleted (the API server failing, the Lease
+/// lost between the two): the next look, which finds no claim of it left, deletes the pod.
+#[tokio::test(start_paused = true)]
+async fn a_pod_whose_delete_failed_after_its_claims_is_deleted_at_the_next_look() {
+    let (ctx, mut handle) = context(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.push(
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "InternalError", "code": 500, "message": "etcd is slow"}),
+    );
+    let (sent, result) = drive_to_result(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    assert!(result.is_err(), "the failed delete fails the look");
+    let deletes = |sent: &[Sent]| -> Vec<String> {
+        sent.iter()
+            .filter(|s| s.method == Method::DELETE)
+            .map(|s| s.path_and_query.trim_end_matches('?').to_owned())
+            .collect()
+    };
+    assert_eq!(
+        deletes(&sent),
+        [
+            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0",
+            "/api/v1/namespaces/ns/pods/web-0"
+        ]
+    );
+    // The next look: the claim is gone; the pod is deleted (by its uid), its state forgotten.
+    let mut answers = vec![
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "NotFound", "code": 404, "message": "not found"}),
+    ];
+    answers.extend(released().into_iter().skip(1));
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    assert_eq!(deletes(&sent), ["/api/v1/namespaces/ns/pods/web-0"]);
+    let pod_delete = sent
+        .iter()
+        .find(|s| s.method == Method::DELETE)
+        .expect("the pod's delete");
+    assert_eq!(pod_delete.body["preconditions"]["uid"], "pod-uid");
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 1"),
+        "{}",
+        ctx.metrics.encode()
+    );
+    // Done: a look after that finds nothing to do for it.
+    let answers = vec![
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "NotFound", "code": 404, "message": "not found"}),
+    ];
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    assert!(deletes(&sent).is_empty(), "{sent:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_node_back_under_its_name_and_gone_again_starts_the_grace_anew() {
     let (ctx, _handle) = context(waiting_world());
