@@ -317,6 +317,11 @@ pub trait Nodes {
     ) -> bool;
     /// Every node.
     fn all(&self) -> Vec<Arc<Node>>;
+    /// The nodes seen deleted lately, as last seen (what names one of them, such as a local
+    /// volume's affinity, still tells which); none known: empty.
+    fn gone(&self) -> Vec<Arc<Node>> {
+        Vec::new()
+    }
 }
 
 /// Why recorded required values were left out.

@@ -181,7 +181,8 @@ impl NodeKeys {
 /// The one node the volume `pv` can be mounted on, or why it is not node-local: every term of
 /// its required node affinity names the same one node by one of `keys` or by `metadata.name`
 /// (`In`, one value), and at most one known node matches it. The node's name when a known node
-/// matches, else (the node was deleted) the value named.
+/// matches, else (the node was deleted) the name of the one node seen deleted lately that
+/// matches it, else the value named.
 pub fn volume_node(
     pv: &PersistentVolume,
     nodes: &dyn Nodes,
@@ -242,7 +243,19 @@ pub fn volume_node(
         .collect::<BTreeSet<String>>()
         .into_iter();
     match (matched.next(), matched.next()) {
-        (None, _) => Ok(named.to_owned()),
+        (None, _) => {
+            let mut gone = nodes
+                .gone()
+                .iter()
+                .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
+                .map(|n| n.name_any())
+                .collect::<BTreeSet<String>>()
+                .into_iter();
+            Ok(match (gone.next(), gone.next()) {
+                (Some(node), None) => node,
+                _ => named.to_owned(),
+            })
+        }
         (Some(node), None) => Ok(node),
         (Some(_), Some(_)) => Err(format!(
             "PersistentVolume {} can be mounted on {} nodes",

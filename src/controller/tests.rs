@@ -1198,6 +1198,41 @@ async fn a_pod_whose_delete_failed_after_its_claims_is_deleted_at_the_next_look(
     assert!(deletes(&sent).is_empty(), "{sent:?}");
 }
 
+/// A volume whose affinity names its node by a label of the node's own (OpenEBS ZFS's
+/// `openebs.io/nodeid`, not the node's name): once the node is deleted, it is told apart by
+/// the node as last seen, and released with its pod; a node never seen so is not guessed at.
+#[tokio::test(start_paused = true)]
+async fn a_deleted_nodes_volume_named_by_a_label_of_its_own_is_released() {
+    let by_node_id = json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "openebs.io/nodeid", "operator": "In", "values": ["zfs-7"]}]}]}});
+    for seen in [true, false] {
+        let caches = waiting_world();
+        if seen {
+            let n1: Node =
+                serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid",
+                "labels": {"kubernetes.io/hostname": "n1", "openebs.io/nodeid": "zfs-7"}}}))
+                .expect("node");
+            caches.apply_node(watcher::Event::Apply(n1.clone()));
+            caches.apply_node(watcher::Event::Delete(n1));
+        }
+        let (ctx, mut handle) = context(caches);
+        after_n1s_deletion_grace(&ctx).await;
+        let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+        let mut answers = claim_and_volume(by_node_id.clone());
+        if seen {
+            answers.extend(still_waiting());
+            answers.extend(released());
+        }
+        let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+        let deletes = sent.iter().filter(|s| s.method == Method::DELETE).count();
+        assert_eq!(
+            deletes,
+            if seen { 2 } else { 0 },
+            "seen deleted: {seen}; {sent:?}"
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_node_back_under_its_name_and_gone_again_starts_the_grace_anew() {
     let (ctx, _handle) = context(waiting_world());

@@ -116,6 +116,8 @@ pub struct Caches {
     pub node_labels: Shared<NodesByLabel>,
     /// Node watch events applied (any node changed when it moved).
     nodes_changed: AtomicU64,
+    /// The nodes seen deleted lately, as last seen, oldest first ([`Nodes::gone`]).
+    gone_nodes: Mutex<std::collections::VecDeque<(std::time::Instant, Arc<Node>)>>,
     workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
     kinds_changed: watch::Sender<u64>,
     /// Reconcile requests to the controllers.
@@ -149,6 +151,7 @@ impl Caches {
             nodes_writer: Mutex::new(nodes_writer),
             node_labels: Shared::default(),
             nodes_changed: AtomicU64::new(0),
+            gone_nodes: Mutex::default(),
             workloads: RwLock::default(),
             kinds_changed: watch::channel(0).0,
             triggers: Triggers::default(),
@@ -341,6 +344,31 @@ impl Caches {
         was_bare
     }
 
+    /// Keeps a node deleted by `event`, as last seen, for [`GONE_NODE_KEPT_FOR`] (at most
+    /// [`GONE_NODES_KEPT`] of them); a node of that name seen again is forgotten so.
+    fn remember_gone_node(&self, event: &watcher::Event<Node>) {
+        let (node, deleted) = match event {
+            watcher::Event::Delete(node) => (node, true),
+            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => (node, false),
+            watcher::Event::Init | watcher::Event::InitDone => return,
+        };
+        let now = std::time::Instant::now();
+        let mut gone = lock(&self.gone_nodes);
+        if !deleted && gone.is_empty() {
+            return;
+        }
+        let name = node.metadata.name.as_deref();
+        gone.retain(|(at, n)| {
+            n.metadata.name.as_deref() != name && now.duration_since(*at) < GONE_NODE_KEPT_FOR
+        });
+        if deleted {
+            gone.push_back((now, Arc::new(node.clone())));
+            while gone.len() > GONE_NODES_KEPT {
+                gone.pop_front();
+            }
+        }
+    }
+
     /// How many node watch events were applied that changed a node as kept (what placement
     /// reads): equal counts mean no node changed between.
     pub fn nodes_changed(&self) -> u64 {
@@ -360,6 +388,7 @@ impl Caches {
             _ => None,
         };
         lock(&self.nodes_writer).apply_watcher_event(&event);
+        self.remember_gone_node(&event);
         let labels_changed = self.node_labels.apply(&event);
         // A known node kept as it was but for its version (a status update of what is not
         // kept: a heartbeat, another condition) changes no placement: the shared ones stay.
@@ -667,7 +696,21 @@ impl Nodes for Caches {
     fn all(&self) -> Vec<Arc<Node>> {
         self.nodes.state()
     }
+
+    fn gone(&self) -> Vec<Arc<Node>> {
+        lock(&self.gone_nodes)
+            .iter()
+            .map(|(_, node)| node.clone())
+            .collect()
+    }
 }
+
+/// How long a deleted node is remembered as last seen: what names it (a local volume's
+/// affinity by a label of its own) is still told apart for a day after.
+const GONE_NODE_KEPT_FOR: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// The most deleted nodes remembered so (the latest).
+const GONE_NODES_KEPT: usize = 1024;
 
 /// The label keys whose values differ between two versions of a node (added, removed or
 /// changed).
@@ -1520,6 +1563,39 @@ mod tests {
         let (_, answer) = handle.next_request().await.expect("the first list");
         respond(answer, 200, node_list());
         (handle, watches, task)
+    }
+
+    #[test]
+    fn deleted_nodes_are_remembered_as_last_seen_until_seen_again_and_at_most_so_many() {
+        let caches = Caches::new();
+        let node = |name: &str| -> Node {
+            serde_json::from_value(json!({"metadata": {"name": name, "labels": {"id": name}}}))
+                .expect("node")
+        };
+        let gone = |caches: &Caches| -> Vec<String> {
+            caches.gone().iter().map(|n| n.name_any()).collect()
+        };
+        caches.apply_node(watcher::Event::Apply(node("n1")));
+        assert!(gone(&caches).is_empty());
+        caches.apply_node(watcher::Event::Delete(node("n1")));
+        assert_eq!(gone(&caches), ["n1"]);
+        assert_eq!(
+            caches.gone()[0].labels().get("id").map(String::as_str),
+            Some("n1")
+        );
+        // Registered again: not gone.
+        caches.apply_node(watcher::Event::InitApply(node("n1")));
+        assert!(gone(&caches).is_empty());
+        for i in 0..GONE_NODES_KEPT + 5 {
+            caches.apply_node(watcher::Event::Delete(node(&format!("d{i}"))));
+        }
+        let kept = gone(&caches);
+        assert_eq!(kept.len(), GONE_NODES_KEPT);
+        assert_eq!(
+            kept.first().map(String::as_str),
+            Some("d5"),
+            "the oldest let go"
+        );
     }
 
     #[test]
