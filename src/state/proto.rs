@@ -313,7 +313,8 @@ fn decode_pod(bytes: Bytes) -> Result<WatchedPod, kube::Error> {
     Ok(WatchedPod::from(Pod::from(pod)))
 }
 
-/// A `Status` from an error answer or event: protobuf, or JSON, or else its text.
+/// A `Status` from an error answer or event: protobuf, or JSON, or else its text; with `code`
+/// (the answer's HTTP status) where it carries none (or 0: a proxy's own JSON error, say).
 fn decode_status(bytes: Bytes, code: u16) -> Status {
     if let Ok(s) = unwrap_envelope(bytes.clone()).and_then(|raw| {
         ProtoStatus::decode(raw).map_err(|e| unreadable(format!("a protobuf Status: {e}")))
@@ -322,12 +323,18 @@ fn decode_status(bytes: Bytes, code: u16) -> Status {
             s.message.as_deref().unwrap_or_default(),
             s.reason.as_deref().unwrap_or_default(),
         );
-        let code = s.code.and_then(|c| u16::try_from(c).ok()).unwrap_or(code);
+        let code = s
+            .code
+            .and_then(|c| u16::try_from(c).ok())
+            .filter(|c| *c != 0)
+            .unwrap_or(code);
         return status.with_code(code);
     }
-    serde_json::from_slice::<Status>(&bytes).unwrap_or_else(|_| {
-        Status::failure(String::from_utf8_lossy(&bytes).trim(), "").with_code(code)
-    })
+    match serde_json::from_slice::<Status>(&bytes) {
+        Ok(status) if status.code == 0 => status.with_code(code),
+        Ok(status) => status,
+        Err(_) => Status::failure(String::from_utf8_lossy(&bytes).trim(), "").with_code(code),
+    }
 }
 
 /// Pods listed and watched as protobuf, or as JSON once an answer was not protobuf.
@@ -1711,5 +1718,9 @@ mod tests {
         );
         let status = decode_status(Bytes::from_static(b"bad gateway\n"), 502);
         assert_eq!((status.code, status.message.as_str()), (502, "bad gateway"));
+        // JSON with no code (a proxy's own): the answer's, so that a refusal for the moment
+        // is still told as one.
+        let status = decode_status(Bytes::from_static(br#"{"message": "overloaded"}"#), 503);
+        assert_eq!((status.code, status.message.as_str()), (503, "overloaded"));
     }
 }
