@@ -193,7 +193,28 @@ pub fn injection_for<'a, 's>(
         });
     }
     let placed = place(required);
-    out.dropped = placed.dropped;
+    let set_by_pod = |key: &str| pod_spec.node_selector.and_then(|own| own.get(key));
+    // A value the pod sets itself holds it whatever placement judged: never said to be left
+    // out, and said to hold it.
+    let mut held_by_pod = BTreeMap::new();
+    out.dropped = placed
+        .dropped
+        .map(|mut dropped| {
+            dropped.values.retain(|key, value| {
+                let own = set_by_pod(key) == Some(&*value);
+                if own {
+                    held_by_pod.insert(key.clone(), value.clone());
+                }
+                !own
+            });
+            dropped
+        })
+        .filter(|dropped| !dropped.values.is_empty());
+    let kept_required = || {
+        let mut kept = owned(&placed.kept);
+        kept.extend(held_by_pod.clone());
+        kept
+    };
     // What this webhook adds (not what the pod sets itself): what it may later release the
     // pod from. A value it added before (a reinvocation with its own result) stays its own.
     let pod_annotations = pod.annotations;
@@ -202,7 +223,6 @@ pub fn injection_for<'a, 's>(
         .and_then(|a| a.get(INJECTED_REQUIRED_ANNOTATION))
         .and_then(|text| decode_required(text))
         .unwrap_or_default();
-    let set_by_pod = |key: &str| pod_spec.node_selector.and_then(|own| own.get(key));
     let injected: BTreeMap<&str, &str> = placed
         .kept
         .iter()
@@ -309,7 +329,7 @@ pub fn injection_for<'a, 's>(
     });
     if patch.is_empty() && annotations.is_empty() && required_text.is_none() && !marked_before {
         if out.dropped.is_some() {
-            out.kept_required = owned(&placed.kept);
+            out.kept_required = kept_required();
         }
         return out;
     }
@@ -347,7 +367,7 @@ pub fn injection_for<'a, 's>(
     }
 
     if out.dropped.is_some() {
-        out.kept_required = owned(&placed.kept);
+        out.kept_required = kept_required();
     }
     out.patch = patch;
     out
@@ -787,6 +807,37 @@ mod tests {
             Some([(ZONE.to_string(), "z-gone".to_string())].into())
         );
         assert_eq!(inj.required, 0);
+    }
+
+    #[test]
+    fn a_value_the_pod_sets_itself_is_never_said_to_be_left_out() {
+        let (p, _) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
+            "containers": [{"name": "c"}], "nodeSelector": {ZONE: "z1"}}}));
+        let s = spec(&[ZONE, HOST], &[], &[]);
+        let st = state(&[(ZONE, "z1"), (HOST, "n1")], &[]);
+        let lost = |recorded| Required {
+            kept: BTreeMap::new(),
+            dropped: Some(Dropped {
+                values: owned(&recorded),
+                reason: DropReason::NodeLost,
+            }),
+        };
+        let inj = injection_for(&p, "web", &s, &st, &lost, None);
+        assert_eq!(
+            inj.dropped.map(|d| d.values),
+            Some([(HOST.to_string(), "n1".to_string())].into()),
+            "only what the webhook would have added"
+        );
+        assert_eq!(
+            inj.kept_required,
+            [(ZONE.to_string(), "z1".to_string())].into(),
+            "the pod's own value holds it"
+        );
+        // Nothing else left out: nothing said.
+        let (p, _) = pod(json!({"metadata": {"name": "web-0"}, "spec": {
+            "containers": [{"name": "c"}], "nodeSelector": {ZONE: "z1", HOST: "n1"}}}));
+        let inj = injection_for(&p, "web", &s, &st, &lost, None);
+        assert_eq!(inj.dropped, None);
     }
 
     #[test]
