@@ -115,15 +115,10 @@ pub async fn run(
 ) {
     let api: Api<CustomResourceDefinition> = Api::all(client);
     // Ended by the API server every minute, so that a silent connection is given up
-    // (`state::watcher_config`). Schemas can be large and are not needed.
+    // (`state::watcher_config`).
     let events = watcher(api, crate::state::watcher_config())
         .default_backoff()
-        .modify(|crd: &mut CustomResourceDefinition| {
-            crd.metadata.managed_fields = None;
-            for v in &mut crd.spec.versions {
-                v.schema = None;
-            }
-        });
+        .modify(trim);
     futures::pin_mut!(events);
     let mut crds = Relisting::<EstablishedCrds>::default();
     let mut config_open = true;
@@ -148,6 +143,18 @@ pub async fn run(
         }
         if !crds.is_relisting() {
             reconcile_kinds(&caches, &custom, crds.current());
+        }
+    }
+}
+
+/// A CRD as it is read: without its managed fields, and without its schemas (which can be
+/// large) but the PersistentPodState CRD's, whose status fields are read
+/// ([`declares_extensions`]).
+fn trim(crd: &mut CustomResourceDefinition) {
+    crd.metadata.managed_fields = None;
+    if crd.metadata.name.as_deref() != Some(pps_crd_name()) {
+        for v in &mut crd.spec.versions {
+            v.schema = None;
         }
     }
 }
@@ -335,7 +342,9 @@ mod tests {
         let mut seen = None;
         // This service's CRD: an answer without the fields came from an API server that had
         // not loaded it yet; the next write carries them again.
-        let ours = crate::api::crd(&crate::api::ConversionEndpoint::default(), None, true);
+        let mut ours = crate::api::crd(&crate::api::ConversionEndpoint::default(), None, true);
+        // As the watch reads it.
+        super::trim(&mut ours);
         assert!(super::declares_extensions(&ours));
         super::pps_crd_seen(&caches, &watcher::Event::Apply(ours), &mut seen);
         assert!(!caches.status_came_back_bare());
@@ -348,6 +357,7 @@ mod tests {
                     "type": "object", "properties": {"podStates": {"type": "object"}}}}}}}]),
         );
         theirs.metadata.name = Some(super::pps_crd_name().into());
+        super::trim(&mut theirs);
         assert!(!super::declares_extensions(&theirs));
         super::pps_crd_seen(&caches, &watcher::Event::Apply(theirs), &mut seen);
         assert!(caches.status_came_back_bare());
