@@ -312,14 +312,17 @@ struct Share {
     slots: Free,
     bytes: Free,
     budget: Budget,
+    /// The largest body it takes, where not the limit's own.
+    max_body: Option<usize>,
 }
 
 impl Share {
-    fn new(budget: Budget) -> Self {
+    fn new(budget: Budget, max_body: Option<usize>) -> Self {
         Self {
             slots: Free(AtomicUsize::new(budget.in_flight)),
             bytes: Free(AtomicUsize::new(budget.bytes)),
             budget,
+            max_body,
         }
     }
 
@@ -365,7 +368,7 @@ impl RequestLimit {
     ) -> Self {
         Self(Arc::new(LimitState {
             shares: Vec::new(),
-            other: Share::new(other),
+            other: Share::new(other, None),
             timeout,
             body_timeout: timeout,
             max_body,
@@ -376,16 +379,21 @@ impl RequestLimit {
     /// `path` gets a share of its own (the limit is built anew, every count free: called as it
     /// is set up, before it serves).
     pub fn endpoint(self, path: &str, budget: Budget) -> Self {
+        self.endpoint_taking(path, budget, None)
+    }
+
+    /// [`RequestLimit::endpoint`], with bodies of up to `max_body` bytes (none: the limit's).
+    pub fn endpoint_taking(self, path: &str, budget: Budget, max_body: Option<usize>) -> Self {
         let old = &self.0;
         let mut shares: Vec<(String, Share)> = old
             .shares
             .iter()
-            .map(|(p, s)| (p.clone(), Share::new(s.budget)))
+            .map(|(p, s)| (p.clone(), Share::new(s.budget, s.max_body)))
             .collect();
-        shares.push((path.to_owned(), Share::new(budget)));
+        shares.push((path.to_owned(), Share::new(budget, max_body)));
         Self(Arc::new(LimitState {
             shares,
-            other: Share::new(old.other.budget),
+            other: Share::new(old.other.budget, None),
             timeout: old.timeout,
             body_timeout: old.body_timeout,
             max_body: old.max_body,
@@ -603,6 +611,7 @@ impl RequestLimit {
         } else {
             limit.share(request.uri().path())
         };
+        let max_body = share.max_body.unwrap_or(limit.max_body);
         let (parts, body) = request.into_parts();
         let mut chunks = body.into_data_stream();
         // Most bodies arrive as one chunk: kept as it came, copied only when a second one
@@ -617,10 +626,10 @@ impl RequestLimit {
                         "the request body could not be read".to_owned(),
                     ));
                 };
-                if bytes.len() + chunk.len() > limit.max_body {
+                if bytes.len() + chunk.len() > max_body {
                     return Err((
                         StatusCode::PAYLOAD_TOO_LARGE,
-                        format!("the request body is larger than {} bytes", limit.max_body),
+                        format!("the request body is larger than {max_body} bytes"),
                     ));
                 }
                 if !share.bytes(&mut held, chunk.len()) {
@@ -651,7 +660,7 @@ impl RequestLimit {
             };
             limit.refused(path, result);
             // What is still coming is read and dropped, so the client gets the answer.
-            discard_body(chunks, limit.max_body, DISCARD_WITHIN).await;
+            discard_body(chunks, max_body, DISCARD_WITHIN).await;
             return error_response(status, &message);
         }
         let bytes = bytes.into_bytes();
@@ -2488,12 +2497,15 @@ mod tests {
 
     #[test]
     fn a_share_takes_only_what_is_free_and_gets_it_back_when_dropped() {
-        let share = Share::new(Budget {
-            in_flight: 1,
-            bytes: 100,
-            pruned: &[],
-            held_per_byte: 0,
-        });
+        let share = Share::new(
+            Budget {
+                in_flight: 1,
+                bytes: 100,
+                pruned: &[],
+                held_per_byte: 0,
+            },
+            None,
+        );
         let free = Free::available;
         let mut held = None;
         assert!(share.bytes(&mut held, 60));

@@ -57,10 +57,15 @@ pub const VALIDATE_BUDGET: Budget = Budget {
 /// within what its counted values are charged).
 pub const CONVERT_BUDGET: Budget = Budget {
     in_flight: 16,
-    bytes: 32 << 20,
+    bytes: 64 << 20,
     pruned: &convert::UNREAD_KEYS,
     held_per_byte: 2,
 };
+/// The largest conversion request: what [`CONVERT_BUDGET`] can hold alone (about 21 MiB). The
+/// API server converts a list read in another version than the one stored (a `v1alpha1`
+/// client's LIST, a page of 500 objects) in one request, which is not bound by its own request
+/// limit ([`MAX_BODY`]).
+pub const MAX_CONVERT_BODY: usize = CONVERT_BUDGET.bytes / (1 + CONVERT_BUDGET.held_per_byte);
 /// What requests to any other path may hold (answered 404 or 405).
 const OTHER_BUDGET: Budget = Budget {
     in_flight: 4,
@@ -159,7 +164,7 @@ pub fn router(state: Arc<WebhookState>) -> Router {
     )
     .endpoint(endpoints::MUTATE_POD, POD_BUDGET)
     .endpoint(endpoints::VALIDATE_PPS, VALIDATE_BUDGET)
-    .endpoint(endpoints::CONVERT, CONVERT_BUDGET);
+    .endpoint_taking(endpoints::CONVERT, CONVERT_BUDGET, Some(MAX_CONVERT_BODY));
     Router::new()
         .route(
             endpoints::MUTATE_POD,

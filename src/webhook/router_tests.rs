@@ -486,6 +486,45 @@ async fn an_object_recording_thousands_of_pods_converts_both_ways() {
     }
 }
 
+/// A list read in the version not stored comes to `/convert` in one request, whatever its
+/// size (the API server's own 3 MiB request limit does not bound it): 500 objects of about
+/// 9 KB each, a page of `kubectl get` in `v1alpha1`, about 4.5 MB, convert, in order.
+#[tokio::test]
+async fn a_page_of_a_list_over_the_request_limit_converts() {
+    let unsynced = state(false);
+    let states: serde_json::Map<String, Value> = (0..100)
+        .map(|i| {
+            let node = format!("node-{i}");
+            (
+                format!("a-{i}"),
+                json!({"nodeName": node, "nodeTopologyLabels": {"kubernetes.io/hostname": node}}),
+            )
+        })
+        .collect();
+    let objects: Vec<Value> = (0..500)
+        .map(|i| {
+            let mut alpha = pps_object("v1alpha1", &format!("pps-{i}"), "a", 50);
+            alpha["status"] = json!({"observedGeneration": 1, "podStates": states});
+            alpha
+        })
+        .collect();
+    let body = conversion("apps.kruise.io/v1beta1", objects);
+    assert!(
+        body.len() > super::MAX_BODY && body.len() <= super::MAX_CONVERT_BODY,
+        "{}",
+        body.len()
+    );
+    let (status, json) = post(&unsynced, endpoints::CONVERT, body).await;
+    assert_eq!(status, StatusCode::OK, "{json}");
+    assert_eq!(json["response"]["result"]["status"], "Success");
+    let converted = json["response"]["convertedObjects"]
+        .as_array()
+        .expect("objects");
+    assert_eq!(converted.len(), 500);
+    assert_eq!(converted[499]["metadata"]["name"], "pps-499");
+    assert_eq!(converted[0]["apiVersion"], "apps.kruise.io/v1beta1");
+}
+
 #[tokio::test]
 async fn mutate_pod_requests_the_recorded_ip_unless_a_live_pod_holds_it() {
     let synced = state(true);
