@@ -46,6 +46,11 @@ impl IpRequest {
                         "{other:?}: the webhook writes {key} itself, so it cannot carry the request"
                     ))
                 }
+                // A preset's own annotation is that preset (its encoding, one address per
+                // family, Antrea's pool).
+                Some(CALICO_IP_ANNOTATION) => Ok(Self::Calico),
+                Some(KUBE_OVN_IP_ANNOTATION) => Ok(Self::KubeOvn),
+                Some(ANTREA_IP_ANNOTATION) => Ok(Self::Antrea),
                 Some(key) => match annotation_key_error(key) {
                     None => Ok(Self::Annotation(key.to_owned())),
                     Some(e) => Err(format!("{other:?}: the annotation key is invalid: {e}")),
@@ -144,6 +149,23 @@ mod tests {
         assert_eq!(
             IpRequest::parse("annotation:example.com/ips"),
             Ok(IpRequest::Annotation("example.com/ips".to_owned()))
+        );
+    }
+
+    #[test]
+    fn a_presets_own_annotation_named_is_that_preset() {
+        for (key, preset) in [
+            (CALICO_IP_ANNOTATION, IpRequest::Calico),
+            (KUBE_OVN_IP_ANNOTATION, IpRequest::KubeOvn),
+            (ANTREA_IP_ANNOTATION, IpRequest::Antrea),
+        ] {
+            assert_eq!(IpRequest::parse(&format!("annotation:{key}")), Ok(preset));
+        }
+        // So Calico's is written as Calico reads it: a JSON array.
+        let ips: Vec<IpAddr> = vec!["10.0.0.5".parse().expect("ip")];
+        assert_eq!(
+            IpRequest::parse(&format!("annotation:{CALICO_IP_ANNOTATION}")).map(|r| r.encode(&ips)),
+            Ok("[\"10.0.0.5\"]".to_owned())
         );
     }
 }
