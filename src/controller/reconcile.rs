@@ -104,6 +104,11 @@ pub async fn reconcile_pps(
     // reported below from the computed status is not held back with it.
     let paced = match &change.patch {
         Some(_) if !annotations_read => Some(ANNOTATIONS_UNREAD_RETRY),
+        // A cache it is computed from known to be stale (its watch failed, and is being
+        // listed again): a leader elected meanwhile would write an older pod's state back.
+        Some(_) if crate::state::recording_from_stale(&ctx.caches.watches, &target.kind) => {
+            Some(STALE_CACHES_RETRY)
+        }
         Some(_) => ctx.pacing.wait(&key),
         None => {
             ctx.pacing.settled(&key);
@@ -217,6 +222,10 @@ pub async fn reconcile_pps(
 /// How soon a PersistentPodState waiting for the pods to be listed again with an annotation it
 /// names is looked at again (the list's end also starts a look).
 const ANNOTATIONS_UNREAD_RETRY: Duration = Duration::from_secs(2);
+
+/// How soon a PersistentPodState whose status is computed from a cache known to be stale is
+/// looked at again (its write waits until every such cache is current).
+const STALE_CACHES_RETRY: Duration = Duration::from_secs(2);
 
 /// What [`release_local_volumes`] did: the pods it released, and when to look again if the
 /// rate, a failed read, a claim changed meanwhile or a claim kept held some back.

@@ -278,6 +278,37 @@ async fn status_reconcile_sends_exactly_the_changed_states_as_a_merge_patch() {
     );
 }
 
+/// A status computed while a cache it reads is known to be stale (its watch failed and is
+/// listed again: a leader elected meanwhile sees older pods) is not written until every one
+/// is current.
+#[tokio::test]
+async fn no_status_is_written_from_a_cache_known_to_be_stale() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches.clone());
+    let pps = Arc::new(pps(json!({"observedGeneration": 2})));
+    for kind in ["Pod", "Node", "PersistentPodState", "apps/StatefulSet"] {
+        caches.watches.set_stale_for_tests(kind, true);
+        let (sent, action) =
+            drive_to_action(reconcile_pps(pps.clone(), ctx.clone()), &mut handle, vec![]).await;
+        assert!(sent.is_empty(), "{kind} stale: {sent:?}");
+        assert_eq!(
+            requeue_after(&action),
+            Some(Duration::from_secs(2)),
+            "{kind} stale: looked at again soon"
+        );
+        caches.watches.set_stale_for_tests(kind, false);
+    }
+    // Every one current again: written.
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        vec![serde_json::to_value(pps.as_ref()).expect("json")],
+    )
+    .await;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].method, Method::PATCH);
+}
+
 /// The first status write of the PPS `web` (its next write then waits for the pacing interval).
 async fn first_write(ctx: &Arc<Context>, handle: &mut Handle) {
     let first = Arc::new(pps(json!({"observedGeneration": 2})));

@@ -856,6 +856,25 @@ impl Watches {
         self.stale_where(|kind| SERVING_WATCHES.contains(&kind))
     }
 
+    /// Marks the watch of `kind` stale, as one that failed (`stale`: true) or listed again.
+    #[cfg(test)]
+    pub(crate) fn set_stale_for_tests(&self, kind: &str, stale: bool) {
+        let id = self.start(kind);
+        if stale {
+            self.stale(kind, id, "failed (a test)".to_owned());
+        } else {
+            self.current(kind, id);
+        }
+    }
+
+    /// Whether a watch of one of `kinds` is known to be stale now (one never started is not).
+    pub fn any_stale(&self, kinds: &[&str]) -> bool {
+        let all = lock(&self.states);
+        kinds
+            .iter()
+            .any(|kind| all.get(*kind).is_some_and(|s| !s.current))
+    }
+
     /// The watches that are stale now, and why (empty: every cache is current).
     pub fn stale_now(&self) -> Vec<String> {
         self.stale_where(|_| true)
@@ -882,6 +901,14 @@ impl Watches {
 }
 
 /// How a workload kind's watch is named in [`Watches`].
+/// Whether a cache that states of `kind`'s workloads are recorded from is known to be stale
+/// now: the PersistentPodStates', the pods', the nodes' or that kind's.
+pub fn recording_from_stale(watches: &Watches, kind: &GroupKind) -> bool {
+    let workloads = watch_key(kind);
+    let [pps, pods, nodes] = SERVING_WATCHES;
+    watches.any_stale(&[pps, pods, nodes, workloads.as_str()])
+}
+
 fn watch_key(kind: &GroupKind) -> String {
     format!("{}/{}", kind.group, kind.kind)
 }
