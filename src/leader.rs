@@ -301,6 +301,7 @@ async fn acquire_or_renew(
         Instant::now(),
     );
     let lease = written(config, &step, current.as_ref());
+    let renewing = step == Step::Renew;
     // Conditional writes: a create fails if someone created it first; a replace carries the
     // resourceVersion read, so it fails if anyone wrote in between.
     let result = match step {
@@ -313,7 +314,11 @@ async fn acquire_or_renew(
     };
     match result {
         Ok(_) => Ok(true),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        // Another replica created or took it first. A renewal's conflict is a failed renewal
+        // (tried again until the renew deadline): anyone may have written the Lease in
+        // between (a label, `kubectl edit`), and a replica that took it over is seen so by the
+        // next attempt.
+        Err(kube::Error::Api(e)) if e.code == 409 && !renewing => Ok(false),
         Err(e) => Err(e),
     }
 }
@@ -806,6 +811,74 @@ mod supervision_tests {
             fence.check().is_err(),
             "fenced again once the controllers stopped"
         );
+    }
+
+    /// Answers the next Lease call with `status` and `body`, checking its method.
+    async fn answer(
+        handle: &mut tower_test::mock::Handle<Request<Body>, Response<Body>>,
+        method: http::Method,
+        status: u16,
+        body: serde_json::Value,
+    ) {
+        let (request, respond) = handle.next_request().await.expect("a Lease call");
+        assert_eq!(request.method(), method);
+        respond.send_response(
+            Response::builder()
+                .status(status)
+                .body(Body::from(serde_json::to_vec(&body).expect("json")))
+                .expect("response"),
+        );
+    }
+
+    /// Someone writes the Lease (a label, `kubectl edit`) between a renewal's read and its
+    /// write: the renewal conflicts, and is tried again, the term going on.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_conflicts_is_tried_again_without_ending_the_term() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(service, "default");
+        let metrics = Metrics::new();
+        let (stopped, seen) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let stopped_here = stopped.clone();
+        let run = run_when_leading(
+            client,
+            config(),
+            &metrics,
+            Fence::closed(),
+            CancellationToken::new(),
+            move |stop| {
+                let stopped = stopped_here.clone();
+                async move {
+                    stop.cancelled().await;
+                    stopped.store(true, Ordering::Relaxed);
+                }
+            },
+        );
+        tokio::pin!(run);
+        let held = |version: &str| {
+            let mut lease = written(&config(), &Step::Create, None);
+            lease.metadata.resource_version = Some(version.to_owned());
+            serde_json::to_value(lease).expect("json")
+        };
+        let conflict = serde_json::json!({"kind": "Status", "apiVersion": "v1",
+            "status": "Failure", "reason": "Conflict", "code": 409});
+        let calls = async {
+            grant(&mut handle).await;
+            answer(&mut handle, http::Method::GET, 200, held("1")).await;
+            answer(&mut handle, http::Method::PUT, 409, conflict).await;
+            answer(&mut handle, http::Method::GET, 200, held("2")).await;
+            answer(&mut handle, http::Method::PUT, 200, held("3")).await;
+            seen.store(true, Ordering::Relaxed);
+        };
+        tokio::select! {
+            _ = &mut run => panic!("the election ended"),
+            () = calls => {}
+        }
+        assert!(seen.load(Ordering::Relaxed));
+        assert!(!stopped.load(Ordering::Relaxed), "the term went on");
     }
 
     #[tokio::test(start_paused = true)]
