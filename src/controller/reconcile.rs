@@ -511,7 +511,14 @@ async fn release_stranded(
             break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
-        if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &|_| true).await?
+        // Changed since it was seen (the scheduler writes a waiting pod often): released only
+        // if its values are still on no usable node as the caches show them now.
+        let values = pods
+            .iter()
+            .find(|p| *p.name == *pod.pod)
+            .and_then(|p| record::pinned(&pps.name_any(), p));
+        let still = |_: &Pod| values.as_ref().is_some_and(|v| place(v).dropped.is_some());
+        if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &still).await?
             == Deleted::Now
         {
             report::released(ctx, report::PinnedBy::Live(pps), pod, None);

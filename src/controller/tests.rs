@@ -1614,6 +1614,63 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
     assert!(sent.is_empty(), "{sent:?}");
 }
 
+/// A stranded pod changed since it was seen (the release's delete conflicts) is read again,
+/// and released only if its values are still on no usable node: its node back meanwhile, it
+/// is kept.
+#[tokio::test]
+async fn a_stranded_pod_changed_since_is_released_only_if_still_stranded() {
+    for back in [false, true] {
+        let caches = Caches::new();
+        let sts = GroupKind::native_statefulset();
+        let mut workload = statefulset(json!({}));
+        workload.data["spec"]["template"] = json!({"metadata": {"labels": {"app": "web"}}});
+        caches.apply_workload(&sts, watcher::Event::InitApply(workload));
+        caches.apply_workload(&sts, watcher::Event::InitDone);
+        caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+        caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
+        let (ctx, mut handle) = context(caches.clone());
+        let reconcile = reconcile_pps(waiting_pps(json!({})), ctx);
+        tokio::pin!(reconcile);
+        let mut calls = Vec::new();
+        let result = loop {
+            tokio::select! {
+                result = &mut reconcile => break result,
+                request = handle.next_request() => {
+                    let (request, respond) = request.expect("the client is alive");
+                    calls.push(format!("{} {}", request.method(), request.uri().path()));
+                    let (status, body) = match (request.method().as_str(), calls.len()) {
+                        ("DELETE", 1) => (409, json!({"apiVersion": "v1", "kind": "Status",
+                            "status": "Failure", "reason": "Conflict", "code": 409})),
+                        ("GET", _) => {
+                            if back {
+                                caches.apply_node(watcher::Event::Apply(zone_node("n1", "z1", false)));
+                            }
+                            let mut pod = serde_json::to_value(pinned_waiting_pod()).expect("pod");
+                            pod["metadata"]["resourceVersion"] = json!("8");
+                            (200, pod)
+                        }
+                        _ => (200, json!({"apiVersion": "v1", "kind": "Status", "status": "Success"})),
+                    };
+                    respond.send_response(
+                        Response::builder()
+                            .status(status)
+                            .header("content-type", "application/json")
+                            .body(Body::from(serde_json::to_vec(&body).expect("json")))
+                            .expect("response"),
+                    );
+                }
+            }
+        };
+        assert!(result.is_ok(), "{result:?}");
+        let deletes = calls.iter().filter(|c| c.starts_with("DELETE")).count();
+        assert_eq!(
+            deletes,
+            if back { 1 } else { 2 },
+            "node back: {back}; {calls:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() {
     // web-0 waits pinned by the webhook to n1, deleted since; the status has a generation to
