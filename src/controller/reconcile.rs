@@ -22,7 +22,7 @@ use super::retry::failure_key;
 use super::{Context, Error, FIELD_MANAGER, RESYNC, constrained, moved, report};
 use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState,
-    PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION,
+    PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION, decode_required,
 };
 use crate::metrics::{GeneratorAction, Reconciler};
 use crate::placement::{self, DropReason, Health, Nodes as _};
@@ -378,7 +378,7 @@ async fn release_local_volumes(
             out.again_within(later);
             return Ok(out);
         }
-        let mut claims_gone = true;
+        let (mut claims_gone, mut deleted_any) = (true, false);
         ctx.claims_deleting(&w.uid, &local);
         for claim in local.iter().filter(|c| !c.deleting) {
             // Each delete passes the fence right before it is sent (a hold lost between two
@@ -392,7 +392,10 @@ async fn release_local_volumes(
                 ..DeleteParams::default()
             };
             match claim_api.delete(&claim.claim, &params).await {
-                Ok(_) => report::local_volume_released(ctx, pps, w, claim),
+                Ok(_) => {
+                    deleted_any = true;
+                    report::local_volume_released(ctx, pps, w, claim);
+                }
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 // Another claim of that name now: judged again from the next look.
                 Err(kube::Error::Api(e)) if e.code == 409 => claims_gone = false,
@@ -400,6 +403,10 @@ async fn release_local_volumes(
             }
         }
         if !claims_gone {
+            // None deleted here: the pod is not to be deleted for them either.
+            if !deleted_any {
+                ctx.pod_released(&w.uid);
+            }
             // Nothing was released: the token goes back, for the look in a moment.
             ctx.releases.give_back(&key);
             out.again_within(CHANGED_CLAIM_RETRY);
@@ -511,17 +518,19 @@ async fn release_stranded(
             break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
-        // Changed since it was seen (the scheduler writes a waiting pod often): released only
-        // if its values are still on no usable node as the caches show them now.
-        let values = pods
-            .iter()
-            .find(|p| *p.name == *pod.pod)
-            .and_then(|p| record::pinned(&pps.name_any(), p));
-        let still = |_: &Pod| values.as_ref().is_some_and(|v| place(v).dropped.is_some());
-        if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &still).await?
-            == Deleted::Now
+        match delete_waiting_pod(
+            &api,
+            &ctx.fence,
+            target,
+            (&pod.uid, rv),
+            &still_stranded(&place),
+        )
+        .await?
         {
-            report::released(ctx, report::PinnedBy::Live(pps), pod, None);
+            Deleted::Now => report::released(ctx, report::PinnedBy::Live(pps), pod, None),
+            // Not released after all: the token goes back.
+            Deleted::Kept => ctx.releases.give_back(&key),
+            Deleted::Already => {}
         }
     }
     // Held by a taint or relabel that came after admission instead.
@@ -564,7 +573,7 @@ pub(super) async fn release_orphaned_pins(ctx: &Context) -> Result<(), Error> {
         if stranded.is_empty() {
             continue;
         }
-        match release_orphans_of(ctx, &namespace, &pps, &pods, stranded).await {
+        match release_orphans_of(ctx, &namespace, &pps, &pods, stranded, &place).await {
             Err(Error::Fenced(fenced)) => return Err(fenced.into()),
             Err(e) => tracing::warn!(%namespace, %pps, error = %e,
                 "releasing pods pinned by a PersistentPodState that is gone failed; tried again at the next look"),
@@ -585,6 +594,7 @@ async fn release_orphans_of(
     pps: &str,
     pods: &[&CachedPod],
     stranded: Vec<record::Stranded>,
+    place: &(dyn Fn(&BTreeMap<String, String>) -> placement::Required + Sync),
 ) -> Result<(), Error> {
     let pps_api: Api<PersistentPodState> = Api::namespaced(ctx.client.clone(), namespace);
     if pps_api.get_metadata_opt(pps).await?.is_some() {
@@ -609,13 +619,37 @@ async fn release_orphans_of(
             break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
-        if delete_waiting_pod(&api, &ctx.fence, target, (&pod.uid, rv), &|_| true).await?
-            == Deleted::Now
+        match delete_waiting_pod(
+            &api,
+            &ctx.fence,
+            target,
+            (&pod.uid, rv),
+            &still_stranded(place),
+        )
+        .await?
         {
-            report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod, None);
+            Deleted::Now => {
+                report::released(ctx, report::PinnedBy::Gone(namespace, pps), &pod, None);
+            }
+            Deleted::Kept => ctx.releases.give_back(&key),
+            Deleted::Already => {}
         }
     }
     Ok(())
+}
+
+/// Whether a pod read again after its release's delete conflicted (the scheduler writes a
+/// waiting pod often) is still stranded: the values the webhook added to it, as it is now, on
+/// no usable node as `place` judges from the caches now.
+fn still_stranded<'a>(
+    place: &'a (dyn Fn(&BTreeMap<String, String>) -> placement::Required + Sync),
+) -> impl Fn(&Pod) -> bool + Sync + 'a {
+    move |pod: &Pod| {
+        pod.annotations()
+            .get(INJECTED_REQUIRED_ANNOTATION)
+            .and_then(|text| decode_required(text))
+            .is_some_and(|values| place(&values).dropped.is_some())
+    }
 }
 
 /// Whether `workload`, read live (listed by name: the rights to its kind are list and watch),

@@ -1629,7 +1629,9 @@ async fn a_stranded_pod_changed_since_is_released_only_if_still_stranded() {
         caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
         caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
         let (ctx, mut handle) = context(caches.clone());
-        let reconcile = reconcile_pps(waiting_pps(json!({})), ctx);
+        // One release a minute: one kept gives its token back.
+        let ctx = Arc::new(Arc::into_inner(ctx).expect("one owner").releasing(1));
+        let reconcile = reconcile_pps(waiting_pps(json!({})), ctx.clone());
         tokio::pin!(reconcile);
         let mut calls = Vec::new();
         let result = loop {
@@ -1667,6 +1669,12 @@ async fn a_stranded_pod_changed_since_is_released_only_if_still_stranded() {
             deletes,
             if back { 1 } else { 2 },
             "node back: {back}; {calls:?}"
+        );
+        let key = kube::runtime::reflector::ObjectRef::new("web").within("ns");
+        assert_eq!(
+            ctx.releases.take(&key).is_ok(),
+            back,
+            "the token given back: {back}"
         );
     }
 }
@@ -1752,6 +1760,9 @@ async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon(
         ctx.releases.take(&key).is_ok(),
         "the release was given back"
     );
+    // No claim of it deleted here: a look that finds none left (another's of that name, not
+    // on the node) deletes nothing.
+    assert_eq!(ctx.claims_deleted_of("pod-uid"), None);
 }
 
 /// `waiting_world`'s pod `web-0` scheduled to `n2` and not Ready, as the caches hold it.

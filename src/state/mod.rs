@@ -118,6 +118,9 @@ pub struct Caches {
     nodes_changed: AtomicU64,
     /// The nodes seen deleted lately, as last seen, oldest first ([`Nodes::gone`]).
     gone_nodes: Mutex<std::collections::VecDeque<(std::time::Instant, Arc<Node>)>>,
+    /// The nodes cached as a relist of them began: those it does not list were deleted
+    /// meanwhile.
+    nodes_before_relist: Mutex<Option<Vec<Arc<Node>>>>,
     workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
     kinds_changed: watch::Sender<u64>,
     /// Reconcile requests to the controllers.
@@ -152,6 +155,7 @@ impl Caches {
             node_labels: Shared::default(),
             nodes_changed: AtomicU64::new(0),
             gone_nodes: Mutex::default(),
+            nodes_before_relist: Mutex::default(),
             workloads: RwLock::default(),
             kinds_changed: watch::channel(0).0,
             triggers: Triggers::default(),
@@ -344,25 +348,46 @@ impl Caches {
         was_bare
     }
 
-    /// Keeps a node deleted by `event`, as last seen, for [`GONE_NODE_KEPT_FOR`] (at most
-    /// [`GONE_NODES_KEPT`] of them); a node of that name seen again is forgotten so.
+    /// Keeps a node deleted by `event` (applied), or that a relist ending with it no longer
+    /// lists, as last seen, for [`GONE_NODE_KEPT_FOR`] (at most [`GONE_NODES_KEPT`] of them); a
+    /// node of that name seen again is forgotten so.
     fn remember_gone_node(&self, event: &watcher::Event<Node>) {
         let (node, deleted) = match event {
-            watcher::Event::Delete(node) => (node, true),
-            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => (node, false),
-            watcher::Event::Init | watcher::Event::InitDone => return,
+            watcher::Event::Delete(node) => (Arc::new(node.clone()), true),
+            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => {
+                if lock(&self.gone_nodes).is_empty() {
+                    return;
+                }
+                (Arc::new(node.clone()), false)
+            }
+            // The cache still holds what it held before (the relist is swapped in at its end).
+            watcher::Event::Init => {
+                *lock(&self.nodes_before_relist) = Some(self.nodes.state());
+                return;
+            }
+            watcher::Event::InitDone => {
+                let before = lock(&self.nodes_before_relist).take().unwrap_or_default();
+                for node in before {
+                    if self.node(&node.name_any()).is_none() {
+                        self.node_gone(node, true);
+                    }
+                }
+                return;
+            }
         };
+        self.node_gone(node, deleted);
+    }
+
+    /// `node` is gone (`deleted`), or a node of its name is seen (not).
+    fn node_gone(&self, node: Arc<Node>, deleted: bool) {
         let now = std::time::Instant::now();
         let mut gone = lock(&self.gone_nodes);
-        if !deleted && gone.is_empty() {
-            return;
-        }
         let name = node.metadata.name.as_deref();
         gone.retain(|(at, n)| {
             n.metadata.name.as_deref() != name && now.duration_since(*at) < GONE_NODE_KEPT_FOR
         });
         if deleted {
-            gone.push_back((now, Arc::new(node.clone())));
+            gone.push_back((now, node));
             while gone.len() > GONE_NODES_KEPT {
                 gone.pop_front();
             }
@@ -900,7 +925,6 @@ impl Watches {
     }
 }
 
-/// How a workload kind's watch is named in [`Watches`].
 /// Whether a cache that states of `kind`'s workloads are recorded from is known to be stale
 /// now: the PersistentPodStates', the pods', the nodes' or that kind's.
 pub fn recording_from_stale(watches: &Watches, kind: &GroupKind) -> bool {
@@ -908,6 +932,8 @@ pub fn recording_from_stale(watches: &Watches, kind: &GroupKind) -> bool {
     let [pps, pods, nodes] = SERVING_WATCHES;
     watches.any_stale(&[pps, pods, nodes, workloads.as_str()])
 }
+
+/// How a workload kind's watch is named in [`Watches`].
 
 fn watch_key(kind: &GroupKind) -> String {
     format!("{}/{}", kind.group, kind.kind)
@@ -1343,9 +1369,9 @@ async fn next_aside<K>(aside: Option<&mut Aside<K>>) -> watcher::Result<Option<w
     }
 }
 
-/// The most time between the end of a list made aside and the start of the next: a run of
-/// PersistentPodStates each naming a new annotation lists the pods again at least this far
-/// apart, however long the lists take; so does a list made aside after one that failed.
+/// The most time between the end of a list made aside and the start of the next
+/// ([`aside_pause`]: lists that take three seconds or more are this far apart), and the time
+/// after one that failed.
 const ASIDE_PAUSE: Duration = Duration::from_secs(30);
 
 /// The least time between the end of a list made aside and the start of the next.
@@ -1613,6 +1639,14 @@ mod tests {
         // Registered again: not gone.
         caches.apply_node(watcher::Event::InitApply(node("n1")));
         assert!(gone(&caches).is_empty());
+        // Deleted while the watch was down: the relist that no longer lists it tells.
+        caches.apply_node(watcher::Event::Apply(node("n2")));
+        caches.apply_node(watcher::Event::Init);
+        caches.apply_node(watcher::Event::InitApply(node("n1")));
+        caches.apply_node(watcher::Event::InitDone);
+        assert_eq!(gone(&caches), ["n2"]);
+        assert!(caches.node("n2").is_none() && caches.node("n1").is_some());
+        caches.apply_node(watcher::Event::Apply(node("n2")));
         for i in 0..GONE_NODES_KEPT + 5 {
             caches.apply_node(watcher::Event::Delete(node(&format!("d{i}"))));
         }

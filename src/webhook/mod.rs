@@ -61,8 +61,9 @@ pub const CONVERT_BUDGET: Budget = Budget {
     pruned: &convert::UNREAD_KEYS,
     held_per_byte: 2,
 };
-/// The largest conversion request: what [`CONVERT_BUDGET`] can hold alone (about 21 MiB). The
-/// API server converts a list read in another version than the one stored (a `v1alpha1`
+/// The largest conversion request read: what [`CONVERT_BUDGET`] can hold alone (about 21 MiB;
+/// one whose specs also count many values may still be too complex, a `Failure` with its uid).
+/// The API server converts a list read in another version than the one stored (a `v1alpha1`
 /// client's LIST, a page of 500 objects) in one request, which is not bound by its own request
 /// limit ([`MAX_BODY`]).
 pub const MAX_CONVERT_BODY: usize = CONVERT_BUDGET.bytes / (1 + CONVERT_BUDGET.held_per_byte);
