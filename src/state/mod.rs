@@ -934,7 +934,6 @@ pub fn recording_from_stale(watches: &Watches, kind: &GroupKind) -> bool {
 }
 
 /// How a workload kind's watch is named in [`Watches`].
-
 fn watch_key(kind: &GroupKind) -> String {
     format!("{}/{}", kind.group, kind.kind)
 }
