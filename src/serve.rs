@@ -253,6 +253,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::error!(%why, "exiting so that the process is restarted");
         health.shutting_down.store(true, Ordering::Release);
         draining.cancel();
+        // A webhook server still serving goes on while endpoints notice the failing readiness,
+        // as at a SIGTERM.
+        if !webhook_server.is_finished() {
+            tokio::time::sleep(Duration::from_secs(args.shutdown_delay_seconds)).await;
+        }
         shutdown.cancel();
         // A leader gives the Lease up as it stops (draining), so another replica takes over
         // at once.
