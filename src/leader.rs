@@ -753,27 +753,12 @@ mod supervision_tests {
 
     /// Answers the Lease calls of one election: not found, then created.
     async fn grant(handle: &mut tower_test::mock::Handle<Request<Body>, Response<Body>>) {
-        let (get, respond) = handle.next_request().await.expect("GET lease");
-        assert_eq!(get.method(), http::Method::GET);
-        respond.send_response(
-            Response::builder()
-                .status(404)
-                .body(Body::from(
-                    serde_json::to_vec(&serde_json::json!({"kind": "Status", "apiVersion": "v1",
-                        "status": "Failure", "reason": "NotFound", "code": 404}))
-                    .expect("json"),
-                ))
-                .expect("response"),
-        );
-        let (create, respond) = handle.next_request().await.expect("POST lease");
-        assert_eq!(create.method(), http::Method::POST);
+        let not_found = serde_json::json!({"kind": "Status", "apiVersion": "v1",
+            "status": "Failure", "reason": "NotFound", "code": 404});
+        answer(handle, http::Method::GET, 404, not_found).await;
         let lease = written(&config(), &Step::Create, None);
-        respond.send_response(
-            Response::builder()
-                .status(201)
-                .body(Body::from(serde_json::to_vec(&lease).expect("json")))
-                .expect("response"),
-        );
+        let created = serde_json::to_value(lease).expect("json");
+        answer(handle, http::Method::POST, 201, created).await;
     }
 
     fn config() -> LeaseConfig {

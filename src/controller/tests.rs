@@ -299,14 +299,7 @@ async fn no_status_is_written_from_a_cache_known_to_be_stale() {
         caches.watches.set_stale_for_tests(kind, false);
     }
     // Every one current again: written.
-    let sent = drive(
-        reconcile_pps(pps.clone(), ctx.clone()),
-        &mut handle,
-        vec![serde_json::to_value(pps.as_ref()).expect("json")],
-    )
-    .await;
-    assert_eq!(sent.len(), 1, "{sent:?}");
-    assert_eq!(sent[0].method, Method::PATCH);
+    first_write(&ctx, &mut handle).await;
 }
 
 /// The first status write of the PPS `web` (its next write then waits for the pacing interval).
