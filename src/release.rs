@@ -235,32 +235,28 @@ pub fn volume_node(
             ));
         }
     };
-    let mut matched = nodes
-        .all()
-        .iter()
-        .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
-        .map(|n| n.name_any())
-        .collect::<BTreeSet<String>>()
-        .into_iter();
-    match (matched.next(), matched.next()) {
+    // The names of the nodes of `of` that the affinity selects.
+    let selected = |of: Vec<Arc<Node>>| {
+        of.iter()
+            .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
+            .map(|n| n.name_any())
+            .collect::<BTreeSet<String>>()
+    };
+    let matched = selected(nodes.all());
+    let mut names = matched.iter();
+    match (names.next(), names.next()) {
         (None, _) => {
-            let mut gone = nodes
-                .gone()
-                .iter()
-                .filter(|n| selector_matches(selector, &n.name_any(), n.labels()))
-                .map(|n| n.name_any())
-                .collect::<BTreeSet<String>>()
-                .into_iter();
-            Ok(match (gone.next(), gone.next()) {
-                (Some(node), None) => node,
+            let gone = selected(nodes.gone());
+            Ok(match (gone.len(), gone.into_iter().next()) {
+                (1, Some(node)) => node,
                 _ => named.to_owned(),
             })
         }
-        (Some(node), None) => Ok(node),
+        (Some(node), None) => Ok(node.clone()),
         (Some(_), Some(_)) => Err(format!(
             "PersistentVolume {} can be mounted on {} nodes",
             pv.name_any(),
-            2 + matched.count()
+            matched.len()
         )),
     }
 }
