@@ -157,6 +157,8 @@ pub struct PodDemands<'a> {
     node_selector: Option<&'a BTreeMap<String, String>>,
     required: Option<&'a NodeSelector>,
     tolerations: &'a [Toleration],
+    /// The node the pod names itself (`spec.nodeName`): it goes there, and nowhere else.
+    node_name: Option<&'a str>,
     /// Whether every taint is taken as tolerated (the pod is not known).
     any_taint: bool,
 }
@@ -172,6 +174,7 @@ impl<'a> PodDemands<'a> {
                     .as_ref()
             }),
             tolerations: spec.tolerations,
+            node_name: spec.node_name.filter(|n| !n.is_empty()),
             any_taint: false,
         }
     }
@@ -186,10 +189,17 @@ impl<'a> PodDemands<'a> {
         }
     }
 
-    /// Whether `node` meets them: the pod's nodeSelector, its required node affinity, and every
-    /// NoSchedule/NoExecute taint tolerated. Taints of node health and cordoning are judged
-    /// by [`Health`] instead (a cordoned node is waited for; a not-ready one only once lost).
+    /// Whether `node` meets them: the node the pod names itself, if any, the pod's
+    /// nodeSelector, its required node affinity, and every NoSchedule/NoExecute taint
+    /// tolerated. Taints of node health and cordoning are judged by [`Health`] instead (a
+    /// cordoned node is waited for; a not-ready one only once lost).
     pub fn admit(&self, node: &Node) -> bool {
+        if self
+            .node_name
+            .is_some_and(|n| node.metadata.name.as_deref() != Some(n))
+        {
+            return false;
+        }
         let labels = node.labels();
         let selector_ok = self
             .node_selector
@@ -707,6 +717,16 @@ mod tests {
         let n1 = node("n1", "a", json!({}));
         let cases = [
             ("nothing", json!({"containers": []}), true),
+            (
+                "bound to it (nodeName)",
+                json!({"containers": [], "nodeName": "n1"}),
+                true,
+            ),
+            (
+                "bound to another node (nodeName): never scheduled, so never here",
+                json!({"containers": [], "nodeName": "n2"}),
+                false,
+            ),
             (
                 "own selector met",
                 json!({"containers": [], "nodeSelector": {ZONE: "a"}}),

@@ -128,6 +128,8 @@ pub struct SpecView<'a> {
     pub node_affinity: Option<&'a NodeAffinity>,
     /// `spec.tolerations`.
     pub tolerations: &'a [Toleration],
+    /// `spec.nodeName`: the node the pod is bound to as it is created (the scheduler bypassed).
+    pub node_name: Option<&'a str>,
 }
 
 impl<'a> From<&'a Pod> for PodView<'a> {
@@ -143,6 +145,7 @@ impl<'a> From<&'a Pod> for PodView<'a> {
                 has_affinity: s.affinity.is_some(),
                 node_affinity: s.affinity.as_ref().and_then(|a| a.node_affinity.as_ref()),
                 tolerations: s.tolerations.as_deref().unwrap_or_default(),
+                node_name: s.node_name.as_deref(),
             }),
         }
     }

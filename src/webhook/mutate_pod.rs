@@ -554,6 +554,7 @@ mod tests {
                            {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["z9"]}]}]}}}}}),
             json!({"metadata": {"name": "web-0", "ownerReferences": owner}}),
             json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"affinity": {}}}),
+            json!({"metadata": {"name": "web-0", "ownerReferences": owner}, "spec": {"nodeName": "n2"}}),
         ];
         let keep = |recorded| placement::Required {
             kept: recorded,

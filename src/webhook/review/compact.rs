@@ -67,6 +67,7 @@ enum At {
     KindName,
     PodName,
     PodNamespace,
+    NodeName,
     RefApiVersion,
     RefKind,
     RefName,
@@ -119,6 +120,7 @@ fn child(at: At, key: &str) -> Child {
         (At::Spec, "nodeSelector") => Child::NodeSelector(0),
         (At::Spec, "affinity") => N(At::Affinity, 1),
         (At::Spec, "tolerations") => N(At::Tolerations, 2),
+        (At::Spec, "nodeName") => N(At::NodeName, 3),
         (At::Affinity, "nodeAffinity") => Child::NodeAffinity(0),
         (At::OwnerRef, "apiVersion") => N(At::RefApiVersion, 0),
         (At::OwnerRef, "kind") => N(At::RefKind, 1),
@@ -208,6 +210,7 @@ impl<'de> Node<'_, 'de> {
             At::KindName => &mut self.kind().kind,
             At::PodName => &mut self.meta().name,
             At::PodNamespace => &mut self.meta().namespace,
+            At::NodeName => &mut self.spec().node_name,
             At::TolKey | At::TolOperator | At::TolValue | At::TolEffect => {
                 let at = self.at;
                 let Some(toleration) = self.toleration() else {

@@ -273,6 +273,7 @@ struct ReadSpec {
     node_selector: Option<BTreeMap<String, String>>,
     affinity: Option<ReadAffinity>,
     tolerations: Option<Vec<Toleration>>,
+    node_name: Option<String>,
 }
 
 /// What the decision reads of a pod, as decoded ([`decode_pod`], or in the review's own pass):
@@ -299,6 +300,7 @@ impl ReadPod {
                 has_affinity: s.affinity.is_some(),
                 node_affinity: s.affinity.as_ref().and_then(|a| a.node_affinity.as_ref()),
                 tolerations: s.tolerations.as_deref().unwrap_or_default(),
+                node_name: s.node_name.as_deref(),
             }),
         }
     }
