@@ -106,13 +106,16 @@ pub fn waits_unscheduled(pod: &Pod) -> bool {
 
 /// Whether `waiting` still waits, read live from the API server right before what cannot be
 /// undone (its claims deleted): the same pod (uid), unscheduled, not being deleted, and its
-/// recorded node still gone as [`node_gone`] judges. The caches may lag: a node back since and
-/// the pod bound to it would leave a running pod on a claim being deleted (the claim protection
-/// holds it until the pod ends, then the volume goes with it).
+/// recorded node still gone as [`node_gone`] judges, and no other node of that name than the
+/// caches held when it was judged (`judged_on`, its uid; none: no node of that name). The
+/// caches may lag: a node back since and the pod bound to it would leave a running pod on a
+/// claim being deleted (the claim protection holds it until the pod ends, then the volume goes
+/// with it).
 pub async fn still_waiting(
     client: &Client,
     namespace: &str,
     waiting: &Waiting,
+    judged_on: Option<&str>,
     health: &Health,
 ) -> Result<bool, kube::Error> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
@@ -126,7 +129,9 @@ pub async fn still_waiting(
     let nodes: Api<Node> = Api::all(client.clone());
     let by_name = ListParams::default().fields(&format!("metadata.name={}", waiting.node));
     let node = nodes.list(&by_name).await?.items.into_iter().next();
-    Ok(node_gone(node.as_ref(), waiting.node_uid.as_deref(), health).is_some())
+    let uid = node.as_ref().and_then(ResourceExt::uid);
+    Ok(uid.as_deref() == judged_on
+        && node_gone(node.as_ref(), waiting.node_uid.as_deref(), health).is_some())
 }
 
 /// Node labels whose value names one node: the kubelet's hostname label, and the topology
@@ -188,6 +193,16 @@ pub fn volume_node(
     nodes: &dyn Nodes,
     keys: &NodeKeys,
 ) -> Result<String, String> {
+    volume_node_now(pv, nodes, keys).map(|(node, _)| node)
+}
+
+/// [`volume_node`], and whether that node is a known node now (not one seen deleted, nor a value
+/// no node carries).
+fn volume_node_now(
+    pv: &PersistentVolume,
+    nodes: &dyn Nodes,
+    keys: &NodeKeys,
+) -> Result<(String, bool), String> {
     let selector = pv
         .spec
         .as_ref()
@@ -248,11 +263,11 @@ pub fn volume_node(
         (None, _) => {
             let gone = selected(nodes.gone());
             Ok(match (gone.len(), gone.into_iter().next()) {
-                (1, Some(node)) => node,
-                _ => named.to_owned(),
+                (1, Some(node)) => (node, false),
+                _ => (named.to_owned(), false),
             })
         }
-        (Some(node), None) => Ok(node.clone()),
+        (Some(node), None) => Ok((node.clone(), true)),
         (Some(_), Some(_)) => Err(format!(
             "PersistentVolume {} can be mounted on {} nodes",
             pv.name_any(),
@@ -306,6 +321,10 @@ pub struct LocalClaim {
     pub volume: String,
     /// The one node that volume can be mounted on.
     pub node: String,
+    /// Whether that node is a known node (as the caches hold the nodes when it was judged): not
+    /// one seen deleted, nor a value no node carries.
+    #[serde(skip)]
+    pub node_known: bool,
 }
 
 #[cfg(test)]
@@ -319,6 +338,7 @@ impl LocalClaim {
             deleting: false,
             volume: "pv-1".into(),
             node: node.into(),
+            node_known: false,
         }
     }
 }
@@ -390,7 +410,7 @@ pub fn judge_claim(
             claim.name_any()
         )));
     }
-    let node = volume_node(pv, nodes, keys).map_err(kept)?;
+    let (node, node_known) = volume_node_now(pv, nodes, keys).map_err(kept)?;
     Ok(LocalClaim {
         claim: claim.name_any(),
         uid,
@@ -398,6 +418,7 @@ pub fn judge_claim(
         deleting: claim.metadata.deletion_timestamp.is_some(),
         volume: name.to_owned(),
         node,
+        node_known,
     })
 }
 
@@ -1219,7 +1240,8 @@ mod tests {
                 resource_version: None,
                 deleting: false,
                 volume: "pv-1".into(),
-                node: "n1".into()
+                node: "n1".into(),
+                node_known: true,
             })
         );
         let why = |r: Result<LocalClaim, Kept>| r.expect_err("kept").why;

@@ -296,7 +296,8 @@ async fn release_local_volumes(
             continue;
         }
         // Its node deleted or replaced: nothing is read or deleted for it before the grace
-        // from then is over (lost, the node's own grace is over already).
+        // from then is over (lost, the node's own grace is over already; out of service, an
+        // operator said it is shut down).
         if allowed
             && w.reason == DropReason::NodeGone
             && let Some(left) = ctx.gone_for_the_grace(&w.node, w.node_uid.as_deref())
@@ -360,8 +361,32 @@ async fn release_local_volumes(
             out.again_within(UNREAD_CLAIMS_RETRY);
             continue;
         }
+        // A node one of its volumes can be mounted on is there and works: the node deleted and
+        // registered again (another uid) by its kubelet, with its disks. Its data may be there:
+        // nothing is deleted while it is so (cordoned or full, it is waited for, as any node).
+        let back: Vec<Kept> = local
+            .iter()
+            .filter(|c| c.node_known)
+            .filter(|c| ctx.caches.node(&c.node).is_some_and(|n| !health.is_lost(&n)))
+            .map(|c| Kept {
+                claim: c.claim.clone(),
+                why: format!(
+                    "claim {} is kept: node {}, where its volume {} can be mounted, is there again and works (registered again by its kubelet?), so its data may still be there",
+                    c.claim, c.node, c.volume
+                ),
+                local_to: None,
+            })
+            .collect();
+        if !back.is_empty() {
+            if report::first_local_report(ctx, pps, &w.uid, &uids) {
+                report::local_volume_kept(ctx, pps, w, &back);
+            }
+            continue;
+        }
         // What cannot be undone is judged on the API server's word, not the caches' alone.
-        match release::still_waiting(&ctx.client, namespace, w, health).await {
+        let judged_on = ctx.caches.node(&w.node).and_then(|n| n.uid());
+        match release::still_waiting(&ctx.client, namespace, w, judged_on.as_deref(), health).await
+        {
             Ok(true) => {}
             Ok(false) => {
                 tracing::info!(pod = %w.pod, node = %w.node, "the pod or its node changed since the caches' view; its claims are kept, judged again at the next look");
@@ -379,7 +404,6 @@ async fn release_local_volumes(
             return Ok(out);
         }
         let (mut claims_gone, mut deleted_any) = (true, false);
-        ctx.claims_deleting(&w.uid, &local);
         for claim in local.iter().filter(|c| !c.deleting) {
             // Each delete passes the fence right before it is sent (a hold lost between two
             // of them must stop the next), by uid and the resourceVersion read.
@@ -393,6 +417,10 @@ async fn release_local_volumes(
             };
             match claim_api.delete(&claim.claim, &params).await {
                 Ok(_) => {
+                    // From the first claim deleted, the pod is deleted even if that fails now.
+                    if !deleted_any {
+                        ctx.claims_deleting(&w.uid, &local);
+                    }
                     deleted_any = true;
                     report::local_volume_released(ctx, pps, w, claim);
                 }

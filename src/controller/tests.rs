@@ -1283,6 +1283,55 @@ async fn a_node_back_under_its_name_and_gone_again_starts_the_grace_anew() {
     assert!(ctx.gone_for_the_grace("n1", Some("n1-uid")).is_none());
 }
 
+/// n1 deleted and registered again under its name (another uid), as its kubelet does with its
+/// disks: while it is there and works (cordoned, or full, the pod waits), the claim its volume
+/// holds is kept, whatever the grace; once that node is lost too, the claim is released.
+#[tokio::test(start_paused = true)]
+async fn a_claim_whose_node_is_back_under_another_uid_and_works_is_kept() {
+    let again = |ready: Value| -> Node {
+        serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid-2",
+            "labels": {"kubernetes.io/hostname": "n1"}},
+            "spec": {"unschedulable": true},
+            "status": {"conditions": [ready]}}))
+        .expect("node")
+    };
+    let works = json!({"type": "Ready", "status": "True"});
+    let lost = json!({"type": "Ready", "status": "False",
+        "lastTransitionTime": "2020-01-01T00:00:00Z"});
+    let pps = || waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let caches = waiting_world();
+    caches.apply_node(watcher::Event::Apply(again(works)));
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    after_n1s_deletion_grace(&ctx).await;
+    let sent = drive(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        claim_and_volume(on_host("n1")),
+    )
+    .await;
+    assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
+    let note = event_note(&mut events, "LocalVolumeKept").await;
+    for named in ["data-web-0", "node n1", "pv-1", "registered again"] {
+        assert!(note.contains(named), "{named}: {note}");
+    }
+    // The control: that node lost as well, the claim and the pod are released.
+    let caches = waiting_world();
+    caches.apply_node(watcher::Event::Apply(again(lost.clone())));
+    let (ctx, mut handle) = context(caches);
+    after_n1s_deletion_grace(&ctx).await;
+    let mut answers = claim_and_volume(on_host("n1"));
+    let listed = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {},
+        "items": [serde_json::to_value(again(lost)).expect("node")]});
+    answers.extend([still_waiting()[0].clone(), listed]);
+    answers.extend(released());
+    let sent = drive(reconcile_pps(pps(), ctx), &mut handle, answers).await;
+    assert_eq!(
+        sent.iter().filter(|s| s.method == Method::DELETE).count(),
+        2,
+        "{sent:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_since_the_caches() {
     let scheduled = json!({"apiVersion": "v1", "kind": "Pod",
@@ -1294,6 +1343,9 @@ async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_s
     let back = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": [{
         "metadata": {"name": "n1", "uid": "n1-uid", "labels": {"kubernetes.io/hostname": "n1"}},
         "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]});
+    let registered_again = json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": [{
+        "metadata": {"name": "n1", "uid": "n1-uid-2", "labels": {"kubernetes.io/hostname": "n1"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]});
     let pod = still_waiting()[0].clone();
     let refused = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "Forbidden", "code": 403, "message": "nodes is forbidden"});
@@ -1301,6 +1353,10 @@ async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_s
         ("bound to the node back since", vec![scheduled]),
         ("re-created since", vec![recreated]),
         ("its node back since, ready", vec![pod.clone(), back]),
+        (
+            "registered again since, under another uid",
+            vec![pod.clone(), registered_again],
+        ),
         ("its node not read", vec![pod, refused]),
     ];
     for (case, live) in cases {
