@@ -33,6 +33,22 @@ struct LastSent {
 /// The fewest keys kept before the window is pruned.
 const PRUNE_ABOVE: usize = 4096;
 
+/// The most bytes an Event's note may hold: the API server refuses a longer one.
+const NOTE_MAX: usize = 1024;
+
+/// `note`, cut to at most [`NOTE_MAX`] bytes (at a character's boundary, ending with `…`).
+fn capped(mut note: String) -> String {
+    if note.len() > NOTE_MAX {
+        let mut end = NOTE_MAX - '…'.len_utf8();
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+        note.push('…');
+    }
+    note
+}
+
 impl Events {
     /// Events reported as `instance` of this controller.
     pub fn new(client: Client, instance: Option<String>, min_interval: Duration) -> Self {
@@ -105,7 +121,8 @@ impl Events {
     }
 
     /// Publishes an Event about any object (`reference`), concerning `related` if given,
-    /// rate-limited per object, reason and related object.
+    /// rate-limited per object, reason and related object; a note longer than the API server
+    /// takes is cut.
     pub fn publish_on(
         &self,
         reference: ObjectReference,
@@ -134,7 +151,7 @@ impl Events {
         let event = Event {
             type_,
             reason: reason.to_owned(),
-            note: Some(note),
+            note: Some(capped(note)),
             action: action.to_owned(),
             secondary: related,
         };
@@ -166,6 +183,26 @@ mod tests {
             Duration::from_secs(3600),
         );
         (events, server)
+    }
+
+    #[test]
+    fn notes_are_cut_to_what_the_api_server_takes() {
+        let short = "recorded web-0 on n1".to_owned();
+        assert_eq!(capped(short.clone()), short);
+        let exact = "x".repeat(NOTE_MAX);
+        assert_eq!(capped(exact.clone()), exact);
+        // Two-byte characters across the cut: never split.
+        for long in [
+            "y".repeat(5000),
+            "é".repeat(700),
+            format!("z{}", "é".repeat(700)),
+        ] {
+            let cut = capped(long.clone());
+            assert!(cut.len() <= NOTE_MAX, "{}", cut.len());
+            assert!(cut.len() >= NOTE_MAX - 4, "{}", cut.len());
+            assert!(cut.ends_with('…'));
+            assert!(long.starts_with(cut.trim_end_matches('…')));
+        }
     }
 
     #[tokio::test]

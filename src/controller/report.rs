@@ -284,8 +284,9 @@ pub(super) fn unplaceable(
             "a re-created pod {pod} would be left without {}",
             LeftOut::list(&left_out)
         );
-        ctx.events.publish(
+        ctx.events.publish_about(
             pps,
+            &pod,
             EventType::Warning,
             "RequiredTopologyUnavailable",
             "Inject",
@@ -536,9 +537,19 @@ pub(super) fn local_volume_released(
         claim.node,
         gone_reason(waiting)
     );
-    ctx.events.publish_about(
-        pps,
-        &waiting.pod,
+    // About the claim: each of a pod's claims released in one look has its own Event.
+    let reference = kube::Resource::object_ref(pps, &());
+    let related = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("PersistentVolumeClaim".into()),
+        name: Some(claim.claim.clone()),
+        namespace: reference.namespace.clone(),
+        uid: Some(claim.uid.clone()),
+        ..Default::default()
+    };
+    ctx.events.publish_on(
+        reference,
+        Some(related),
         EventType::Warning,
         "LocalVolumeReleased",
         "Release",
