@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::Client;
 use kube::api::{Api, PostParams};
-use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::LeaseArgs;
@@ -179,7 +179,8 @@ pub struct Elector {
 /// Another holder's record as last observed.
 #[derive(Debug)]
 struct Observed {
-    /// Its resourceVersion (any renewal changes it).
+    /// Its leader election record: holder, duration, acquire and renew times, transitions (a
+    /// renewal changes it; a write of the Lease's labels or annotations does not).
     record: String,
     /// When it was first observed.
     at: Instant,
@@ -236,8 +237,15 @@ impl Elector {
             .map_or(duration, |s| {
                 duration.max(Duration::from_secs(s).min(LONGEST_LEASE_HONOURED))
             });
-        // A record is its resourceVersion: any renewal changes it.
-        let record = lease.resource_version().unwrap_or_default();
+        // The record as client-go compares it: what a holder writes, not the Lease's metadata
+        // (another tool labelling it must not hold a dead leader's Lease for ever).
+        let record = format!(
+            "{holder}/{:?}/{:?}/{:?}/{:?}",
+            spec.lease_duration_seconds,
+            spec.acquire_time.as_ref().map(|t| t.0),
+            spec.renew_time.as_ref().map(|t| t.0),
+            spec.lease_transitions
+        );
         let since = match &self.observed {
             Some(seen) if seen.record == record => seen.at,
             _ => {
@@ -590,14 +598,43 @@ pub fn default_identity() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::ResourceExt;
     use serde_json::json;
 
+    /// The Lease held by `holder` as renewed for the `version`th time (its renew time).
     fn lease(holder: Option<&str>, version: &str) -> Lease {
         serde_json::from_value(json!({
             "metadata": {"name": "l", "namespace": "ns", "resourceVersion": version},
-            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                "renewTime": format!("2026-12-07T00:00:{version:0>2}.000000Z")}
         }))
         .expect("lease")
+    }
+
+    #[test]
+    fn a_write_of_the_leases_metadata_is_no_renewal() {
+        let d = Duration::from_secs(15);
+        let t0 = Instant::now();
+        let mut e = Elector::default();
+        let wait = Step::Wait {
+            holder: "other".into(),
+        };
+        assert_eq!(e.step(Some(&lease(Some("other"), "5")), "me", d, t0), wait);
+        // Labelled every 10 s by another tool: a new resourceVersion, the same record.
+        for (version, at) in [("6", 10), ("7", 14)] {
+            let mut labelled = lease(Some("other"), "5");
+            labelled.metadata.resource_version = Some(version.into());
+            labelled.metadata.labels = Some([("team".to_owned(), version.to_owned())].into());
+            let step = e.step(Some(&labelled), "me", d, t0 + Duration::from_secs(at));
+            assert_eq!(step, wait, "{version}");
+        }
+        let mut labelled = lease(Some("other"), "5");
+        labelled.metadata.resource_version = Some("8".into());
+        assert_eq!(
+            e.step(Some(&labelled), "me", d, t0 + Duration::from_secs(15)),
+            Step::TakeOver,
+            "not renewed for the lease duration"
+        );
     }
 
     #[test]
