@@ -38,22 +38,28 @@ impl Health {
     }
 }
 
-/// The probe routes (a few requests at once, each within 5 s).
+/// The probe routes (a few requests at once, each within 5 s; `/metrics` within a share of its
+/// own, so scrapes never take the slots the kubelet's probes answer in).
 pub fn router(health: Arc<Health>) -> Router {
-    // GETs: no body is expected; a few requests at once, a small share of bytes.
-    let budget = Budget {
-        in_flight: 8,
-        bytes: 64 << 10,
-        pruned: &[],
-        held_per_byte: 0,
-    };
-    let limit = RequestLimit::new(budget, Duration::from_secs(5), 64 << 10, None);
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route_layer(middleware::from_fn_with_state(limit, limit_requests))
+        .route_layer(middleware::from_fn_with_state(limit(), limit_requests))
         .with_state(health)
+}
+
+/// The probe server's bounds: GETs (no body is expected), a few at once, a small share of bytes;
+/// `/metrics` in a share of its own.
+fn limit() -> RequestLimit {
+    let budget = |in_flight| Budget {
+        in_flight,
+        bytes: 64 << 10,
+        pruned: &[],
+        held_per_byte: 0,
+    };
+    RequestLimit::new(budget(8), Duration::from_secs(5), 64 << 10, None)
+        .endpoint("/metrics", budget(4))
 }
 
 async fn readyz(State(health): State<Arc<Health>>) -> Response {
@@ -185,6 +191,58 @@ mod tests {
             }
         }
         families
+    }
+
+    // Paused time: the handlers' 5 s bound never runs out on a host slowed by other tests.
+    #[tokio::test(start_paused = true)]
+    async fn scrapes_in_flight_never_take_the_probes_slots() {
+        let limit = super::limit();
+        let get = |path: &str| {
+            axum::http::Request::get(path)
+                .body(Body::empty())
+                .expect("request")
+        };
+        let release = Arc::new(tokio::sync::Notify::new());
+        let mut held = tokio::task::JoinSet::new();
+        // Scrapes that do not finish, until the next one is refused.
+        let refused = loop {
+            let (limit, release, request) = (limit.clone(), release.clone(), get("/metrics"));
+            let (taken, answered) = tokio::sync::oneshot::channel();
+            held.spawn(async move {
+                limit
+                    .run(request, |_, _| async move {
+                        let released = release.notified();
+                        let _ = taken.send(());
+                        released.await;
+                        StatusCode::OK.into_response()
+                    })
+                    .await
+                    .status()
+            });
+            // Either the handler runs (the scrape holds a slot) or it is refused at once (its
+            // handler dropped unrun).
+            if answered.await.is_err() {
+                break held.join_next().await.expect("a task").expect("joined");
+            }
+            assert!(held.len() <= 16, "scrapes are never refused");
+        };
+        assert_eq!(refused, StatusCode::SERVICE_UNAVAILABLE);
+        // The kubelet's probes are still answered.
+        for path in ["/readyz", "/healthz"] {
+            let status = limit
+                .run(get(path), |_, _| async { StatusCode::OK.into_response() })
+                .await
+                .status();
+            assert_eq!(
+                status,
+                StatusCode::OK,
+                "{path} with the scrapes' share full"
+            );
+        }
+        release.notify_waiters();
+        while let Some(done) = held.join_next().await {
+            assert_eq!(done.expect("joined"), StatusCode::OK);
+        }
     }
 
     #[tokio::test]
