@@ -55,7 +55,8 @@ pub fn parse_config(text: &str) -> Result<BTreeSet<GroupKind>, String> {
 }
 
 /// The resource to watch for an established CRD of `kind`: its storage version if served,
-/// else its first served version.
+/// else its first served version, under the names the API server accepted (`status.acceptedNames`:
+/// a renamed CRD is served under its old names until the new ones are accepted).
 pub fn crd_resource(crd: &CustomResourceDefinition) -> Option<ApiResource> {
     let established = crd
         .status
@@ -74,12 +75,18 @@ pub fn crd_resource(crd: &CustomResourceDefinition) -> Option<ApiResource> {
         .iter()
         .find(|v| v.storage && v.served)
         .or_else(|| spec.versions.iter().find(|v| v.served))?;
+    let names = crd
+        .status
+        .as_ref()
+        .and_then(|s| s.accepted_names.as_ref())
+        .filter(|n| !n.kind.is_empty() && !n.plural.is_empty())
+        .unwrap_or(&spec.names);
     Some(ApiResource {
         group: spec.group.clone(),
         version: version.name.clone(),
         api_version: format!("{}/{}", spec.group, version.name),
-        kind: spec.names.kind.clone(),
-        plural: spec.names.plural.clone(),
+        kind: names.kind.clone(),
+        plural: names.plural.clone(),
     })
 }
 
@@ -448,5 +455,26 @@ mod tests {
             crd_resource(&crd(true, unserved_storage)).map(|a| a.version),
             Some("v1alpha1".into())
         );
+    }
+
+    #[test]
+    fn watches_under_the_names_the_api_server_accepted() {
+        let versions = json!([{"name": "v1", "served": true, "storage": true}]);
+        // Renamed in its spec, the new plural not accepted yet (it conflicts): still served
+        // under the old one.
+        let mut renamed = crd(true, versions.clone());
+        renamed.spec.names.plural = "sets".into();
+        let ar = crd_resource(&renamed).expect("established");
+        assert_eq!(
+            (ar.kind.as_str(), ar.plural.as_str()),
+            ("StatefulSet", "statefulsets")
+        );
+        // A status without accepted names (none written yet): the spec's.
+        let mut bare = crd(true, versions);
+        if let Some(status) = bare.status.as_mut() {
+            status.accepted_names = None;
+        }
+        bare.spec.names.plural = "sets".into();
+        assert_eq!(crd_resource(&bare).map(|a| a.plural), Some("sets".into()));
     }
 }
