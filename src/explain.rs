@@ -271,14 +271,19 @@ pub async fn explain(
         caches.apply_pps(watcher::Event::InitApply(p));
     }
     caches.apply_pps(watcher::Event::InitDone);
-    // Every pod of the cluster: which one holds which IP.
-    for p in Api::<Pod>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .context("listing pods")?
-        .items
-    {
-        caches.apply_pod(watcher::Event::InitApply(p));
+    // Every pod of the cluster: which one holds which IP. Page by page (each trimmed as it is
+    // cached), never one answer of every pod of a large cluster.
+    let pods = Api::<Pod>::all(client.clone());
+    let mut page = ListParams::default().limit(500);
+    loop {
+        let list = pods.list(&page).await.context("listing pods")?;
+        for p in list.items {
+            caches.apply_pod(watcher::Event::InitApply(p));
+        }
+        match list.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => page = page.continue_token(&token),
+            None => break,
+        }
     }
     caches.apply_pod(watcher::Event::InitDone);
     let mut out = explain_with(&caches, served, namespace, object, source);
