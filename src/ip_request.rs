@@ -42,6 +42,9 @@ impl IpSkipReason {
     }
 }
 
+/// The most IPs a state records: a pod's, one per family.
+pub const MAX_RECORDED_IPS: usize = 2;
+
 /// What to do about a re-created pod's IPs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IpDecision {
@@ -90,6 +93,17 @@ pub fn decide<'a>(
     };
     if recorded.is_empty() {
         return skip(IpSkipReason::NoRecordedIp, "");
+    }
+    // What the recorder writes is a pod's `status.podIPs`: one per family. A longer list was
+    // written by hand, and would cost each admission its length squared.
+    if recorded.len() > MAX_RECORDED_IPS {
+        return skip(
+            IpSkipReason::InvalidRecordedIp,
+            format!(
+                "{} IPs recorded, where a pod has at most {MAX_RECORDED_IPS}",
+                recorded.len()
+            ),
+        );
     }
     let mut ips: Vec<IpAddr> = Vec::new();
     for text in recorded {
@@ -225,7 +239,7 @@ mod tests {
             Vec<String>,
             Holder<'_>,
             IpSkipReason,
-        ); 7] = [
+        ); 8] = [
             (
                 "weave",
                 json!({}),
@@ -251,6 +265,14 @@ mod tests {
                 "calico",
                 json!({}),
                 ips(&["10.0.0.300"]),
+                &free,
+                IpSkipReason::InvalidRecordedIp,
+            ),
+            (
+                // Written by hand: a pod has one IP per family.
+                "annotation:example.com/ips",
+                json!({}),
+                ips(&["10.0.0.5", "10.0.0.6", "10.0.0.7"]),
                 &free,
                 IpSkipReason::InvalidRecordedIp,
             ),
