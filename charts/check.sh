@@ -148,6 +148,20 @@ long=$(grep -oE '[a-z0-9.-]*-unregister' <<<"$out" | awk 'length($0) > 63' | hea
 grep -q -- '-unregister$' <<<"$out" || fail "no uninstall hook rendered"
 say "ok: their consistent counterparts accepted"
 
+# A release that adopted the kustomize manifests' objects keeps their selectors (a Deployment's
+# cannot change: docs/install.md); by default the chart's name the release too.
+selectors() { awk '/^  (selector|podSelector):$/ {on=1; print; next} on && /^    / {print; next} {on=0}'; }
+for t in deployment service pdb networkpolicy; do
+  render() { "$HELM" template persistent-pod-state "$CHART" -n persistent-pod-state --kube-version 1.37.0 \
+    --set crd.conversionService=true --show-only "templates/$t.yaml" "$@" | selectors; }
+  adopted=$(render --set instanceInSelectors=false) || fail "instanceInSelectors=false refused"
+  [[ -n $adopted && $adopted == "$(selectors <"$ROOT/manifests/base/$t.yaml")" ]] ||
+    fail "with instanceInSelectors=false the $t's selectors are not the kustomize base's: $adopted"
+  grep -q 'app.kubernetes.io/instance: persistent-pod-state' <<<"$(render)" ||
+    fail "the $t's selectors do not name the release"
+done
+say "ok: selectors with and without the release's name"
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 render_base "$tmp"

@@ -22,6 +22,9 @@ use crate::state::Caches;
 use crate::state::index::{Indexer, Relisting};
 use crate::workload::{CustomKinds, GroupKind};
 
+/// CustomResourceDefinitions listed per page.
+const CRD_PAGE: u32 = 25;
+
 /// Parses `GROUP/KIND` (the group may contain dots and must not be empty).
 pub fn parse_group_kind(s: &str) -> Result<GroupKind, String> {
     let (group, kind) = s
@@ -122,8 +125,10 @@ pub async fn run(
 ) {
     let api: Api<CustomResourceDefinition> = Api::all(client);
     // Ended by the API server every minute, so that a silent connection is given up
-    // (`state::watcher_config`).
-    let events = watcher(api, crate::state::watcher_config())
+    // (`state::watcher_config`). Listed 25 at a time: a CRD's schema can take a megabyte, and
+    // each is dropped only once its page is read (clusters with hundreds of large CRDs).
+    let config = crate::state::watcher_config().page_size(CRD_PAGE);
+    let events = watcher(api, config)
         .default_backoff()
         .modify(trim);
     futures::pin_mut!(events);

@@ -9,18 +9,20 @@
 {{- end -}}
 {{- end -}}
 
-{{/* Selector labels (stable across upgrades). */}}
+{{/* Selector labels (stable across upgrades; without the release's name for a release that
+adopted the kustomize manifests' objects, whose Deployment selector cannot change). */}}
 {{- define "pps.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
-{{- if .Values.helmLabels }}
+{{- if and .Values.helmLabels .Values.instanceInSelectors }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end -}}
 
 {{/* Labels of every object; the Helm ones are left out when rendering the kustomize base. */}}
 {{- define "pps.labels" -}}
-{{ include "pps.selectorLabels" . }}
+app.kubernetes.io/name: {{ .Chart.Name }}
 {{- if .Values.helmLabels }}
+app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
