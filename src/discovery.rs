@@ -128,9 +128,7 @@ pub async fn run(
     // (`state::watcher_config`). Listed 25 at a time: a CRD's schema can take a megabyte, and
     // each is dropped only once its page is read (clusters with hundreds of large CRDs).
     let config = crate::state::watcher_config().page_size(CRD_PAGE);
-    let events = watcher(api, config)
-        .default_backoff()
-        .modify(trim);
+    let events = watcher(api, config).default_backoff().modify(trim);
     futures::pin_mut!(events);
     let mut crds = Relisting::<EstablishedCrds>::default();
     let mut config_open = true;

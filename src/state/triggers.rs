@@ -92,11 +92,23 @@ impl Caches {
         went_from: Option<WorkloadRef>,
     ) {
         match event {
-            watcher::Event::Apply(p) => self.triggers.pps([ObjectRef::from_obj(p)]),
+            watcher::Event::Apply(p) => {
+                self.triggers.pps([ObjectRef::from_obj(p)]);
+                // Being deleted (held by a finalizer), it is in force no more: another one
+                // targeting the same workload takes over now, not at its next resync.
+                if p.metadata.deletion_timestamp.is_some()
+                    && let Some(target) = pps_target(p)
+                {
+                    self.triggers.pps(self.pps_targeting(Some(target)));
+                }
+            }
             watcher::Event::Delete(p) => {
                 if let Some(target) = went_from.or_else(|| pps_target(p)) {
                     self.gone(&target);
                 }
+                // Named as a workload's generated one would be, it may have kept that
+                // workload's generator from making it, whatever it targeted.
+                self.same_named_generators(p);
             }
             // A relist reaches the store only at its end: reconcile everything then (a request
             // for an object not yet in the store would be dropped).
@@ -114,6 +126,21 @@ impl Caches {
                 self.triggers.pps(self.all_pps());
             }
             watcher::Event::Init | watcher::Event::InitApply(_) => {}
+        }
+    }
+
+    /// The generators of the workloads (of every watched kind) named as `pps` is, in its
+    /// namespace.
+    fn same_named_generators(&self, pps: &PersistentPodState) {
+        let (Some(name), Some(namespace)) = (&pps.metadata.name, &pps.metadata.namespace) else {
+            return;
+        };
+        for (kind, _) in self.workload_kinds() {
+            self.trigger_workload(&WorkloadRef {
+                namespace: namespace.clone(),
+                kind,
+                name: name.clone(),
+            });
         }
     }
 
@@ -365,11 +392,17 @@ mod tests {
         caches.apply_pps(watcher::Event::Apply(named("twin")));
         let mut pps_requests = caches.triggers.subscribe_pps();
         let mut generator = caches.triggers.subscribe_workloads(&kind);
-        // Deleted: the generator, and the one left targeting the same StatefulSet.
+        // Deleted: the generator, and the one left targeting the same StatefulSet; and the
+        // generator of a StatefulSet named as it is (it may have kept that one from making its
+        // own PersistentPodState).
         caches.apply_pps(watcher::Event::Delete(named("twin")));
         assert_eq!(
             generator.try_recv().ok().map(|r| r.name),
             Some("web".into())
+        );
+        assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("twin".into())
         );
         assert_eq!(
             pps_requests.try_recv().ok(),
@@ -387,9 +420,27 @@ mod tests {
             Some("web".into())
         );
         assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("twin".into())
+        );
+        assert_eq!(
             pps_requests.try_recv().ok(),
             Some(ObjectRef::new("web").within("ns"))
         );
+        // Being deleted, held by a finalizer: the one left targeting the same StatefulSet
+        // looks again at once (it is in force from now).
+        caches.apply_pps(watcher::Event::Apply(named("twin")));
+        while pps_requests.try_recv().is_ok() {}
+        let mut deleting = named("twin");
+        deleting.metadata.deletion_timestamp =
+            serde_json::from_value(json!("2026-12-07T00:00:00Z")).ok();
+        deleting.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+        caches.apply_pps(watcher::Event::Apply(deleting));
+        let mut woken = Vec::new();
+        while let Ok(r) = pps_requests.try_recv() {
+            woken.push(r.name);
+        }
+        assert!(woken.contains(&"web".to_owned()), "{woken:?}");
         // Gone while the watch was down: the relist that ends without it says so.
         caches.apply_pps(watcher::Event::Init);
         assert!(
