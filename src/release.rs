@@ -795,13 +795,22 @@ pub async fn release_pod(
         }
         None => None,
     };
-    let (templates, workload_uid) = workload
-        .as_ref()
-        .map(|w| {
-            let info = crate::workload::WorkloadInfo::from_object(w);
-            (info.claim_templates, info.uid)
-        })
-        .unwrap_or_default();
+    // Released, a pod is created again by its workload: one without (orphaned, its workload
+    // deleted) would just be gone.
+    let Some(workload) = workload else {
+        anyhow::bail!(
+            "pod {namespace}/{name} has no workload that would create it again ({}): release deletes only a pod its workload re-creates",
+            owner.map_or("no controller owns it".to_owned(), |o| format!(
+                "its controller {} {} could not be read",
+                o.kind, o.name
+            ))
+        );
+    };
+    let crate::workload::WorkloadInfo {
+        claim_templates: templates,
+        uid: workload_uid,
+        ..
+    } = crate::workload::WorkloadInfo::from_object(&workload);
     let judged = local_claims(
         client,
         namespace,
@@ -926,7 +935,7 @@ pub async fn release_pod(
         }
     }
     // Its data there gone, its state names that node no more, as the controller's release does.
-    if let Some(o) = owner.filter(|_| workload.is_some() && !report.claims.is_empty()) {
+    if let Some(o) = owner.filter(|_| !report.claims.is_empty()) {
         let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
         report.state =
             forget_released_node(client, namespace, owner, name, &report.claims, keys).await;
