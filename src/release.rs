@@ -751,9 +751,9 @@ impl ReleaseReport {
 /// pod that waits unscheduled: its own claims bound to volumes only a node that is not ready
 /// (or deleted) can mount (each by uid and resourceVersion), and the pod when such a claim or a
 /// required pin the webhook added holds it (by uid and resourceVersion; by uid alone once its
-/// claims are deleted, as it cannot start anywhere then). A scheduled pod, a claim on a ready
-/// node's volume, one of another owner, or a volume whose affinity does not name one node is never
-/// touched. `dry_run`: deletes nothing, reports what it would.
+/// claims are deleted, as it cannot start anywhere then). A scheduled pod, a pod no workload
+/// would create again, a claim on a ready node's volume, one of another owner, or a volume whose
+/// affinity does not name one node is never touched. `dry_run`: deletes nothing, reports what it would.
 pub async fn release_pod(
     client: &Client,
     namespace: &str,
