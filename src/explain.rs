@@ -256,10 +256,17 @@ pub async fn explain(
         &current,
     ) {
         (Some(o), _) => (o, "the workload's template"),
-        (None, Some(p)) => (
-            serde_json::to_value(p)?,
-            "the current pod (the workload's template could not be read)",
-        ),
+        (None, Some(p)) => {
+            // Created again, the pod names no node: the scheduler's choice is no demand of it.
+            let mut object = serde_json::to_value(p)?;
+            if let Some(spec) = object.get_mut("spec").and_then(|s| s.as_object_mut()) {
+                spec.remove("nodeName");
+            }
+            (
+                object,
+                "the current pod (the workload's template could not be read)",
+            )
+        }
         (None, None) => anyhow::bail!(
             "pod {namespace}/{pod} does not exist and no PersistentPodState in {namespace} records it"
         ),
@@ -408,6 +415,13 @@ async fn volume_release(
         .map(String::as_str)
         == Some("true");
     let claims = release::describe(&local);
+    // Registered again under another uid and working: kept while it is so (its data may be
+    // there), as the controller judges.
+    if node.as_deref().is_some_and(|n| !health.is_lost(n)) && local.iter().any(|c| c.node_known) {
+        return Ok(vec![format!(
+            "held by claims {claims} on node {recorded}, which is there again (another uid) and works: not released while it is so"
+        )]);
+    }
     let when = match (gone, node.as_deref().and_then(|n| health.lost_at(n))) {
         (Some(_), _) => format!("node {recorded} is gone"),
         (None, Some(at)) => format!("node {recorded} counts as lost at {at}"),

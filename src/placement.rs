@@ -230,8 +230,12 @@ impl<'a> PodDemands<'a> {
     }
 
     fn tolerates(&self, taints: &[Taint]) -> bool {
+        // A pod that names its node is not scheduled: only the kubelet's NoExecute check holds.
+        let judged = |t: &&Taint| self.node_name.is_none() || t.effect == "NoExecute";
         self.any_taint
-            || judged_taints(taints).all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
+            || judged_taints(taints)
+                .filter(judged)
+                .all(|t| self.tolerations.iter().any(|tol| tolerates(tol, t)))
     }
 }
 
@@ -849,6 +853,13 @@ mod tests {
                 admitted,
                 "{what}"
             );
+        }
+        // A pod that names its node is not scheduled: the kubelet refuses it only for a
+        // NoExecute taint it does not tolerate.
+        let bound = pod(json!({"containers": [], "nodeName": "n"}));
+        for (effect, admitted) in [("NoSchedule", true), ("NoExecute", false)] {
+            let tainted = node("n", "a", taint("dedicated", effect));
+            assert_eq!(PodDemands::of(&bound).admit(&tainted), admitted, "{effect}");
         }
         let tainted = node("n", "a", taint("dedicated", "NoSchedule"));
         for (what, t, admitted) in [

@@ -105,17 +105,17 @@ pub fn waits_unscheduled(pod: &Pod) -> bool {
 }
 
 /// Whether `waiting` still waits, read live from the API server right before what cannot be
-/// undone (its claims deleted): the same pod (uid), unscheduled, not being deleted, and its
-/// recorded node still gone as [`node_gone`] judges, and no other node of that name than the
-/// caches held when it was judged (`judged_on`, its uid; none: no node of that name). The
-/// caches may lag: a node back since and the pod bound to it would leave a running pod on a
-/// claim being deleted (the claim protection holds it until the pod ends, then the volume goes
-/// with it).
+/// undone (its `claims` deleted): the same pod (uid), unscheduled, not being deleted, and its
+/// recorded node still gone as [`node_gone`] judges, no other node of that name than the
+/// caches held when it was judged (`judged_on`, its uid; none: no node of that name), and that
+/// node, if it is where one of the claims' volumes can be mounted, not working. The caches may
+/// lag: a node back since and the pod bound to it would leave a running pod on a claim being
+/// deleted (the claim protection holds it until the pod ends, then the volume goes with it).
 pub async fn still_waiting(
     client: &Client,
     namespace: &str,
     waiting: &Waiting,
-    judged_on: Option<&str>,
+    (judged_on, claims): (Option<&str>, &[LocalClaim]),
     health: &Health,
 ) -> Result<bool, kube::Error> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
@@ -130,7 +130,16 @@ pub async fn still_waiting(
     let by_name = ListParams::default().fields(&format!("metadata.name={}", waiting.node));
     let node = nodes.list(&by_name).await?.items.into_iter().next();
     let uid = node.as_ref().and_then(ResourceExt::uid);
+    // Registered again (another uid) and working where a claim's volume can be mounted: its
+    // data may be there.
+    let works_under_a_claim = node.as_ref().is_some_and(|n| {
+        !health.is_lost(n)
+            && claims
+                .iter()
+                .any(|c| c.node_known && n.metadata.name.as_deref() == Some(c.node.as_str()))
+    });
     Ok(uid.as_deref() == judged_on
+        && !works_under_a_claim
         && node_gone(node.as_ref(), waiting.node_uid.as_deref(), health).is_some())
 }
 

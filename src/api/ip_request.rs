@@ -43,7 +43,8 @@ impl IpRequest {
             other => match other.strip_prefix("annotation:") {
                 Some(key) if [INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION].contains(&key) => {
                     Err(format!(
-                        "{other:?}: the webhook writes {key} itself, so it cannot carry the request"
+                        "{}: the webhook writes {key} itself, so it cannot carry the request",
+                        super::shown(other)
                     ))
                 }
                 // A preset's own annotation is that preset (its encoding, one address per
@@ -53,10 +54,14 @@ impl IpRequest {
                 Some(ANTREA_IP_ANNOTATION) => Ok(Self::Antrea),
                 Some(key) => match annotation_key_error(key) {
                     None => Ok(Self::Annotation(key.to_owned())),
-                    Some(e) => Err(format!("{other:?}: the annotation key is invalid: {e}")),
+                    Some(e) => Err(format!(
+                        "{}: the annotation key is invalid: {e}",
+                        super::shown(other)
+                    )),
                 },
                 None => Err(format!(
-                    "{other:?} is not one of calico, kube-ovn, antrea, annotation:<key>"
+                    "{} is not one of calico, kube-ovn, antrea, annotation:<key>",
+                    super::shown(other)
                 )),
             },
         }
@@ -135,6 +140,16 @@ mod tests {
         );
         let garbage = BTreeMap::from([(CALICO_IP_ANNOTATION.to_owned(), "not json".to_owned())]);
         assert!(requested_ips(|k| garbage.get(k).map(String::as_str)).is_empty());
+    }
+
+    #[test]
+    fn a_refused_value_is_quoted_cut() {
+        let long = "w".repeat(200 << 10);
+        for value in [long.clone(), format!("annotation:{long}")] {
+            let refused = IpRequest::parse(&value).expect_err("refused");
+            assert!(refused.len() < 300, "{} bytes", refused.len());
+            assert!(refused.contains("more characters"), "{refused}");
+        }
     }
 
     #[test]

@@ -385,8 +385,8 @@ async fn release_local_volumes(
         }
         // What cannot be undone is judged on the API server's word, not the caches' alone.
         let judged_on = ctx.caches.node(&w.node).and_then(|n| n.uid());
-        match release::still_waiting(&ctx.client, namespace, w, judged_on.as_deref(), health).await
-        {
+        let judged = (judged_on.as_deref(), local.as_slice());
+        match release::still_waiting(&ctx.client, namespace, w, judged, health).await {
             Ok(true) => {}
             Ok(false) => {
                 tracing::info!(pod = %w.pod, node = %w.node, "the pod or its node changed since the caches' view; its claims are kept, judged again at the next look");
@@ -417,10 +417,6 @@ async fn release_local_volumes(
             };
             match claim_api.delete(&claim.claim, &params).await {
                 Ok(_) => {
-                    // From the first claim deleted, the pod is deleted even if that fails now.
-                    if !deleted_any {
-                        ctx.claims_deleting(&w.uid, &local);
-                    }
                     deleted_any = true;
                     report::local_volume_released(ctx, pps, w, claim);
                 }
@@ -430,11 +426,16 @@ async fn release_local_volumes(
                 Err(e) => return Err(e.into()),
             }
         }
-        if !claims_gone {
+        // Once a claim is deleted (by this look, or being deleted already), the pod is deleted
+        // even if that fails now: remembered until it is. (Noted only now: a look stopped by the
+        // fence before any delete leaves nothing to remember.)
+        if deleted_any || claims_gone {
+            ctx.claims_deleting(&w.uid, &local);
+        } else {
             // None deleted here: the pod is not to be deleted for them either.
-            if !deleted_any {
-                ctx.pod_released(&w.uid);
-            }
+            ctx.pod_released(&w.uid);
+        }
+        if !claims_gone {
             // Nothing was released: the token goes back, for the look in a moment.
             ctx.releases.give_back(&key);
             out.again_within(CHANGED_CLAIM_RETRY);

@@ -108,20 +108,28 @@ impl Caches {
                 }
                 // Named as a workload's generated one would be, it may have kept that
                 // workload's generator from making it, whatever it targeted.
-                self.same_named_generators(p);
+                self.same_named_generators(&p.name_any(), p.namespace().as_deref());
             }
             // A relist reaches the store only at its end: reconcile everything then (a request
             // for an object not yet in the store would be dropped).
             watcher::Event::InitDone => {
                 let now = self.pps_targets();
+                let before = before.unwrap_or_default();
+                let missing: Vec<ObjectRef<PersistentPodState>> = before
+                    .keys()
+                    .filter(|key| !now.contains_key(*key))
+                    .cloned()
+                    .collect();
                 let went: HashSet<WorkloadRef> = before
                     .into_iter()
-                    .flatten()
                     .filter(|(key, target)| now.get(key) != Some(target))
                     .map(|(_, target)| target)
                     .collect();
                 for target in &went {
                     self.trigger_workload(target);
+                }
+                for key in &missing {
+                    self.same_named_generators(&key.name, key.namespace.as_deref());
                 }
                 self.triggers.pps(self.all_pps());
             }
@@ -129,17 +137,17 @@ impl Caches {
         }
     }
 
-    /// The generators of the workloads (of every watched kind) named as `pps` is, in its
-    /// namespace.
-    fn same_named_generators(&self, pps: &PersistentPodState) {
-        let (Some(name), Some(namespace)) = (&pps.metadata.name, &pps.metadata.namespace) else {
+    /// The generators of the workloads (of every watched kind) named `name` in `namespace`
+    /// (a PersistentPodState's).
+    fn same_named_generators(&self, name: &str, namespace: Option<&str>) {
+        let Some(namespace) = namespace else {
             return;
         };
         for (kind, _) in self.workload_kinds() {
             self.trigger_workload(&WorkloadRef {
-                namespace: namespace.clone(),
+                namespace: namespace.to_owned(),
                 kind,
-                name: name.clone(),
+                name: name.to_owned(),
             });
         }
     }
@@ -447,12 +455,14 @@ mod tests {
             generator.try_recv().is_err(),
             "nothing until the relist ends"
         );
+        // (Both went: the relist found neither.) Their target's generator, and those of the
+        // StatefulSets named as they are.
         caches.apply_pps(watcher::Event::InitDone);
-        assert_eq!(
-            generator.try_recv().ok().map(|r| r.name),
-            Some("web".into())
-        );
-        assert!(generator.try_recv().is_err(), "once");
+        let mut woken = std::collections::BTreeSet::new();
+        while let Ok(r) = generator.try_recv() {
+            woken.insert(r.name);
+        }
+        assert_eq!(woken, ["twin".to_owned(), "web".to_owned()].into());
         // A relist that finds every object again wakes no generator.
         caches.apply_pps(watcher::Event::Init);
         caches.apply_pps(watcher::Event::InitDone);

@@ -359,7 +359,9 @@ async fn decide(state: &WebhookState, req: &AdmissionRequest) -> (Admission, Adm
             .collect::<Vec<_>>()
             .join("; ")
     );
-    tracing::info!(%message, "denied");
+    // The answer says it all; the log line at most its first KiB.
+    let logged: String = message.chars().take(1024).collect();
+    tracing::info!(message = %logged, "denied");
     (
         Admission::deny(422, "Invalid", message),
         AdmissionResult::Denied,
