@@ -1227,6 +1227,8 @@ async fn run_watch<K>(
                 Ok(Some(ev)) => {
                     // An event: the watch runs.
                     resumed = None;
+                    refused.ran();
+                    cut.ran();
                     match ev {
                         // A streaming list begun again before its end: the API server ended
                         // it at the watch's timeout (or it expired), and kube-runtime starts
@@ -1430,21 +1432,30 @@ pub(crate) fn transport_failed(error: &kube::Error) -> bool {
     }
 }
 
-/// The failures of one kind of a watch: an episode starts with a failure more than its grace
-/// after the previous one (a watch asked again without a failure is running again).
+/// The failures of one kind of a watch: an episode starts with the first failure after an
+/// event, or after a minute without one (a watch runs until its timeout, a minute: failures
+/// closer together left no watch running between them, however slowly each came).
 #[derive(Default)]
 struct Refused {
     since: Option<tokio::time::Instant>,
     last: Option<tokio::time::Instant>,
 }
 
+/// Failures further apart than this are two episodes: a watch may have run between them.
+const WATCH_EPISODE_GAP: Duration = Duration::from_secs(WATCH_TIMEOUT_SECONDS as u64);
+
 impl Refused {
+    /// The watch brought an event: it runs; the next failure begins an episode.
+    fn ran(&mut self) {
+        *self = Self::default();
+    }
+
     /// Counts one more failure; whether its episode is still within `grace`.
     fn again(&mut self, grace: Duration) -> bool {
         let now = tokio::time::Instant::now();
         if self
             .last
-            .is_none_or(|last| now.duration_since(last) > grace)
+            .is_none_or(|last| now.duration_since(last) > WATCH_EPISODE_GAP)
         {
             self.since = Some(now);
         }
@@ -2138,6 +2149,35 @@ mod tests {
             "{uri}"
         );
         assert!(watches.stale_now().is_empty());
+        task.abort();
+    }
+
+    /// Refusals that each come slowly (an API server's flow control holding the request for
+    /// 15 s, a load balancer's 504 after its own timeout) are one episode: no watch ran between
+    /// them. Its cache goes stale once they outlast the grace, and is listed again.
+    #[tokio::test(start_paused = true)]
+    async fn slow_refusals_one_after_another_go_stale_after_the_grace() {
+        let (mut handle, watches, task) = listed_node_watch().await;
+        let (list, refused) = (node_list(), storage_initializing());
+        let first = tokio::time::Instant::now();
+        let mut watches_asked = 0;
+        loop {
+            let (request, answer) = handle.next_request().await.expect("a request");
+            if !request.uri().to_string().contains("watch=true") {
+                assert!(first.elapsed() >= WATCH_REFUSED_GRACE);
+                respond(answer, 200, list);
+                break;
+            }
+            watches_asked += 1;
+            assert!(
+                watches_asked <= 3,
+                "asked again {watches_asked} times, never relisted"
+            );
+            tokio::time::sleep(WATCH_REFUSED_GRACE + Duration::from_secs(5)).await;
+            respond(answer, 429, refused.clone());
+        }
+        current_again(&watches).await;
+        assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
         task.abort();
     }
 
