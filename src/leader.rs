@@ -611,15 +611,27 @@ mod tests {
         .expect("lease")
     }
 
+    /// Waiting for the holder "other".
+    fn wait() -> Step {
+        Step::Wait {
+            holder: "other".into(),
+        }
+    }
+
+    /// An elector (of a 15 s Lease) that saw "other" hold the Lease at the instant returned.
+    fn seeing_other() -> (Elector, Duration, Instant) {
+        let (d, t0, mut e) = (Duration::from_secs(15), Instant::now(), Elector::default());
+        assert_eq!(
+            e.step(Some(&lease(Some("other"), "5")), "me", d, t0),
+            wait()
+        );
+        (e, d, t0)
+    }
+
     #[test]
     fn a_write_of_the_leases_metadata_is_no_renewal() {
-        let d = Duration::from_secs(15);
-        let t0 = Instant::now();
-        let mut e = Elector::default();
-        let wait = Step::Wait {
-            holder: "other".into(),
-        };
-        assert_eq!(e.step(Some(&lease(Some("other"), "5")), "me", d, t0), wait);
+        let (mut e, d, t0) = seeing_other();
+        let wait = wait();
         // Labelled every 10 s by another tool: a new resourceVersion, the same record.
         for (version, at) in [("6", 10), ("7", 14)] {
             let mut labelled = lease(Some("other"), "5");
@@ -649,9 +661,7 @@ mod tests {
         );
         assert_eq!(e.step(Some(&lease(None, "1")), "me", d, t0), Step::TakeOver);
         let other = |v: &str| lease(Some("other"), v);
-        let wait = Step::Wait {
-            holder: "other".into(),
-        };
+        let wait = wait();
         assert_eq!(e.step(Some(&other("5")), "me", d, t0), wait);
         assert_eq!(
             e.step(Some(&other("5")), "me", d, t0 + Duration::from_secs(10)),
@@ -675,13 +685,8 @@ mod tests {
 
     #[test]
     fn a_lease_deleted_under_a_live_holder_is_created_again_only_once_its_hold_expired() {
-        let d = Duration::from_secs(15);
-        let t0 = Instant::now();
-        let mut e = Elector::default();
-        let wait = Step::Wait {
-            holder: "other".into(),
-        };
-        assert_eq!(e.step(Some(&lease(Some("other"), "5")), "me", d, t0), wait);
+        let (mut e, d, t0) = seeing_other();
+        let wait = wait();
         // Deleted 3 s after the holder's last renewal seen: its fence may be open for 12 s more.
         assert_eq!(
             e.expires_in(t0 + Duration::from_secs(3)),
@@ -719,9 +724,7 @@ mod tests {
         if let Some(spec) = longer.spec.as_mut() {
             spec.lease_duration_seconds = Some(60);
         }
-        let wait = Step::Wait {
-            holder: "other".into(),
-        };
+        let wait = wait();
         assert_eq!(e.step(Some(&longer), "me", d, t0), wait);
         assert_eq!(
             e.step(Some(&longer), "me", d, t0 + Duration::from_secs(30)),

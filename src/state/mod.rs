@@ -2106,12 +2106,14 @@ mod tests {
         task.abort();
     }
 
-    /// A listed watch refused for the moment (the API server's cache of the kind being filled
-    /// again) is asked again from its version, without a list and without going stale, for
-    /// the grace; refused beyond it, its cache goes stale and is listed again.
-    #[tokio::test(start_paused = true)]
-    async fn a_listed_watch_refused_for_the_moment_resumes_and_goes_stale_only_after_the_grace() {
-        let (mut handle, watches, task) = listed_node_watch().await;
+    /// Answers every watch of [`listed_node_watch`] 429, each `slowly` after it was asked,
+    /// until it is listed again (each asked from its version, current within the grace); then
+    /// current again. How many times it was asked.
+    async fn refused_until_relisted(
+        handle: &mut MockHandle,
+        watches: &Watches,
+        slowly: Duration,
+    ) -> usize {
         let (list, refused) = (node_list(), storage_initializing());
         let first = tokio::time::Instant::now();
         let mut watches_asked = 0;
@@ -2125,7 +2127,6 @@ mod tests {
                     "relisted after {:?}",
                     first.elapsed()
                 );
-                assert!(watches_asked >= 10, "{watches_asked}");
                 respond(answer, 200, list);
                 break;
             }
@@ -2134,14 +2135,30 @@ mod tests {
                 assert!(watches.stale_now().is_empty(), "current within the grace");
             }
             watches_asked += 1;
+            assert!(
+                watches_asked <= 100,
+                "asked again {watches_asked} times, never relisted"
+            );
+            tokio::time::sleep(slowly).await;
             respond(answer, 429, refused.clone());
         }
-        current_again(&watches).await;
+        current_again(watches).await;
         assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        watches_asked
+    }
+
+    /// A listed watch refused for the moment (the API server's cache of the kind being filled
+    /// again) is asked again from its version, without a list and without going stale, for
+    /// the grace; refused beyond it, its cache goes stale and is listed again.
+    #[tokio::test(start_paused = true)]
+    async fn a_listed_watch_refused_for_the_moment_resumes_and_goes_stale_only_after_the_grace() {
+        let (mut handle, watches, task) = listed_node_watch().await;
+        let asked = refused_until_relisted(&mut handle, &watches, Duration::ZERO).await;
+        assert!(asked >= 10, "{asked}");
         // A later refusal is a new episode: asked again, not relisted.
         let (request, answer) = handle.next_request().await.expect("the watch");
         assert!(request.uri().to_string().contains("watch=true"));
-        respond(answer, 429, refused);
+        respond(answer, 429, storage_initializing());
         let (request, _answer) = handle.next_request().await.expect("asked again");
         let uri = request.uri().to_string();
         assert!(
@@ -2158,26 +2175,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn slow_refusals_one_after_another_go_stale_after_the_grace() {
         let (mut handle, watches, task) = listed_node_watch().await;
-        let (list, refused) = (node_list(), storage_initializing());
-        let first = tokio::time::Instant::now();
-        let mut watches_asked = 0;
-        loop {
-            let (request, answer) = handle.next_request().await.expect("a request");
-            if !request.uri().to_string().contains("watch=true") {
-                assert!(first.elapsed() >= WATCH_REFUSED_GRACE);
-                respond(answer, 200, list);
-                break;
-            }
-            watches_asked += 1;
-            assert!(
-                watches_asked <= 3,
-                "asked again {watches_asked} times, never relisted"
-            );
-            tokio::time::sleep(WATCH_REFUSED_GRACE + Duration::from_secs(5)).await;
-            respond(answer, 429, refused.clone());
-        }
-        current_again(&watches).await;
-        assert_eq!(watches.restarts(), [("Node".to_owned(), 1)]);
+        let slowly = WATCH_REFUSED_GRACE + Duration::from_secs(5);
+        let asked = refused_until_relisted(&mut handle, &watches, slowly).await;
+        assert!(
+            asked <= 2,
+            "asked again {asked} times before it was relisted"
+        );
         task.abort();
     }
 
