@@ -1,12 +1,18 @@
 //! Kubernetes Events on PersistentPodStates, published in the background and rate-limited per
 //! object and reason, so a burst (a rollout, a flapping node) cannot flood the API server.
+//! Repeats of an Event that says the same, within 6 minutes, are counted into its series (as
+//! client-go's recorder does); one that says something else is an Event of its own (kube's
+//! recorder would count it into the first, whose note it keeps).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use k8s_openapi::api::events::v1::Event as K8sEvent;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::events::EventType;
 use kube::{Client, Resource};
 
 use crate::api::PersistentPodState;
@@ -15,11 +21,49 @@ use crate::api::PersistentPodState;
 pub const REPORTER: &str = "persistent-pod-state";
 
 /// Publishes Events; at most one per PersistentPodState and reason per `min_interval`
-/// (repeats within the interval are dropped; the Recorder also folds identical ones into series).
+/// (repeats within the interval are dropped; identical ones later are counted into a series).
 pub struct Events {
-    recorder: Recorder,
+    client: Client,
+    instance: String,
     min_interval: Duration,
     last: Mutex<LastSent>,
+    series: Arc<Mutex<HashMap<SeriesKey, Published>>>,
+}
+
+/// How long a published Event takes repeats into its series (client-go's and kube's 6 minutes).
+const SERIES_TTL: Duration = Duration::from_secs(360);
+
+/// Events kept for their series at most (each at most a note and a few names).
+const SERIES_KEPT: usize = 4096;
+
+/// What makes a repeat the same Event: all it says (the references by what names them).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct SeriesKey {
+    type_: &'static str,
+    reason: String,
+    action: String,
+    regarding: [Option<String>; 5],
+    related: Option<[Option<String>; 5]>,
+    note: String,
+}
+
+/// The identity of an object reference, for [`SeriesKey`].
+fn named(r: &ObjectReference) -> [Option<String>; 5] {
+    [
+        r.api_version.clone(),
+        r.kind.clone(),
+        r.namespace.clone(),
+        r.name.clone(),
+        r.uid.clone(),
+    ]
+}
+
+/// An Event created: where, how many times it was seen, and when last.
+struct Published {
+    namespace: String,
+    name: String,
+    count: i32,
+    at: Instant,
 }
 
 /// When each key last sent an Event; keys out of the window are dropped once there are more
@@ -52,14 +96,12 @@ fn capped(mut note: String) -> String {
 impl Events {
     /// Events reported as `instance` of this controller.
     pub fn new(client: Client, instance: Option<String>, min_interval: Duration) -> Self {
-        let reporter = Reporter {
-            controller: REPORTER.into(),
-            instance,
-        };
         Self {
-            recorder: Recorder::new(client, reporter),
+            client,
+            instance: instance.unwrap_or_else(|| REPORTER.to_owned()),
             min_interval,
             last: Mutex::default(),
+            series: Arc::default(),
         }
     }
 
@@ -148,20 +190,105 @@ impl Events {
         if !self.allow(key) {
             return;
         }
-        let event = Event {
+        let type_ = match type_ {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        };
+        let key = SeriesKey {
             type_,
             reason: reason.to_owned(),
-            note: Some(capped(note)),
             action: action.to_owned(),
-            secondary: related,
+            regarding: named(&reference),
+            related: related.as_ref().map(named),
+            note: capped(note),
         };
-        let recorder = self.recorder.clone();
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let event = K8sEvent {
+            action: Some(key.action.clone()),
+            reason: Some(key.reason.clone()),
+            event_time: Some(MicroTime(now)),
+            note: Some(key.note.clone()),
+            metadata: ObjectMeta {
+                namespace: reference.namespace.clone(),
+                name: Some(format!(
+                    "{}.{:x}",
+                    reference.name.as_deref().unwrap_or(REPORTER),
+                    now.as_nanosecond()
+                )),
+                ..ObjectMeta::default()
+            },
+            regarding: Some(reference),
+            related,
+            reporting_controller: Some(REPORTER.to_owned()),
+            reporting_instance: Some(self.instance.clone()),
+            type_: Some(type_.to_owned()),
+            ..K8sEvent::default()
+        };
+        let (client, series) = (self.client.clone(), self.series.clone());
         tokio::spawn(async move {
-            if let Err(error) = recorder.publish(&event, &reference).await {
-                tracing::warn!(%error, object = ?reference.name, "could not publish an Event");
+            let object = event.regarding.as_ref().and_then(|r| r.name.clone());
+            if let Err(error) = send(client, &series, key, event).await {
+                tracing::warn!(%error, ?object, "could not publish an Event");
             }
         });
     }
+}
+
+/// Creates `event`, or counts it into the series of the same Event published within
+/// [`SERIES_TTL`].
+async fn send(
+    client: Client,
+    series: &Mutex<HashMap<SeriesKey, Published>>,
+    key: SeriesKey,
+    event: K8sEvent,
+) -> Result<(), kube::Error> {
+    let now = Instant::now();
+    let repeat = {
+        let mut kept = crate::sync::lock(series);
+        kept.retain(|_, p| now.duration_since(p.at) < SERIES_TTL);
+        kept.get(&key)
+            .map(|p| (p.namespace.clone(), p.name.clone(), p.count + 1))
+    };
+    match repeat {
+        Some((namespace, name, count)) => {
+            let api: Api<K8sEvent> = Api::namespaced(client, &namespace);
+            let change = serde_json::json!({"series": {
+                "count": count,
+                "lastObservedTime": MicroTime(k8s_openapi::jiff::Timestamp::now()),
+            }});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&change))
+                .await?;
+            if let Some(p) = crate::sync::lock(series).get_mut(&key) {
+                (p.count, p.at) = (count, now);
+            }
+        }
+        None => {
+            // Cluster-scoped objects' Events go to `default`, as the recorders put them.
+            let namespace = event
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".to_owned());
+            let api: Api<K8sEvent> = Api::namespaced(client, &namespace);
+            let created = api.create(&PostParams::default(), &event).await?;
+            let mut kept = crate::sync::lock(series);
+            if kept.len() < SERIES_KEPT {
+                let name = created
+                    .metadata
+                    .name
+                    .or(event.metadata.name)
+                    .unwrap_or_default();
+                let published = Published {
+                    namespace,
+                    name,
+                    count: 1,
+                    at: now,
+                };
+                kept.insert(key, published);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -203,6 +330,98 @@ mod tests {
             assert!(cut.ends_with('…'));
             assert!(long.starts_with(cut.trim_end_matches('…')));
         }
+    }
+
+    /// The method, path and body of the next request to `server`, answered with that body.
+    async fn next(
+        server: &mut tower_test::mock::Handle<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >,
+    ) -> (http::Method, String, serde_json::Value) {
+        use http_body_util::BodyExt;
+        let (request, respond) =
+            tokio::time::timeout(Duration::from_secs(10), server.next_request())
+                .await
+                .expect("a request within 10 s")
+                .expect("the client is alive");
+        let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+        let bytes = request
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+        let mut answer = body.clone();
+        if method == http::Method::PATCH {
+            answer = serde_json::json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
+                "metadata": {"name": path.rsplit('/').next(), "namespace": "ns"}, "eventTime": null});
+        }
+        respond.send_response(
+            http::Response::builder()
+                .status(if method == http::Method::POST {
+                    201
+                } else {
+                    200
+                })
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(
+                    serde_json::to_vec(&answer).expect("json"),
+                ))
+                .expect("response"),
+        );
+        (method, path, body)
+    }
+
+    #[tokio::test]
+    async fn a_repeat_is_counted_into_its_series_and_another_note_is_an_event_of_its_own() {
+        let (mock, mut server) = tower_test::mock::pair();
+        let events = Events::new(
+            Client::new(mock, "default"),
+            Some("pod-a".into()),
+            Duration::ZERO,
+        );
+        let pps: PersistentPodState = serde_json::from_value(serde_json::json!({
+            "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+            "metadata": {"name": "web", "namespace": "ns", "uid": "pps-uid"},
+            "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
+        }))
+        .expect("pps");
+        let publish = |note: &str| {
+            events.publish_about(
+                &pps,
+                "web-0",
+                EventType::Warning,
+                "PodReleased",
+                "Release",
+                note.into(),
+            );
+        };
+        publish("released from node a");
+        let (method, path, first) = next(&mut server).await;
+        assert_eq!(method, http::Method::POST);
+        assert_eq!(path, "/apis/events.k8s.io/v1/namespaces/ns/events");
+        assert_eq!(first["note"], "released from node a");
+        assert_eq!(first["reportingInstance"], "pod-a");
+        assert_eq!(first["regarding"]["name"], "web");
+        assert_eq!(first["related"]["name"], "web-0");
+        assert_eq!(first["type"], "Warning");
+        // Saying something else: an Event of its own, not a count on the first.
+        publish("released from node b");
+        let (method, _, second) = next(&mut server).await;
+        assert_eq!(method, http::Method::POST);
+        assert_eq!(second["note"], "released from node b");
+        // Saying the same again: counted into the first's series.
+        publish("released from node a");
+        let (method, path, repeat) = next(&mut server).await;
+        assert_eq!(method, http::Method::PATCH);
+        let name = first["metadata"]["name"].as_str().expect("a name");
+        assert_eq!(
+            path,
+            format!("/apis/events.k8s.io/v1/namespaces/ns/events/{name}")
+        );
+        assert_eq!(repeat["series"]["count"], 2);
     }
 
     #[tokio::test]
