@@ -281,17 +281,11 @@ pub async fn explain(
     // Every pod of the cluster: which one holds which IP. Page by page (each trimmed as it is
     // cached), never one answer of every pod of a large cluster.
     let pods = Api::<Pod>::all(client.clone());
-    let mut page = ListParams::default().limit(500);
-    loop {
-        let list = pods.list(&page).await.context("listing pods")?;
-        for p in list.items {
-            caches.apply_pod(watcher::Event::InitApply(p));
-        }
-        match list.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(token) => page = page.continue_token(&token),
-            None => break,
-        }
-    }
+    crate::client::list_each(&pods, &ListParams::default(), |p| {
+        caches.apply_pod(watcher::Event::InitApply(p));
+    })
+    .await
+    .context("listing pods")?;
     caches.apply_pod(watcher::Event::InitDone);
     let mut out = explain_with(&caches, served, namespace, object, source);
     if let Some(current) = current.filter(release::waits_unscheduled) {
@@ -417,7 +411,10 @@ async fn volume_release(
     let claims = release::describe(&local);
     // Registered again under another uid and working: kept while it is so (its data may be
     // there), as the controller judges.
-    if node.as_deref().is_some_and(|n| !health.is_lost(n)) && local.iter().any(|c| c.node_known) {
+    if gone.is_some()
+        && node.as_deref().is_some_and(|n| !health.is_lost(n))
+        && local.iter().any(|c| c.node_known)
+    {
         return Ok(vec![format!(
             "held by claims {claims} on node {recorded}, which is there again (another uid) and works: not released while it is so"
         )]);

@@ -311,7 +311,10 @@ impl ProcessMetrics {
             }
             self.threads.set(stat.threads);
             self.virtual_memory_bytes.set(stat.virtual_bytes);
-            self.resident_memory_bytes.set(stat.resident_pages * 4096);
+            // In the kernel's pages: 4 KiB on x86, 4, 16 or 64 KiB on arm64.
+            let page = i64::try_from(rustix::param::page_size()).unwrap_or(4096);
+            self.resident_memory_bytes
+                .set(stat.resident_pages.saturating_mul(page));
             let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|t| {
                 t.lines().find_map(|l| {
                     l.strip_prefix("btime ")

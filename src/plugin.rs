@@ -203,17 +203,18 @@ pub async fn status(
         ),
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
-    let list = pps_api
-        .list(&ListParams::default())
+    let mut list = Vec::new();
+    crate::client::list_each(&pps_api, &ListParams::default(), |p| list.push(p))
         .await
         .context("listing PersistentPodStates")?;
     let caches = Caches::with_nodes(client).await.context("listing nodes")?;
-    let released = events
-        .list(&ListParams::default().fields("reason=PodReleased"))
+    let mut released = Vec::new();
+    let params = ListParams::default().fields("reason=PodReleased");
+    crate::client::list_each(&events, &params, |e| released.push(e))
         .await
         .context("listing Events")?;
     let mut released_by: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
-    for e in released.items {
+    for e in released {
         let about = &e.involved_object;
         if about.kind.as_deref() != Some("PersistentPodState") {
             continue;
@@ -238,7 +239,6 @@ pub async fn status(
         placement::required_owned(recorded, &demands, caches.as_ref(), &health)
     };
     Ok(list
-        .items
         .into_iter()
         .map(|p| {
             let ns = p.namespace().unwrap_or_default();

@@ -420,6 +420,26 @@ impl Context {
         (over > now).then(|| over - now)
     }
 
+    /// Drops what was reported of PersistentPodStates deleted since (when due, as
+    /// [`Reported::lock`] does) and sets the gauges counting it again: no reconcile of a deleted
+    /// one does, and the last one deleted would leave them up for ever.
+    pub(super) fn forget_gone_reports(&self) {
+        let (unplaceable, forgot) = self.reported_unplaceable.lock(&self.caches);
+        if forgot {
+            let states = unplaceable
+                .by_pps
+                .values()
+                .map(BTreeMap::len)
+                .sum::<usize>();
+            self.metrics.states_unplaceable.set(states as i64);
+        }
+        drop(unplaceable);
+        let (limits, forgot) = self.reported_limits.lock(&self.caches);
+        if forgot {
+            self.metrics.over_limits.set(limits.by_pps.len() as i64);
+        }
+    }
+
     /// The node-local claims of the waiting pod `uid` are being deleted: remembered until
     /// [`Context::pod_released`], so that the pod's own delete is made even if it fails now.
     pub(super) fn claims_deleting(&self, uid: &str, claims: &[crate::release::LocalClaim]) {
@@ -564,7 +584,8 @@ const ORPHANED_PINS_EVERY: Duration = Duration::from_secs(10);
 
 /// Until `shutdown`, releases every [`ORPHANED_PINS_EVERY`] the pods pinned by
 /// PersistentPodStates that are gone, once their pins are unusable
-/// ([`reconcile::release_orphaned_pins`]): no reconcile of theirs does.
+/// ([`reconcile::release_orphaned_pins`]), and forgets what was reported of them
+/// ([`Context::forget_gone_reports`]): no reconcile of theirs does.
 async fn sweep_orphaned_pins(ctx: Arc<Context>, shutdown: CancellationToken) {
     let mut every = tokio::time::interval(ORPHANED_PINS_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -573,6 +594,7 @@ async fn sweep_orphaned_pins(ctx: Arc<Context>, shutdown: CancellationToken) {
             _ = every.tick() => {}
             () = shutdown.cancelled() => return,
         }
+        ctx.forget_gone_reports();
         if let Err(e) = reconcile::release_orphaned_pins(&ctx).await {
             tracing::warn!(error = %e, "releasing pods pinned by PersistentPodStates that are gone failed; tried again at the next look");
         }

@@ -933,6 +933,37 @@ async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
     assert!(metrics.contains("pps_states_unplaceable 0"), "{metrics}");
 }
 
+/// The last PersistentPodState with an unplaceable state deleted: no reconcile of it runs, and
+/// the periodic look forgets it (once `FORGET_EVERY` passed since the last), the gauge at 0.
+#[tokio::test]
+async fn a_deleted_pps_leaves_the_unplaceable_gauge() {
+    let caches = world();
+    let (ctx, mut handle) = context(caches.clone());
+    first_write(&ctx, &mut handle).await;
+    let gone = Arc::new(pps(
+        json!({"observedGeneration": 2, "podStates": {"web-1": {
+        "nodeName": "gone", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "zone-gone"}}}}),
+    ));
+    caches.apply_pps(watcher::Event::Apply(gone.as_ref().clone()));
+    drive_to_action(
+        reconcile_pps(gone.clone(), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(ctx.metrics.encode().contains("pps_states_unplaceable 1"));
+    caches.apply_pps(watcher::Event::Delete(gone.as_ref().clone()));
+    ctx.forget_gone_reports();
+    assert!(
+        ctx.metrics.encode().contains("pps_states_unplaceable 1"),
+        "not before FORGET_EVERY"
+    );
+    crate::sync::lock(&ctx.reported_unplaceable.0).forgotten_at = None;
+    ctx.forget_gone_reports();
+    let metrics = ctx.metrics.encode();
+    assert!(metrics.contains("pps_states_unplaceable 0"), "{metrics}");
+}
+
 #[test]
 fn releases_are_limited_per_pps_and_refill() {
     let releases = super::retry::Releases::new(2);

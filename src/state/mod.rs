@@ -180,12 +180,11 @@ impl Caches {
     /// without watching: `explain`, `release`, `kubectl pps status`).
     pub async fn with_nodes(client: &Client) -> Result<Arc<Self>, kube::Error> {
         let caches = Self::new();
-        let nodes = Api::<Node>::all(client.clone())
-            .list(&kube::api::ListParams::default())
-            .await?;
-        for n in nodes.items {
+        let nodes = Api::<Node>::all(client.clone());
+        crate::client::list_each(&nodes, &kube::api::ListParams::default(), |n| {
             caches.apply_node(watcher::Event::InitApply(n));
-        }
+        })
+        .await?;
         caches.apply_node(watcher::Event::InitDone);
         Ok(caches)
     }
