@@ -987,9 +987,14 @@ impl Activity {
     }
 
     /// Its next answer says `connection: close` (and hyper then ends the connection); its
-    /// maximum age no longer counts.
+    /// maximum age counts one idle bound later.
     fn close_with_next_answer(&self) {
         self.0.closing.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether its next answer closes it ([`Activity::close_with_next_answer`]).
+    fn closes_with_next_answer(&self) -> bool {
+        self.0.closing.load(Ordering::Relaxed)
     }
 
     /// A request's headers arrived: it is handled, and no headers are due until it is
@@ -1006,8 +1011,8 @@ impl Activity {
     /// Resolves, with its reason, once the connection is past one of its bounds: no byte
     /// moved for `limits.idle_timeout`, a request's headers waited for `limits.header_timeout`
     /// (never while a request is handled, nor on a connection awaiting a request before its
-    /// first byte, nor after an HTTP/2 request), or `limits.max_age` reached (unless
-    /// the connection already closes with its next answer). One timer per connection, reset
+    /// first byte, nor after an HTTP/2 request), or `limits.max_age` reached (one idle bound
+    /// later when the connection closes with its next answer already). One timer per connection, reset
     /// only when it fires (hyper's own header deadline arms and drops a timer for every
     /// request).
     async fn past_bound(&self, limits: &Limits) -> Bound {
@@ -1024,8 +1029,13 @@ impl Activity {
                     due = (Bound::HeadersLate, late);
                 }
             }
-            let old = micros(limits.max_age);
-            if old < due.1 && !self.0.closing.load(Ordering::Relaxed) {
+            // Closing with its next answer already, it is waited for one idle bound more: an
+            // answer its client reads slowly but steadily would otherwise keep it for good.
+            let mut old = micros(limits.max_age);
+            if self.closes_with_next_answer() {
+                old = old.saturating_add(micros(limits.idle_timeout));
+            }
+            if old < due.1 {
                 due = (Bound::MaxAge, old);
             }
             let send = micros(limits.send_timeout);
@@ -1145,7 +1155,7 @@ where
             && let Some(activity) = this.activity.take()
         {
             activity.awaits_request();
-            if activity.0.closing.load(Ordering::Relaxed)
+            if activity.closes_with_next_answer()
                 && let Poll::Ready(Ok(response)) = &mut polled
             {
                 response.headers_mut().insert(
@@ -2007,7 +2017,7 @@ async fn run_http<IO>(
                 // An HTTP/1 connection between requests is not closed under a request the
                 // client may be sending: its next answer closes it (or the idle bound, which
                 // outlasts the API server's own for an idle connection).
-                Bound::MaxAge if activity.between_requests() => {
+                Bound::MaxAge if activity.between_requests() && !activity.closes_with_next_answer() => {
                     tracing::debug!(%peer, "at its maximum age: the next answer closes the connection");
                     activity.close_with_next_answer();
                 }
@@ -2551,17 +2561,35 @@ mod tests {
         activity.bytes_read();
         assert_eq!(activity.past_bound(&limits).await, Bound::HeadersLate);
         // Past its maximum age between two requests, a connection that closes with its next
-        // answer is bound by being idle or late, not by its age.
+        // answer is bound by being idle or late, and by its age only one idle bound later.
         let old = Limits {
             max_age: Duration::from_millis(1),
             ..limits
         };
+        let activity = Activity::new();
+        activity.bytes_read();
         assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
         activity.close_with_next_answer();
         assert_eq!(activity.past_bound(&old).await, Bound::HeadersLate);
         activity.awaits_request();
         activity.touch();
-        assert_eq!(activity.past_bound(&old).await, Bound::Idle);
+        let then = Instant::now();
+        assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
+        assert!(
+            then.elapsed() >= old.idle_timeout / 2,
+            "{:?}",
+            then.elapsed()
+        );
+        let (young, idle) = (
+            Activity::new(),
+            Limits {
+                max_age: Duration::from_secs(60),
+                ..old
+            },
+        );
+        young.close_with_next_answer();
+        young.awaits_request();
+        assert_eq!(young.past_bound(&idle).await, Bound::Idle);
         // An HTTP/2 connection has no header deadline once its first request arrived.
         let activity = Activity::new();
         activity.headers_arrived(axum::http::Version::HTTP_2);
@@ -2571,6 +2599,42 @@ mod tests {
         assert_eq!(activity.past_bound(&limits).await, Bound::Idle);
         assert!(!activity.between_requests());
         assert_eq!(activity.past_bound(&old).await, Bound::MaxAge);
+    }
+
+    /// Past its maximum age, closing with its next answer, an HTTP/1 connection whose answer
+    /// its client reads slowly but steadily (bytes move, never idle nor stalled) is bound by its
+    /// age one idle bound later: not held until the answer is read, however long that takes.
+    #[tokio::test]
+    async fn a_closing_connection_whose_answer_trickles_out_is_bound_by_its_age_and_the_idle_bound()
+    {
+        let limits = Limits {
+            max_age: Duration::from_millis(1),
+            idle_timeout: Duration::from_millis(300),
+            ..Limits::WEBHOOK
+        };
+        let activity = Activity::new();
+        activity.headers_arrived(axum::http::Version::HTTP_11);
+        activity.close_with_next_answer();
+        // Its answer is ready and being written, a piece every 20 ms.
+        activity.awaits_request();
+        let writer = activity.clone();
+        let trickle = tokio::spawn(async move {
+            loop {
+                writer.bytes_written();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        let started = Instant::now();
+        let bound = tokio::time::timeout(Duration::from_secs(5), activity.past_bound(&limits))
+            .await
+            .expect("bound within 5 s");
+        trickle.abort();
+        assert_eq!(bound, Bound::MaxAge);
+        assert!(
+            started.elapsed() >= limits.idle_timeout / 2,
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[tokio::test]
