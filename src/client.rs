@@ -35,30 +35,6 @@ pub const KEEPALIVE_PROBES: u32 = 3;
 /// How long sent data may stay unacknowledged before the connection is given up (Linux).
 pub const UNACKNOWLEDGED: Duration = Duration::from_secs(60);
 
-/// Objects listed per page by the commands ([`list_each`]), as kubectl lists them.
-pub const PAGE: u32 = 500;
-
-/// Hands `each` every object `api` lists under `params`, read page by page ([`PAGE`] each), so
-/// that no one answer holds a whole large cluster's objects.
-pub async fn list_each<K>(
-    api: &kube::Api<K>,
-    params: &kube::api::ListParams,
-    mut each: impl FnMut(K),
-) -> Result<(), kube::Error>
-where
-    K: Clone + std::fmt::Debug + serde::de::DeserializeOwned,
-{
-    let mut page = params.clone().limit(PAGE);
-    loop {
-        let list = api.list(&page).await?;
-        list.items.into_iter().for_each(&mut each);
-        match list.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(token) => page = page.continue_token(&token),
-            None => return Ok(()),
-        }
-    }
-}
-
 /// A client for `config`, its connections kept alive as above.
 pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
     if config.proxy_url.is_some() {

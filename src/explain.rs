@@ -281,7 +281,7 @@ pub async fn explain(
     // Every pod of the cluster: which one holds which IP. Page by page (each trimmed as it is
     // cached), never one answer of every pod of a large cluster.
     let pods = Api::<Pod>::all(client.clone());
-    crate::client::list_each(&pods, &ListParams::default(), |p| {
+    crate::state::list_each(&pods, &ListParams::default(), |p| {
         caches.apply_pod(watcher::Event::InitApply(p));
     })
     .await

@@ -204,13 +204,13 @@ pub async fn status(
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
     let mut list = Vec::new();
-    crate::client::list_each(&pps_api, &ListParams::default(), |p| list.push(p))
+    crate::state::list_each(&pps_api, &ListParams::default(), |p| list.push(p))
         .await
         .context("listing PersistentPodStates")?;
     let caches = Caches::with_nodes(client).await.context("listing nodes")?;
     let mut released = Vec::new();
     let params = ListParams::default().fields("reason=PodReleased");
-    crate::client::list_each(&events, &params, |e| released.push(e))
+    crate::state::list_each(&events, &params, |e| released.push(e))
         .await
         .context("listing Events")?;
     let mut released_by: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();

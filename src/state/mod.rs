@@ -139,6 +139,30 @@ pub struct Caches {
     crd_declares_extensions: AtomicBool,
 }
 
+/// Objects listed per page by the commands ([`list_each`]), as kubectl lists them.
+pub const COMMAND_PAGE: u32 = 500;
+
+/// Hands `each` every object `api` lists under `params`, read page by page ([`COMMAND_PAGE`]
+/// each), so that no one answer holds a whole large cluster's objects.
+pub async fn list_each<K>(
+    api: &kube::Api<K>,
+    params: &kube::api::ListParams,
+    mut each: impl FnMut(K),
+) -> Result<(), kube::Error>
+where
+    K: Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    let mut page = params.clone().limit(COMMAND_PAGE);
+    loop {
+        let list = api.list(&page).await?;
+        list.items.into_iter().for_each(&mut each);
+        match list.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => page = page.continue_token(&token),
+            None => return Ok(()),
+        }
+    }
+}
+
 impl Caches {
     fn build(client: Option<Client>, on_synced: fn()) -> Arc<Self> {
         let (pps, pps_writer) = reflector::store();
@@ -181,7 +205,7 @@ impl Caches {
     pub async fn with_nodes(client: &Client) -> Result<Arc<Self>, kube::Error> {
         let caches = Self::new();
         let nodes = Api::<Node>::all(client.clone());
-        crate::client::list_each(&nodes, &kube::api::ListParams::default(), |n| {
+        list_each(&nodes, &kube::api::ListParams::default(), |n| {
             caches.apply_node(watcher::Event::InitApply(n));
         })
         .await?;
