@@ -907,19 +907,35 @@ async fn a_workloads_invalid_ip_request_is_not_copied_and_is_counted() {
     );
 }
 
-#[tokio::test]
-async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
+/// After a first write, a state recorded in a zone no node has (decommissioned), within the
+/// pacing interval, and looked at: the caches, the context, and that PersistentPodState, with
+/// what the look sent.
+async fn a_state_in_a_zone_gone() -> (
+    Arc<Caches>,
+    Arc<Context>,
+    Arc<PersistentPodState>,
+    Vec<Sent>,
+) {
     let caches = world();
     let (ctx, mut handle) = context(caches.clone());
     first_write(&ctx, &mut handle).await;
-
-    // Someone records a state in a zone no node has (decommissioned), within the interval.
     let gone = Arc::new(pps(
         json!({"observedGeneration": 2, "podStates": {"web-1": {
         "nodeName": "gone", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "zone-gone"}}}}),
     ));
     caches.apply_pps(watcher::Event::Apply(gone.as_ref().clone()));
-    let (sent, _) = drive_to_action(reconcile_pps(gone, ctx.clone()), &mut handle, vec![]).await;
+    let (sent, _) = drive_to_action(
+        reconcile_pps(gone.clone(), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    (caches, ctx, gone, sent)
+}
+
+#[tokio::test]
+async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
+    let (_, ctx, _, sent) = a_state_in_a_zone_gone().await;
     assert!(sent.is_empty(), "paced: {sent:?}");
     let metrics = ctx.metrics.encode();
     assert!(
@@ -937,20 +953,7 @@ async fn a_paced_reconcile_still_reports_a_state_whose_zone_is_gone() {
 /// the periodic look forgets it (once `FORGET_EVERY` passed since the last), the gauge at 0.
 #[tokio::test]
 async fn a_deleted_pps_leaves_the_unplaceable_gauge() {
-    let caches = world();
-    let (ctx, mut handle) = context(caches.clone());
-    first_write(&ctx, &mut handle).await;
-    let gone = Arc::new(pps(
-        json!({"observedGeneration": 2, "podStates": {"web-1": {
-        "nodeName": "gone", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "zone-gone"}}}}),
-    ));
-    caches.apply_pps(watcher::Event::Apply(gone.as_ref().clone()));
-    drive_to_action(
-        reconcile_pps(gone.clone(), ctx.clone()),
-        &mut handle,
-        vec![],
-    )
-    .await;
+    let (caches, ctx, gone, _) = a_state_in_a_zone_gone().await;
     assert!(ctx.metrics.encode().contains("pps_states_unplaceable 1"));
     caches.apply_pps(watcher::Event::Delete(gone.as_ref().clone()));
     ctx.forget_gone_reports();
