@@ -93,6 +93,23 @@ fn capped(mut note: String) -> String {
     note
 }
 
+/// The longest object name the API server takes (a DNS subdomain).
+const NAME_MAX: usize = 253;
+
+/// An Event's name: its object's name and the time in nanoseconds (as client-go names them),
+/// the object's name cut so the whole stays a DNS subdomain of at most [`NAME_MAX`] bytes.
+fn event_name(object: &str, nanos: i128) -> String {
+    let suffix = format!(".{nanos:x}");
+    let mut end = object.len().min(NAME_MAX - suffix.len());
+    while !object.is_char_boundary(end) {
+        end -= 1;
+    }
+    // A subdomain's labels end with a letter or digit: no `-` or `.` before the suffix's dot.
+    let prefix = object[..end].trim_end_matches(['-', '.']);
+    let prefix = if prefix.is_empty() { REPORTER } else { prefix };
+    format!("{prefix}{suffix}")
+}
+
 impl Events {
     /// Events reported as `instance` of this controller.
     pub fn new(client: Client, instance: Option<String>, min_interval: Duration) -> Self {
@@ -210,10 +227,9 @@ impl Events {
             note: Some(key.note.clone()),
             metadata: ObjectMeta {
                 namespace: reference.namespace.clone(),
-                name: Some(format!(
-                    "{}.{:x}",
+                name: Some(event_name(
                     reference.name.as_deref().unwrap_or(REPORTER),
-                    now.as_nanosecond()
+                    now.as_nanosecond(),
                 )),
                 ..ObjectMeta::default()
             },
@@ -294,6 +310,28 @@ async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An Event about an object with a long name gets a name the API server takes: at most 253
+    /// bytes, no label ending in `-` or `.` where the name was cut.
+    #[test]
+    fn long_object_names_give_event_names_within_a_subdomain() {
+        let nanos = 1_765_000_000_123_456_789_i128;
+        assert_eq!(event_name("web", nanos), format!("web.{nanos:x}"));
+        for object in [
+            "a".repeat(253),
+            format!("{}-{}", "a".repeat(235), "b".repeat(17)),
+            format!("{}.{}", "a".repeat(235), "b".repeat(17)),
+        ] {
+            let name = event_name(&object, nanos);
+            assert!(name.len() <= NAME_MAX, "{} bytes: {name}", name.len());
+            assert!(name.ends_with(&format!(".{nanos:x}")), "{name}");
+            assert!(!name.contains("-.") && !name.contains(".."), "{name}");
+            assert!(
+                object.starts_with(name.split_at(name.len() - 17).0),
+                "{name}"
+            );
+        }
+    }
 
     /// Events with a one-hour window, on a mock API server (kept alive with them).
     fn hourly() -> (

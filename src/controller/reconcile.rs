@@ -177,8 +177,8 @@ pub async fn reconcile_pps(
         (&pps.name_any(), &pods),
         &health,
     );
-    let mut wait = paced.map_or(next, |wait| wait.min(next));
-    let local = release_local_volumes(
+    let paced = paced.map_or(next, |wait| wait.min(next));
+    let released = releases(
         &ctx,
         &pps,
         &namespace,
@@ -187,36 +187,60 @@ pub async fn reconcile_pps(
         &workload_target,
         &health,
     )
-    .await?;
-    if let Some(later) = local.later {
-        wait = wait.min(later);
-    }
-    if let Some(later) =
-        moved::forget_moved(&ctx, &pps, &namespace, &pods, &workload_target).await?
-    {
-        wait = wait.min(later);
-    }
-    if let Some(later) = release_stranded(
-        &ctx,
-        &pps,
-        (&namespace, &workload_target),
-        &pods,
-        &health,
-        &local.released,
-    )
-    .await?
-    {
-        wait = wait.min(later);
-    }
+    .await;
+    let wait = match (released, write_backoff) {
+        (Ok(later), _) => later.map_or(paced, |later| later.min(paced)),
+        // The failed write counted this reconcile's failure and backed it off already: a
+        // release failing after it is logged, not counted (or backed off) a second time.
+        (Err(error), Some(delay)) => {
+            tracing::warn!(pps = %pps.name_any(), namespace = %namespace, %error, ?delay, "a release failed after the failed status write; both tried again after the delay");
+            delay
+        }
+        (Err(error), None) => return Err(error),
+    };
     // The releases' own next look (the release rate, a grace ending) is kept when it comes
     // sooner than the write's backoff.
-    if let Some(delay) = write_backoff {
-        wait = wait.min(delay);
-    }
+    let wait = write_backoff.map_or(wait, |delay| wait.min(delay));
     if settled {
         ctx.failures.succeeded(&failure_key("pps", pps.as_ref()));
     }
     Ok(Action::requeue(wait))
+}
+
+/// The releases a reconcile runs after its status write (claims on volumes only a lost node can
+/// mount, pods moved, pods stranded on pins): when any of them wants a look again, the soonest.
+async fn releases(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    namespace: &str,
+    pods: &[&CachedPod],
+    status: &PersistentPodStateStatus,
+    workload_target: &Target,
+    health: &Health,
+) -> Result<Option<Duration>, Error> {
+    let mut wait: Option<Duration> = None;
+    let mut sooner = |later: Duration| wait = Some(wait.map_or(later, |w| w.min(later)));
+    let local =
+        release_local_volumes(ctx, pps, namespace, pods, status, workload_target, health).await?;
+    if let Some(later) = local.later {
+        sooner(later);
+    }
+    if let Some(later) = moved::forget_moved(ctx, pps, namespace, pods, workload_target).await? {
+        sooner(later);
+    }
+    if let Some(later) = release_stranded(
+        ctx,
+        pps,
+        (namespace, workload_target),
+        pods,
+        health,
+        &local.released,
+    )
+    .await?
+    {
+        sooner(later);
+    }
+    Ok(wait)
 }
 
 /// How soon a PersistentPodState waiting for the pods to be listed again with an annotation it

@@ -1813,6 +1813,51 @@ async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() 
     assert!(result.is_err());
 }
 
+#[tokio::test]
+async fn a_release_failing_after_a_failed_status_write_is_one_failure_not_two() {
+    // As above, and the stranded pod's delete fails too (the API server at fault).
+    let caches = waiting_world();
+    caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
+    let mut pps = (*waiting_pps(json!({}))).clone();
+    if let Some(status) = pps.status.as_mut() {
+        status.observed_generation = 1;
+    }
+    let refused = |code: u16, reason: &str| {
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": reason, "code": code, "message": "refused"})
+    };
+    let (ctx, mut handle) = context(caches);
+    let (sent, result) = drive_to_result(
+        reconcile_pps(Arc::new(pps.clone()), ctx.clone()),
+        &mut handle,
+        vec![
+            refused(403, "Forbidden"),
+            refused(404, "NotFound"),
+            refused(500, "InternalError"),
+        ],
+    )
+    .await;
+    let calls = calls_of(&sent);
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert_eq!(calls[2], "DELETE /api/v1/namespaces/ns/pods/web-0?");
+    let action = result.expect("the failed write counted and backed off this reconcile already");
+    let after = requeue_after(&action).expect("requeued");
+    assert!(
+        after <= Duration::from_secs(1),
+        "looked at again after the write's backoff: {action:?}"
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_reconcile_errors_total{controller=\"status\"} 1"),
+        "one failed reconcile, counted once"
+    );
+    // Counted once in the backoff too: the next failure's delay is the second step's (0.5-1 s),
+    // not the third's (1-2 s).
+    let key = super::retry::failure_key("pps", &pps);
+    assert!(ctx.failures.failed(key) < Duration::from_secs(1));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_claim_changed_before_its_delete_keeps_the_pod_and_is_read_again_soon() {
     let (ctx, mut handle) = context(waiting_world());
