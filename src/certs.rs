@@ -95,11 +95,22 @@ pub fn generate(hosts: &[String], ca: Option<&ExistingCa>) -> anyhow::Result<Cer
     })
 }
 
-/// The CA kept in `dir` (`ca.crt` and `ca.key`), if both are there.
+/// The CA kept in `dir` (`ca.crt` and `ca.key`), if both are there; an error if only one is
+/// (a new CA would overwrite it, and every client trusting the old one would fail).
 pub fn existing_ca(dir: &Path) -> anyhow::Result<Option<ExistingCa>> {
     let (cert, key) = (dir.join("ca.crt"), dir.join("ca.key"));
-    if !cert.exists() || !key.exists() {
-        return Ok(None);
+    match (cert.try_exists()?, key.try_exists()?) {
+        (false, false) => return Ok(None),
+        (true, true) => {}
+        (there, _) => {
+            let (there, missing) = if there { (&cert, &key) } else { (&key, &cert) };
+            anyhow::bail!(
+                "{} is there and {} is not: restore it, or move {} away to make a new CA (every client trusting the old one must then be given the new ca.crt)",
+                there.display(),
+                missing.display(),
+                there.display()
+            );
+        }
     }
     Ok(Some(ExistingCa {
         cert: fs::read_to_string(&cert).with_context(|| format!("reading {}", cert.display()))?,
@@ -163,6 +174,25 @@ mod tests {
             key: "y".into(),
         };
         assert!(generate(&["a.svc".into()], Some(&garbage)).is_err());
+    }
+
+    #[test]
+    fn half_a_ca_is_refused_not_replaced() {
+        let dir = std::env::temp_dir().join(format!("pps-half-ca-{}", std::process::id()));
+        let bundle = generate(&["a.svc".into()], None).expect("generated");
+        write(&bundle, &dir).expect("written");
+        assert!(existing_ca(&dir).expect("both there").is_some());
+        fs::remove_file(dir.join("ca.key")).expect("removed");
+        let error = existing_ca(&dir).err().map(|e| e.to_string());
+        let error = error.expect("half a CA is an error");
+        assert!(error.contains("ca.crt is there and"), "{error}");
+        fs::remove_file(dir.join("ca.crt")).expect("removed");
+        assert!(existing_ca(&dir).expect("none there").is_none());
+        fs::write(dir.join("ca.key"), &bundle.ca_key).expect("written");
+        let error = existing_ca(&dir).err().map(|e| e.to_string());
+        let error = error.expect("half a CA is an error");
+        assert!(error.contains("ca.key is there and"), "{error}");
+        fs::remove_dir_all(&dir).expect("cleaned");
     }
 
     #[test]
