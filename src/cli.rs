@@ -124,6 +124,9 @@ pub struct ExplainArgs {
     /// As `serve --mode` (what the replicas are run with).
     #[arg(long, env = "PPS_MODE", value_enum, default_value_t = Mode::Active)]
     pub mode: Mode,
+    /// As `serve --max-releases-per-minute` (0: the replicas release nothing).
+    #[arg(long, env = "PPS_MAX_RELEASES_PER_MINUTE", default_value_t = 10)]
+    pub max_releases_per_minute: u32,
     /// Output: human-readable text or JSON.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,

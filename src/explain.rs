@@ -15,8 +15,8 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::api::{
-    INJECTED_REQUIRED_ANNOTATION, PersistentPodState, PodState, RELEASE_LOCAL_VOLUMES_ANNOTATION,
-    decode_required, encode_required, json_error_summary,
+    INJECTED_REQUIRED_ANNOTATION, MODE_ANNOTATION, PersistentPodState, PodState,
+    RELEASE_LOCAL_VOLUMES_ANNOTATION, decode_required, encode_required, json_error_summary,
 };
 use crate::placement::{self, HOSTNAME_LABEL, Health, Nodes, PodDemands};
 use crate::release::{self, LocalClaim, NodeKeys};
@@ -83,6 +83,20 @@ pub struct AsServed {
     pub node_keys: NodeKeys,
     /// `serve --mode observe`: every PersistentPodState observed only.
     pub observe_all: bool,
+    /// `serve --max-releases-per-minute` (0: the controller releases nothing).
+    pub max_releases_per_minute: u32,
+}
+
+/// What a release `explain` foresees becomes when the replicas release nothing
+/// (`--max-releases-per-minute 0`): what would happen, and how to do it by hand.
+fn unless_releases_off(served: &AsServed, said: String, pod: &str, namespace: &str) -> String {
+    if served.max_releases_per_minute == 0 {
+        format!(
+            "{said}; but the controller releases nothing (--max-releases-per-minute 0): run `persistent-pod-state release {pod} -n {namespace}`"
+        )
+    } else {
+        said
+    }
 }
 
 /// Runs the webhook's decision for `object` (a pod being created in `namespace`) and says what
@@ -290,7 +304,12 @@ pub async fn explain(
     let mut out = explain_with(&caches, served, namespace, object, source);
     if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);
+        let (pod, off) = (current.name_any(), served.max_releases_per_minute == 0);
         out.release = pinned_release(&current, caches.as_ref(), &health)
+            .map(|(said, releases)| match releases {
+                true if off => unless_releases_off(served, said, &pod, namespace),
+                _ => said,
+            })
             .into_iter()
             .collect();
         let pps = out
@@ -299,16 +318,7 @@ pub async fn explain(
             .and_then(|p| caches.pps.get(&ObjectRef::new(p).within(namespace)));
         if let (Some(pps), Some(workload)) = (pps, &workload) {
             out.release.extend(
-                volume_release(
-                    client,
-                    &caches,
-                    &pps,
-                    &current,
-                    workload,
-                    &health,
-                    &served.node_keys,
-                )
-                .await?,
+                volume_release(client, &caches, &pps, &current, workload, &health, served).await?,
             );
         }
     }
@@ -316,8 +326,9 @@ pub async fn explain(
 }
 
 /// When the controller releases a waiting pod the webhook pinned: now when no usable node has
-/// the values it added, else when the last node that has them comes to count as lost.
-fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<String> {
+/// the values it added, else when the last node that has them comes to count as lost (and
+/// whether it is released at all, then).
+fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<(String, bool)> {
     let values = decode_required(pod.annotations().get(INJECTED_REQUIRED_ANNOTATION)?)?;
     if values.is_empty() {
         return None;
@@ -327,10 +338,11 @@ fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<Strin
     if let Some(dropped) =
         placement::required(values.clone(), &PodDemands::none(), nodes, health).dropped
     {
-        return Some(format!(
+        let said = format!(
             "pinned by the webhook to {pinned}: released now ({})",
             LeftOut::list(&LeftOut::required(&dropped).collect::<Vec<_>>())
-        ));
+        );
+        return Some((said, true));
     }
     let mut last: Option<k8s_openapi::jiff::Timestamp> = None;
     let mut usable: Option<String> = None;
@@ -342,14 +354,23 @@ fn pinned_release(pod: &Pod, nodes: &dyn Nodes, health: &Health) -> Option<Strin
         usable.is_some()
     });
     Some(match (usable, last) {
-        (Some(node), _) => format!(
-            "pinned by the webhook to {pinned}: not released while node {node} is usable (the pod waits for something else)"
+        (Some(node), _) => (
+            format!(
+                "pinned by the webhook to {pinned}: not released while node {node} is usable (the pod waits for something else)"
+            ),
+            false,
         ),
-        (None, Some(at)) => format!(
-            "pinned by the webhook to {pinned}: released at {at} if no node that has them is ready by then (--node-lost-after {})",
-            humantime(health.lost_after)
+        (None, Some(at)) => (
+            format!(
+                "pinned by the webhook to {pinned}: released at {at} if no node that has them is ready by then (--node-lost-after {})",
+                humantime(health.lost_after)
+            ),
+            true,
         ),
-        (None, None) => format!("pinned by the webhook to {pinned}: released now"),
+        (None, None) => (
+            format!("pinned by the webhook to {pinned}: released now"),
+            true,
+        ),
     })
 }
 
@@ -362,7 +383,7 @@ async fn volume_release(
     pod: &Pod,
     workload: &DynamicObject,
     health: &Health,
-    keys: &NodeKeys,
+    served: &AsServed,
 ) -> anyhow::Result<Vec<String>> {
     let info = WorkloadInfo::from_object(workload);
     let name = pod.name_any();
@@ -383,7 +404,7 @@ async fn volume_release(
         &info.claim_templates,
         &info.uid,
         caches,
-        keys,
+        &served.node_keys,
     )
     .await
     .context("reading the pod's claims")?;
@@ -409,6 +430,12 @@ async fn volume_release(
         .map(String::as_str)
         == Some("true");
     let claims = release::describe(&local);
+    // As the controller: what is observed only is another injector's, its claims never released.
+    if crate::api::observed_only(pps, served.observe_all) {
+        return Ok(vec![format!(
+            "held by claims {claims} on node {recorded}: never released by the controller while the PersistentPodState is observed only (serve --mode observe, or its {MODE_ANNOTATION} annotation)"
+        )]);
+    }
     // Registered again under another uid and working: kept while it is so (its data may be
     // there), as the controller judges.
     if gone.is_some()
@@ -429,9 +456,10 @@ async fn volume_release(
         }
     };
     Ok(vec![if allowed {
-        format!(
+        let said = format!(
             "held by claims {claims} on node {recorded}: {when}; then the controller releases them with the pod ({RELEASE_LOCAL_VOLUMES_ANNOTATION} is true)"
-        )
+        );
+        unless_releases_off(served, said, &name, &namespace)
     } else {
         format!(
             "held by claims {claims} on node {recorded}: {when}; the controller releases them only with {RELEASE_LOCAL_VOLUMES_ANNOTATION}=true on the PersistentPodState, or run `persistent-pod-state release {name} -n {namespace}`"
@@ -553,7 +581,7 @@ mod tests {
                 .to_string()
         };
         let health = Health::now(Duration::from_secs(300));
-        let said = |caches: &Caches| pinned_release(&pod, caches, &health).expect("pinned");
+        let said = |caches: &Caches| pinned_release(&pod, caches, &health).expect("pinned").0;
         let brief = said(&with_ready("Unknown", &ago(10)));
         assert!(
             brief.contains("released at") && brief.contains("--node-lost-after 5m"),
@@ -567,6 +595,29 @@ mod tests {
             said(Caches::new().as_ref()).contains("released now"),
             "node gone"
         );
+        // Released or not, and with the replicas run with `--max-releases-per-minute 0` never.
+        let off = AsServed {
+            max_releases_per_minute: 0,
+            ..AsServed::default()
+        };
+        let on = AsServed {
+            max_releases_per_minute: 10,
+            ..AsServed::default()
+        };
+        for (caches, releases) in [
+            (with_ready("True", &ago(600)), false),
+            (Caches::new(), true),
+        ] {
+            let (said, released) = pinned_release(&pod, caches.as_ref(), &health).expect("pinned");
+            assert_eq!(released, releases, "{said}");
+            let as_run = unless_releases_off(&off, said.clone(), "web-0", "ns");
+            assert!(
+                as_run.contains("--max-releases-per-minute 0")
+                    && as_run.contains("persistent-pod-state release web-0 -n ns"),
+                "{as_run}"
+            );
+            assert_eq!(unless_releases_off(&on, said.clone(), "web-0", "ns"), said);
+        }
         let unpinned: Pod =
             serde_json::from_value(json!({"metadata": {"name": "x"}})).expect("pod");
         assert_eq!(

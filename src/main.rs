@@ -104,6 +104,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 node_lost_after: args.node_lost_after,
                 node_keys: release::NodeKeys::with(&args.node_local_volume_keys),
                 observe_all: args.mode == Mode::Observe,
+                max_releases_per_minute: args.max_releases_per_minute,
             };
             let e = explain::explain(&client, &args.namespace, &args.pod, &served).await?;
             match args.output {

@@ -53,6 +53,14 @@ pub struct PluginCli {
     /// As `serve --mode` (what the replicas are run with).
     #[arg(long, global = true, env = "PPS_MODE", value_enum, default_value_t = Mode::Active)]
     pub mode: Mode,
+    /// As `serve --max-releases-per-minute` (0: the replicas release nothing).
+    #[arg(
+        long,
+        global = true,
+        env = "PPS_MAX_RELEASES_PER_MINUTE",
+        default_value_t = 10
+    )]
+    pub max_releases_per_minute: u32,
     /// What to do.
     #[command(subcommand)]
     pub command: PluginCommand,
@@ -292,6 +300,7 @@ pub async fn run(cli: PluginCli) -> anyhow::Result<()> {
                 node_lost_after: cli.node_lost_after,
                 node_keys: release::NodeKeys::with(&cli.node_local_volume_keys),
                 observe_all: cli.mode == Mode::Observe,
+                max_releases_per_minute: cli.max_releases_per_minute,
             };
             let e = explain::explain(&client, &namespace, pod, &served).await?;
             print(&e, cli.output, e.text())
