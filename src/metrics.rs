@@ -637,7 +637,7 @@ impl Metrics {
         );
         registry.register(
             "serving_certificate_expiry_timestamp_seconds",
-            "When the serving certificate in use expires (Unix seconds)",
+            "When the serving certificate in use expires (Unix seconds; its files are looked at every 10 s and on handshakes)",
             m.serving_certificate_expiry.clone(),
         );
         m.process.register(&mut root);

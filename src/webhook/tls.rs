@@ -157,6 +157,31 @@ impl ReloadingCert {
     }
 }
 
+/// How often the served certificate's files are looked at between handshakes.
+const LOOKED_AT_EVERY: Duration = Duration::from_secs(10);
+
+/// Looks at `cert`'s files every `every` from a task of the current runtime (if any), until
+/// `cert` is dropped: a renewed pair is loaded, and its expiry shown, though no handshake comes
+/// (the API server keeps its connections for minutes, and an alert on the expiry would fire on
+/// a certificate renewed long ago).
+fn look_between_handshakes(cert: &Arc<ReloadingCert>, every: Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let cert = Arc::downgrade(cert);
+    runtime.spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let Some(cert) = cert.upgrade() else {
+                return;
+            };
+            cert.current();
+        }
+    });
+}
+
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.current())
@@ -315,7 +340,13 @@ pub fn server_config(
     expiry: Gauge,
 ) -> anyhow::Result<Arc<ServerConfig>> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let resolver = ReloadingCert::new(cert.to_owned(), key.to_owned(), provider.clone(), expiry)?;
+    let resolver = Arc::new(ReloadingCert::new(
+        cert.to_owned(),
+        key.to_owned(),
+        provider.clone(),
+        expiry,
+    )?);
+    look_between_handshakes(&resolver, LOOKED_AT_EVERY);
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()?;
     let builder = match client_ca {
@@ -325,7 +356,7 @@ pub fn server_config(
             provider,
         )?)),
     };
-    let mut config = builder.with_cert_resolver(Arc::new(resolver));
+    let mut config = builder.with_cert_resolver(resolver);
     if client_ca.is_some() {
         // A resumed session keeps the client certificate verified when it began, whatever CAs
         // are trusted now: every connection verifies its certificate afresh (the API server
@@ -543,6 +574,43 @@ pub(crate) mod tests {
         r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         assert_eq!(r.current().cert[0], third, "previous pair kept");
         assert_eq!(expiry.get(), 1_925_078_400, "and its expiry");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A pair renewed while no handshake comes is loaded all the same, and its expiry shown.
+    #[tokio::test]
+    async fn a_renewed_pair_is_loaded_and_its_expiry_shown_without_a_handshake() {
+        let dir = std::env::temp_dir().join(format!("pps-tls-idle-{}", std::process::id()));
+        certs::write(
+            &certs::generate(&["a.example".into()], None).expect("gen"),
+            &dir,
+        )
+        .expect("write");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let expiry = Gauge::default();
+        let r = Arc::new(
+            ReloadingCert::new(
+                dir.join("tls.crt"),
+                dir.join("tls.key"),
+                provider,
+                expiry.clone(),
+            )
+            .expect("loads"),
+        );
+        look_between_handshakes(&r, Duration::from_millis(10));
+        let mut params = rcgen::CertificateParams::new(vec!["c.example".into()]).expect("params");
+        params.not_after = rcgen::date_time_ymd(2031, 1, 2);
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.self_signed(&key).expect("cert");
+        std::fs::write(dir.join("tls.crt"), cert.pem()).expect("write");
+        std::fs::write(dir.join("tls.key"), key.serialize_pem()).expect("write");
+        r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while expiry.get() != 1_925_078_400 {
+            assert!(Instant::now() < deadline, "still {}", expiry.get());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(r.expires(), Some(1_925_078_400));
         std::fs::remove_dir_all(&dir).ok();
     }
 
