@@ -955,6 +955,14 @@ impl Activity {
     /// deadline starts.
     fn bytes_read(&self) {
         self.touch();
+        self.request_bytes_read();
+    }
+
+    /// Bytes of a request were read (from the socket, or decrypted): on a connection awaiting a
+    /// request, that request's header deadline starts. A request's bytes that arrived with the
+    /// TLS handshake's last flight were read from the socket before the connection awaited one:
+    /// they start it as they are decrypted and read.
+    fn request_bytes_read(&self) {
         if self.0.waiting_micros.load(Ordering::Relaxed) == AWAITING {
             let _ = self.0.waiting_micros.compare_exchange(
                 AWAITING,
@@ -1252,7 +1260,8 @@ impl Tap for Activity {
 /// The HTTP/2 client preface (RFC 9113, section 3.4).
 const HTTP2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// A connection's first bytes checked for the HTTP/2 preface, where the TLS handshake chose no
+/// The bytes hyper reads (decrypted): a request's first one starts its header deadline; and a
+/// connection's first bytes checked for the HTTP/2 preface, where the TLS handshake chose no
 /// protocol: a client speaking HTTP/2 from the start is then told GOAWAY as one that chose it.
 struct Preface {
     activity: Activity,
@@ -1263,6 +1272,9 @@ struct Preface {
 
 impl Tap for Preface {
     fn read(&mut self, new: &[u8]) {
+        if !new.is_empty() {
+            self.activity.request_bytes_read();
+        }
         let Some(matched) = self.matched else { return };
         let want = &HTTP2_PREFACE[matched..];
         let n = new.len().min(want.len());

@@ -32,6 +32,8 @@ const TEST_LIMITS: Limits = Limits {
 
 struct Server {
     addr: std::net::SocketAddr,
+    /// `connector`'s configuration.
+    config: Arc<rustls::ClientConfig>,
     connector: TlsConnector,
     h2: TlsConnector,
     /// Choosing no protocol in the TLS handshake (ALPN).
@@ -118,15 +120,17 @@ async fn start_with(client_auth: Option<(&str, &str, &str)>, limits: Limits) -> 
             None => builder.with_no_client_auth(),
         };
         config.alpn_protocols = alpn.iter().map(|protocol| protocol.to_vec()).collect();
-        TlsConnector::from(Arc::new(config))
+        Arc::new(config)
     };
     std::fs::remove_dir_all(&dir).ok();
+    let config = client(&[b"http/1.1"], client_auth);
     Server {
         addr,
-        connector: client(&[b"http/1.1"], client_auth),
-        h2: client(&[b"h2"], client_auth),
-        unchosen: client(&[], client_auth),
-        anonymous: client(&[b"http/1.1"], None),
+        connector: TlsConnector::from(config.clone()),
+        config,
+        h2: TlsConnector::from(client(&[b"h2"], client_auth)),
+        unchosen: TlsConnector::from(client(&[], client_auth)),
+        anonymous: TlsConnector::from(client(&[b"http/1.1"], None)),
         draining,
         stop,
     }
@@ -824,6 +828,55 @@ async fn an_idle_keep_alive_connection_outlasts_the_header_deadline_and_serves_t
         start.elapsed() < limits.idle_timeout,
         "closed by the header deadline, not the idle bound: {:?}",
         start.elapsed()
+    );
+    server.stop.cancel();
+}
+
+#[tokio::test]
+async fn a_request_head_sent_with_the_handshake_s_last_flight_is_held_to_the_header_deadline() {
+    // The client's Finished and half a request head arrive in one segment: the server reads the
+    // head's bytes from the socket within its handshake, before the connection awaits a request.
+    let limits = Limits {
+        header_timeout: Duration::from_millis(200),
+        idle_timeout: Duration::from_secs(5),
+        ..TEST_LIMITS
+    };
+    let server = start_with(None, limits).await;
+    let (addr, config) = (server.addr, server.config.clone());
+    let closed_after = tokio::task::spawn_blocking(move || {
+        use std::io::{Read as _, Write as _};
+        let mut socket = std::net::TcpStream::connect(addr).expect("connect");
+        socket
+            .set_read_timeout(Some(limits.idle_timeout * 4))
+            .expect("read timeout");
+        let name = ServerName::try_from("localhost").expect("name");
+        let mut tls = rustls::ClientConnection::new(config, name).expect("client");
+        while tls.is_handshaking() {
+            if tls.wants_write() {
+                tls.write_tls(&mut socket).expect("the client's hello");
+            } else {
+                tls.read_tls(&mut socket).expect("the server's flight");
+                tls.process_new_packets().expect("the server's flight");
+            }
+        }
+        tls.writer()
+            .write_all(b"POST /mutate-pod HTTP/1.1\r\nhost: loc")
+            .expect("half a head");
+        let mut flight = Vec::new();
+        while tls.wants_write() {
+            tls.write_tls(&mut flight).expect("the last flight");
+        }
+        let start = Instant::now();
+        socket.write_all(&flight).expect("one write");
+        let mut buf = [0u8; 4096];
+        while matches!(socket.read(&mut buf), Ok(1..)) {}
+        start.elapsed()
+    })
+    .await
+    .expect("the client");
+    assert!(
+        closed_after < limits.idle_timeout,
+        "closed by the header deadline, not the idle bound: {closed_after:?}"
     );
     server.stop.cancel();
 }
