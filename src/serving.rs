@@ -613,10 +613,11 @@ impl RequestLimit {
         };
         let max_body = share.max_body.unwrap_or(limit.max_body);
         let (parts, body) = request.into_parts();
-        let mut chunks = body.into_data_stream();
         // Most bodies arrive as one chunk: kept as it came, copied only when a second one
-        // follows.
-        let mut bytes = Chunks::default();
+        // follows, into room for the length its head gives.
+        let expected = http_body::Body::size_hint(&body).exact();
+        let mut bytes = Chunks::expecting(expected.and_then(|n| usize::try_from(n).ok()), max_body);
+        let mut chunks = body.into_data_stream();
         let mut held: Option<Taken<'_>> = None;
         let read = tokio::time::timeout(limit.body_timeout, async {
             while let Some(chunk) = chunks.next().await {
@@ -744,34 +745,65 @@ const DISCARD_WITHIN: Duration = Duration::from_secs(1);
 /// that bound free in its share takes the bound without counting its JSON values.
 const QUICK_SLACK: usize = 4;
 
-/// A body's chunks as they arrived: one kept as is, several joined.
+/// A body's chunks as they arrived: one kept as is, several joined into exactly as many bytes
+/// as they hold (a growing buffer would hold up to twice what the share counts, for as long as
+/// the request is handled).
 #[derive(Default)]
 struct Chunks {
+    /// The body's length, as its head gives it (`content-length`), if within the largest taken.
+    expected: Option<usize>,
+    /// The bytes so far.
+    len: usize,
     first: Option<Bytes>,
-    rest: Vec<u8>,
+    /// The chunks joined so far, in room for `expected` bytes.
+    joined: Vec<u8>,
+    /// The chunks after the first of a body of unknown length, joined once it is read whole.
+    later: Vec<Bytes>,
 }
 
 impl Chunks {
+    /// Chunks of a body of `expected` bytes, if known (ignored over `max_body`: such a body is
+    /// refused once its bytes pass it).
+    fn expecting(expected: Option<usize>, max_body: usize) -> Self {
+        Self {
+            expected: expected.filter(|n| *n <= max_body),
+            ..Self::default()
+        }
+    }
+
     fn len(&self) -> usize {
-        self.first.as_ref().map_or(0, |f| f.len()) + self.rest.len()
+        self.len
     }
 
     fn push(&mut self, chunk: Bytes) {
-        match &self.first {
-            None if self.rest.is_empty() => self.first = Some(chunk),
-            _ => {
+        self.len += chunk.len();
+        if self.len == chunk.len() && self.first.is_none() {
+            self.first = Some(chunk);
+            return;
+        }
+        match self.expected {
+            Some(expected) => {
                 if let Some(first) = self.first.take() {
-                    self.rest.extend_from_slice(&first);
+                    self.joined.reserve_exact(expected.max(self.len));
+                    self.joined.extend_from_slice(&first);
                 }
-                self.rest.extend_from_slice(&chunk);
+                self.joined.extend_from_slice(&chunk);
             }
+            None => self.later.push(chunk),
         }
     }
 
     fn into_bytes(self) -> Bytes {
-        match self.first {
-            Some(first) => first,
-            None => self.rest.into(),
+        match (self.first, self.later.is_empty()) {
+            (Some(first), true) => first,
+            (None, true) => self.joined.into(),
+            (first, false) => {
+                let mut joined = Vec::with_capacity(self.len);
+                for chunk in first.iter().chain(&self.later) {
+                    joined.extend_from_slice(chunk);
+                }
+                joined.into()
+            }
         }
     }
 }
@@ -2085,6 +2117,35 @@ async fn run_http<IO>(
 
 #[cfg(test)]
 mod tests {
+    /// A body in several chunks is held in exactly its bytes: in room for the length its head
+    /// gives, or joined once read whole when it gives none.
+    #[test]
+    fn a_body_in_chunks_is_held_in_exactly_its_bytes() {
+        let pieces = || (0..40u8).map(|i| super::Bytes::from(vec![i; 1000 + usize::from(i)]));
+        let whole: Vec<u8> = pieces().flat_map(|c| c.to_vec()).collect();
+        let mut known = super::Chunks::expecting(Some(whole.len()), 1 << 20);
+        let mut unknown = super::Chunks::expecting(None, 1 << 20);
+        let mut oversized = super::Chunks::expecting(Some(2 << 20), 1 << 20);
+        for chunk in pieces() {
+            known.push(chunk.clone());
+            unknown.push(chunk.clone());
+            oversized.push(chunk);
+        }
+        assert_eq!(
+            known.joined.capacity(),
+            whole.len(),
+            "room for what the head gave"
+        );
+        assert!(unknown.joined.capacity() == 0 && unknown.later.len() == 39);
+        assert_eq!(oversized.len(), whole.len());
+        for chunks in [known, unknown, oversized] {
+            assert_eq!(chunks.into_bytes(), whole);
+        }
+        let mut one = super::Chunks::expecting(None, 10);
+        one.push(super::Bytes::from_static(b"{}"));
+        assert_eq!(one.into_bytes(), &b"{}"[..]);
+    }
+
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
