@@ -15,8 +15,12 @@
 //! silence: [`crate::state::WATCH_TIMEOUT_SECONDS`].) Through a proxy (`proxy_url`), kube's own
 //! client is used as it is.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::future::{BoxFuture, Either};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -106,8 +110,145 @@ pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
                 ),
         )
         .map_err(tower::BoxError::from)
-        .service(client);
+        .service(PaceWatches::new(client));
     Ok(kube::Client::new(service, config.default_namespace))
+}
+
+/// The least time between the starts of two watches of the same resource and selectors.
+pub const WATCH_MIN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Watches of one resource and selectors begun at most once per [`WATCH_MIN_INTERVAL`].
+/// kube-runtime's watcher asks again at once when a watch ends (the API server ends each at its
+/// timeout, minutes after it began), with no pause: an API server or a load balancer that ends
+/// every watch as it begins would be asked again as fast as it answers. Such a watch waits
+/// until the interval has passed since the last one began; no other request waits.
+#[derive(Clone)]
+struct PaceWatches<S> {
+    inner: S,
+    /// When the last watch of each resource and selectors began (or will).
+    began: Arc<Mutex<HashMap<String, tokio::time::Instant>>>,
+}
+
+/// Watches remembered before those begun over an interval ago are forgotten.
+const PACED_KEPT: usize = 64;
+
+impl<S> PaceWatches<S> {
+    fn new(inner: S) -> Self {
+        Self {
+            inner,
+            began: Arc::default(),
+        }
+    }
+
+    /// How long a request for `uri` waits: a watch begun again within the interval, until the
+    /// interval has passed; anything else, not at all.
+    fn wait_for(&self, uri: &http::Uri) -> Option<Duration> {
+        let query = uri.query()?;
+        let mut params = query.split('&');
+        if !params.clone().any(|p| p == "watch=true" || p == "watch=1") {
+            return None;
+        }
+        // The resource and selectors: the path and every parameter but where it resumes.
+        let mut key = uri.path().to_owned();
+        for p in params
+            .by_ref()
+            .filter(|p| !p.starts_with("resourceVersion="))
+        {
+            key.push('&');
+            key.push_str(p);
+        }
+        let now = tokio::time::Instant::now();
+        let mut began = crate::sync::lock(&self.began);
+        if began.len() >= PACED_KEPT {
+            began.retain(|_, at| now.duration_since(*at) < WATCH_MIN_INTERVAL);
+        }
+        let at = began
+            .get(&key)
+            .map_or(now, |last| (*last + WATCH_MIN_INTERVAL).max(now));
+        began.insert(key, at);
+        (at > now).then(|| at - now)
+    }
+}
+
+impl<S, B> tower::Service<http::Request<B>> for PaceWatches<S>
+where
+    S: tower::Service<http::Request<B>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Either<S::Future, BoxFuture<'static, Result<S::Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let Some(wait) = self.wait_for(request.uri()) else {
+            return Either::Left(self.inner.call(request));
+        };
+        // The service made ready goes with the request; this one keeps a clone.
+        let clone = self.inner.clone();
+        let mut ready = std::mem::replace(&mut self.inner, clone);
+        tracing::debug!(uri = %request.uri(), ?wait, "a watch begun again within a second of the last: it waits");
+        Either::Right(Box::pin(async move {
+            tokio::time::sleep(wait).await;
+            ready.call(request).await
+        }))
+    }
+}
+
+#[cfg(test)]
+mod pacing_tests {
+    use super::*;
+    use tower::{Service as _, ServiceExt as _};
+
+    /// A watch ended at once and asked again at once waits for the interval; a watch of another
+    /// resource or selectors, and any other request, does not wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_begun_again_at_once_waits_for_the_interval() {
+        let start = tokio::time::Instant::now();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let inner = tower::service_fn(move |request: http::Request<()>| {
+            let seen = seen.clone();
+            async move {
+                let uri = request.uri().to_string();
+                crate::sync::lock(&seen).push((uri, start.elapsed()));
+                Ok::<_, std::convert::Infallible>(())
+            }
+        });
+        let mut paced = PaceWatches::new(inner);
+        let get = |uri: &str| http::Request::get(uri).body(()).expect("request");
+        let pods = "/api/v1/pods?watch=true&timeoutSeconds=290&resourceVersion=";
+        for (uri, rv) in [
+            (pods, "1"),
+            (pods, "2"),
+            (pods, "3"),
+            ("/api/v1/nodes?watch=true&resourceVersion=", "1"),
+            (
+                "/api/v1/pods?watch=true&labelSelector=a%3Db&resourceVersion=",
+                "1",
+            ),
+            ("/api/v1/pods?limit=500", ""),
+        ] {
+            let uri = format!("{uri}{rv}");
+            paced
+                .ready()
+                .await
+                .expect("ready")
+                .call(get(&uri))
+                .await
+                .expect("called");
+        }
+        let calls = crate::sync::lock(&calls).clone();
+        let at: Vec<Duration> = calls.iter().map(|(_, at)| *at).collect();
+        assert_eq!(at[0], Duration::ZERO, "{calls:?}");
+        assert_eq!(at[1], WATCH_MIN_INTERVAL, "{calls:?}");
+        assert_eq!(at[2], WATCH_MIN_INTERVAL * 2, "{calls:?}");
+        assert!(at[3..].iter().all(|t| *t == at[2]), "none waits: {calls:?}");
+    }
 }
 
 #[cfg(all(test, target_os = "linux"))]
