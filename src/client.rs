@@ -12,8 +12,9 @@
 //! on a dead connection fails within about a minute and is
 //! resumed on a new one, which a load balancer sends to an API server that answers. (A peer
 //! whose kernel still answers, an API server process hung, is seen by the watches' bound on
-//! silence: [`crate::state::WATCH_TIMEOUT_SECONDS`].) Through a proxy (`proxy_url`), kube's own
-//! client is used as it is.
+//! silence: [`crate::state::WATCH_TIMEOUT_SECONDS`].) Watches of one resource begin at most
+//! once a second ([`WATCH_MIN_INTERVAL`]). Through a proxy (`proxy_url`), kube's own client is
+//! used as it is: no keepalive, and watches not paced.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -140,22 +141,24 @@ impl<S> PaceWatches<S> {
         }
     }
 
-    /// How long a request for `uri` waits: a watch begun again within the interval, until the
-    /// interval has passed; anything else, not at all.
-    fn wait_for(&self, uri: &http::Uri) -> Option<Duration> {
+    /// How long a request for `uri` (accepting `accept`) waits: a watch begun again within the
+    /// interval, until the interval has passed; anything else, not at all.
+    fn wait_for(&self, uri: &http::Uri, accept: Option<&http::HeaderValue>) -> Option<Duration> {
         let query = uri.query()?;
-        let mut params = query.split('&');
+        let params = query.split('&');
         if !params.clone().any(|p| p == "watch=true" || p == "watch=1") {
             return None;
         }
-        // The resource and selectors: the path and every parameter but where it resumes.
+        // The resource, selectors and encoding: the path, every parameter but where it resumes,
+        // and what it accepts (a protobuf watch and a JSON one are two watches).
         let mut key = uri.path().to_owned();
-        for p in params
-            .by_ref()
-            .filter(|p| !p.starts_with("resourceVersion="))
-        {
+        for p in params.filter(|p| !p.starts_with("resourceVersion=")) {
             key.push('&');
             key.push_str(p);
+        }
+        if let Some(accept) = accept.and_then(|a| a.to_str().ok()) {
+            key.push('|');
+            key.push_str(accept);
         }
         let now = tokio::time::Instant::now();
         let mut began = crate::sync::lock(&self.began);
@@ -185,7 +188,8 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let Some(wait) = self.wait_for(request.uri()) else {
+        let accept = request.headers().get(http::header::ACCEPT);
+        let Some(wait) = self.wait_for(request.uri(), accept) else {
             return Either::Left(self.inner.call(request));
         };
         // The service made ready goes with the request; this one keeps a clone.
@@ -205,7 +209,7 @@ mod pacing_tests {
     use tower::{Service as _, ServiceExt as _};
 
     /// A watch ended at once and asked again at once waits for the interval; a watch of another
-    /// resource or selectors, and any other request, does not wait.
+    /// resource, selectors or encoding, and any other request, does not wait.
     #[tokio::test(start_paused = true)]
     async fn a_watch_begun_again_at_once_waits_for_the_interval() {
         let start = tokio::time::Instant::now();
@@ -232,13 +236,19 @@ mod pacing_tests {
                 "1",
             ),
             ("/api/v1/pods?limit=500", ""),
+            (pods, "4"),
         ] {
-            let uri = format!("{uri}{rv}");
+            let mut request = get(&format!("{uri}{rv}"));
+            if rv == "4" {
+                let protobuf = "application/vnd.kubernetes.protobuf";
+                let accept = http::HeaderValue::from_static(protobuf);
+                request.headers_mut().insert(http::header::ACCEPT, accept);
+            }
             paced
                 .ready()
                 .await
                 .expect("ready")
-                .call(get(&uri))
+                .call(request)
                 .await
                 .expect("called");
         }

@@ -87,6 +87,21 @@ pub struct AsServed {
     pub max_releases_per_minute: u32,
 }
 
+/// What `explain` says of a pin's release (`said`, and whether the controller releases it) as
+/// the replicas release ([`unless_releases_off`]).
+fn as_released(
+    served: &AsServed,
+    (said, releases): (String, bool),
+    pod: &str,
+    namespace: &str,
+) -> String {
+    if releases {
+        unless_releases_off(served, said, pod, namespace)
+    } else {
+        said
+    }
+}
+
 /// What a release `explain` foresees becomes when the replicas release nothing
 /// (`--max-releases-per-minute 0`): what would happen, and how to do it by hand.
 fn unless_releases_off(served: &AsServed, said: String, pod: &str, namespace: &str) -> String {
@@ -304,12 +319,9 @@ pub async fn explain(
     let mut out = explain_with(&caches, served, namespace, object, source);
     if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);
-        let (pod, off) = (current.name_any(), served.max_releases_per_minute == 0);
+        let pod = current.name_any();
         out.release = pinned_release(&current, caches.as_ref(), &health)
-            .map(|(said, releases)| match releases {
-                true if off => unless_releases_off(served, said, &pod, namespace),
-                _ => said,
-            })
+            .map(|judged| as_released(served, judged, &pod, namespace))
             .into_iter()
             .collect();
         let pps = out
@@ -460,6 +472,10 @@ async fn volume_release(
             "held by claims {claims} on node {recorded}: {when}; then the controller releases them with the pod ({RELEASE_LOCAL_VOLUMES_ANNOTATION} is true)"
         );
         unless_releases_off(served, said, &name, &namespace)
+    } else if served.max_releases_per_minute == 0 {
+        format!(
+            "held by claims {claims} on node {recorded}: {when}; the controller releases nothing (--max-releases-per-minute 0): run `persistent-pod-state release {name} -n {namespace}`"
+        )
     } else {
         format!(
             "held by claims {claims} on node {recorded}: {when}; the controller releases them only with {RELEASE_LOCAL_VOLUMES_ANNOTATION}=true on the PersistentPodState, or run `persistent-pod-state release {name} -n {namespace}`"
@@ -608,15 +624,20 @@ mod tests {
             (with_ready("True", &ago(600)), false),
             (Caches::new(), true),
         ] {
-            let (said, released) = pinned_release(&pod, caches.as_ref(), &health).expect("pinned");
-            assert_eq!(released, releases, "{said}");
-            let as_run = unless_releases_off(&off, said.clone(), "web-0", "ns");
-            assert!(
-                as_run.contains("--max-releases-per-minute 0")
-                    && as_run.contains("persistent-pod-state release web-0 -n ns"),
-                "{as_run}"
-            );
-            assert_eq!(unless_releases_off(&on, said.clone(), "web-0", "ns"), said);
+            let judged = pinned_release(&pod, caches.as_ref(), &health).expect("pinned");
+            let said = judged.0.clone();
+            assert_eq!(judged.1, releases, "{said}");
+            let as_run = as_released(&off, judged.clone(), "web-0", "ns");
+            if releases {
+                assert!(
+                    as_run.contains("--max-releases-per-minute 0")
+                        && as_run.contains("persistent-pod-state release web-0 -n ns"),
+                    "{as_run}"
+                );
+            } else {
+                assert_eq!(as_run, said, "not released either way: nothing to add");
+            }
+            assert_eq!(as_released(&on, judged, "web-0", "ns"), said);
         }
         let unpinned: Pod =
             serde_json::from_value(json!({"metadata": {"name": "x"}})).expect("pod");

@@ -633,7 +633,7 @@ impl RequestLimit {
                         format!("the request body is larger than {max_body} bytes"),
                     ));
                 }
-                if !share.bytes(&mut held, chunk.len()) {
+                if !share.bytes(&mut held, bytes.cost_of(chunk.len())) {
                     return Err((
                         StatusCode::SERVICE_UNAVAILABLE,
                         "too many bytes in flight; retry".to_owned(),
@@ -745,9 +745,11 @@ const DISCARD_WITHIN: Duration = Duration::from_secs(1);
 /// that bound free in its share takes the bound without counting its JSON values.
 const QUICK_SLACK: usize = 4;
 
-/// A body's chunks as they arrived: one kept as is, several joined into exactly as many bytes
-/// as they hold (a growing buffer would hold up to twice what the share counts, for as long as
-/// the request is handled).
+/// A body's chunks as they arrived: the first kept as it came, the others copied into one buffer
+/// as they come (not kept as they came: each is a slice of the connection's read buffer, which
+/// it would hold whole). The buffer is made as large as the body's head gives (its
+/// `content-length`), or grows by doubling where the head gives none; what it holds is what
+/// the share is charged ([`Chunks::cost_of`]), before it is allocated.
 #[derive(Default)]
 struct Chunks {
     /// The body's length, as its head gives it (`content-length`), if within the largest taken.
@@ -755,10 +757,9 @@ struct Chunks {
     /// The bytes so far.
     len: usize,
     first: Option<Bytes>,
-    /// The chunks joined so far, in room for `expected` bytes.
     joined: Vec<u8>,
-    /// The chunks after the first of a body of unknown length, joined once it is read whole.
-    later: Vec<Bytes>,
+    /// The bytes the share was charged for so far.
+    charged: usize,
 }
 
 impl Chunks {
@@ -775,35 +776,50 @@ impl Chunks {
         self.len
     }
 
-    fn push(&mut self, chunk: Bytes) {
-        self.len += chunk.len();
-        if self.len == chunk.len() && self.first.is_none() {
-            self.first = Some(chunk);
-            return;
+    /// The bytes held once `incoming` more are taken: the first chunk as it came; then the
+    /// buffer's room (the whole body its head gives, or twice what it held).
+    fn held_with(&self, incoming: usize) -> usize {
+        let len = self.len + incoming;
+        if self.first.is_none() && self.joined.capacity() == 0 {
+            return len;
+        }
+        let room = self.joined.capacity();
+        if len <= room {
+            return room;
         }
         match self.expected {
-            Some(expected) => {
-                if let Some(first) = self.first.take() {
-                    self.joined.reserve_exact(expected.max(self.len));
-                    self.joined.extend_from_slice(&first);
-                }
-                self.joined.extend_from_slice(&chunk);
-            }
-            None => self.later.push(chunk),
+            Some(expected) => expected.max(len),
+            None => len.max(room.saturating_mul(2)),
         }
     }
 
+    /// What the share is to be charged before a chunk of `incoming` bytes is taken.
+    fn cost_of(&self, incoming: usize) -> usize {
+        self.held_with(incoming).saturating_sub(self.charged)
+    }
+
+    /// Takes `chunk` (the share charged for it: [`Chunks::cost_of`]).
+    fn push(&mut self, chunk: Bytes) {
+        let held = self.held_with(chunk.len());
+        self.charged = self.charged.max(held);
+        self.len += chunk.len();
+        if self.first.is_none() && self.joined.capacity() == 0 {
+            self.first = Some(chunk);
+            return;
+        }
+        if held > self.joined.capacity() {
+            self.joined.reserve_exact(held - self.joined.len());
+        }
+        if let Some(first) = self.first.take() {
+            self.joined.extend_from_slice(&first);
+        }
+        self.joined.extend_from_slice(&chunk);
+    }
+
     fn into_bytes(self) -> Bytes {
-        match (self.first, self.later.is_empty()) {
-            (Some(first), true) => first,
-            (None, true) => self.joined.into(),
-            (first, false) => {
-                let mut joined = Vec::with_capacity(self.len);
-                for chunk in first.iter().chain(&self.later) {
-                    joined.extend_from_slice(chunk);
-                }
-                joined.into()
-            }
+        match self.first {
+            Some(first) => first,
+            None => self.joined.into(),
         }
     }
 }
@@ -2117,31 +2133,37 @@ async fn run_http<IO>(
 
 #[cfg(test)]
 mod tests {
-    /// A body in several chunks is held in exactly its bytes: in room for the length its head
-    /// gives, or joined once read whole when it gives none.
+    /// A body in several chunks is held in one buffer the share is charged for before it is
+    /// allocated: as large as the body its head gives, or doubling where it gives none; never
+    /// the chunks as they came.
     #[test]
-    fn a_body_in_chunks_is_held_in_exactly_its_bytes() {
+    fn a_body_in_chunks_is_held_in_one_buffer_charged_before_it_is_allocated() {
         let pieces = || (0..40u8).map(|i| super::Bytes::from(vec![i; 1000 + usize::from(i)]));
         let whole: Vec<u8> = pieces().flat_map(|c| c.to_vec()).collect();
-        let mut known = super::Chunks::expecting(Some(whole.len()), 1 << 20);
-        let mut unknown = super::Chunks::expecting(None, 1 << 20);
-        let mut oversized = super::Chunks::expecting(Some(2 << 20), 1 << 20);
-        for chunk in pieces() {
-            known.push(chunk.clone());
-            unknown.push(chunk.clone());
-            oversized.push(chunk);
-        }
-        assert_eq!(
-            known.joined.capacity(),
-            whole.len(),
-            "room for what the head gave"
-        );
-        assert!(unknown.joined.capacity() == 0 && unknown.later.len() == 39);
-        assert_eq!(oversized.len(), whole.len());
-        for chunks in [known, unknown, oversized] {
+        let known = super::Chunks::expecting(Some(whole.len()), 1 << 20);
+        let unknown = super::Chunks::expecting(None, 1 << 20);
+        let oversized = super::Chunks::expecting(Some(2 << 20), 1 << 20);
+        for (mut chunks, room) in [(known, whole.len()), (unknown, 0), (oversized, 0)] {
+            let mut charged = 0;
+            for chunk in pieces() {
+                charged += chunks.cost_of(chunk.len());
+                chunks.push(chunk);
+                let held = chunks.first.as_ref().map_or(0, |f| f.len()) + chunks.joined.capacity();
+                assert_eq!(charged, held, "what is held is what was charged");
+                let most = (2 * chunks.len() + 2000).max(room);
+                assert!(held <= most, "{held} for {}", chunks.len());
+            }
             assert_eq!(chunks.into_bytes(), whole);
         }
+        // The length its head gives is charged (and made room for) with the second chunk.
+        let mut declared = super::Chunks::expecting(Some(10_000), 1 << 20);
+        declared.push(super::Bytes::from_static(b"{"));
+        assert_eq!(declared.cost_of(1), 10_000 - 1);
+        declared.push(super::Bytes::from_static(b"\""));
+        assert_eq!(declared.joined.capacity(), 10_000);
+        assert_eq!(declared.cost_of(100), 0);
         let mut one = super::Chunks::expecting(None, 10);
+        assert_eq!(one.cost_of(2), 2);
         one.push(super::Bytes::from_static(b"{}"));
         assert_eq!(one.into_bytes(), &b"{}"[..]);
     }

@@ -1,6 +1,7 @@
 //! TLS for the webhook: the certificate and key, and the client CA bundle, are re-read when
-//! their files change (checked at most once a second, on new connections), so a rotated Secret
-//! — including Kubernetes' symlink swap of a Secret volume — is used without a restart.
+//! their files change (checked at most once a second, on new connections; the serving pair also
+//! every 10 s between them), so a rotated Secret — including Kubernetes' symlink swap of a Secret
+//! volume — is used without a restart.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
