@@ -1,7 +1,8 @@
 //! `kubectl pps` (issue 21.5): installed from the krew manifest and archive that
 //! plugins/krew/package.sh makes (checked as krew checks them), found by kubectl on PATH, and
 //! each command with kubectl's flags against the control plane: `status` (`-n`, `-A`,
-//! `-o json|yaml|wide`, `--context`), `explain`, and `release` of a pod waiting for a dead node.
+//! `-o json|yaml|wide`, `--context`), `explain`, and `release` of a pod waiting for a dead node
+//! (and its refusal of a scheduled pod, and of a pod no workload would create again).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -191,8 +192,30 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     // waiting, is released on the operator's word (a dry run first deletes nothing).
     let (ok, _, err) = kubectl_pps(&env, &path, &["pps", "release", "web-1", "-n", &ns]).await;
     assert!(!ok && err.contains("scheduled"), "{err}");
-    let old = force_delete_pod(c, &ns, "web-0").await;
+    // A waiting pod that no workload would create again (no controller owns it) is refused,
+    // and kept.
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(c.clone(), &ns);
+    let orphan: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "orphan"},
+        "spec": {"nodeSelector": {"no-node-has": "this"},
+            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.9"}]},
+    }))
+    .expect("pod");
+    let orphan = pods
+        .create(&kube::api::PostParams::default(), &orphan)
+        .await
+        .expect("the orphan created");
+    let (ok, _, err) = kubectl_pps(&env, &path, &["pps", "release", "orphan", "-n", &ns]).await;
+    assert!(
+        !ok && err.contains("no workload that would create it again"),
+        "{err}"
+    );
+    assert_eq!(
+        pods.get("orphan").await.expect("kept").uid(),
+        orphan.uid(),
+        "the orphan is kept"
+    );
+    let old = force_delete_pod(c, &ns, "web-0").await;
     let waiting = wait_for("web-0 re-created and waiting", TIMEOUT, || async {
         let p = pods.get_opt("web-0").await.ok()??;
         let unscheduled = p.spec.as_ref()?.node_name.is_none();
