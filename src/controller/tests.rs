@@ -1766,16 +1766,22 @@ async fn a_stranded_pod_changed_since_is_released_only_if_still_stranded() {
     }
 }
 
-#[tokio::test]
-async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() {
-    // web-0 waits pinned by the webhook to n1, deleted since; the status has a generation to
-    // record, and every status write is refused (say, by a policy).
+/// web-0 waits pinned by the webhook to n1, deleted since; the status has a generation to
+/// record.
+fn stranded_with_a_generation_to_record() -> (Arc<Caches>, PersistentPodState) {
     let caches = waiting_world();
     caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
     let mut pps = (*waiting_pps(json!({}))).clone();
     if let Some(status) = pps.status.as_mut() {
         status.observed_generation = 1;
     }
+    (caches, pps)
+}
+
+#[tokio::test]
+async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() {
+    // Every status write is refused (say, by a policy).
+    let (caches, pps) = stranded_with_a_generation_to_record();
     let refused = |code: u16| {
         json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "Forbidden", "code": code, "message": "denied by policy"})
@@ -1816,12 +1822,7 @@ async fn a_status_write_refused_for_good_does_not_keep_a_stranded_pod_waiting() 
 #[tokio::test]
 async fn a_release_failing_after_a_failed_status_write_is_one_failure_not_two() {
     // As above, and the stranded pod's delete fails too (the API server at fault).
-    let caches = waiting_world();
-    caches.apply_pod(watcher::Event::Apply(pinned_waiting_pod()));
-    let mut pps = (*waiting_pps(json!({}))).clone();
-    if let Some(status) = pps.status.as_mut() {
-        status.observed_generation = 1;
-    }
+    let (caches, pps) = stranded_with_a_generation_to_record();
     let refused = |code: u16, reason: &str| {
         json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": reason, "code": code, "message": "refused"})

@@ -527,9 +527,10 @@ pub(crate) mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
-    #[test]
-    fn reloads_changed_files_and_keeps_the_old_pair_on_garbage() {
-        let dir = std::env::temp_dir().join(format!("pps-tls-{}", std::process::id()));
+    /// A serving pair written into `name` under the temporary directory, loaded: the directory,
+    /// the certificate served, and its expiry gauge.
+    fn loaded_pair(name: &str) -> (PathBuf, ReloadingCert, Gauge) {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
         certs::write(
             &certs::generate(&["a.example".into()], None).expect("gen"),
             &dir,
@@ -544,6 +545,22 @@ pub(crate) mod tests {
             expiry.clone(),
         )
         .expect("loads");
+        (dir, r, expiry)
+    }
+
+    /// Writes into `dir` a self-signed pair expiring on 2031-01-02 (1,925,078,400).
+    fn write_pair_expiring_2031(dir: &Path) {
+        let mut params = rcgen::CertificateParams::new(vec!["c.example".into()]).expect("params");
+        params.not_after = rcgen::date_time_ymd(2031, 1, 2);
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.self_signed(&key).expect("cert");
+        std::fs::write(dir.join("tls.crt"), cert.pem()).expect("write");
+        std::fs::write(dir.join("tls.key"), key.serialize_pem()).expect("write");
+    }
+
+    #[test]
+    fn reloads_changed_files_and_keeps_the_old_pair_on_garbage() {
+        let (dir, r, expiry) = loaded_pair("pps-tls");
         let first = r.current().cert[0].clone();
         // certs::generate issues for 365 days.
         let year = time::OffsetDateTime::now_utc().unix_timestamp() + 365 * 86_400;
@@ -560,12 +577,7 @@ pub(crate) mod tests {
         assert_ne!(first, second, "new pair served");
 
         // A pair expiring on 2031-01-02: the gauge follows the certificate served.
-        let mut params = rcgen::CertificateParams::new(vec!["c.example".into()]).expect("params");
-        params.not_after = rcgen::date_time_ymd(2031, 1, 2);
-        let key = rcgen::KeyPair::generate().expect("key");
-        let cert = params.self_signed(&key).expect("cert");
-        std::fs::write(dir.join("tls.crt"), cert.pem()).expect("write");
-        std::fs::write(dir.join("tls.key"), key.serialize_pem()).expect("write");
+        write_pair_expiring_2031(&dir);
         r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         let third = r.current().cert[0].clone();
         assert_ne!(third, second, "new pair served");
@@ -581,30 +593,10 @@ pub(crate) mod tests {
     /// A pair renewed while no handshake comes is loaded all the same, and its expiry shown.
     #[tokio::test]
     async fn a_renewed_pair_is_loaded_and_its_expiry_shown_without_a_handshake() {
-        let dir = std::env::temp_dir().join(format!("pps-tls-idle-{}", std::process::id()));
-        certs::write(
-            &certs::generate(&["a.example".into()], None).expect("gen"),
-            &dir,
-        )
-        .expect("write");
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let expiry = Gauge::default();
-        let r = Arc::new(
-            ReloadingCert::new(
-                dir.join("tls.crt"),
-                dir.join("tls.key"),
-                provider,
-                expiry.clone(),
-            )
-            .expect("loads"),
-        );
+        let (dir, r, expiry) = loaded_pair("pps-tls-idle");
+        let r = Arc::new(r);
         look_between_handshakes(&r, Duration::from_millis(10));
-        let mut params = rcgen::CertificateParams::new(vec!["c.example".into()]).expect("params");
-        params.not_after = rcgen::date_time_ymd(2031, 1, 2);
-        let key = rcgen::KeyPair::generate().expect("key");
-        let cert = params.self_signed(&key).expect("cert");
-        std::fs::write(dir.join("tls.crt"), cert.pem()).expect("write");
-        std::fs::write(dir.join("tls.key"), key.serialize_pem()).expect("write");
+        write_pair_expiring_2031(&dir);
         r.loaded.lock().expect("lock").stamps.checked -= RECHECK;
         let deadline = Instant::now() + Duration::from_secs(10);
         while expiry.get() != 1_925_078_400 {
