@@ -653,6 +653,8 @@ impl RequestLimit {
             )),
         };
         if let Some((status, message)) = refusal {
+            // What the body held is freed as its charge is given back.
+            drop(bytes);
             drop(held);
             let result = if status == StatusCode::SERVICE_UNAVAILABLE {
                 AdmissionResult::Overloaded
@@ -664,11 +666,13 @@ impl RequestLimit {
             discard_body(chunks, max_body, DISCARD_WITHIN).await;
             return error_response(status, &message);
         }
+        // What the body holds (its buffer's room, at most twice its bytes), as charged.
+        let body_held = bytes.held();
         let bytes = bytes.into_bytes();
         // What decoding may build is bounded by one value per byte: when that bound is small
         // beside what the share has free, it is taken as it is, without counting the values.
         let bound = bytes.len().saturating_mul(VALUE_COST);
-        let quick = bound.saturating_add(bytes.len()) <= share.budget.bytes
+        let quick = bound.saturating_add(body_held) <= share.budget.bytes
             && share.bytes.available() >= bound.saturating_mul(QUICK_SLACK);
         let (values, decoded) = if quick {
             (bytes.len(), bound)
@@ -679,7 +683,7 @@ impl RequestLimit {
         let beyond = bytes.len().saturating_mul(share.budget.held_per_byte);
         let cost = decoded.saturating_add(beyond);
         let mut too_complex = None;
-        if cost.saturating_add(bytes.len()) > share.budget.bytes {
+        if cost.saturating_add(body_held) > share.budget.bytes {
             too_complex = Some(TooComplex { values });
         } else if cost > 0 && !share.bytes(&mut held, cost) {
             limit.refused(path, AdmissionResult::Overloaded);
@@ -747,13 +751,17 @@ const QUICK_SLACK: usize = 4;
 
 /// A body's chunks as they arrived: the first kept as it came, the others copied into one buffer
 /// as they come (not kept as they came: each is a slice of the connection's read buffer, which
-/// it would hold whole). The buffer is made as large as the body's head gives (its
-/// `content-length`), or grows by doubling where the head gives none; what it holds is what
-/// the share is charged ([`Chunks::cost_of`]), before it is allocated.
+/// it would hold whole). The buffer grows by doubling, up to the length the body's head gives
+/// (its `content-length`, where it ends exactly) or the largest body taken: it holds at most
+/// about twice what has arrived, whatever length the head claims. What it holds is what the
+/// share is charged ([`Chunks::cost_of`]), before it is allocated. (As it grows, the old room is
+/// freed once copied into the new: a moment's bytes not charged.)
 #[derive(Default)]
 struct Chunks {
     /// The body's length, as its head gives it (`content-length`), if within the largest taken.
     expected: Option<usize>,
+    /// The largest body taken.
+    max_body: usize,
     /// The bytes so far.
     len: usize,
     first: Option<Bytes>,
@@ -768,6 +776,7 @@ impl Chunks {
     fn expecting(expected: Option<usize>, max_body: usize) -> Self {
         Self {
             expected: expected.filter(|n| *n <= max_body),
+            max_body,
             ..Self::default()
         }
     }
@@ -776,8 +785,13 @@ impl Chunks {
         self.len
     }
 
+    /// The bytes held, as charged.
+    fn held(&self) -> usize {
+        self.charged
+    }
+
     /// The bytes held once `incoming` more are taken: the first chunk as it came; then the
-    /// buffer's room (the whole body its head gives, or twice what it held).
+    /// buffer's room (twice what it had, within the length the head gives or the largest body).
     fn held_with(&self, incoming: usize) -> usize {
         let len = self.len + incoming;
         if self.first.is_none() && self.joined.capacity() == 0 {
@@ -787,10 +801,8 @@ impl Chunks {
         if len <= room {
             return room;
         }
-        match self.expected {
-            Some(expected) => expected.max(len),
-            None => len.max(room.saturating_mul(2)),
-        }
+        let most = self.expected.unwrap_or(self.max_body).max(len);
+        len.max(room.saturating_mul(2)).min(most)
     }
 
     /// What the share is to be charged before a chunk of `incoming` bytes is taken.
@@ -2134,34 +2146,47 @@ async fn run_http<IO>(
 #[cfg(test)]
 mod tests {
     /// A body in several chunks is held in one buffer the share is charged for before it is
-    /// allocated: as large as the body its head gives, or doubling where it gives none; never
-    /// the chunks as they came.
+    /// allocated: at most about twice what has arrived, whatever length its head claims; as
+    /// large as that length once it has all arrived, within the largest body where the head
+    /// gives none; never the chunks as they came.
     #[test]
     fn a_body_in_chunks_is_held_in_one_buffer_charged_before_it_is_allocated() {
         let pieces = || (0..40u8).map(|i| super::Bytes::from(vec![i; 1000 + usize::from(i)]));
         let whole: Vec<u8> = pieces().flat_map(|c| c.to_vec()).collect();
-        let known = super::Chunks::expecting(Some(whole.len()), 1 << 20);
-        let unknown = super::Chunks::expecting(None, 1 << 20);
-        let oversized = super::Chunks::expecting(Some(2 << 20), 1 << 20);
-        for (mut chunks, room) in [(known, whole.len()), (unknown, 0), (oversized, 0)] {
+        let largest = whole.len() + 100;
+        let known = super::Chunks::expecting(Some(whole.len()), largest);
+        let unknown = super::Chunks::expecting(None, largest);
+        let oversized = super::Chunks::expecting(Some(2 * largest), largest);
+        for (mut chunks, room) in [
+            (known, whole.len()),
+            (unknown, largest),
+            (oversized, largest),
+        ] {
             let mut charged = 0;
             for chunk in pieces() {
                 charged += chunks.cost_of(chunk.len());
                 chunks.push(chunk);
                 let held = chunks.first.as_ref().map_or(0, |f| f.len()) + chunks.joined.capacity();
                 assert_eq!(charged, held, "what is held is what was charged");
-                let most = (2 * chunks.len() + 2000).max(room);
-                assert!(held <= most, "{held} for {}", chunks.len());
+                assert_eq!(chunks.held(), held);
+                assert!(held <= 2 * chunks.len(), "{held} for {}", chunks.len());
             }
+            assert!(
+                chunks.joined.capacity() <= room,
+                "{}",
+                chunks.joined.capacity()
+            );
             assert_eq!(chunks.into_bytes(), whole);
         }
-        // The length its head gives is charged (and made room for) with the second chunk.
+        // A head claiming 10,000 bytes, which come one at a time: charged twice what came at
+        // most, and exactly 10,000 once they all have.
         let mut declared = super::Chunks::expecting(Some(10_000), 1 << 20);
-        declared.push(super::Bytes::from_static(b"{"));
-        assert_eq!(declared.cost_of(1), 10_000 - 1);
-        declared.push(super::Bytes::from_static(b"\""));
+        for _ in 0..10_000 {
+            let _ = declared.cost_of(1);
+            declared.push(super::Bytes::from_static(b"x"));
+            assert!(declared.held() <= 2 * declared.len());
+        }
         assert_eq!(declared.joined.capacity(), 10_000);
-        assert_eq!(declared.cost_of(100), 0);
         let mut one = super::Chunks::expecting(None, 10);
         assert_eq!(one.cost_of(2), 2);
         one.push(super::Bytes::from_static(b"{}"));
