@@ -1,5 +1,9 @@
-//! Kubernetes Events on PersistentPodStates, published in the background and rate-limited per
-//! object and reason, so a burst (a rollout, a flapping node) cannot flood the API server.
+//! Kubernetes Events on PersistentPodStates, published in the background and rate-limited, so a
+//! burst (a rollout, a flapping node, a zone of nodes lost under thousands of pods) cannot flood
+//! the API server: one per object, reason and related object per interval; per object they are
+//! about, 25 and then one per 5 minutes (client-go's spam filter); 20 a second in all, 200 in a
+//! burst; 64 being sent at most. What is over a bound is dropped and counted
+//! (`pps_events_dropped_total`), never queued.
 //! Repeats of an Event that says the same, within 6 minutes, are counted into its series (as
 //! client-go's recorder does); one that says something else is an Event of its own (kube's
 //! recorder would count it into the first, whose note it keeps).
@@ -14,6 +18,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::events::EventType;
 use kube::{Client, Resource};
+use prometheus_client::metrics::counter::Counter;
 
 use crate::api::PersistentPodState;
 
@@ -27,7 +32,89 @@ pub struct Events {
     instance: String,
     min_interval: Duration,
     last: Mutex<LastSent>,
+    rate: Mutex<Rate>,
+    /// Publications in flight ([`IN_FLIGHT`] at most).
+    in_flight: Arc<tokio::sync::Semaphore>,
+    /// Events dropped over the rate or the publications in flight.
+    dropped: Counter,
     series: Arc<Mutex<HashMap<SeriesKey, Published>>>,
+}
+
+/// Events sent per second at most, all objects together, and in a burst.
+const ALL_PER_SECOND: f64 = 20.0;
+const ALL_BURST: f64 = 200.0;
+/// Events about one object in a burst, then one per [`OBJECT_EVERY`] (client-go's spam filter).
+const OBJECT_BURST: f64 = 25.0;
+const OBJECT_EVERY: Duration = Duration::from_secs(300);
+/// Publications in flight at most: an Event beyond is dropped, so an API server that answers
+/// slowly or not at all holds no more than these.
+const IN_FLIGHT: usize = 64;
+
+/// A token bucket: `tokens` as counted `at`.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(burst: f64, now: Instant) -> Self {
+        Self {
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    /// Refilled to `now` at `per_second` up to `burst`.
+    fn refill(&mut self, now: Instant, per_second: f64, burst: f64) {
+        let added = now.saturating_duration_since(self.at).as_secs_f64() * per_second;
+        (self.tokens, self.at) = ((self.tokens + added).min(burst), now);
+    }
+}
+
+/// What the rate lets out: all Events, and those about each object.
+struct Rate {
+    all: Bucket,
+    per_object: HashMap<(String, String), Bucket>,
+    /// Objects kept before the full buckets are dropped (amortized as in [`LastSent`]).
+    prune_above: usize,
+}
+
+impl Rate {
+    fn new(now: Instant) -> Self {
+        Self {
+            all: Bucket::full(ALL_BURST, now),
+            per_object: HashMap::new(),
+            prune_above: PRUNE_ABOVE,
+        }
+    }
+
+    /// Whether one more Event about `object` may go out at `now` (taken if so).
+    fn take(&mut self, object: (String, String), now: Instant) -> bool {
+        let per_object = 1.0 / OBJECT_EVERY.as_secs_f64();
+        self.all.refill(now, ALL_PER_SECOND, ALL_BURST);
+        if self.all.tokens < 1.0 {
+            return false;
+        }
+        if self.per_object.len() > self.prune_above {
+            self.per_object.retain(|_, b| {
+                b.refill(now, per_object, OBJECT_BURST);
+                b.tokens < OBJECT_BURST
+            });
+            self.prune_above = (self.per_object.len() * 2).max(PRUNE_ABOVE);
+        }
+        let bucket = self
+            .per_object
+            .entry(object)
+            .or_insert_with(|| Bucket::full(OBJECT_BURST, now));
+        bucket.refill(now, per_object, OBJECT_BURST);
+        if bucket.tokens < 1.0 {
+            return false;
+        }
+        bucket.tokens -= 1.0;
+        self.all.tokens -= 1.0;
+        true
+    }
 }
 
 /// How long a published Event takes repeats into its series (client-go's and kube's 6 minutes).
@@ -118,8 +205,17 @@ impl Events {
             instance: instance.unwrap_or_else(|| REPORTER.to_owned()),
             min_interval,
             last: Mutex::default(),
+            rate: Mutex::new(Rate::new(Instant::now())),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
+            dropped: Counter::default(),
             series: Arc::default(),
         }
+    }
+
+    /// Counts the Events dropped over the rate or the publications in flight into `dropped`.
+    pub fn counting_drops(mut self, dropped: Counter) -> Self {
+        self.dropped = dropped;
+        self
     }
 
     /// Whether an Event with `reason` on `key` may go out now (and remembers that it did).
@@ -195,16 +291,28 @@ impl Events {
             .as_ref()
             .and_then(|r| r.name.as_deref())
             .unwrap_or_default();
-        let key = (
+        let object = (
             reference.namespace.clone().unwrap_or_default(),
             format!(
                 "{}/{}",
                 reference.kind.as_deref().unwrap_or_default(),
                 reference.name.as_deref().unwrap_or_default()
             ),
+        );
+        let Ok(sending) = self.in_flight.clone().try_acquire_owned() else {
+            self.dropped.inc();
+            return;
+        };
+        let key = (
+            object.0.clone(),
+            object.1.clone(),
             format!("{reason}/{subject}"),
         );
         if !self.allow(key) {
+            return;
+        }
+        if !crate::sync::lock(&self.rate).take(object, Instant::now()) {
+            self.dropped.inc();
             return;
         }
         let type_ = match type_ {
@@ -242,6 +350,7 @@ impl Events {
         };
         let (client, series) = (self.client.clone(), self.series.clone());
         tokio::spawn(async move {
+            let _sending = sending;
             let object = event.regarding.as_ref().and_then(|r| r.name.clone());
             if let Err(error) = send(client, &series, key, event).await {
                 tracing::warn!(%error, ?object, "could not publish an Event");
@@ -471,6 +580,71 @@ mod tests {
         assert!(!events.allow(key("a", "StatesRecorded")), "repeat dropped");
         assert!(events.allow(key("a", "StatesPruned")), "another reason");
         assert!(events.allow(key("b", "StatesRecorded")), "another object");
+    }
+
+    /// Events about one object: 25, then one per 5 minutes; all together: 200, then 20 a
+    /// second; the objects whose bucket is full again are forgotten once they double.
+    #[test]
+    fn events_are_bounded_per_object_and_in_all() {
+        let t0 = Instant::now();
+        let at = |s: f64| t0 + Duration::from_secs_f64(s);
+        let object = |i: usize| ("ns".to_owned(), format!("PersistentPodState/web-{i}"));
+        let mut rate = Rate::new(t0);
+        let first: Vec<bool> = (0..30).map(|_| rate.take(object(0), t0)).collect();
+        assert_eq!(first.iter().filter(|t| **t).count(), 25, "{first:?}");
+        assert!(rate.take(object(1), t0), "another object");
+        assert!(!rate.take(object(0), at(299.0)));
+        assert!(rate.take(object(0), at(301.0)), "one per 5 minutes");
+        // In all: the burst, then 20 a second.
+        let mut rate = Rate::new(t0);
+        let taken = (0..300).filter(|i| rate.take(object(*i), t0)).count();
+        assert_eq!(taken, 200);
+        let later = (300..400)
+            .filter(|i| rate.take(object(*i), at(1.0)))
+            .count();
+        assert_eq!(later, 20, "20 a second");
+        // Pruned once the objects pass the bound, keeping those not full again.
+        let mut rate = Rate::new(t0);
+        for i in 0..=PRUNE_ABOVE {
+            rate.all.tokens = ALL_BURST;
+            assert!(rate.take(object(i), t0));
+        }
+        assert!(rate.take(
+            object(PRUNE_ABOVE + 1),
+            at(OBJECT_EVERY.as_secs_f64() * 25.0)
+        ));
+        assert_eq!(
+            rate.per_object.len(),
+            1,
+            "every bucket full again but the new one"
+        );
+    }
+
+    /// With as many publications in flight as allowed (the API server not answering), more
+    /// Events are dropped and counted, not queued.
+    #[tokio::test]
+    async fn events_beyond_those_in_flight_are_dropped_and_counted() {
+        let (events, _server) = hourly();
+        let dropped = Counter::default();
+        let events = events.counting_drops(dropped.clone());
+        // Each about a PersistentPodState of its own (the rate lets them all out).
+        for i in 0..IN_FLIGHT + 3 {
+            let pps: PersistentPodState = serde_json::from_value(serde_json::json!({
+                "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+                "metadata": {"name": format!("web-{i}"), "namespace": "ns"},
+                "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}}
+            }))
+            .expect("pps");
+            events.publish(
+                &pps,
+                EventType::Warning,
+                "PodReleased",
+                "Release",
+                String::new(),
+            );
+        }
+        assert_eq!(dropped.get(), 3);
+        assert_eq!(events.in_flight.available_permits(), 0);
     }
 
     #[tokio::test]

@@ -380,6 +380,8 @@ pub struct Metrics {
     pub generator_writes: Family<GeneratorLabels, Counter>,
     /// Workloads whose `persistent-pod-state.io/ip-request` the generator could not copy.
     pub invalid_workload_ip_requests: Counter,
+    /// Events not published: over the rate, or with as many being sent as allowed.
+    pub events_dropped: Counter,
     /// PersistentPodStates over a limit (what is beyond is ignored).
     pub over_limits: Gauge,
     /// PersistentPodStates shadowed by an older one targeting the same workload.
@@ -482,6 +484,7 @@ impl Metrics {
             leader: Gauge::default(),
             generator_writes: Family::default(),
             invalid_workload_ip_requests: Counter::default(),
+            events_dropped: Counter::default(),
             restored: Family::default(),
             ip_requests: Family::default(),
             ip_request_skipped: Family::default(),
@@ -592,6 +595,11 @@ impl Metrics {
             "generator_writes",
             "Requests sent by the PersistentPodState generator, by action",
             m.generator_writes.clone(),
+        );
+        registry.register(
+            "events_dropped",
+            "Events not published: over the rate (20 a second in all; per object 25, then one per 5 minutes) or with 64 being sent already",
+            m.events_dropped.clone(),
         );
         registry.register(
             "invalid_workload_ip_requests",

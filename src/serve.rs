@@ -114,13 +114,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             },
         ));
     }
-    let events = Arc::new(Events::new(
-        client.clone(),
-        std::env::var("POD_NAME")
-            .or_else(|_| std::env::var("HOSTNAME"))
-            .ok(),
-        Duration::from_secs(30),
-    ));
+    let events = Arc::new(
+        Events::new(
+            client.clone(),
+            std::env::var("POD_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .ok(),
+            Duration::from_secs(30),
+        )
+        .counting_drops(metrics.events_dropped.clone()),
+    );
     let webhook_app = webhook::router(Arc::new(WebhookState {
         events: Some(events.clone()),
         caches: caches.clone(),
