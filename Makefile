@@ -85,9 +85,9 @@ soak:
 	SOAK_SECONDS=$${SOAK_SECONDS:-1800} bash e2e/run.sh soak::
 
 # The oldest supported version, v1.20 (Debian's source package): the pre-1.28 registration and
-# a smoke subset (the seeds' story, restore after rolling updates, HA takeover, the pre-1.28
-# overlays accepted).
-E2E_SMOKE := placement::echoserver_from_the_seeds placement::rolling_updates ha::the_other_replica_takes_over manifests::kustomize_overlays api::pps_uniqueness_is_read_live
+# a smoke subset (the seeds' story, restore after rolling updates, HA takeover, the chart's
+# FlowSchema for the Lease in the version 1.20 serves, the pre-1.28 overlays accepted).
+E2E_SMOKE := placement::echoserver_from_the_seeds placement::rolling_updates ha::the_other_replica_takes_over ha::lease_requests_go_in_the_leader_election_priority_level manifests::kustomize_overlays api::pps_uniqueness_is_read_live
 e2e-v1.20:
 	PPS_KUBERNETES=v1.20 bash e2e/run.sh $(E2E_SMOKE)
 

@@ -18,7 +18,7 @@ fail() { say "$*"; exit 1; }
 
 # The files of manifests/base rendered from the chart (namespace.yaml and kustomization.yaml are
 # kustomize's own).
-BASE=(crd rbac deployment pdb service networkpolicy webhooks)
+BASE=(crd rbac flowschema deployment pdb service networkpolicy webhooks)
 
 # render_base DIR: manifests/base's generated files into DIR.
 render_base() {
@@ -76,6 +76,21 @@ for values in "$CHART"/ci/*-values.yaml; do
   done
   say "ok: $name"
 done
+
+# The Lease's FlowSchema, in the newest version each Kubernetes serves (v1beta1 until 1.22,
+# v1beta2 until 1.25, v1beta3 until 1.28, v1 since 1.29), and none without leader election.
+for pair in 1.20.0=v1beta1 1.22.0=v1beta1 1.23.0=v1beta2 1.25.0=v1beta2 1.26.0=v1beta3 1.28.0=v1beta3 1.29.0=v1 1.37.0=v1; do
+  kube=${pair%=*}
+  out=$("$HELM" template t "$CHART" -n ops --kube-version "$kube" --show-only templates/flowschema.yaml) ||
+    fail "helm template of the FlowSchema (Kubernetes $kube)"
+  grep -qx "apiVersion: flowcontrol.apiserver.k8s.io/${pair#*=}" <<<"$out" ||
+    fail "the FlowSchema on Kubernetes $kube is not in ${pair#*=}: $out"
+done
+for off in "leaderElection.flowSchema=false" "leaderElection.enabled=false,replicaCount=1"; do
+  ! "$HELM" template t "$CHART" --set "$off" | grep -q 'kind: FlowSchema' ||
+    fail "a FlowSchema rendered with $off"
+done
+say "ok: the Lease's FlowSchema in the version each Kubernetes serves"
 
 # Invalid values are refused by the schema, naming the field.
 refused() {

@@ -238,11 +238,15 @@ webhook_certs() {
   ln -sfn ..data/tls.key "$vol/tls.key"
 }
 
-# service_account: the manifests' namespace, ServiceAccount and RBAC (nothing else), and a
-# kubeconfig with a token of that ServiceAccount in $CLUSTER_DIR/sa-kubeconfig: the replicas
-# run with it, so every test exercises the controller under exactly the shipped permissions.
+# service_account: the manifests' namespace, ServiceAccount and RBAC (nothing else), the Lease's
+# FlowSchema where the API server serves the base's version (1.29 on), and a kubeconfig with a
+# token of that ServiceAccount in $CLUSTER_DIR/sa-kubeconfig: the replicas run with it, so every
+# test exercises the controller under exactly the shipped permissions and priority.
 service_account() {
   kubectl apply -f "$ROOT/manifests/base/namespace.yaml" -f "$ROOT/manifests/base/rbac.yaml" >/dev/null
+  if (($(server_minor) >= 29)); then
+    kubectl apply -f "$ROOT/manifests/base/flowschema.yaml" >/dev/null
+  fi
   local sa=system:serviceaccount:persistent-pod-state:persistent-pod-state
   # The aggregated ClusterRole is filled in by the controller-manager.
   wait_until 60 "the aggregated ClusterRole" bash -c \

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use kube::Api;
-use kube::api::{Patch, PatchParams};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
 use serde_json::json;
 
 use crate::support::*;
@@ -426,4 +426,133 @@ async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
         stepped_down.as_secs_f64()
     );
     delete_namespace(c, &ns).await;
+}
+
+/// The priority level and flow schema (their uids) the API server put a request of `client` for
+/// `path` in, from API Priority and Fairness' answer headers.
+async fn priority_of(client: &kube::Client, path: &str) -> Option<(String, String)> {
+    let request = http::Request::get(path).body(Vec::new()).ok()?;
+    let answer = client
+        .send(request.map(kube::client::Body::from))
+        .await
+        .ok()?;
+    let header = |name: &str| {
+        answer
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    Some((
+        header("X-Kubernetes-PF-PriorityLevel-UID")?,
+        header("X-Kubernetes-PF-FlowSchema-UID")?,
+    ))
+}
+
+/// The shipped FlowSchema (the chart's, rendered for this server's version, which the kustomize
+/// base is rendered from) puts the replicas' Lease requests in the API server's leader-election
+/// priority level, as the control plane's own leaders' are: a leader's renewals do not queue
+/// behind the cluster's other service accounts. Without it the same request lands elsewhere,
+/// shown first; the replicas' other requests stay where they were.
+#[tokio::test]
+async fn lease_requests_go_in_the_leader_election_priority_level() {
+    let env = env().await;
+    let c = &env.client;
+    let minor = server_minor(c).await;
+    let version = match minor {
+        ..=22 => "v1beta1",
+        23..=25 => "v1beta2",
+        26..=28 => "v1beta3",
+        _ => "v1",
+    };
+    let resource = |kind: &str| {
+        ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
+            "flowcontrol.apiserver.k8s.io",
+            version,
+            kind,
+        ))
+    };
+    let levels: Api<DynamicObject> =
+        Api::all_with(c.clone(), &resource("PriorityLevelConfiguration"));
+    let leader_election = levels
+        .get("leader-election")
+        .await
+        .expect("the API server's leader-election priority level")
+        .uid()
+        .expect("uid");
+    let schemas: Api<DynamicObject> = Api::all_with(c.clone(), &resource("FlowSchema"));
+    let name = "persistent-pod-state-leader-election";
+    let config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::read_from(&env.sa_kubeconfig).expect("the replicas' kubeconfig"),
+        &Default::default(),
+    )
+    .await
+    .expect("config");
+    let replicas = kube::Client::try_from(config).expect("client");
+    let lease =
+        "/apis/coordination.k8s.io/v1/namespaces/persistent-pod-state/leases/persistent-pod-state";
+
+    // Without the FlowSchema: the Lease's requests go with the service accounts'.
+    let _ = schemas.delete(name, &DeleteParams::default()).await;
+    let (without, _) = wait_for(
+        "the Lease's requests out of leader-election",
+        TIMEOUT,
+        || async {
+            let (level, schema) = priority_of(&replicas, lease).await?;
+            (level != leader_election).then_some((level, schema))
+        },
+    )
+    .await;
+
+    // The chart's FlowSchema, in the version this server serves.
+    let kube_version = format!("--kube-version=1.{minor}.0");
+    let chart =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/persistent-pod-state");
+    let (ok, out) = helm(
+        &env,
+        &[
+            "template",
+            "persistent-pod-state",
+            chart.to_str().expect("path"),
+            "--namespace",
+            "persistent-pod-state",
+            &kube_version,
+            "--show-only",
+            "templates/flowschema.yaml",
+        ],
+    )
+    .await;
+    assert!(ok, "helm template: {out}");
+    let rendered = yaml_documents(&out);
+    let [schema] = rendered.as_slice() else {
+        panic!("one FlowSchema rendered: {out}")
+    };
+    assert_eq!(
+        schema["apiVersion"],
+        format!("flowcontrol.apiserver.k8s.io/{version}")
+    );
+    let schema: DynamicObject = serde_json::from_value(schema.clone()).expect("a FlowSchema");
+    let uid = schemas
+        .create(&PostParams::default(), &schema)
+        .await
+        .expect("the FlowSchema accepted by this API server")
+        .uid()
+        .expect("uid");
+    wait_for(
+        "the Lease's requests in leader-election",
+        TIMEOUT,
+        || async {
+            let placed = priority_of(&replicas, lease).await?;
+            (placed == (leader_election.clone(), uid.clone())).then_some(())
+        },
+    )
+    .await;
+    // Only the Lease's: the replicas' other requests stay in the level they were in.
+    let (level, _) = priority_of(
+        &replicas,
+        "/apis/apps.kruise.io/v1beta1/persistentpodstates?limit=1",
+    )
+    .await
+    .expect("priority headers");
+    assert_eq!(level, without, "a PersistentPodState list");
 }

@@ -86,6 +86,14 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
     assert_eq!(ports, [9443, 8080]);
     assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress"]));
     find(&base, "Role", "persistent-pod-state-leader-election");
+    // The Lease's requests in the API server's leader-election priority level (the chart's
+    // FlowSchema, in the version 1.29 on serve; its effect: ha.rs).
+    let schema = find(&base, "FlowSchema", "persistent-pod-state-leader-election");
+    assert_eq!(schema["apiVersion"], "flowcontrol.apiserver.k8s.io/v1");
+    assert_eq!(
+        schema["spec"]["priorityLevelConfiguration"]["name"],
+        "leader-election"
+    );
     for kind in [
         "MutatingWebhookConfiguration",
         "ValidatingWebhookConfiguration",
@@ -199,6 +207,11 @@ async fn kustomize_overlays_render_and_are_accepted_by_the_api_server() {
         assert!(hook.get("matchConditions").is_none(), "{overlay}: {hook}");
         assert_eq!(hook["sideEffects"], "NoneOnDryRun", "{overlay}");
         find(&objects, "Deployment", "persistent-pod-state");
+        // No version of the FlowSchema is served by every release before 1.29.
+        assert!(
+            objects.iter().all(|o| o["kind"] != "FlowSchema"),
+            "{overlay} has a FlowSchema"
+        );
     }
 
     stub_cert_manager_crds(&env).await;
