@@ -299,10 +299,8 @@ impl Events {
                 reference.name.as_deref().unwrap_or_default()
             ),
         );
-        let Ok(sending) = self.in_flight.clone().try_acquire_owned() else {
-            self.dropped.inc();
-            return;
-        };
+        // A repeat within the interval is no Event lost: looked at before the bounds that count
+        // what they drop.
         let key = (
             object.0.clone(),
             object.1.clone(),
@@ -311,6 +309,10 @@ impl Events {
         if !self.allow(key) {
             return;
         }
+        let Ok(sending) = self.in_flight.clone().try_acquire_owned() else {
+            self.dropped.inc();
+            return;
+        };
         if !crate::sync::lock(&self.rate).take(object, Instant::now()) {
             self.dropped.inc();
             return;
@@ -621,14 +623,15 @@ mod tests {
     }
 
     /// With as many publications in flight as allowed (the API server not answering), more
-    /// Events are dropped and counted, not queued.
+    /// Events are dropped and counted, not queued; a repeat within the interval is not counted
+    /// as lost.
     #[tokio::test]
     async fn events_beyond_those_in_flight_are_dropped_and_counted() {
         let (events, _server) = hourly();
         let dropped = Counter::default();
         let events = events.counting_drops(dropped.clone());
         // Each about a PersistentPodState of its own (the rate lets them all out).
-        for i in 0..IN_FLIGHT + 3 {
+        let publish = |i: usize| {
             let pps: PersistentPodState = serde_json::from_value(serde_json::json!({
                 "apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
                 "metadata": {"name": format!("web-{i}"), "namespace": "ns"},
@@ -642,9 +645,17 @@ mod tests {
                 "Release",
                 String::new(),
             );
+        };
+        for i in 0..IN_FLIGHT + 3 {
+            publish(i);
         }
         assert_eq!(dropped.get(), 3);
         assert_eq!(events.in_flight.available_permits(), 0);
+        // The same Events again, within the interval: repeats, none lost.
+        for i in 0..IN_FLIGHT + 3 {
+            publish(i);
+        }
+        assert_eq!(dropped.get(), 3);
     }
 
     #[tokio::test]
