@@ -167,6 +167,33 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
         outlook.contains("held by claims data-kept-0") && outlook.contains("release kept-0"),
         "{outlook}"
     );
+    // As replicas that release nothing, and as replicas that only observe, judge it.
+    let outlook = pps_command(
+        &env,
+        &[
+            "explain",
+            "kept-0",
+            "-n",
+            &ns,
+            "--max-releases-per-minute",
+            "0",
+        ],
+    )
+    .await;
+    assert!(
+        outlook.contains(&format!("held by claims data-kept-0 on node {lost}"))
+            && outlook.contains(
+                "the controller releases nothing (--max-releases-per-minute 0): run `persistent-pod-state release kept-0"
+            ),
+        "{outlook}"
+    );
+    let outlook = pps_command(&env, &["explain", "kept-0", "-n", &ns, "--mode", "observe"]).await;
+    assert!(
+        outlook.contains(&format!(
+            "held by claims data-kept-0 on node {lost}: never released by the controller while the PersistentPodState is observed only"
+        )),
+        "{outlook}"
+    );
 
     // The operator's word: a dry run deletes nothing, then `release` does it.
     let said = release(&env, &ns, "kept-0", true).await;

@@ -864,3 +864,88 @@ async fn the_code_is_mapped_back_from_its_file_when_the_move_fails() {
     }
     answers_a_review(&env, port).await;
 }
+
+/// An HTTP/1 client that sends reviews one after another on its connection and reads none of
+/// the answers (its receive buffer a few KiB, never read) is closed by the send bound (10 s
+/// without the socket taking a byte), not held to the idle bound (120 s), and the replica says
+/// why; other clients are answered meanwhile.
+#[tokio::test]
+async fn a_client_that_reads_none_of_its_answers_is_closed_at_the_send_bound() {
+    use tokio::io::AsyncWriteExt;
+    let env = env().await;
+    let (port, probe_port) = (19464, 18098);
+    let log = env
+        .cluster_dir
+        .join("logs/persistent-pod-state-slow-reader.log");
+    let mut command = serve_command(&env, &env.cluster_dir.join("kubeconfig"), port, probe_port);
+    command.stderr(std::fs::File::create(&log).expect("log"));
+    let _instance = spawn_until(command, &format!("http://127.0.0.1:{probe_port}/readyz")).await;
+    let connector = tls_connector(&env);
+
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let tcp = socket
+        .connect(([127, 0, 0, 1], port).into())
+        .await
+        .expect("connect");
+    let mut stream = connector
+        .connect(
+            rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name"),
+            tcp,
+        )
+        .await
+        .expect("handshake");
+    let review = admission(
+        "slow-reader",
+        json!({"group": "", "version": "v1", "kind": "Pod"}),
+        json!({"metadata": {"name": "x-0"}, "spec": {"containers": [{"name": "c"}]}}),
+    );
+    let request = format!(
+        "POST /mutate-pod HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{review}",
+        review.len()
+    );
+    let started = std::time::Instant::now();
+    let mut writing = tokio::spawn(async move {
+        let mut sent = 0_usize;
+        while stream.write_all(request.as_bytes()).await.is_ok() && stream.flush().await.is_ok() {
+            sent += 1;
+        }
+        sent
+    });
+    // Others are answered while it sends.
+    let (status, answer) = exchange(
+        &connector,
+        port,
+        "/mutate-pod",
+        &admission(
+            "other",
+            json!({"group": "", "version": "v1", "kind": "Pod"}),
+            json!({"metadata": {"name": "x-0"}, "spec": {"containers": [{"name": "c"}]}}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    // Its writes fail once the replica closes the connection (with requests unread, the close
+    // resets it), well before the idle bound.
+    let sent = tokio::time::timeout(Duration::from_secs(60), &mut writing)
+        .await
+        .unwrap_or_else(|_| {
+            writing.abort();
+            panic!("the connection still open after 60 s")
+        })
+        .expect("the writer");
+    let took = started.elapsed();
+    let said = std::fs::read_to_string(&log).expect("log");
+    println!(
+        "a client reading none of its answers: closed after {:.1} s and {sent} reviews sent",
+        took.as_secs_f64()
+    );
+    assert!(
+        said.contains("closing a connection whose client reads none of its answers"),
+        "the replica does not say why:\n{said}"
+    );
+    assert!(
+        took >= Duration::from_secs(10),
+        "closed after {took:?}, before the send bound"
+    );
+}
