@@ -181,17 +181,18 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
     )
     .await;
     assert!(
-        outlook.contains(&format!("held by claims data-kept-0 on node {lost}"))
-            && outlook.contains(
-                "the controller releases nothing (--max-releases-per-minute 0): run `persistent-pod-state release kept-0"
-            ),
+        outlook.contains("held by claims data-kept-0 (")
+            && outlook.contains(&format!(
+                "on node {lost}: node {lost} is gone; the controller releases nothing (--max-releases-per-minute 0): run `persistent-pod-state release kept-0"
+            )),
         "{outlook}"
     );
     let outlook = pps_command(&env, &["explain", "kept-0", "-n", &ns, "--mode", "observe"]).await;
     assert!(
-        outlook.contains(&format!(
-            "held by claims data-kept-0 on node {lost}: never released by the controller while the PersistentPodState is observed only"
-        )),
+        outlook.contains("held by claims data-kept-0 (")
+            && outlook.contains(&format!(
+                "on node {lost}: never released by the controller while the PersistentPodState is observed only"
+            )),
         "{outlook}"
     );
 
