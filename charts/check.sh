@@ -87,8 +87,8 @@ for pair in 1.20.0=v1beta1 1.22.0=v1beta1 1.23.0=v1beta2 1.25.0=v1beta2 1.26.0=v
     fail "the FlowSchema on Kubernetes $kube is not in ${pair#*=}: $out"
 done
 for off in "leaderElection.flowSchema=false" "leaderElection.enabled=false,replicaCount=1"; do
-  ! "$HELM" template t "$CHART" --set "$off" | grep -q 'kind: FlowSchema' ||
-    fail "a FlowSchema rendered with $off"
+  out=$("$HELM" template t "$CHART" --set "$off") || fail "helm template with $off"
+  ! grep -q 'kind: FlowSchema' <<<"$out" || fail "a FlowSchema rendered with $off"
 done
 say "ok: the Lease's FlowSchema in the version each Kubernetes serves"
 

@@ -164,6 +164,24 @@ struct LastSent {
 /// The fewest keys kept before the window is pruned.
 const PRUNE_ABOVE: usize = 4096;
 
+impl LastSent {
+    /// Whether `key` sent an Event less than `window` before `now`.
+    fn repeat(&self, key: &(String, String, String), now: Instant, window: Duration) -> bool {
+        self.at
+            .get(key)
+            .is_some_and(|t| now.duration_since(*t) < window)
+    }
+
+    /// Remembers that `key` sent an Event at `now`.
+    fn record(&mut self, key: (String, String, String), now: Instant, window: Duration) {
+        if self.at.len() > self.prune_above.max(PRUNE_ABOVE) {
+            self.at.retain(|_, t| now.duration_since(*t) < window);
+            self.prune_above = self.at.len() * 2;
+        }
+        self.at.insert(key, now);
+    }
+}
+
 /// The most bytes an Event's note may hold: the API server refuses a longer one.
 const NOTE_MAX: usize = 1024;
 
@@ -216,26 +234,6 @@ impl Events {
     pub fn counting_drops(mut self, dropped: Counter) -> Self {
         self.dropped = dropped;
         self
-    }
-
-    /// Whether an Event with `reason` on `key` may go out now (and remembers that it did).
-    fn allow(&self, key: (String, String, String)) -> bool {
-        let now = Instant::now();
-        let mut last = crate::sync::lock(&self.last);
-        if last
-            .at
-            .get(&key)
-            .is_some_and(|t| now.duration_since(*t) < self.min_interval)
-        {
-            return false;
-        }
-        if last.at.len() > last.prune_above.max(PRUNE_ABOVE) {
-            let window = self.min_interval;
-            last.at.retain(|_, t| now.duration_since(*t) < window);
-            last.prune_above = last.at.len() * 2;
-        }
-        last.at.insert(key, now);
-        true
     }
 
     /// Publishes an Event about `pps` in the background, unless rate-limited (per object and
@@ -299,24 +297,31 @@ impl Events {
                 reference.name.as_deref().unwrap_or_default()
             ),
         );
-        // A repeat within the interval is no Event lost: looked at before the bounds that count
-        // what they drop.
+        // A repeat of an Event sent within the interval is no Event lost: looked at before the
+        // bounds that count what they drop. An Event they drop is not remembered as sent, so
+        // it goes out when tried again once there is room.
         let key = (
             object.0.clone(),
             object.1.clone(),
             format!("{reason}/{subject}"),
         );
-        if !self.allow(key) {
+        let now = Instant::now();
+        let mut last = crate::sync::lock(&self.last);
+        if last.repeat(&key, now, self.min_interval) {
             return;
         }
         let Ok(sending) = self.in_flight.clone().try_acquire_owned() else {
+            drop(last);
             self.dropped.inc();
             return;
         };
-        if !crate::sync::lock(&self.rate).take(object, Instant::now()) {
+        if !crate::sync::lock(&self.rate).take(object, now) {
+            drop(last);
             self.dropped.inc();
             return;
         }
+        last.record(key, now, self.min_interval);
+        drop(last);
         let type_ = match type_ {
             EventType::Normal => "Normal",
             EventType::Warning => "Warning",
@@ -421,6 +426,18 @@ async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether an Event of `key` would go out now as far as repeats go (remembered as sent if
+    /// so), as [`Events::publish_on`] judges it before its bounds.
+    fn allow(events: &Events, key: (String, String, String)) -> bool {
+        let now = Instant::now();
+        let mut last = crate::sync::lock(&events.last);
+        if last.repeat(&key, now, events.min_interval) {
+            return false;
+        }
+        last.record(key, now, events.min_interval);
+        true
+    }
 
     /// An Event about an object with a long name gets a name the API server takes: at most 253
     /// bytes, no label ending in `-` or `.` where the name was cut.
@@ -578,10 +595,13 @@ mod tests {
         let (events, _server) = hourly();
         let key =
             |name: &str, reason: &str| ("ns".to_string(), name.to_string(), reason.to_string());
-        assert!(events.allow(key("a", "StatesRecorded")));
-        assert!(!events.allow(key("a", "StatesRecorded")), "repeat dropped");
-        assert!(events.allow(key("a", "StatesPruned")), "another reason");
-        assert!(events.allow(key("b", "StatesRecorded")), "another object");
+        assert!(allow(&events, key("a", "StatesRecorded")));
+        assert!(
+            !allow(&events, key("a", "StatesRecorded")),
+            "repeat dropped"
+        );
+        assert!(allow(&events, key("a", "StatesPruned")), "another reason");
+        assert!(allow(&events, key("b", "StatesRecorded")), "another object");
     }
 
     /// Events about one object: 25, then one per 5 minutes; all together: 200, then 20 a
@@ -651,11 +671,18 @@ mod tests {
         }
         assert_eq!(dropped.get(), 3);
         assert_eq!(events.in_flight.available_permits(), 0);
-        // The same Events again, within the interval: repeats, none lost.
+        // The same Events again, within the interval: those sent are repeats, not counted; the
+        // three dropped are tried again, and dropped again while there is no room.
         for i in 0..IN_FLIGHT + 3 {
             publish(i);
         }
-        assert_eq!(dropped.get(), 3);
+        assert_eq!(dropped.get(), 6);
+        // Room again: a dropped Event goes out when tried again; a sent one stays a repeat.
+        events.in_flight.add_permits(2);
+        publish(IN_FLIGHT);
+        publish(0);
+        assert_eq!(dropped.get(), 6);
+        assert_eq!(events.in_flight.available_permits(), 1, "one more sent");
     }
 
     #[tokio::test]
@@ -663,7 +690,7 @@ mod tests {
         let (events, _server) = hourly();
         let key = |i: usize| ("ns".to_string(), format!("pps-{i}"), "Reason/".to_string());
         for i in 0..=PRUNE_ABOVE + 1 {
-            assert!(events.allow(key(i)));
+            assert!(allow(&events, key(i)));
         }
         // One pass when the keys passed PRUNE_ABOVE: all in the window, so kept, and the
         // next pass waits until they have doubled.

@@ -428,6 +428,28 @@ async fn a_paused_leader_steps_down_and_no_pruned_state_comes_back() {
     delete_namespace(c, &ns).await;
 }
 
+/// The shipped FlowSchema, created again if the test fails while it is deleted: the other tests
+/// run with it.
+struct SchemaBack(Option<DynamicObject>, ApiResource);
+
+impl SchemaBack {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for SchemaBack {
+    fn drop(&mut self) {
+        if let Some(schema) = self.0.take() {
+            let resource = self.1.clone();
+            put_back(move |client| async move {
+                let schemas: Api<DynamicObject> = Api::all_with(client, &resource);
+                let _ = schemas.create(&PostParams::default(), &schema).await;
+            });
+        }
+    }
+}
+
 /// The priority level and flow schema (their uids) the API server put a request of `client` for
 /// `path` in, from API Priority and Fairness' answer headers.
 async fn priority_of(client: &kube::Client, path: &str) -> Option<(String, String)> {
@@ -492,18 +514,6 @@ async fn lease_requests_go_in_the_leader_election_priority_level() {
     let lease =
         "/apis/coordination.k8s.io/v1/namespaces/persistent-pod-state/leases/persistent-pod-state";
 
-    // Without the FlowSchema: the Lease's requests go with the service accounts'.
-    let _ = schemas.delete(name, &DeleteParams::default()).await;
-    let (without, _) = wait_for(
-        "the Lease's requests out of leader-election",
-        TIMEOUT,
-        || async {
-            let (level, schema) = priority_of(&replicas, lease).await?;
-            (level != leader_election).then_some((level, schema))
-        },
-    )
-    .await;
-
     // The chart's FlowSchema, in the version this server serves.
     let kube_version = format!("--kube-version=1.{minor}.0");
     let chart =
@@ -532,12 +542,31 @@ async fn lease_requests_go_in_the_leader_election_priority_level() {
         format!("flowcontrol.apiserver.k8s.io/{version}")
     );
     let schema: DynamicObject = serde_json::from_value(schema.clone()).expect("a FlowSchema");
+    // Without the FlowSchema: the Lease's requests go with the service accounts'.
+    // Put back as rendered should the test fail before it is created again.
+    let back = SchemaBack(Some(schema.clone()), resource("FlowSchema"));
+    match schemas.delete(name, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => panic!("deleting the FlowSchema: {e}"),
+    }
+    let (without, _) = wait_for(
+        "the Lease's requests out of leader-election",
+        TIMEOUT,
+        || async {
+            let (level, schema) = priority_of(&replicas, lease).await?;
+            (level != leader_election).then_some((level, schema))
+        },
+    )
+    .await;
+
     let uid = schemas
         .create(&PostParams::default(), &schema)
         .await
         .expect("the FlowSchema accepted by this API server")
         .uid()
         .expect("uid");
+    back.disarm();
     wait_for(
         "the Lease's requests in leader-election",
         TIMEOUT,
