@@ -223,6 +223,15 @@ impl Taken<'_> {
     }
 }
 
+impl Taken<'_> {
+    /// Gives back up to `n` of the units held.
+    fn give_back(&mut self, n: usize) {
+        let n = n.min(self.n);
+        self.n -= n;
+        self.free.0.fetch_add(n, Ordering::AcqRel);
+    }
+}
+
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
         self.free.0.fetch_add(self.n, Ordering::AcqRel);
@@ -633,13 +642,18 @@ impl RequestLimit {
                         format!("the request body is larger than {max_body} bytes"),
                     ));
                 }
-                if !share.bytes(&mut held, bytes.cost_of(chunk.len())) {
+                // Charged for what it is copied out of too, given back once that is freed.
+                let copied = bytes.copied_with(chunk.len());
+                if !share.bytes(&mut held, bytes.cost_of(chunk.len()) + copied) {
                     return Err((
                         StatusCode::SERVICE_UNAVAILABLE,
                         "too many bytes in flight; retry".to_owned(),
                     ));
                 }
                 bytes.push(chunk);
+                if let Some(held) = held.as_mut() {
+                    held.give_back(copied);
+                }
             }
             Ok(())
         })
@@ -754,8 +768,9 @@ const QUICK_SLACK: usize = 4;
 /// it would hold whole). The buffer grows by doubling, up to the length the body's head gives
 /// (its `content-length`, where it ends exactly) or the largest body taken: it holds at most
 /// about twice what has arrived, whatever length the head claims. What it holds is what the
-/// share is charged ([`Chunks::cost_of`]), before it is allocated. (As it grows, the old room is
-/// freed once copied into the new: a moment's bytes not charged.)
+/// share is charged ([`Chunks::cost_of`]), before it is allocated; as it grows, what it is
+/// copied out of (the first chunk, or its old room) is charged too until it is freed
+/// ([`Chunks::copied_with`]).
 #[derive(Default)]
 struct Chunks {
     /// The body's length, as its head gives it (`content-length`), if within the largest taken.
@@ -808,6 +823,16 @@ impl Chunks {
     /// What the share is to be charged before a chunk of `incoming` bytes is taken.
     fn cost_of(&self, incoming: usize) -> usize {
         self.held_with(incoming).saturating_sub(self.charged)
+    }
+
+    /// The bytes taking `incoming` more copies out of and then frees (the first chunk, or the
+    /// buffer's old room as it grows): held beside the new room for a moment.
+    fn copied_with(&self, incoming: usize) -> usize {
+        match &self.first {
+            Some(first) => first.len(),
+            None if self.held_with(incoming) > self.joined.capacity() => self.joined.capacity(),
+            None => 0,
+        }
     }
 
     /// Takes `chunk` (the share charged for it: [`Chunks::cost_of`]).
@@ -2164,7 +2189,21 @@ mod tests {
         ] {
             let mut charged = 0;
             for chunk in pieces() {
+                // At the copy, the old storage and the new room are held at once.
+                let old = chunks.first.as_ref().map_or(0, |f| f.len()) + chunks.joined.capacity();
+                let copied = chunks.copied_with(chunk.len());
                 charged += chunks.cost_of(chunk.len());
+                let new = chunks.held_with(chunk.len());
+                let at_the_copy = if new > chunks.joined.capacity() {
+                    old + new
+                } else {
+                    old
+                };
+                assert!(
+                    charged + copied >= at_the_copy,
+                    "{at_the_copy} held at the copy, {} charged",
+                    charged + copied
+                );
                 chunks.push(chunk);
                 let held = chunks.first.as_ref().map_or(0, |f| f.len()) + chunks.joined.capacity();
                 assert_eq!(charged, held, "what is held is what was charged");
