@@ -305,8 +305,9 @@ impl Events {
             object.1.clone(),
             format!("{reason}/{subject}"),
         );
-        let now = Instant::now();
         let mut last = crate::sync::lock(&self.last);
+        // Read under the lock, so that the rate's buckets are never refilled back in time.
+        let now = Instant::now();
         if last.repeat(&key, now, self.min_interval) {
             return;
         }

@@ -2199,10 +2199,10 @@ mod tests {
                 } else {
                     old
                 };
-                assert!(
-                    charged + copied >= at_the_copy,
-                    "{at_the_copy} held at the copy, {} charged",
-                    charged + copied
+                assert_eq!(
+                    charged + copied,
+                    at_the_copy,
+                    "what is held at the copy is what is charged then"
                 );
                 chunks.push(chunk);
                 let held = chunks.first.as_ref().map_or(0, |f| f.len()) + chunks.joined.capacity();
