@@ -18,7 +18,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{
+    Node, NodeSelector, PersistentVolume, PersistentVolumeClaim, Pod,
+};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde::Serialize;
@@ -205,6 +207,15 @@ pub fn volume_node(
     volume_node_now(pv, nodes, keys).map(|(node, _)| node)
 }
 
+/// `pv`'s required node affinity, if it has one with terms.
+fn required_affinity(pv: &PersistentVolume) -> Option<&NodeSelector> {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.node_affinity.as_ref())
+        .and_then(|a| a.required.as_ref())
+        .filter(|s| !s.node_selector_terms.is_empty())
+}
+
 /// [`volume_node`], and whether that node is a known node now (not one seen deleted, nor a value
 /// no node carries).
 fn volume_node_now(
@@ -212,18 +223,12 @@ fn volume_node_now(
     nodes: &dyn Nodes,
     keys: &NodeKeys,
 ) -> Result<(String, bool), String> {
-    let selector = pv
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_affinity.as_ref())
-        .and_then(|a| a.required.as_ref())
-        .filter(|s| !s.node_selector_terms.is_empty())
-        .ok_or_else(|| {
-            format!(
-                "PersistentVolume {} has no required node affinity",
-                pv.name_any()
-            )
-        })?;
+    let selector = required_affinity(pv).ok_or_else(|| {
+        format!(
+            "PersistentVolume {} has no required node affinity",
+            pv.name_any()
+        )
+    })?;
     let named: Option<BTreeSet<&str>> = selector
         .node_selector_terms
         .iter()
@@ -353,7 +358,7 @@ impl LocalClaim {
 }
 
 /// A claim of the pod that is not released, and why.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Kept {
     /// The claim's name.
     pub claim: String,
@@ -365,6 +370,12 @@ pub struct Kept {
     /// nothing).
     #[serde(skip)]
     pub local_to: Option<String>,
+    /// The required node affinity of its volume, when it is the pod's own claim kept because
+    /// that affinity names no one node (a zonal disk, a node named by a label not known to
+    /// name one): the pod can go only where it is met, so the controller releases none of its
+    /// claims while no usable node meets it (they would be deleted for nothing).
+    #[serde(skip)]
+    pub mountable_on: Option<NodeSelector>,
 }
 
 /// Judges one claim of a pod, given the volume it is bound to (if any).
@@ -381,6 +392,7 @@ pub fn judge_claim(
         claim: claim.name_any(),
         why,
         local_to: None,
+        mountable_on: None,
     };
     if let Err(why) = own_claim(claim, pod.0, pod.1, templates, workload_uid) {
         // Another owner's: kept, but the node its volume holds the pod to still counts.
@@ -419,7 +431,10 @@ pub fn judge_claim(
             claim.name_any()
         )));
     }
-    let (node, node_known) = volume_node_now(pv, nodes, keys).map_err(kept)?;
+    let (node, node_known) = volume_node_now(pv, nodes, keys).map_err(|why| Kept {
+        mountable_on: required_affinity(pv).cloned(),
+        ..kept(why)
+    })?;
     Ok(LocalClaim {
         claim: claim.name_any(),
         uid,
@@ -645,9 +660,13 @@ async fn forget_released_node(
     let pps = list
         .items
         .iter()
+        // One being deleted steers no pod (the webhook and the controller skip it).
         .filter(|p| {
             let t = &p.spec.target_ref;
-            t.group() == group && t.kind == kind && t.name == name
+            p.metadata.deletion_timestamp.is_none()
+                && t.group() == group
+                && t.kind == kind
+                && t.name == name
         })
         .min_by(|a, b| {
             let created = |p: &PersistentPodState| p.metadata.creation_timestamp.clone();
@@ -656,19 +675,26 @@ async fn forget_released_node(
                 .then_with(|| a.metadata.name.cmp(&b.metadata.name))
         })?;
     let state = pps.status.as_ref()?.pod_states.get(pod)?;
-    let recorded = state.node_name.as_deref().unwrap_or_default();
+    let recorded = state.node_name.as_deref();
     let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
     if !claims
         .iter()
-        .any(|c| names_node(recorded, hostname, &c.node))
+        .any(|c| names_node(recorded.unwrap_or_default(), hostname, &c.node))
     {
         return None;
     }
+    // As the state names it: by name, else by its hostname label alone.
+    let recorded = recorded.or(hostname).unwrap_or_default();
     let pps_name = pps.name_any();
-    let target = (pod, Some(recorded));
-    // As listed, then once as read live (it may have changed since the list).
+    let target = (pod, state.node_name.as_deref());
+    // As listed (the patch tests the state is unchanged), then once as read live (it may have
+    // changed since the list) where the state names the node by name, which is checked again
+    // then (by its hostname label alone, nothing would keep a state recorded since on another
+    // node from being cleared).
     let done = match forget_node(&api, &pps_name, target, Some(state), (keys, None)).await {
-        Ok(Forgot::Stale) => forget_node(&api, &pps_name, target, None, (keys, None)).await,
+        Ok(Forgot::Stale) if target.1.is_some() => {
+            forget_node(&api, &pps_name, target, None, (keys, None)).await
+        }
         done => done,
     };
     Some(match done {
@@ -851,6 +877,7 @@ pub async fn release_pod(
                     ),
                     claim: local.claim,
                     local_to: None,
+                    mountable_on: None,
                 }),
                 _ => report.claims.push(local),
             },
@@ -1385,5 +1412,73 @@ mod tests {
             ]),
             "within the grace period (web-1), usable (web-2), scheduled (web-5) or unrecorded: not waiting"
         );
+    }
+
+    /// `release`'s word on the state: made to name the node no more in the PersistentPodState
+    /// in force (the oldest not being deleted, as the webhook chooses), by name, else by its
+    /// hostname label alone (said so, with the node's name).
+    #[tokio::test]
+    async fn release_forgets_the_node_in_the_persistent_pod_state_in_force() {
+        use http::{Request, Response};
+        use kube::client::Body;
+        let pps = |name: &str, created: &str, deleting: bool, state: Value| {
+            json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodState",
+                "metadata": {"name": name, "namespace": "ns", "creationTimestamp": created,
+                    "deletionTimestamp": deleting.then_some("2026-01-02T00:00:00Z"),
+                    "finalizers": ["example.com/hold"]},
+                "spec": {"targetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web"}},
+                "status": {"podStates": {"web-0": state}}})
+        };
+        let by_name = json!({"nodeName": "n1", "nodeTopologyLabels": {HOSTNAME_LABEL: "n1"}});
+        let by_label = json!({"nodeTopologyLabels": {HOSTNAME_LABEL: "n1"}});
+        for (state, said) in [
+            (by_name, "names node n1 no more"),
+            (by_label, "names node n1 no more"),
+        ] {
+            let list = json!({"apiVersion": "apps.kruise.io/v1beta1", "kind": "PersistentPodStateList",
+                "metadata": {}, "items": [
+                    pps("old", "2026-01-01T00:00:00Z", true, state.clone()),
+                    pps("new", "2026-01-01T00:00:01Z", false, state.clone())]});
+            let patched = pps("new", "2026-01-01T00:00:01Z", false, json!({}));
+            let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+            let server = tokio::spawn(async move {
+                let mut sent = Vec::new();
+                for answer in [list, patched] {
+                    let (request, respond) = handle.next_request().await.expect("a request");
+                    sent.push(format!("{} {}", request.method(), request.uri().path()));
+                    respond.send_response(
+                        Response::builder()
+                            .status(200)
+                            .body(Body::from(serde_json::to_vec(&answer).expect("json")))
+                            .expect("response"),
+                    );
+                }
+                sent
+            });
+            let client = Client::new(service, "ns");
+            let claims = [LocalClaim::fixture("n1")];
+            let note = forget_released_node(
+                &client,
+                "ns",
+                ("apps/v1", "StatefulSet", "web"),
+                "web-0",
+                &claims,
+                &NodeKeys::default(),
+            )
+            .await
+            .expect("a word on the state");
+            assert!(
+                note.contains("PersistentPodState new") && note.contains(said),
+                "{note}"
+            );
+            let sent = server.await.expect("mock API");
+            assert_eq!(
+                sent,
+                [
+                    "GET /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates",
+                    "PATCH /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/new/status"
+                ]
+            );
+        }
     }
 }

@@ -283,7 +283,7 @@ impl WorkloadInfo {
         let reserved_below: i64 = self
             .reserved
             .iter()
-            .map(|(lo, hi)| ((*hi).min(ordinal - 1) - (*lo).max(start) + 1).max(0))
+            .map(|(lo, hi)| ((*hi).min(ordinal - 1).saturating_sub((*lo).max(start)) + 1).max(0))
             .sum();
         ordinal - start - reserved_below < i64::from(self.replicas)
     }
@@ -418,6 +418,12 @@ mod tests {
             (
                 json!({"replicas": 2, "ordinals": {"start": 2}, "reserveOrdinals": [2]}),
                 vec![3, 4],
+            ),
+            // Reserved below any ordinal, as far as an i64 goes: counts nothing (and does not
+            // overflow in the count).
+            (
+                json!({"replicas": 2, "ordinals": {"start": 2}, "reserveOrdinals": [i64::MIN, "-3"]}),
+                vec![2, 3],
             ),
         ];
         for (spec, want) in cases {

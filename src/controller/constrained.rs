@@ -20,7 +20,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use tokio::time::Instant;
 
-use super::delete::{Deleted, delete_waiting_pod};
+use super::delete::{Deleted, delete_waiting_pod, go_on};
 use super::record::{self, Stranded};
 use super::{Context, Error, report};
 use crate::api::{PersistentPodState, encode_required};
@@ -249,6 +249,9 @@ pub(super) async fn release_held_by_pin(
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
     let (mut seen, mut next, mut reads) = (BTreeSet::new(), None::<Duration>, 0usize);
+    // A pod's delete failing holds back none of the others: the first failure is returned
+    // once each was looked at.
+    let mut failed = None;
     let mut sooner = |d: Duration| next = Some(next.map_or(d, |n| n.min(d)));
     // Once the rate is spent, the others are still judged (their waits are kept).
     let mut rate_spent = false;
@@ -443,8 +446,9 @@ pub(super) async fn release_held_by_pin(
         let target = (namespace, &*pod.name);
         let still = |live: &Pod| judge(live, &claims).is_some();
         let deleted =
-            delete_waiting_pod(&api, &ctx.fence, target, (&uid, rv.clone()), &still).await?;
-        if deleted != Deleted::Now {
+            delete_waiting_pod(&api, &ctx.fence, target, (&uid, rv.clone()), &still).await;
+        let deleted = go_on(deleted, &mut failed)?;
+        if deleted != Some(Deleted::Now) {
             // Nothing released by this call: the token goes back.
             ctx.releases.give_back(&key);
         } else {
@@ -475,7 +479,7 @@ pub(super) async fn release_held_by_pin(
             now.duration_since(j.seen) < FORGOTTEN_AFTER
         }
     });
-    Ok(next)
+    failed.map_or(Ok(next), Err)
 }
 
 /// Pod `name` read live, while it is the pod `uid`, waits unscheduled and is not being deleted,

@@ -94,3 +94,20 @@ pub(super) enum Deleted {
     /// Not deleted: it no longer waits, or changed again.
     Kept,
 }
+
+/// `result`'s value, or `None` with its failure kept in `failed` (the first one kept, each
+/// logged) where the work goes on past it; a fenced write's stops it at once.
+pub(super) fn go_on<T>(
+    result: Result<T, Error>,
+    failed: &mut Option<Error>,
+) -> Result<Option<T>, Error> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(Error::Fenced(fenced)) => Err(fenced.into()),
+        Err(error) => {
+            tracing::warn!(%error, "a release failed; the others still run, and it is tried again after the backoff");
+            failed.get_or_insert(error);
+            Ok(None)
+        }
+    }
+}

@@ -369,6 +369,19 @@ impl Context {
         .await
     }
 
+    /// Whether a node in the cache that is not lost meets `selector` (a volume's affinity).
+    fn usable_node_meets(
+        &self,
+        selector: &k8s_openapi::api::core::v1::NodeSelector,
+        health: &Health,
+    ) -> bool {
+        use kube::ResourceExt;
+        self.caches.nodes.state().iter().any(|node| {
+            !health.is_lost(node)
+                && placement::selector_matches(selector, &node.name_any(), node.labels())
+        })
+    }
+
     /// The context with `keys` as the labels that name one node in a volume's affinity.
     pub fn naming_nodes_by(mut self, keys: NodeKeys) -> Self {
         self.node_keys = keys;

@@ -1,7 +1,7 @@
 //! The controllers' shells: read the caches, call the pure [`super::record`] and
 //! [`super::generate`], write the result, and hand what happened to [`super::report`].
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use serde_json::json;
 
-use super::delete::{Deleted, delete_waiting_pod};
+use super::delete::{Deleted, delete_waiting_pod, go_on};
 use super::generate::{self, Leave, Plan};
 use super::record::{self, Observed, Target};
 use super::retry::failure_key;
@@ -149,7 +149,8 @@ pub async fn reconcile_pps(
                     );
                 }
                 ctx.pacing.wrote(key.clone());
-                report::written(&ctx, &pps, &change);
+                let gone = matches!(workload_target, Target::Gone);
+                report::written(&ctx, &pps, &change, gone);
                 settled = true;
             }
             // Stale: the next reconcile computes again from newer data, soon.
@@ -178,16 +179,24 @@ pub async fn reconcile_pps(
         &health,
     );
     let paced = paced.map_or(next, |wait| wait.min(next));
-    let released = releases(
-        &ctx,
-        &pps,
-        &namespace,
-        &pods,
-        &change.status,
-        &workload_target,
-        &health,
-    )
-    .await;
+    // Releases judge nodes lost and pods stranded from the caches: none while one of them is
+    // known to be stale (a node that came back would still look lost, and its pods' claims or
+    // pins be released).
+    let released = if crate::state::recording_from_stale(&ctx.caches.watches, &target.kind) {
+        tracing::info!(pps = %pps.name_any(), %namespace, "releases wait: a cache they are judged from is stale (its watch failed, and is being listed again)");
+        Ok(Some(STALE_RELEASES_RETRY))
+    } else {
+        releases(
+            &ctx,
+            &pps,
+            &namespace,
+            &pods,
+            &change.status,
+            &workload_target,
+            &health,
+        )
+        .await
+    };
     let wait = match (released, write_backoff) {
         (Ok(later), _) => later.map_or(paced, |later| later.min(paced)),
         // The failed write counted this reconcile's failure and backed it off already: a
@@ -220,15 +229,19 @@ async fn releases(
 ) -> Result<Option<Duration>, Error> {
     let mut wait: Option<Duration> = None;
     let mut sooner = |later: Duration| wait = Some(wait.map_or(later, |w| w.min(later)));
-    let local =
+    // One release failing (a policy refusing a claim's delete, say) holds back none of the
+    // others: each runs, and the first failure is returned once they have.
+    let mut local =
         release_local_volumes(ctx, pps, namespace, pods, status, workload_target, health).await?;
+    let mut failed = local.failed.take();
     if let Some(later) = local.later {
         sooner(later);
     }
-    if let Some(later) = moved::forget_moved(ctx, pps, namespace, pods, workload_target).await? {
+    let moved = moved::forget_moved(ctx, pps, namespace, pods, workload_target).await;
+    if let Some(Some(later)) = go_on(moved, &mut failed)? {
         sooner(later);
     }
-    if let Some(later) = release_stranded(
+    let stranded = release_stranded(
         ctx,
         pps,
         (namespace, workload_target),
@@ -236,11 +249,11 @@ async fn releases(
         health,
         &local.released,
     )
-    .await?
-    {
+    .await;
+    if let Some(Some(later)) = go_on(stranded, &mut failed)? {
         sooner(later);
     }
-    Ok(wait)
+    failed.map_or(Ok(wait), Err)
 }
 
 /// How soon a PersistentPodState waiting for the pods to be listed again with an annotation it
@@ -251,12 +264,20 @@ const ANNOTATIONS_UNREAD_RETRY: Duration = Duration::from_secs(2);
 /// looked at again (its write waits until every such cache is current).
 const STALE_CACHES_RETRY: Duration = Duration::from_secs(2);
 
-/// What [`release_local_volumes`] did: the pods it released, and when to look again if the
-/// rate, a failed read, a claim changed meanwhile or a claim kept held some back.
+/// How soon the releases of a PersistentPodState held back by a stale cache are looked at
+/// again (releases come after graces of minutes; a watch refused for good keeps a cache stale,
+/// and each PersistentPodState would otherwise be looked at every few seconds).
+const STALE_RELEASES_RETRY: Duration = Duration::from_secs(30);
+
+/// What [`release_local_volumes`] did: the pods it released (or whose release failed: not
+/// released as pinned pods in the same look), and when to look again if the rate, a failed
+/// read, a claim changed meanwhile or a claim kept held some back.
 #[derive(Default)]
 pub(super) struct LocalReleases {
     released: BTreeSet<String>,
     pub(super) later: Option<Duration>,
+    /// The first failure (each pod is still looked at past it).
+    failed: Option<Error>,
 }
 
 impl LocalReleases {
@@ -353,7 +374,10 @@ async fn release_local_volumes(
             && let Some(claims) = ctx.claims_deleted_of(&w.uid)
         {
             tracing::info!(pod = %w.pod, "its node-local claims were deleted before; deleting the pod now");
-            release_after_claims(ctx, pps, namespace, w, &claims, &mut out).await?;
+            let released = release_after_claims(ctx, pps, namespace, w, &claims, &mut out).await;
+            if go_on(released, &mut out.failed)?.is_none() {
+                out.released.insert(w.pod.clone());
+            }
             continue;
         }
         if local.is_empty() {
@@ -385,6 +409,32 @@ async fn release_local_volumes(
             out.again_within(UNREAD_CLAIMS_RETRY);
             continue;
         }
+        // One of its own claims kept (a zonal disk, a volume whose node no label known to
+        // name one names) can be mounted on no usable node: the pod would still wait with the
+        // others released, so none is deleted for nothing. Read again soon (a node meeting it
+        // may come, or come back, and claims wake nothing).
+        let unmountable: Vec<Kept> = kept
+            .iter()
+            .filter(|k| {
+                k.mountable_on
+                    .as_ref()
+                    .is_some_and(|s| !ctx.usable_node_meets(s, health))
+            })
+            .map(|k| Kept {
+                why: format!(
+                    "claim {} is kept ({}), and no usable node can mount it, so the pod would still wait with its other claims released",
+                    k.claim, k.why
+                ),
+                ..k.clone()
+            })
+            .collect();
+        if !unmountable.is_empty() {
+            if report::first_local_report(ctx, pps, &w.uid, &uids) {
+                report::local_volume_kept(ctx, pps, w, &unmountable);
+            }
+            out.again_within(UNREAD_CLAIMS_RETRY);
+            continue;
+        }
         // A node one of its volumes can be mounted on is there and works: the node deleted and
         // registered again (another uid) by its kubelet, with its disks. Its data may be there:
         // nothing is deleted while it is so (cordoned or full, it is waited for, as any node).
@@ -399,6 +449,7 @@ async fn release_local_volumes(
                     c.claim, c.node, c.volume
                 ),
                 local_to: None,
+                mountable_on: None,
             })
             .collect();
         if !back.is_empty() {
@@ -427,7 +478,9 @@ async fn release_local_volumes(
             out.again_within(later);
             return Ok(out);
         }
-        let (mut claims_gone, mut deleted_any) = (true, false);
+        let (mut claims_gone, mut deleted_any, mut failed) = (true, false, None);
+        // The claims deleted (by this look, gone already, or being deleted).
+        let mut gone: Vec<LocalClaim> = local.iter().filter(|c| c.deleting).cloned().collect();
         for claim in local.iter().filter(|c| !c.deleting) {
             // Each delete passes the fence right before it is sent (a hold lost between two
             // of them must stop the next), by uid and the resourceVersion read.
@@ -442,30 +495,48 @@ async fn release_local_volumes(
             match claim_api.delete(&claim.claim, &params).await {
                 Ok(_) => {
                     deleted_any = true;
+                    gone.push(claim.clone());
                     report::local_volume_released(ctx, pps, w, claim);
                 }
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => gone.push(claim.clone()),
                 // Another claim of that name now: judged again from the next look.
                 Err(kube::Error::Api(e)) if e.code == 409 => claims_gone = false,
-                Err(e) => return Err(e.into()),
+                // Refused or failing: none more of this pod's is deleted now.
+                Err(e) => {
+                    claims_gone = false;
+                    failed = Some(e);
+                    break;
+                }
             }
         }
-        // Once a claim is deleted (by this look, or being deleted already), the pod is deleted
-        // even if that fails now: remembered until it is. (Noted only now: a look stopped by the
-        // fence before any delete leaves nothing to remember.)
-        if deleted_any || claims_gone {
-            ctx.claims_deleting(&w.uid, &local);
-        } else {
-            // None deleted here: the pod is not to be deleted for them either.
-            ctx.pod_released(&w.uid);
+        // Once a claim is deleted (by this look, an earlier one, or being deleted already),
+        // the pod is deleted even if that fails now, or the others' deletes fail: remembered
+        // until it is. (Noted only now: a look stopped by the fence before any delete leaves
+        // nothing new to remember.)
+        if !gone.is_empty() {
+            let mut remembered = ctx.claims_deleted_of(&w.uid).unwrap_or_default();
+            remembered.retain(|c| !gone.iter().any(|g| g.claim == c.claim));
+            remembered.extend(gone);
+            ctx.claims_deleting(&w.uid, &remembered);
         }
         if !claims_gone {
-            // Nothing was released: the token goes back, for the look in a moment.
-            ctx.releases.give_back(&key);
+            // Nothing deleted: the token goes back, for the look in a moment (a claim deleted
+            // spends it: the rate bounds what is deleted).
+            if !deleted_any {
+                ctx.releases.give_back(&key);
+            }
             out.again_within(CHANGED_CLAIM_RETRY);
+            if let Some(e) = failed {
+                // Not released as a pinned pod in this look either (its claims hold it).
+                out.released.insert(w.pod.clone());
+                go_on(Err::<(), _>(e.into()), &mut out.failed)?;
+            }
             continue;
         }
-        release_after_claims(ctx, pps, namespace, w, &local, &mut out).await?;
+        let released = release_after_claims(ctx, pps, namespace, w, &local, &mut out).await;
+        if go_on(released, &mut out.failed)?.is_none() {
+            out.released.insert(w.pod.clone());
+        }
     }
     Ok(out)
 }
@@ -563,7 +634,7 @@ async fn release_stranded(
     }
     let key = ObjectRef::from_obj(pps);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    let mut rate = None;
+    let (mut rate, mut failed) = (None, None);
     for pod in stranded.iter().filter(|p| !handled.contains(&p.pod)) {
         if let Err(later) = ctx.releases.take(&key) {
             tracing::info!(pod = %pod.pod, ?later, "release rate reached; the pod waits for the next");
@@ -571,19 +642,19 @@ async fn release_stranded(
             break;
         }
         let (target, rv) = ((namespace, pod.pod.as_str()), pod.resource_version.clone());
-        match delete_waiting_pod(
+        let deleted = delete_waiting_pod(
             &api,
             &ctx.fence,
             target,
             (&pod.uid, rv),
             &still_stranded(&place),
         )
-        .await?
-        {
-            Deleted::Now => report::released(ctx, report::PinnedBy::Live(pps), pod, None),
+        .await;
+        match go_on(deleted, &mut failed)? {
+            Some(Deleted::Now) => report::released(ctx, report::PinnedBy::Live(pps), pod, None),
             // Not released after all: the token goes back.
-            Deleted::Kept => ctx.releases.give_back(&key),
-            Deleted::Already => {}
+            Some(Deleted::Kept) | None => ctx.releases.give_back(&key),
+            Some(Deleted::Already) => {}
         }
     }
     // Held by a taint or relabel that came after admission instead.
@@ -595,11 +666,15 @@ async fn release_stranded(
     };
     let held =
         constrained::release_held_by_pin(ctx, pps, namespace, pods, health, (&skip, workload))
-            .await?;
-    Ok(match (rate, held) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    })
+            .await;
+    let held = go_on(held, &mut failed)?.flatten();
+    failed.map_or(
+        Ok(match (rate, held) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }),
+        Err,
+    )
 }
 
 /// Releases the pods pinned by PersistentPodStates that are gone ([`record::orphaned`]) once no
@@ -611,6 +686,14 @@ async fn release_stranded(
 pub(super) async fn release_orphaned_pins(ctx: &Context) -> Result<(), Error> {
     let mut waiting = ctx.waiting_pinned();
     if waiting.is_empty() {
+        return Ok(());
+    }
+    // As a PersistentPodState's own releases: none judged from a cache known to be stale.
+    let [pps, pods, nodes] = crate::state::SERVING_WATCHES;
+    if ctx.caches.watches.any_stale(&[pps, pods, nodes]) {
+        tracing::info!(
+            "releases of pods pinned by PersistentPodStates that are gone wait: a cache they are judged from is stale"
+        );
         return Ok(());
     }
     waiting.sort_by(|a, b| (&*a.namespace, &a.name).cmp(&(&*b.namespace, &b.name)));
@@ -655,6 +738,8 @@ async fn release_orphans_of(
     }
     let key = ObjectRef::<PersistentPodState>::new(pps).within(namespace);
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    // Each workload read once a look, however many of its pods wait.
+    let mut unpinned: HashMap<WorkloadRef, bool> = HashMap::new();
     for pod in stranded {
         let workload = pods
             .iter()
@@ -663,7 +748,15 @@ async fn release_orphans_of(
         let Some(workload) = workload else {
             continue;
         };
-        if !creates_unpinned(ctx, &workload).await? {
+        let creates = match unpinned.get(&workload) {
+            Some(known) => *known,
+            None => {
+                let known = creates_unpinned(ctx, &workload).await?;
+                unpinned.insert(workload.clone(), known);
+                known
+            }
+        };
+        if !creates {
             tracing::info!(pod = %pod.pod, workload = %workload.name, "a pod pinned by a PersistentPodState that is gone is not released: its workload is gone, not watched, or its template carries the webhook's annotations");
             continue;
         }

@@ -39,10 +39,28 @@ pub(super) fn duplicate(
     );
     ctx.events
         .publish(pps, EventType::Warning, "DuplicateTarget", "Record", note);
+    // Shadowed, it reports nothing: what it reported before comes off the gauges.
+    let key = ObjectRef::from_obj(pps);
+    {
+        let (mut reported, forgot) = ctx.reported_unplaceable.lock(&ctx.caches);
+        if reported.by_pps.remove(&key).is_some() || forgot {
+            let left = reported.by_pps.values().map(BTreeMap::len).sum::<usize>();
+            ctx.metrics.states_unplaceable.set(left as i64);
+        }
+    }
+    let (mut reported, forgot) = ctx.reported_limits.lock(&ctx.caches);
+    if reported.by_pps.remove(&key).is_some() || forgot {
+        ctx.metrics.over_limits.set(reported.by_pps.len() as i64);
+    }
 }
 
 /// A status written: counted, logged, and the states recorded, restored and pruned reported.
-pub(super) fn written(ctx: &Context, pps: &PersistentPodState, change: &StatusChange) {
+pub(super) fn written(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    change: &StatusChange,
+    workload_gone: bool,
+) {
     ctx.metrics.status_writes.inc();
     ctx.metrics
         .states_recorded
@@ -73,10 +91,12 @@ pub(super) fn written(ctx: &Context, pps: &PersistentPodState, change: &StatusCh
     }
     restorations(ctx, pps, change);
     if !change.pruned.is_empty() {
-        let note = format!(
-            "pruned {} (pods gone, ordinals no longer live)",
-            change.pruned.join(", ")
-        );
+        let why = if workload_gone {
+            "pods gone, their workload gone or being deleted"
+        } else {
+            "pods gone, ordinals no longer live"
+        };
+        let note = format!("pruned {} ({why})", change.pruned.join(", "));
         ctx.events
             .publish(pps, EventType::Normal, "StatesPruned", "Prune", note);
     }

@@ -302,6 +302,31 @@ async fn no_status_is_written_from_a_cache_known_to_be_stale() {
     first_write(&ctx, &mut handle).await;
 }
 
+/// States pruned because their workload is gone say so (not that their ordinals are no
+/// longer live: none was looked at).
+#[tokio::test]
+async fn states_pruned_with_their_workload_gone_say_so() {
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    let pps = Arc::new(pps(json!({"observedGeneration": 2, "recorded": 1,
+        "podStates": {"web-0": {"nodeName": "n1"}}})));
+    let written = pps_written(json!({"observedGeneration": 2, "podStates": {}, "recorded": 0}));
+    let sent = drive(reconcile_pps(pps, ctx), &mut handle, vec![written]).await;
+    assert_eq!(calls_of(&sent).len(), 1, "{sent:?}");
+    let note = event_note(&mut events, "StatesPruned").await;
+    assert_eq!(
+        note,
+        "pruned web-0 (pods gone, their workload gone or being deleted)"
+    );
+}
+
+/// The PPS `web` as written with `status`.
+fn pps_written(status: Value) -> Value {
+    serde_json::to_value(pps(status)).expect("json")
+}
+
 /// The first status write of the PPS `web` (its next write then waits for the pacing interval).
 async fn first_write(ctx: &Arc<Context>, handle: &mut Handle) {
     let first = Arc::new(pps(json!({"observedGeneration": 2})));
@@ -723,6 +748,9 @@ async fn a_pps_over_the_limits_is_reported_and_only_the_limits_are_read() {
     let many: Vec<String> = (0..40).map(|i| format!("key-{i}")).collect();
     let mut over = pps(json!({"observedGeneration": 2}));
     over.spec.required_persistent_topology = Some(crate::api::NodeTopologyTerm { keys: many });
+    over.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-01-02T00:00:00Z".parse().expect("time"),
+    ));
     caches.apply_pps(watcher::Event::Apply(over.clone()));
     let (ctx, mut handle) = context(caches);
     let sent = drive(
@@ -735,6 +763,26 @@ async fn a_pps_over_the_limits_is_reported_and_only_the_limits_are_read() {
     assert!(
         ctx.metrics.encode().contains("\npps_over_limits 1\n"),
         "reported as over the limits"
+    );
+    // An older one targeting the workload shadows it: it reports nothing any more, and what
+    // it reported comes off the gauges.
+    let mut older = pps(json!({"observedGeneration": 2}));
+    older.metadata.name = Some("older".into());
+    older.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-01-01T00:00:00Z".parse().expect("time"),
+    ));
+    ctx.caches.apply_pps(watcher::Event::Apply(older));
+    let sent = drive(
+        reconcile_pps(Arc::new(over), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(sent.is_empty(), "{sent:?}");
+    assert!(
+        ctx.metrics.encode().contains("\npps_over_limits 0\n"),
+        "{}",
+        ctx.metrics.encode()
     );
 }
 
@@ -1072,6 +1120,43 @@ async fn after_n1s_deletion_grace(ctx: &Context) {
         "first seen gone now"
     );
     tokio::time::advance(Duration::from_secs(301)).await;
+}
+
+/// Nothing is released while a cache the releases judge from is known to be stale (its watch
+/// failed, and is being listed again): a node that came back meanwhile would still look gone,
+/// and its pods' claims and pins be released. Once every cache is current, they are.
+#[tokio::test(start_paused = true)]
+async fn nothing_is_released_from_a_cache_known_to_be_stale() {
+    let (ctx, mut handle, _events) = context_with_events(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    for kind in ["Node", "Pod", "PersistentPodState", "apps/StatefulSet"] {
+        ctx.caches.watches.set_stale_for_tests(kind, true);
+        let (sent, action) =
+            drive_to_action(reconcile_pps(pps.clone(), ctx.clone()), &mut handle, vec![]).await;
+        assert!(
+            sent.is_empty(),
+            "{kind} stale: nothing read or released: {sent:?}"
+        );
+        assert_eq!(
+            requeue_after(&action),
+            Some(Duration::from_secs(30)),
+            "{kind} stale: looked at again"
+        );
+        ctx.caches.watches.set_stale_for_tests(kind, false);
+    }
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(still_waiting());
+    answers.extend(released());
+    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+    assert_eq!(
+        calls_of(&sent)[4..6],
+        [
+            "DELETE /api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?",
+            "DELETE /api/v1/namespaces/ns/pods/web-0?",
+        ],
+        "every cache current: released"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -1581,6 +1666,165 @@ fn foreign_logs_claim(affinity: Value) -> Vec<Value> {
     ]
 }
 
+/// `logs-web-0`, the pod's own claim, bound to `pv-2` with `affinity`.
+fn own_logs_claim(affinity: Value) -> Vec<Value> {
+    vec![
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid",
+                "resourceVersion": "4"},
+            "spec": {"volumeName": "pv-2"}}),
+        json!({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-2"},
+            "spec": {"claimRef": {"name": "logs-web-0", "namespace": "ns", "uid": "logs-uid"},
+                     "nodeAffinity": affinity}}),
+    ]
+}
+
+/// The pod's own claim on a zonal disk (its volume's affinity names no one node) holds it to
+/// a zone whose only node is gone: its claim on that node's local volume is not deleted for
+/// nothing (the pod would still wait). Once a usable node of that zone is there, it is.
+#[tokio::test(start_paused = true)]
+async fn a_local_claim_beside_an_own_claim_no_usable_node_can_mount_is_not_released_for_nothing() {
+    let in_z1 = json!({"required": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]}});
+    let caches = two_claims_world();
+    let (ctx, mut handle, mut events) = context_with_events(caches.clone());
+    after_n1s_deletion_grace(&ctx).await;
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(own_logs_claim(in_z1.clone()));
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    assert!(sent.iter().all(|s| s.method == Method::GET), "{sent:?}");
+    assert_eq!(sent.len(), 4, "{sent:?}");
+    let note = event_note(&mut events, "LocalVolumeKept").await;
+    assert!(
+        note.contains("logs-web-0") && note.contains("no usable node can mount it"),
+        "{note}"
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 0")
+    );
+
+    // A node of z1 joins: the pod can go there, so its claim on n1's volume is released.
+    caches.apply_node(watcher::Event::Apply(
+        serde_json::from_value(json!({"metadata": {"name": "n3", "uid": "n3-uid",
+            "labels": {"kubernetes.io/hostname": "n3", "topology.kubernetes.io/zone": "z1"}}}))
+        .expect("node"),
+    ));
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(own_logs_claim(in_z1));
+    answers.extend(still_waiting());
+    answers.extend(released());
+    let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
+    let deleted: Vec<&str> = sent
+        .iter()
+        .filter(|s| s.method == Method::DELETE)
+        .map(|s| s.path_and_query.as_str())
+        .collect();
+    assert_eq!(
+        deleted,
+        [
+            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?",
+            "/api/v1/namespaces/ns/pods/web-0?"
+        ],
+        "{sent:?}"
+    );
+}
+
+/// A pod's second claim refused after its first was deleted: the rate's token stays spent (a
+/// claim was deleted: the rate bounds what is deleted), the failure is returned, and the claim
+/// deleted is remembered, also through a later look that deletes nothing (the second claim
+/// changed): once the second is gone too, the pod is deleted.
+#[tokio::test(start_paused = true)]
+async fn a_claim_refused_after_another_was_deleted_is_remembered_until_the_pod_goes() {
+    let (ctx, mut handle) = context(two_claims_world());
+    let ctx = Arc::new(Arc::into_inner(ctx).expect("one owner").releasing(2));
+    after_n1s_deletion_grace(&ctx).await;
+    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    let status = |code: u16, reason: &str| {
+        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": reason,
+            "code": code, "message": reason})
+    };
+    let deletes = |sent: &[Sent]| -> Vec<String> {
+        sent.iter()
+            .filter(|s| s.method == Method::DELETE)
+            .map(|s| s.path_and_query.clone())
+            .collect()
+    };
+    // data-web-0 deleted, logs-web-0 refused.
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend(own_logs_claim(on_host("n1")));
+    answers.extend(still_waiting());
+    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+    answers.push(status(403, "Forbidden"));
+    let (sent, result) = drive_to_result(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    assert_eq!(
+        deletes(&sent),
+        [
+            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0?",
+            "/api/v1/namespaces/ns/persistentvolumeclaims/logs-web-0?"
+        ]
+    );
+    assert!(
+        matches!(&result, Err(Error::Kube(kube::Error::Api(e))) if e.code == 403),
+        "{result:?}"
+    );
+    assert!(ctx.claims_deleted_of("pod-uid").is_some(), "remembered");
+    // The next look: data-web-0 gone, logs-web-0 changed since (a conflict): nothing deleted,
+    // its token back, and data-web-0 still remembered.
+    let mut answers = vec![status(404, "NotFound")];
+    answers.extend(own_logs_claim(on_host("n1")));
+    answers.extend(still_waiting());
+    answers.push(status(409, "Conflict"));
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    assert_eq!(
+        deletes(&sent),
+        ["/api/v1/namespaces/ns/persistentvolumeclaims/logs-web-0?"]
+    );
+    let remembered = ctx.claims_deleted_of("pod-uid").expect("still remembered");
+    assert_eq!(
+        remembered
+            .iter()
+            .map(|c| c.claim.as_str())
+            .collect::<Vec<_>>(),
+        ["data-web-0"],
+        "only the claim deleted"
+    );
+    // logs-web-0 gone too (deleted by hand): the pod is deleted now.
+    let mut answers = vec![status(404, "NotFound"), status(404, "NotFound")];
+    answers.extend(released().into_iter().skip(1));
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        answers,
+    )
+    .await;
+    assert_eq!(deletes(&sent), ["/api/v1/namespaces/ns/pods/web-0?"]);
+    // One release spent in all: the first look's.
+    let key = kube::runtime::reflector::ObjectRef::from_obj(pps.as_ref());
+    assert!(ctx.releases.take(&key).is_ok(), "one token left");
+    assert!(
+        ctx.releases.take(&key).is_err(),
+        "the first look's token stays spent"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
     let mut answers = claim_and_volume(on_host("n1"));
@@ -1699,6 +1943,61 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
     )
     .await;
     assert!(sent.is_empty(), "{sent:?}");
+}
+
+/// One pod's release refused (a policy forbidding the delete, say) holds back none of the
+/// others: each is still released, its token given back, and the failure is returned once all
+/// were looked at (the reconcile backs off as a failed one).
+#[tokio::test]
+async fn one_release_refused_holds_back_none_of_the_others() {
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    let mut workload = statefulset(json!({}));
+    workload.data["spec"]["template"] = json!({"metadata": {"labels": {"app": "web"}}});
+    caches.apply_workload(&sts, watcher::Event::InitApply(workload));
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+    for name in ["web-0", "web-1"] {
+        let mut pod = pinned_waiting_pod();
+        pod.metadata.name = Some(name.into());
+        pod.metadata.uid = Some(format!("{name}-uid"));
+        caches.apply_pod(watcher::Event::Apply(pod));
+    }
+    let (ctx, mut handle) = context(caches);
+    // Two releases a minute: the refused one's token comes back for the next look.
+    let ctx = Arc::new(Arc::into_inner(ctx).expect("one owner").releasing(2));
+    let forbidden = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "Forbidden", "code": 403, "message": "denied by a policy"});
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let (sent, result) = drive_to_result(
+        reconcile_pps(waiting_pps(json!({})), ctx.clone()),
+        &mut handle,
+        vec![forbidden, deleted],
+    )
+    .await;
+    assert_eq!(
+        calls_of(&sent),
+        [
+            "DELETE /api/v1/namespaces/ns/pods/web-0?",
+            "DELETE /api/v1/namespaces/ns/pods/web-1?"
+        ]
+    );
+    assert!(
+        matches!(&result, Err(Error::Kube(kube::Error::Api(e))) if e.code == 403),
+        "{result:?}"
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pods_released_total{reason=\"node_gone\"} 1"),
+        "{}",
+        ctx.metrics.encode()
+    );
+    let key = kube::runtime::reflector::ObjectRef::from_obj(waiting_pps(json!({})).as_ref());
+    assert!(
+        ctx.releases.take(&key).is_ok(),
+        "the refused one's token is back"
+    );
 }
 
 /// A stranded pod changed since it was seen (the release's delete conflicts) is read again,
@@ -2574,6 +2873,62 @@ async fn a_pin_is_looked_at_again_when_the_last_node_it_can_go_to_would_count_as
     );
 }
 
+/// The workload of pods pinned by a PersistentPodState that is gone is read once a look,
+/// however many of its pods wait.
+#[tokio::test]
+async fn pods_pinned_by_a_pps_that_is_gone_read_their_workload_once_a_look() {
+    let caches = Caches::new();
+    let sts = GroupKind::native_statefulset();
+    caches.apply_workload(&sts, watcher::Event::InitApply(statefulset(json!({}))));
+    caches.apply_workload(&sts, watcher::Event::InitDone);
+    caches.apply_node(watcher::Event::Apply(zone_node("n2", "z1", false)));
+    for name in ["web-0", "web-1"] {
+        caches.apply_pod(watcher::Event::Apply(
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+                    "resourceVersion": "7",
+                    "annotations": {crate::api::INJECTED_ANNOTATION: "gone",
+                        crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n9"},
+                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                        "name": "web", "uid": "sts-uid", "controller": true}]},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": "n9"}, "containers": []},
+                "status": {"phase": "Pending"}
+            }))
+            .expect("pod"),
+        ));
+    }
+    let (ctx, mut handle) = context(caches);
+    let not_found = json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "reason": "NotFound", "code": 404, "message": "not found"});
+    let web = serde_json::to_value(statefulset(json!({}))).expect("json");
+    let deleted = json!({"apiVersion": "v1", "kind": "Status", "status": "Success"});
+    let sweep = async {
+        super::reconcile::release_orphaned_pins(&ctx)
+            .await
+            .map(|()| kube::runtime::controller::Action::await_change())
+    };
+    let sent = drive(
+        sweep,
+        &mut handle,
+        vec![
+            not_found,
+            json!({"apiVersion": "apps/v1", "kind": "StatefulSetList", "metadata": {}, "items": [web]}),
+            deleted.clone(),
+            deleted,
+        ],
+    )
+    .await;
+    assert_eq!(
+        calls_of(&sent),
+        [
+            "GET /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/gone",
+            "GET /apis/apps/v1/namespaces/ns/statefulsets?&fieldSelector=metadata.name%3Dweb",
+            "DELETE /api/v1/namespaces/ns/pods/web-0?",
+            "DELETE /api/v1/namespaces/ns/pods/web-1?",
+        ]
+    );
+}
+
 #[tokio::test]
 async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable() {
     // No PersistentPodState cached: web-0 is pinned to n9 (deleted), web-1 to n2 (ready), and
@@ -2616,6 +2971,13 @@ async fn a_pod_pinned_by_a_pps_that_is_gone_is_released_once_its_pin_is_unusable
     let web = serde_json::to_value(statefulset(json!({}))).expect("json");
 
     let (ctx, mut handle, mut events) = context_with_events(world());
+    // A cache the sweep judges from known to be stale: nothing read or released.
+    for kind in ["Node", "Pod", "PersistentPodState"] {
+        ctx.caches.watches.set_stale_for_tests(kind, true);
+        let sent = drive(sweep(ctx.clone()), &mut handle, vec![]).await;
+        assert!(sent.is_empty(), "{kind} stale: {sent:?}");
+        ctx.caches.watches.set_stale_for_tests(kind, false);
+    }
     let sent = drive(
         sweep(ctx.clone()),
         &mut handle,

@@ -274,6 +274,26 @@ impl Caches {
                 .and_then(|cached| pps_target(&cached)),
             _ => None,
         };
+        // A controlled one (generated for its workload) whose spec or annotations changed:
+        // its generator looks again, so that what the workload's annotations express follows
+        // them whoever edited it (not only at the workload's next change). Its status writes
+        // change neither.
+        let edited = match &event {
+            watcher::Event::Apply(p)
+                if p.owner_references()
+                    .iter()
+                    .any(|o| o.controller == Some(true)) =>
+            {
+                self.pps
+                    .get(&ObjectRef::from_obj(p))
+                    .filter(|cached| {
+                        cached.metadata.generation != p.metadata.generation
+                            || cached.metadata.annotations != p.metadata.annotations
+                    })
+                    .and_then(|_| pps_target(p))
+            }
+            _ => None,
+        };
         if let watcher::Event::Apply(p) | watcher::Event::InitApply(p) = &event
             && self.kept.name(p.spec.persistent_annotation_keys())
         {
@@ -291,6 +311,9 @@ impl Caches {
         self.pps_by_target.apply(&event);
         self.listed_if_done(&event, &self.listed.pps);
         self.trigger_for_pps(&event, before, went_from);
+        if let Some(workload) = edited {
+            self.trigger_workload(&workload);
+        }
     }
 
     /// Applies one Pod watch event (the pods kept as [`CachedPod`]).
@@ -303,12 +326,15 @@ impl Caches {
     pub fn apply_cached_pod(&self, event: watcher::Event<Arc<CachedPod>>) {
         let keeping = self.kept.keeping();
         let event = trim::map_event(event, |pod| keeping.trim(pod));
-        match event {
-            watcher::Event::Init => self.kept.pods_listing(&keeping),
-            watcher::Event::InitDone => self.kept.pods_listed(&keeping),
-            _ => {}
+        if let watcher::Event::Init = event {
+            self.kept.pods_listing(&keeping);
         }
         self.pods.apply(&event);
+        // Only once the listed pods are the table: a reconcile told the annotations are read
+        // must find them on the pods it reads.
+        if let watcher::Event::InitDone = event {
+            self.kept.pods_listed(&keeping);
+        }
         drop(keeping);
         self.listed_if_done(&event, &self.listed.pods);
         self.trigger_for_pod(&event);
@@ -640,6 +666,18 @@ impl Caches {
             .get(workload)
             .map(str::to_owned)
             .collect()
+    }
+
+    /// Names of the PersistentPodStates that target `workload` and are not being deleted,
+    /// sorted.
+    pub fn pps_names_not_deleting_for(&self, workload: &WorkloadRef) -> Vec<String> {
+        let mut names = self.pps_names_for(workload);
+        names.retain(|name| {
+            self.pps
+                .get(&ObjectRef::new(name).within(&workload.namespace))
+                .is_some_and(|pps| pps.metadata.deletion_timestamp.is_none())
+        });
+        names
     }
 
     /// The cached pods whose controller is `workload`.

@@ -309,7 +309,8 @@ impl Caches {
             .collect()
     }
 
-    fn trigger_workload(&self, workload: &WorkloadRef) {
+    /// Asks the generator of `workload`'s kind to look at it.
+    pub(super) fn trigger_workload(&self, workload: &WorkloadRef) {
         if let Some(ws) = self.workload_store(&workload.kind) {
             self.triggers.workload(
                 &workload.kind,
@@ -384,6 +385,59 @@ mod tests {
             Some(web),
             "the PPS of the deleted StatefulSet"
         );
+    }
+
+    /// A generated PersistentPodState (controlled by its workload) edited in its spec or
+    /// annotations wakes its workload's generator, so that what the workload's annotations
+    /// express follows them; its status written, or a hand-made one edited, does not.
+    #[test]
+    fn an_edit_of_a_generated_pps_wakes_its_workloads_generator() {
+        let caches = Caches::new();
+        let kind = GroupKind::native_statefulset();
+        caches.apply_workload(&kind, watcher::Event::Apply(sts(json!({}))));
+        let mut generated = pps();
+        generated.metadata.generation = Some(1);
+        generated.metadata.owner_references = Some(vec![
+            serde_json::from_value(json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "sts-uid",
+            "controller": true}))
+            .expect("owner"),
+        ]);
+        caches.apply_pps(watcher::Event::Apply(generated.clone()));
+        let mut generator = caches.triggers.subscribe_workloads(&kind);
+        // Its status written: the generator is not woken.
+        let mut written = generated.clone();
+        written.status = serde_json::from_value(json!({"observedGeneration": 1})).ok();
+        caches.apply_pps(watcher::Event::Apply(written.clone()));
+        assert!(generator.try_recv().is_err(), "a status write");
+        // An annotation set on it, then its spec changed: woken each time.
+        let mut annotated = written.clone();
+        annotated.metadata.annotations = Some(
+            [(
+                "persistent-pod-state.io/release-local-volumes".to_owned(),
+                "true".to_owned(),
+            )]
+            .into(),
+        );
+        caches.apply_pps(watcher::Event::Apply(annotated.clone()));
+        assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("web".into())
+        );
+        let mut respecified = annotated.clone();
+        respecified.metadata.generation = Some(2);
+        caches.apply_pps(watcher::Event::Apply(respecified));
+        assert_eq!(
+            generator.try_recv().ok().map(|r| r.name),
+            Some("web".into())
+        );
+        // A hand-made one edited: not.
+        let mut hand_made = pps();
+        hand_made.metadata.name = Some("mine".into());
+        caches.apply_pps(watcher::Event::Apply(hand_made.clone()));
+        hand_made.metadata.generation = Some(2);
+        caches.apply_pps(watcher::Event::Apply(hand_made));
+        assert!(generator.try_recv().is_err(), "a hand-made one");
     }
 
     #[test]

@@ -226,7 +226,8 @@ fn observed(
         (InjectionKind::Preferred, injection.preferred),
         (InjectionKind::Annotations, injection.annotations),
     ] {
-        if n > 0 {
+        // A dry run creates no pod: counted only in the admission figures.
+        if n > 0 && !dry_run {
             state
                 .metrics
                 .observed
@@ -252,8 +253,8 @@ fn observed(
     }
 }
 
-/// Counts the IP request, or why none was made.
-fn count_ip(state: &WebhookState, decision: &Decision, ip: &IpDecision) {
+/// Counts the IP request, or why none was made (a dry run only logs it).
+fn count_ip(state: &WebhookState, dry_run: bool, decision: &Decision, ip: &IpDecision) {
     let m = &state.metrics;
     let result = match ip {
         IpDecision::NotAsked => return,
@@ -263,9 +264,11 @@ fn count_ip(state: &WebhookState, decision: &Decision, ip: &IpDecision) {
         }
         IpDecision::AlreadyRequested => IpRequestResult::AlreadyRequested,
         IpDecision::Skip { reason, detail } => {
-            m.ip_request_skipped
-                .get_or_create(&IpSkipLabels { reason: *reason })
-                .inc();
+            if !dry_run {
+                m.ip_request_skipped
+                    .get_or_create(&IpSkipLabels { reason: *reason })
+                    .inc();
+            }
             // The detail may quote a tenant's annotation value: below info only.
             tracing::info!(namespace = %Cut(&decision.namespace), pod = %Cut(&decision.pod),
                 reason = reason.describe(), "recorded IPs not requested");
@@ -273,13 +276,15 @@ fn count_ip(state: &WebhookState, decision: &Decision, ip: &IpDecision) {
             IpRequestResult::Skipped
         }
     };
-    m.ip_requests
-        .get_or_create(&IpRequestLabels { result })
-        .inc();
+    if !dry_run {
+        m.ip_requests
+            .get_or_create(&IpRequestLabels { result })
+            .inc();
+    }
 }
 
-/// Counts what was injected and reports what was left out (metrics, logs and, unless this is a
-/// dry run, Events on the PersistentPodState, one per pod, described by
+/// Counts what was injected and reports what was left out (logs and, unless this is a dry run,
+/// which creates no pod, metrics and Events on the PersistentPodState, one per pod, described by
 /// [`Decision::left_out`]).
 fn report(
     state: &WebhookState,
@@ -295,16 +300,18 @@ fn report(
         (InjectionKind::Preferred, injection.preferred),
         (InjectionKind::Annotations, injection.annotations),
     ] {
-        if n > 0 {
+        if n > 0 && !dry_run {
             m.injected(kind, n as u64);
         }
     }
     if let Some(dropped) = &injection.dropped {
-        m.required_dropped
-            .get_or_create(&DropLabels {
-                reason: dropped.reason,
-            })
-            .inc();
+        if !dry_run {
+            m.required_dropped
+                .get_or_create(&DropLabels {
+                    reason: dropped.reason,
+                })
+                .inc();
+        }
         let values: Vec<String> = dropped
             .values
             .iter()
@@ -315,9 +322,11 @@ fn report(
             values = %values.join(","), reason = dropped.reason.describe(),
             "recorded required values left out so the pod is not stranded");
     }
-    count_ip(state, decision, ip);
+    count_ip(state, dry_run, decision, ip);
     for c in &injection.conflicts {
-        m.injection_conflicts.inc();
+        if !dry_run {
+            m.injection_conflicts.inc();
+        }
         tracing::info!(namespace = %Cut(&decision.namespace), pod = %Cut(&decision.pod), key = %c.key,
             "pod sets its own nodeSelector value; recorded value not injected");
     }

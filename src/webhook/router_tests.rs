@@ -717,7 +717,8 @@ async fn logs_below_debug_carry_no_annotation_value_or_pod_spec() {
 
 /// A PersistentPodState CREATE checks uniqueness against the API server: one created a moment
 /// ago and not yet in the cache is found (and one the cache still holds but the API server no
-/// longer does is not); when the read fails, the cache answers.
+/// longer does is not); when the read fails, the cache answers. One being deleted counts in
+/// neither.
 #[tokio::test]
 async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
     use http::{Request, Response};
@@ -809,6 +810,17 @@ async fn a_create_checks_uniqueness_live_and_falls_back_to_the_cache() {
             .is_some_and(|m| m.contains("\"stale\"")),
         "{body}"
     );
+    // One being deleted (held by a finalizer) steers no pod: it does not block its
+    // replacement, listed live or, the API server failing, in the cache.
+    let mut deleting = pps("old", "moving", json!({}));
+    deleting.metadata.deletion_timestamp =
+        Some(serde_json::from_value(json!("2026-01-01T00:00:00Z")).expect("time"));
+    deleting.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+    let (status, body) = validate(Some(list(vec![deleting.clone()])), "new", "moving").await;
+    assert_eq!(answer(status, &body), Answer::Allowed, "{body}");
+    cached.caches.apply_pps(watcher::Event::Apply(deleting));
+    let (status, body) = validate(None, "new", "moving").await;
+    assert_eq!(answer(status, &body), Answer::Allowed, "{body}");
 }
 
 /// Two pods whose states recorded the same IP (it was reused over time), reviewed back to back
@@ -854,9 +866,28 @@ async fn two_reviews_are_never_sent_one_ip() {
         synced
             .caches
             .apply_node(watcher::Event::Apply(node("n1", "z1")));
-        // A dry run of one reserves nothing.
+        // A dry run of one reserves nothing, and counts nothing but the review.
         let (_, dry) = post(&synced, endpoints::MUTATE_POD, body("db", true)).await;
         assert!(requested(&dry), "a dry run shows the request: {dry}");
+        let metrics = synced.metrics.encode();
+        let counted: Vec<&str> = metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("pps_injections_total{") || l.starts_with("pps_ip_requests_total{")
+            })
+            .filter(|l| !l.ends_with(" 0"))
+            .collect();
+        assert!(counted.is_empty(), "{counted:?}");
+        assert!(
+            metrics.contains(r#"pps_ip_requests_total{result="requested"} 0"#),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains(
+                r#"pps_admission_requests_total{endpoint="/mutate-pod",result="patched"} 1"#
+            ),
+            "{metrics}"
+        );
         let ((_, web), (_, db)) = if together {
             tokio::join!(
                 post(&synced, endpoints::MUTATE_POD, body("web", false)),

@@ -114,7 +114,9 @@ pub async fn validate_pps(state: &WebhookState, review: Review) -> Response {
     answer.into_response(&req)
 }
 
-/// The other PersistentPodStates that target `workload`, but `name`, sorted. On CREATE they are
+/// The other PersistentPodStates that target `workload`, but `name` and those being deleted
+/// (held by a finalizer, they steer no pod: their replacement may be created), sorted. On
+/// CREATE they are
 /// read live when an API server is at hand: a PersistentPodState created a moment ago may not be
 /// in the cache yet (a second one for the workload would slip through), one deleted a moment ago
 /// may still be there (a valid one would be refused). If that read fails or is slow, the cache
@@ -149,7 +151,7 @@ async fn others_for(
         _ => None,
     };
     let mut others: Vec<String> = live
-        .unwrap_or_else(|| state.caches.pps_names_for(workload))
+        .unwrap_or_else(|| state.caches.pps_names_not_deleting_for(workload))
         .into_iter()
         .filter(|other| other != name)
         .collect();
@@ -211,7 +213,7 @@ async fn read_live(
     let names = |list: ObjectList<Targeting>| {
         list.items
             .into_iter()
-            .filter(|pps| pps.targets(workload))
+            .filter(|pps| pps.targets(workload) && pps.metadata.deletion_timestamp.is_none())
             .filter_map(|pps| pps.metadata.name)
             .collect()
     };
@@ -254,10 +256,12 @@ struct Targeting {
     spec: TargetingSpec,
 }
 
-/// A listed object's name.
+/// A listed object's name, and whether it is being deleted.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Named {
     name: Option<String>,
+    deletion_timestamp: Option<String>,
 }
 
 /// A listed PersistentPodState's target, if it has one.
