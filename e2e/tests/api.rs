@@ -269,7 +269,7 @@ async fn invalid_pps_are_rejected_with_field_paths() {
 
 /// A PersistentPodState CREATE checks uniqueness against the API server, not the cache: a
 /// second one for a workload is refused the moment after the first is created, and accepted the
-/// moment after it is deleted. Where the API server selects by the CRD's `spec.targetRef.name`
+/// moment after it is deleted, or while it is being deleted (held by a finalizer). Where the API server selects by the CRD's `spec.targetRef.name`
 /// (>= 1.31) that read is narrowed to the workload's name; where it does not (v1.20, whose CRD
 /// is installed without the field) the webhook reads the namespace's list, with the same answers.
 #[tokio::test]
@@ -333,6 +333,26 @@ async fn pps_uniqueness_is_read_live_and_narrowed_to_the_target_where_the_server
     create("second", spec("apps/v1", "web"))
         .await
         .expect("the only PersistentPodState for web once first is deleted");
+    // Being deleted, held by a finalizer, one steers no pod: its replacement is accepted while
+    // it is still there.
+    let mut held = object("v1beta1", "held", spec("apps/v1", "app"));
+    held.metadata.finalizers = Some(vec!["e2e.example.com/hold".into()]);
+    pps.create(&PostParams::default(), &held)
+        .await
+        .expect("held");
+    pps.delete("held", &kube::api::DeleteParams::default())
+        .await
+        .expect("delete held");
+    create("replacement", spec("apps/v1", "app"))
+        .await
+        .expect("the replacement of one being deleted");
+    pps.patch(
+        "held",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .expect("its finalizer removed");
     delete_namespace(c, &ns).await;
 }
 
