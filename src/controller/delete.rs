@@ -105,7 +105,7 @@ pub(super) fn go_on<T>(
         Ok(value) => Ok(Some(value)),
         Err(Error::Fenced(fenced)) => Err(fenced.into()),
         Err(error) => {
-            tracing::warn!(%error, "a release failed; the others still run, and it is tried again after the backoff");
+            tracing::warn!(%error, "a release failed; the others still run, and it is tried again");
             failed.get_or_insert(error);
             Ok(None)
         }

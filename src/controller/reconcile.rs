@@ -325,7 +325,15 @@ async fn release_local_volumes(
         return Ok(out);
     }
     let node = |name: &str| ctx.caches.node(name);
-    let waiting = release::waiting_on_gone_nodes(pods, status, &node, health);
+    let mut waiting = release::waiting_on_gone_nodes(pods, status, &node, health);
+    // Being deleted beside the one in force for its workload (its replacement): the pods that
+    // one records too are that one's to release (once, within its rate), not this one's.
+    if pps.metadata.deletion_timestamp.is_some()
+        && let Some(in_force) = pps_target(pps).and_then(|t| ctx.caches.pps_for(&t))
+        && let Some(recorded) = in_force.status.as_ref().map(|s| &s.pod_states)
+    {
+        waiting.retain(|w| !recorded.contains_key(&w.pod));
+    }
     let uids: BTreeSet<String> = waiting.iter().map(|w| w.uid.clone()).collect();
     let allowed = pps
         .annotations()
@@ -368,8 +376,9 @@ async fn release_local_volumes(
             .filter(|c| release::on_node(c, w))
             .collect();
         let kept: Vec<Kept> = kept.into_iter().filter_map(Result::err).collect();
-        // Its claims deleted by an earlier look, whose delete of the pod failed: the pod now.
-        if local.is_empty()
+        // Its claims deleted by an earlier look (or being deleted still), whose delete of the pod
+        // failed: the pod now, spending no new token.
+        if local.iter().all(|c| c.deleting)
             && allowed
             && let Some(claims) = ctx.claims_deleted_of(&w.uid)
         {

@@ -1274,71 +1274,83 @@ async fn a_deleted_nodes_local_claims_wait_for_the_grace_from_when_it_was_seen_g
 }
 
 /// The pod's delete fails after its claims were deleted (the API server failing, the Lease
-/// lost between the two): the next look, which finds no claim of it left, deletes the pod.
+/// lost between the two): the next look, which finds no claim of it left, or its claim still
+/// being deleted (held by `kubernetes.io/pvc-protection` while the pod is there), deletes the
+/// pod, with no new read and no new token.
 #[tokio::test(start_paused = true)]
 async fn a_pod_whose_delete_failed_after_its_claims_is_deleted_at_the_next_look() {
-    let (ctx, mut handle) = context(waiting_world());
-    after_n1s_deletion_grace(&ctx).await;
-    let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
-    let mut answers = claim_and_volume(on_host("n1"));
-    answers.extend(still_waiting());
-    answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
-    answers.push(
-        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+    for still_listed in [false, true] {
+        let (ctx, mut handle) = context(waiting_world());
+        after_n1s_deletion_grace(&ctx).await;
+        let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+        let mut answers = claim_and_volume(on_host("n1"));
+        answers.extend(still_waiting());
+        answers.push(json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}));
+        answers.push(
+            json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "InternalError", "code": 500, "message": "etcd is slow"}),
-    );
-    let (sent, result) = drive_to_result(
-        reconcile_pps(pps.clone(), ctx.clone()),
-        &mut handle,
-        answers,
-    )
-    .await;
-    assert!(result.is_err(), "the failed delete fails the look");
-    let deletes = |sent: &[Sent]| -> Vec<String> {
-        sent.iter()
-            .filter(|s| s.method == Method::DELETE)
-            .map(|s| s.path_and_query.trim_end_matches('?').to_owned())
-            .collect()
-    };
-    assert_eq!(
-        deletes(&sent),
-        [
-            "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0",
-            "/api/v1/namespaces/ns/pods/web-0"
-        ]
-    );
-    // The next look: the claim is gone; the pod is deleted (by its uid), its state forgotten.
-    let mut answers = vec![
-        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+        );
+        let (sent, result) = drive_to_result(
+            reconcile_pps(pps.clone(), ctx.clone()),
+            &mut handle,
+            answers,
+        )
+        .await;
+        assert!(result.is_err(), "the failed delete fails the look");
+        let deletes = |sent: &[Sent]| -> Vec<String> {
+            sent.iter()
+                .filter(|s| s.method == Method::DELETE)
+                .map(|s| s.path_and_query.trim_end_matches('?').to_owned())
+                .collect()
+        };
+        assert_eq!(
+            deletes(&sent),
+            [
+                "/api/v1/namespaces/ns/persistentvolumeclaims/data-web-0",
+                "/api/v1/namespaces/ns/pods/web-0"
+            ]
+        );
+        // The next look: the claim is gone, or being deleted; the pod is deleted (by its uid), its
+        // state forgotten.
+        let mut answers = if still_listed {
+            let mut listed = claim_and_volume(on_host("n1"));
+            listed[0]["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            listed[0]["metadata"]["finalizers"] = json!(["kubernetes.io/pvc-protection"]);
+            listed
+        } else {
+            vec![
+                json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+            "reason": "NotFound", "code": 404, "message": "not found"}),
+            ]
+        };
+        answers.extend(released().into_iter().skip(1));
+        let sent = drive(
+            reconcile_pps(pps.clone(), ctx.clone()),
+            &mut handle,
+            answers,
+        )
+        .await;
+        assert_eq!(deletes(&sent), ["/api/v1/namespaces/ns/pods/web-0"]);
+        let pod_delete = sent
+            .iter()
+            .find(|s| s.method == Method::DELETE)
+            .expect("the pod's delete");
+        assert_eq!(pod_delete.body["preconditions"]["uid"], "pod-uid");
+        assert!(
+            ctx.metrics
+                .encode()
+                .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 1"),
+            "{}",
+            ctx.metrics.encode()
+        );
+        // Done: a look after that finds nothing to do for it.
+        let answers = vec![
+            json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
         "reason": "NotFound", "code": 404, "message": "not found"}),
-    ];
-    answers.extend(released().into_iter().skip(1));
-    let sent = drive(
-        reconcile_pps(pps.clone(), ctx.clone()),
-        &mut handle,
-        answers,
-    )
-    .await;
-    assert_eq!(deletes(&sent), ["/api/v1/namespaces/ns/pods/web-0"]);
-    let pod_delete = sent
-        .iter()
-        .find(|s| s.method == Method::DELETE)
-        .expect("the pod's delete");
-    assert_eq!(pod_delete.body["preconditions"]["uid"], "pod-uid");
-    assert!(
-        ctx.metrics
-            .encode()
-            .contains("pps_local_volumes_released_total{reason=\"node_gone\"} 1"),
-        "{}",
-        ctx.metrics.encode()
-    );
-    // Done: a look after that finds nothing to do for it.
-    let answers = vec![
-        json!({"apiVersion": "v1", "kind": "Status", "status": "Failure",
-        "reason": "NotFound", "code": 404, "message": "not found"}),
-    ];
-    let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
-    assert!(deletes(&sent).is_empty(), "{sent:?}");
+        ];
+        let sent = drive(reconcile_pps(pps, ctx.clone()), &mut handle, answers).await;
+        assert!(deletes(&sent).is_empty(), "{sent:?}");
+    }
 }
 
 /// A volume whose affinity names its node by a label of the node's own (OpenEBS ZFS's
@@ -1734,6 +1746,34 @@ async fn a_local_claim_beside_an_own_claim_no_usable_node_can_mount_is_not_relea
             "/api/v1/namespaces/ns/pods/web-0?"
         ],
         "{sent:?}"
+    );
+}
+
+/// A PersistentPodState being deleted beside its replacement (in force, recording the same
+/// pod) leaves that pod's release to the replacement: one release, within one rate.
+#[tokio::test(start_paused = true)]
+async fn a_pps_being_deleted_leaves_the_pods_its_replacement_records_to_it() {
+    let (ctx, mut handle) = context(waiting_world());
+    after_n1s_deletion_grace(&ctx).await;
+    let annotations = json!({"persistent-pod-state.io/release-local-volumes": "true"});
+    let mut deleting = (*waiting_pps(annotations.clone())).clone();
+    deleting.metadata.deletion_timestamp =
+        serde_json::from_value(json!("2026-01-01T00:00:00Z")).ok();
+    deleting.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+    let mut replacement = (*waiting_pps(annotations)).clone();
+    replacement.metadata.name = Some("replacement".into());
+    ctx.caches
+        .apply_pps(watcher::Event::Apply(deleting.clone()));
+    ctx.caches.apply_pps(watcher::Event::Apply(replacement));
+    let sent = drive(
+        reconcile_pps(Arc::new(deleting), ctx.clone()),
+        &mut handle,
+        vec![],
+    )
+    .await;
+    assert!(
+        sent.is_empty(),
+        "nothing read or released by the one being deleted: {sent:?}"
     );
 }
 

@@ -160,9 +160,9 @@ impl ByWorkload {
             .flat_map(|names| names.iter().map(String::as_str))
     }
 
-    /// How many objects share a workload with another one (beyond the first of each).
-    pub fn shadowed(&self) -> usize {
-        self.names.values().map(|n| n.len().saturating_sub(1)).sum()
+    /// The workloads that more than one object belongs to, with those objects' names.
+    pub fn shared(&self) -> impl Iterator<Item = (&WorkloadRef, &BTreeSet<String>)> {
+        self.names.iter().filter(|(_, names)| names.len() > 1)
     }
 
     fn forget(&mut self, id: &(String, String)) -> bool {

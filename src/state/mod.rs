@@ -656,7 +656,24 @@ impl Caches {
 
     /// How many PersistentPodStates are shadowed by an older one targeting the same workload.
     pub fn shadowed_pps(&self) -> usize {
-        self.pps_by_target.read().shadowed()
+        // Read in place under the index's lock, as `pps_for`: one being deleted is in force
+        // for nothing, so it shadows nothing and is not shadowed (its replacement beside it
+        // is the one in force).
+        self.pps_by_target
+            .read()
+            .shared()
+            .map(|(workload, names)| {
+                names
+                    .iter()
+                    .filter(|name| {
+                        self.pps
+                            .get(&ObjectRef::new(name).within(&workload.namespace))
+                            .is_some_and(|pps| pps.metadata.deletion_timestamp.is_none())
+                    })
+                    .count()
+                    .saturating_sub(1)
+            })
+            .sum()
     }
 
     /// Names of the PersistentPodStates that target `workload`, sorted.
@@ -2734,6 +2751,11 @@ mod tests {
         deleting.metadata.deletion_timestamp = deleting.metadata.creation_timestamp.clone();
         caches.apply_pps(watcher::Event::Apply(deleting));
         assert_eq!(in_force(&caches).as_deref(), Some("b-newer"));
+        assert_eq!(
+            caches.shadowed_pps(),
+            0,
+            "one being deleted beside the one in force: neither is shadowed"
+        );
         let mut deleting = named("b-newer", "2026-01-02T00:00:00Z");
         deleting.metadata.deletion_timestamp = deleting.metadata.creation_timestamp.clone();
         caches.apply_pps(watcher::Event::Apply(deleting));
