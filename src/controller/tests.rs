@@ -118,6 +118,14 @@ fn calls_of(sent: &[Sent]) -> Vec<String> {
         .collect()
 }
 
+/// The paths (and queries) of the DELETEs in `sent`, in order.
+fn deletes_of(sent: &[Sent]) -> Vec<&str> {
+    sent.iter()
+        .filter(|s| s.method == Method::DELETE)
+        .map(|s| s.path_and_query.as_str())
+        .collect()
+}
+
 /// A request the reconcile sent.
 #[derive(Debug)]
 struct Sent {
@@ -1729,11 +1737,7 @@ async fn a_local_claim_beside_an_own_claim_no_usable_node_can_mount_is_not_relea
     answers.extend(still_waiting());
     answers.extend(released());
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
-    let deleted: Vec<&str> = sent
-        .iter()
-        .filter(|s| s.method == Method::DELETE)
-        .map(|s| s.path_and_query.as_str())
-        .collect();
+    let deleted = deletes_of(&sent);
     assert_eq!(
         deleted,
         [
@@ -1870,11 +1874,7 @@ async fn a_local_claim_beside_another_owners_on_a_network_volume_is_released() {
     after_n1s_deletion_grace(&ctx).await;
     let pps = waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
     let sent = drive(reconcile_pps(pps, ctx), &mut handle, answers).await;
-    let deleted: Vec<&str> = sent
-        .iter()
-        .filter(|s| s.method == Method::DELETE)
-        .map(|s| s.path_and_query.as_str())
-        .collect();
+    let deleted = deletes_of(&sent);
     assert_eq!(
         deleted,
         [
