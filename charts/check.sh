@@ -161,6 +161,13 @@ out=$("$HELM" template a-release-name-of-thirty-five-chars "$CHART") || fail "a 
 long=$(grep -oE '[a-z0-9.-]*-unregister' <<<"$out" | awk 'length($0) > 63' | head -n 1)
 [[ -z $long ]] || fail "the uninstall hook's name $long is over 63 characters (a label value)"
 grep -q -- '-unregister$' <<<"$out" || fail "no uninstall hook rendered"
+# webhook.url's host is named by the serving certificate (an IP as an IP address).
+out=$("$HELM" template t "$CHART" --set certificates.mode=cert-manager --set webhook.url=https://10.0.0.1:9443/ \
+  --show-only templates/certificates.yaml) || fail "webhook.url with cert-manager refused"
+grep -A1 -x '  ipAddresses:' <<<"$out" | grep -qx '    - 10.0.0.1' || fail "webhook.url's IP not in the Certificate"
+out=$("$HELM" template t "$CHART" --set certificates.mode=cert-manager --set webhook.url=https://pps.example.com:8443 \
+  --show-only templates/certificates.yaml) || fail "webhook.url with cert-manager refused"
+grep -qx '    - pps.example.com' <<<"$out" || fail "webhook.url's host not in the Certificate"
 say "ok: their consistent counterparts accepted"
 
 # A release that adopted the kustomize manifests' objects keeps their selectors (a Deployment's

@@ -525,19 +525,12 @@ mod tests {
             answer = serde_json::json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
                 "metadata": {"name": path.rsplit('/').next(), "namespace": "ns"}, "eventTime": null});
         }
-        respond.send_response(
-            http::Response::builder()
-                .status(if method == http::Method::POST {
-                    201
-                } else {
-                    200
-                })
-                .header("content-type", "application/json")
-                .body(kube::client::Body::from(
-                    serde_json::to_vec(&answer).expect("json"),
-                ))
-                .expect("response"),
-        );
+        let status = if method == http::Method::POST {
+            201
+        } else {
+            200
+        };
+        respond.send_response(crate::test_api::json_response(status, &answer));
         (method, path, body)
     }
 

@@ -272,11 +272,16 @@ pub async fn explain(
                 (t.api_version.clone(), t.kind.clone(), t.name.clone())
             }),
     };
-    let workload = match &owner {
+    // Not read (forbidden, say): the current pod stands in for its template, and the reason is
+    // said.
+    let (workload, unread) = match &owner {
         Some((api_version, kind, name)) => {
-            read_workload(client, namespace, api_version, kind, name).await
+            match read_workload(client, namespace, api_version, kind, name).await {
+                Ok(workload) => (workload, None),
+                Err(error) => (None, Some(format!("{kind} {name}: {error}"))),
+            }
         }
-        None => None,
+        None => (None, None),
     };
     let (object, source) = match (
         workload
@@ -296,10 +301,26 @@ pub async fn explain(
                 "the current pod (the workload's template could not be read)",
             )
         }
-        (None, None) => anyhow::bail!(
-            "pod {namespace}/{pod} does not exist and no PersistentPodState in {namespace} records it"
-        ),
+        (None, None) => match (&owner, unread) {
+            (Some(_), Some(why)) => anyhow::bail!(
+                "pod {namespace}/{pod} does not exist, and the workload that would create it again could not be read ({why})"
+            ),
+            (Some((_, kind, name)), None) if workload.is_some() => anyhow::bail!(
+                "pod {namespace}/{pod} does not exist, and the workload that would create it again, {kind} {name}, has no pod template at spec.template"
+            ),
+            (Some((_, kind, name)), None) => anyhow::bail!(
+                "pod {namespace}/{pod} does not exist, and the workload that would create it again, {kind} {name}, does not exist either"
+            ),
+            (None, _) => anyhow::bail!(
+                "pod {namespace}/{pod} does not exist and no PersistentPodState in {namespace} records it"
+            ),
+        },
     };
+    if let Some(why) = &unread {
+        tracing::warn!(
+            "the workload's template could not be read ({why}): the current pod stands in for it"
+        );
+    }
 
     let caches = Caches::with_nodes(client).await.context("listing nodes")?;
     caches.apply_pps(watcher::Event::Init);

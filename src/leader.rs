@@ -847,12 +847,7 @@ mod supervision_tests {
     ) {
         let (request, respond) = handle.next_request().await.expect("a Lease call");
         assert_eq!(request.method(), method);
-        respond.send_response(
-            Response::builder()
-                .status(status)
-                .body(Body::from(serde_json::to_vec(&body).expect("json")))
-                .expect("response"),
-        );
+        respond.send_response(crate::test_api::json_response(status, &body));
     }
 
     /// Someone writes the Lease (a label, `kubectl edit`) between a renewal's read and its

@@ -42,6 +42,8 @@ pub mod supervise;
 pub mod sync;
 #[cfg(feature = "bench")]
 pub mod synthetic;
+#[cfg(test)]
+mod test_api;
 pub mod unregister;
 pub mod webhook;
 pub mod workload;

@@ -138,6 +138,25 @@ pub struct GeneratorLabels {
     pub action: GeneratorAction,
 }
 
+/// What a live read of a pod showed, read because a recorded state names another pod of its
+/// name that the cache has not seen go.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum PodRead {
+    /// The cached pod holds the name: its state is written over the recorded one.
+    Current,
+    /// Another pod, or none, holds it (the cache lags): the recorded state is kept.
+    Lagging,
+    /// The read failed: the recorded state is kept.
+    Failed,
+}
+
+/// Labels of the pod read counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodReadLabels {
+    /// What the read showed.
+    pub result: PodRead,
+}
+
 /// Which controller a reconcile belongs to.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Reconciler {
@@ -207,6 +226,7 @@ snake_case_label!(IpSkipReason {
 snake_case_label!(NodeRestore { Kept => "kept", Moved => "moved" });
 snake_case_label!(IpRestore { Kept => "kept", Changed => "changed", None => "none" });
 snake_case_label!(GeneratorAction { Apply => "apply", Delete => "delete" });
+snake_case_label!(PodRead { Current => "current", Lagging => "lagging", Failed => "failed" });
 snake_case_label!(Reconciler { Status => "status", Generator => "generator" });
 snake_case_label!(InjectionKind { Required => "required", Preferred => "preferred", Annotations => "annotations" });
 snake_case_label!(SkipReason {
@@ -378,6 +398,9 @@ pub struct Metrics {
     pub restored: Family<RestoreLabels, Counter>,
     /// Requests sent by the PersistentPodState generator, by action.
     pub generator_writes: Family<GeneratorLabels, Counter>,
+    /// Pods read live before a recorded state naming another pod of their name (one the cache
+    /// has not seen go) is written over, by what the read showed.
+    pub pod_reads: Family<PodReadLabels, Counter>,
     /// Workloads whose `persistent-pod-state.io/ip-request` the generator could not copy.
     pub invalid_workload_ip_requests: Counter,
     /// Events not published: over the rate, or with as many being sent as allowed.
@@ -483,6 +506,7 @@ impl Metrics {
             cached_persistent_pod_states: Gauge::default(),
             leader: Gauge::default(),
             generator_writes: Family::default(),
+            pod_reads: Family::default(),
             invalid_workload_ip_requests: Counter::default(),
             events_dropped: Counter::default(),
             restored: Family::default(),
@@ -597,6 +621,11 @@ impl Metrics {
             m.generator_writes.clone(),
         );
         registry.register(
+            "pod_reads",
+            "Pods read live before a recorded state naming another pod of their name, one this replica's cache has not seen go, is written over, by result: current (the cached pod holds the name: written over), lagging (another pod or none does: kept), failed (kept)",
+            m.pod_reads.clone(),
+        );
+        registry.register(
             "events_dropped",
             "Events not published: over the rate (20 a second in all; per object 25, then one per 5 minutes) or with 64 being sent already",
             m.events_dropped.clone(),
@@ -704,6 +733,9 @@ impl Metrics {
                 .generator_writes
                 .get_or_create(&GeneratorLabels { action });
         }
+        for &result in PodRead::ALL {
+            let _ = self.pod_reads.get_or_create(&PodReadLabels { result });
+        }
         for &result in IpRequestResult::ALL {
             let _ = self.ip_requests.get_or_create(&IpRequestLabels { result });
         }
@@ -777,6 +809,13 @@ impl Metrics {
     pub fn generator_write(&self, action: GeneratorAction) {
         self.generator_writes
             .get_or_create(&GeneratorLabels { action })
+            .inc();
+    }
+
+    /// Counts one live read of a pod, by what it showed.
+    pub fn pod_read(&self, result: PodRead) {
+        self.pod_reads
+            .get_or_create(&PodReadLabels { result })
             .inc();
     }
 

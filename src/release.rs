@@ -827,6 +827,7 @@ pub async fn release_pod(
         Some(o) => {
             crate::workload::read_workload(client, namespace, &o.api_version, &o.kind, &o.name)
                 .await
+                .with_context(|| format!("reading its controller {} {}", o.kind, o.name))?
         }
         None => None,
     };
@@ -836,7 +837,7 @@ pub async fn release_pod(
         anyhow::bail!(
             "pod {namespace}/{name} has no workload that would create it again ({}): release deletes only a pod its workload re-creates",
             owner.map_or("no controller owns it".to_owned(), |o| format!(
-                "its controller {} {} could not be read",
+                "its controller {} {} does not exist",
                 o.kind, o.name
             ))
         );
@@ -1446,12 +1447,7 @@ mod tests {
                 for answer in [list, patched] {
                     let (request, respond) = handle.next_request().await.expect("a request");
                     sent.push(format!("{} {}", request.method(), request.uri().path()));
-                    respond.send_response(
-                        Response::builder()
-                            .status(200)
-                            .body(Body::from(serde_json::to_vec(&answer).expect("json")))
-                            .expect("response"),
-                    );
+                    respond.send_response(crate::test_api::json_response(200, &answer));
                 }
                 sent
             });

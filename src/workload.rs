@@ -336,26 +336,32 @@ fn reserved_ordinals(value: &Value) -> (Vec<(i64, i64)>, bool) {
 }
 
 /// Reads the workload `kind` `name` of `api_version` in `namespace` (its resource found by
-/// discovery), with its apiVersion and kind set; `None` when it cannot be read.
+/// discovery), with its apiVersion and kind set; `None` when it does not exist (nor its kind),
+/// an error when it cannot be read (forbidden, the API server failing).
 pub async fn read_workload(
     client: &kube::Client,
     namespace: &str,
     api_version: &str,
     kind: &str,
     name: &str,
-) -> Option<DynamicObject> {
+) -> Result<Option<DynamicObject>, kube::Error> {
     let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
     let gvk = GroupVersionKind::gvk(group, version, kind);
-    let (resource, _): (ApiResource, _) = kube::discovery::pinned_kind(client, &gvk).await.ok()?;
-    let mut obj = kube::Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource)
-        .get(name)
-        .await
-        .ok()?;
+    let resource = match kube::discovery::pinned_kind(client, &gvk).await {
+        Ok((resource, _)) => resource,
+        Err(kube::Error::Discovery(_)) => return Ok(None),
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let api = kube::Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource);
+    let Some(mut obj) = api.get_opt(name).await? else {
+        return Ok(None);
+    };
     obj.types.get_or_insert_with(|| kube::api::TypeMeta {
         api_version: resource.api_version.clone(),
         kind: resource.kind.clone(),
     });
-    Some(obj)
+    Ok(Some(obj))
 }
 
 /// The API resource of the native `apps/v1` StatefulSet, for a dynamic watcher.
@@ -373,6 +379,60 @@ pub fn native_statefulset_resource() -> ApiResource {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// `read_workload` against a mock API server answering, in turn, `answers` (status, body):
+    /// what it returns (`Some(true)`: the object, `Some(false)`: none, `None`: an error).
+    async fn read_with(answers: Vec<(u16, Value)>) -> Option<bool> {
+        let (service, mut handle) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let client = kube::Client::new(service, "default");
+        let server = tokio::spawn(async move {
+            for (status, body) in answers {
+                let Some((_, respond)) = handle.next_request().await else {
+                    return;
+                };
+                respond.send_response(crate::test_api::json_response(status, &body));
+            }
+        });
+        let read = read_workload(&client, "ns", "apps/v1", "StatefulSet", "web").await;
+        server.abort();
+        read.ok().map(|w| w.is_some())
+    }
+
+    #[tokio::test]
+    async fn a_workload_that_cannot_be_read_is_an_error_and_one_that_is_gone_is_none() {
+        let resources = json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "apps/v1",
+            "resources": [{"name": "statefulsets", "singularName": "statefulset", "namespaced": true,
+                "kind": "StatefulSet", "verbs": ["get", "list", "watch"]}]});
+        let status = |code: u16, reason: &str| json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason});
+        let sts = json!({"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": "web", "namespace": "ns"}});
+        assert_eq!(
+            read_with(vec![(200, resources.clone()), (200, sts)]).await,
+            Some(true)
+        );
+        assert_eq!(
+            read_with(vec![
+                (200, resources.clone()),
+                (404, status(404, "NotFound"))
+            ])
+            .await,
+            Some(false),
+            "gone"
+        );
+        assert_eq!(
+            read_with(vec![(404, status(404, "NotFound"))]).await,
+            Some(false),
+            "its kind not served"
+        );
+        assert_eq!(
+            read_with(vec![(200, resources), (403, status(403, "Forbidden"))]).await,
+            None,
+            "forbidden: an error, not gone"
+        );
+    }
 
     fn workload(spec: Value) -> WorkloadInfo {
         let obj: DynamicObject = serde_json::from_value(json!({

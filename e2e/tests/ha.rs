@@ -585,3 +585,38 @@ async fn lease_requests_go_in_the_leader_election_priority_level() {
     .expect("priority headers");
     assert_eq!(level, without, "a PersistentPodState list");
 }
+
+/// A state naming a pod the leader's pod watch never saw (as a predecessor whose watch was
+/// ahead of this one records it) is written over only once the pod is read live and is the one
+/// cached: `pps_pod_reads_total{result="current"}` counts the read. (The lagging watch itself
+/// cannot be made here; the in-process test
+/// `a_state_recorded_for_a_pod_this_cache_never_saw_is_not_written_over_from_a_lagging_cache`
+/// shows the state kept while the live pod is another.)
+#[tokio::test]
+async fn a_state_naming_a_pod_never_seen_is_written_over_only_after_a_live_read() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-unseen").await;
+    let sts = generated_statefulset("web", 1);
+    let (_, states) = start_recorded(c, &ns, &sts).await;
+    let uid = states["web-0"].pod_uid.clone().expect("podUID recorded");
+    let series = "pps_pod_reads_total{result=\"current\"}";
+    let before = metric(&scrape(&env).await, series);
+    pps_api(c, &ns)
+        .patch_status(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"podStates": {"web-0": {"podUID": "never-seen"}}}})),
+        )
+        .await
+        .expect("status");
+    wait_for("the live pod's uid recorded again", TIMEOUT, || async {
+        let pps = pps_api(c, &ns).get("web").await.ok()?;
+        let state = pps.status?.pod_states.remove("web-0")?;
+        (state.pod_uid.as_deref() == Some(uid.as_str())).then_some(())
+    })
+    .await;
+    let after = metric(&scrape(&env).await, series);
+    assert!(after > before, "{series}: {before} -> {after}");
+    delete_namespace(c, &ns).await;
+}

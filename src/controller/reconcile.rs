@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
@@ -24,7 +25,7 @@ use crate::api::{
     INJECTED_ANNOTATION, INJECTED_REQUIRED_ANNOTATION, PersistentPodState,
     PersistentPodStateStatus, RELEASE_LOCAL_VOLUMES_ANNOTATION, decode_required,
 };
-use crate::metrics::{GeneratorAction, Reconciler};
+use crate::metrics::{GeneratorAction, PodRead, Reconciler};
 use crate::placement::{self, DropReason, Health, Nodes as _};
 use crate::release::{self, Kept, LocalClaim, Waiting};
 use crate::state::trim::CachedPod;
@@ -44,6 +45,32 @@ fn target_of(caches: &Caches, workload: &WorkloadRef) -> Target {
         WorkloadLookup::Absent => Target::Gone,
         WorkloadLookup::Unknown => Target::Unknown,
     }
+}
+
+/// Calls `view` with the world as `caches` show it to a PersistentPodState in `namespace`
+/// targeting `target`, whose pods are `pods`.
+fn observing<R>(
+    caches: &Caches,
+    namespace: &str,
+    target: &Target,
+    pods: &[&CachedPod],
+    view: impl FnOnce(&Observed<'_>) -> R,
+) -> R {
+    let pod_exists = |name: &str| caches.pod_exists(namespace, name);
+    let node = |name: &str| {
+        caches.node(name).map(|n| record::NodeSeen {
+            labels: n.labels().clone(),
+            uid: n.uid(),
+        })
+    };
+    let gone = |name: &str, uid: &str| caches.pod_is_gone(namespace, name, uid);
+    view(&Observed {
+        target: target.clone(),
+        pods,
+        pod_exists: &pod_exists,
+        node: &node,
+        gone: &gone,
+    })
 }
 
 /// Records the states of the target's Ready pods and prunes states no longer needed, writing
@@ -73,31 +100,41 @@ pub async fn reconcile_pps(
     let workload_target = target_of(&ctx.caches, &target);
     let pods = ctx.caches.pods_of(&target);
     let pods: Vec<&CachedPod> = pods.iter().map(Arc::as_ref).collect();
-    let change = {
-        let caches = &ctx.caches;
-        let pod_exists = |name: &str| caches.pod_exists(&namespace, name);
-        let node = |name: &str| {
-            caches.node(name).map(|n| record::NodeSeen {
-                labels: n.labels().clone(),
-                uid: n.uid(),
-            })
-        };
-        let observed = Observed {
-            target: workload_target.clone(),
-            pods: &pods,
-            pod_exists: &pod_exists,
-            node: &node,
-        };
-        let generation = pps.metadata.generation.unwrap_or_default();
-        record::change(
-            &pps.name_any(),
-            &pps.spec,
-            generation,
-            pps.status.as_ref(),
-            &observed,
-            ctx.caches.bare_status(),
-        )?
+    // Pods to read live before their states are written over; none from a cache known to be
+    // stale (nothing is written from it).
+    let unsure = if crate::state::recording_from_stale(&ctx.caches.watches, &target.kind) {
+        Vec::new()
+    } else {
+        observing(
+            &ctx.caches,
+            &namespace,
+            &workload_target,
+            &pods,
+            |observed| {
+                record::unsure(&pps.spec, pps.status.as_ref(), observed)
+                    .into_iter()
+                    .map(|(pod, recorded)| (pod.name.to_string(), pod.uid(), recorded))
+                    .collect()
+            },
+        )
     };
+    let held = confirm_unsure(&ctx, &namespace, &unsure).await;
+    let change = observing(
+        &ctx.caches,
+        &namespace,
+        &workload_target,
+        &pods,
+        |observed| {
+            record::change(
+                &pps.name_any(),
+                &pps.spec,
+                pps.metadata.generation.unwrap_or_default(),
+                pps.status.as_ref(),
+                observed,
+                ctx.caches.bare_status(),
+            )
+        },
+    )?;
 
     let key = ObjectRef::from_obj(pps.as_ref());
     // A change during a rollout waits (what changes meanwhile joins it); what is
@@ -179,6 +216,7 @@ pub async fn reconcile_pps(
         &health,
     );
     let paced = paced.map_or(next, |wait| wait.min(next));
+    let paced = if held { paced.min(UNSURE_RETRY) } else { paced };
     // Releases judge nodes lost and pods stranded from the caches: none while one of them is
     // known to be stale (a node that came back would still look lost, and its pods' claims or
     // pins be released).
@@ -263,6 +301,74 @@ const ANNOTATIONS_UNREAD_RETRY: Duration = Duration::from_secs(2);
 /// How soon a PersistentPodState whose status is computed from a cache known to be stale is
 /// looked at again (its write waits until every such cache is current).
 const STALE_CACHES_RETRY: Duration = Duration::from_secs(2);
+
+/// How soon a PersistentPodState is looked at again when a state it records names a pod its
+/// cache has not seen go, and a live read did not show the cached pod holding that name now.
+const UNSURE_RETRY: Duration = Duration::from_secs(5);
+
+/// How long a live read of a pod ([`confirm_unsure`]) may take: one throttled by the API server
+/// (the client tries a 429 again for minutes) holds back the reconcile's other pods, writes and
+/// releases; given up, it is tried again at the next look.
+const UNSURE_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How many pods one reconcile reads live at once ([`confirm_unsure`]).
+const UNSURE_READS_AT_ONCE: usize = 8;
+
+/// Reads live each pod `unsure` names (by name, uid, and the uid its recorded state names:
+/// [`record::unsure`]): where the cached pod holds the name now, the other one
+/// is known gone, and the cached pod's state is written over it. Elsewhere (the cache lags: a
+/// predecessor recorded a newer pod than it holds, or the read failed), the recorded state is
+/// kept; `true` then, to look again soon (the watch catching up also starts a look).
+async fn confirm_unsure(
+    ctx: &Context,
+    namespace: &str,
+    unsure: &[(String, Option<String>, String)],
+) -> bool {
+    if unsure.is_empty() {
+        return false;
+    }
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    let mut reads = Vec::with_capacity(unsure.len());
+    for (name, uid, recorded) in unsure {
+        reads.push(confirm_one(ctx, &api, name, uid.as_deref(), recorded));
+    }
+    let reads: Vec<bool> = futures::stream::iter(reads)
+        .buffer_unordered(UNSURE_READS_AT_ONCE)
+        .collect()
+        .await;
+    reads.contains(&false)
+}
+
+/// Reads the pod `name` live: `true` if it is the cached one (of `uid`), the pod `recorded`
+/// then known gone.
+async fn confirm_one(
+    ctx: &Context,
+    api: &Api<Pod>,
+    name: &str,
+    uid: Option<&str>,
+    recorded: &str,
+) -> bool {
+    let namespace = api.namespace().unwrap_or_default();
+    let read = tokio::time::timeout(UNSURE_READ_TIMEOUT, api.get_metadata_opt(name)).await;
+    match read.unwrap_or_else(|_| Err(kube::Error::Service("timed out".into()))) {
+        Ok(Some(live)) if live.metadata.uid.as_deref() == uid => {
+            ctx.metrics.pod_read(PodRead::Current);
+            ctx.caches.pod_gone(namespace, name, recorded);
+            true
+        }
+        Ok(live) => {
+            ctx.metrics.pod_read(PodRead::Lagging);
+            let holder = live.and_then(|l| l.metadata.uid);
+            tracing::info!(pod = %name, %namespace, %recorded, cached = ?uid, live = ?holder, "state kept: it records a pod this cache has not seen go, and the pod cached is not the one of that name now (the cache lags)");
+            false
+        }
+        Err(error) => {
+            ctx.metrics.pod_read(PodRead::Failed);
+            tracing::warn!(pod = %name, %namespace, %error, "state kept: reading the pod live failed (it records a pod this cache has not seen go)");
+            false
+        }
+    }
+}
 
 /// How soon the releases of a PersistentPodState held back by a stale cache are looked at
 /// again (releases come after graces of minutes; a watch refused for good keeps a cache stale,

@@ -39,6 +39,9 @@ pub struct Observed<'a> {
     pub pod_exists: &'a dyn Fn(&str) -> bool,
     /// A node, if it is known.
     pub node: &'a dyn Fn(&str) -> Option<NodeSeen>,
+    /// Whether the pod of that name and uid is known gone: a pod of that name cached now came
+    /// after it ([`crate::state::Caches::pod_is_gone`]).
+    pub gone: &'a dyn Fn(&str, &str) -> bool,
 }
 
 /// What recording reads of a node.
@@ -275,15 +278,18 @@ pub fn desired_status(
     status.pod_states = current.map(|c| c.pod_states.clone()).unwrap_or_default();
 
     for pod in observed.pods {
-        // A pod left behind by an earlier workload of the same name is not this one's.
-        let owner_uid = pod.controller.as_deref().map(|o| &*o.uid);
-        if let (Some(w), Some(uid)) = (workload, owner_uid)
-            && !w.uid.is_empty()
-            && w.uid != uid
-        {
+        if !of_workload(workload, pod) {
             continue;
         }
         if let Some(mut state) = pod_state(spec, pod, observed.node) {
+            // A state recorded for another pod of that name not known to have gone before this
+            // one may be newer (a predecessor's cache was ahead of this one): kept until this
+            // cache, or a live read, tells.
+            if let Some(before) = status.pod_states.get(&*pod.name)
+                && superseded_unknown(pod, before, observed.gone)
+            {
+                continue;
+            }
             let steered = pod.annotations.get(INJECTED_ANNOTATION) == Some(pps_name);
             state.last_restore = match status.pod_states.get(&*pod.name) {
                 // A new pod of that name: judged if it was steered back to a node, else not
@@ -311,6 +317,55 @@ pub fn desired_status(
     }
     summarize(&mut status);
     status
+}
+
+/// Whether `before`, recorded for another pod of `pod`'s name, is not known to have gone
+/// before `pod` came.
+fn superseded_unknown(
+    pod: &CachedPod,
+    before: &PodState,
+    gone: &dyn Fn(&str, &str) -> bool,
+) -> bool {
+    match (before.pod_uid.as_deref(), pod.uid.as_deref()) {
+        (Some(recorded), Some(uid)) => recorded != uid && !gone(&pod.name, recorded),
+        _ => false,
+    }
+}
+
+/// Whether `pod` is the workload's: not left behind by an earlier workload of its name.
+fn of_workload(workload: Option<&WorkloadInfo>, pod: &CachedPod) -> bool {
+    let owner_uid = pod.controller.as_deref().map(|o| &*o.uid);
+    !matches!((workload, owner_uid), (Some(w), Some(uid)) if !w.uid.is_empty() && w.uid != uid)
+}
+
+/// The pods [`desired_status`] would record whose recorded state names another pod of their
+/// name, not known to have gone before them (`observed.gone`), with the uid it names: read live
+/// before their states are written over ([`desired_status`] keeps them until then).
+pub fn unsure<'a>(
+    spec: &PersistentPodStateSpec,
+    current: Option<&PersistentPodStateStatus>,
+    observed: &Observed<'a>,
+) -> Vec<(&'a CachedPod, String)> {
+    let workload = match &observed.target {
+        Target::Gone => return Vec::new(),
+        Target::Live(w) => Some(w),
+        Target::Unknown => None,
+    };
+    let Some(current) = current else {
+        return Vec::new();
+    };
+    observed
+        .pods
+        .iter()
+        .filter_map(|p| {
+            let before = current.pod_states.get(&*p.name)?;
+            let recorded = before.pod_uid.clone()?;
+            (superseded_unknown(p, before, observed.gone)
+                && of_workload(workload, p)
+                && pod_state(spec, p, observed.node).is_some())
+            .then_some((*p, recorded))
+        })
+        .collect()
 }
 
 /// Sets the summary fields from the states.
@@ -554,6 +609,7 @@ mod tests {
             pods: &refs,
             pod_exists: &exists,
             node: &nodes,
+            gone: &|_, _| true,
         };
         let out = desired_status("web", &spec(retention), 7, Some(&current), &observed);
         assert_eq!(out.observed_generation, 7);
@@ -577,6 +633,7 @@ mod tests {
             pods: &refs,
             pod_exists: &exists,
             node: &nodes,
+            gone: &|_, _| true,
         };
         change("web", &spec(None), 1, Some(&current), &observed, false).expect("change")
     }
@@ -621,6 +678,7 @@ mod tests {
                 pods,
                 pod_exists: &exists,
                 node: &nodes,
+                gone: &|_, _| true,
             };
             change("web", &spec(None), 1, None, &observed, false).expect("change")
         };
@@ -651,6 +709,7 @@ mod tests {
                 pods: &refs,
                 pod_exists: &exists,
                 node: &nodes,
+                gone: &|_, _| true,
             },
             false,
         )
@@ -705,6 +764,7 @@ mod tests {
                 pods: &refs,
                 pod_exists: &exists,
                 node: &nodes,
+                gone: &|_, _| true,
             },
             false,
         )
@@ -806,6 +866,78 @@ mod tests {
     }
 
     #[test]
+    fn a_state_recorded_for_a_pod_not_known_gone_is_kept_until_it_is() {
+        // Recorded by a predecessor whose pod watch was ahead: web-0 is "b" on n2.
+        let newer = recreated("web-0", "b", "n2", &["10.0.0.9"], false);
+        let exists = |_: &str| true;
+        let observe = |pods: &[&CachedPod],
+                       current: Option<&PersistentPodStateStatus>,
+                       gone: &dyn Fn(&str, &str) -> bool| {
+            let observed = Observed {
+                target: live(1),
+                pods,
+                pod_exists: &exists,
+                node: &nodes,
+                gone,
+            };
+            change("web", &spec(None), 1, current, &observed, false).expect("change")
+        };
+        let never = |_: &str, _: &str| false;
+        let recorded = observe(&[&newer], None, &never).status;
+        // This cache still holds "a", Ready on n1, and never saw "b" (nor "b" go): the state of
+        // "b" is kept, and "a" is to be read live.
+        let older = recreated("web-0", "a", "n1", &["10.0.0.5"], false);
+        let lagging = observe(&[&older], Some(&recorded), &never);
+        assert_eq!(lagging.patch, None, "nothing written over the newer state");
+        assert!(lagging.recorded.is_empty());
+        let unsure_of = |pods: &[&CachedPod],
+                         current: Option<&PersistentPodStateStatus>,
+                         target: Target,
+                         gone: &dyn Fn(&str, &str) -> bool|
+         -> Vec<(String, String)> {
+            let observed = Observed {
+                target,
+                pods,
+                pod_exists: &exists,
+                node: &nodes,
+                gone,
+            };
+            unsure(&spec(None), current, &observed)
+                .into_iter()
+                .map(|(p, uid)| (p.name.to_string(), uid))
+                .collect()
+        };
+        let unsure_pods = |gone: &dyn Fn(&str, &str) -> bool| {
+            unsure_of(&[&older], Some(&recorded), live(1), gone)
+        };
+        assert_eq!(unsure_pods(&never), [("web-0".to_owned(), "b".to_owned())]);
+        // Once "b" is known gone before "a" (the watch saw it deleted, or a live read found
+        // "a"), the state of "a" is recorded.
+        let b_gone = |name: &str, uid: &str| name == "web-0" && uid == "b";
+        let caught_up = observe(&[&older], Some(&recorded), &b_gone);
+        assert_eq!(caught_up.recorded, ["web-0"]);
+        let state = &caught_up.status.pod_states["web-0"];
+        assert_eq!(state.pod_uid.as_deref(), Some("a"));
+        assert_eq!(state.node_name.as_deref(), Some("n1"));
+        assert!(unsure_pods(&b_gone).is_empty());
+        // Never unsure: the pod recorded; a pod with no state yet; a pod not recorded (not
+        // Ready, or left by an earlier workload of that name); any pod of a workload gone.
+        assert!(unsure_of(&[&newer], Some(&recorded), live(1), &never).is_empty());
+        assert!(unsure_of(&[&older], None, live(1), &never).is_empty());
+        let not_ready = CachedPod {
+            ready: false,
+            ..older.clone()
+        };
+        assert!(unsure_of(&[&not_ready], Some(&recorded), live(1), &never).is_empty());
+        let mut earlier = live(1);
+        if let Target::Live(w) = &mut earlier {
+            w.uid = "an-earlier-workload".into();
+        }
+        assert!(unsure_of(&[&older], Some(&recorded), earlier, &never).is_empty());
+        assert!(unsure_of(&[&older], Some(&recorded), Target::Gone, &never).is_empty());
+    }
+
+    #[test]
     fn upstream_bug_2_an_unchanged_state_with_persisted_annotations_writes_nothing() {
         let pods = [pod("web-0", Some("node-1"), true, "u1")];
         let refs: Vec<&CachedPod> = pods.iter().collect();
@@ -815,6 +947,7 @@ mod tests {
             pods: &refs,
             pod_exists: &exists,
             node: &nodes,
+            gone: &|_, _| true,
         };
         let first = desired_status("web", &spec(None), 1, None, &observed);
         assert_eq!(

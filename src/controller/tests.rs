@@ -310,6 +310,131 @@ async fn no_status_is_written_from_a_cache_known_to_be_stale() {
     first_write(&ctx, &mut handle).await;
 }
 
+/// The pod `name` of the StatefulSet `web` of `uid`, Ready on `n1`, as the watch brings it.
+fn web_pod(name: &str, uid: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "ns", "uid": uid, "ownerReferences": [{"apiVersion": "apps/v1",
+            "kind": "StatefulSet", "name": "web", "uid": "sts-uid", "controller": true}]},
+        "spec": {"nodeName": "n1", "containers": []},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+    }))
+    .expect("pod")
+}
+
+/// A new leader whose pod watch lags behind its predecessor's: the status records `web-0` as
+/// the pod "b" (newer), while this cache still holds "a". The state of "a" is not written over
+/// it until the pod is read live and "a" is the one of that name now; a pod the watch saw
+/// deleted needs no read.
+#[tokio::test]
+async fn a_state_recorded_for_a_pod_this_cache_never_saw_is_not_written_over_from_a_lagging_cache()
+{
+    let caches = world();
+    caches.apply_pod(watcher::Event::Apply(web_pod("web-0", "a")));
+    let (ctx, mut handle) = context(caches.clone());
+    let status = json!({"observedGeneration": 2, "recorded": 1, "podStates": {"web-0": {"nodeName": "n1",
+        "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}, "podUID": "b"}}});
+    let pps = Arc::new(pps(status));
+    let live = |uid: &str| {
+        json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "web-0", "namespace": "ns", "uid": uid}})
+    };
+    let read = "GET /api/v1/namespaces/ns/pods/web-0";
+    // Live, web-0 is "b" (or there is none): the cache lags, its state is kept; looked at
+    // again soon.
+    let not_found =
+        json!({"kind": "Status", "status": "Failure", "code": 404, "reason": "NotFound"});
+    for answer in [live("b"), not_found] {
+        let (sent, action) = drive_to_action(
+            reconcile_pps(pps.clone(), ctx.clone()),
+            &mut handle,
+            vec![answer],
+        )
+        .await;
+        assert_eq!(calls_of(&sent), [read], "read live, nothing written");
+        assert!(
+            requeue_after(&action).is_some_and(|after| after <= Duration::from_secs(5)),
+            "{action:?}"
+        );
+    }
+    // Live, web-0 is "a": "b" went before it, and the state of "a" is written.
+    let written = pps_written(json!({"observedGeneration": 2}));
+    let sent = drive(
+        reconcile_pps(pps.clone(), ctx.clone()),
+        &mut handle,
+        vec![live("a"), written],
+    )
+    .await;
+    assert_eq!(calls_of(&sent)[0], read);
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(sent[1].method, Method::PATCH);
+    assert_eq!(sent[1].body["status"]["podStates"]["web-0"]["podUID"], "a");
+    assert!(caches.pod_is_gone("ns", "web-0", "b"), "not read again");
+    let metrics = ctx.metrics.encode();
+    for counted in [
+        "pps_pod_reads_total{result=\"lagging\"} 2",
+        "pps_pod_reads_total{result=\"current\"} 1",
+        "pps_pod_reads_total{result=\"failed\"} 0",
+    ] {
+        assert!(metrics.contains(counted), "{counted}");
+    }
+
+    // A pod of a workload a PersistentPodState targets that the watch saw deleted before the
+    // one cached came is known gone with no read; one of another workload is not remembered.
+    // A read that fails holds back only its own pod's state.
+    let caches = world();
+    let both = Arc::new(self::pps(
+        json!({"observedGeneration": 2, "recorded": 2, "podStates": {
+        "web-0": {"nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}, "podUID": "b"},
+        "web-1": {"nodeName": "n1", "nodeTopologyLabels": {"topology.kubernetes.io/zone": "z1"}, "podUID": "d"}}}),
+    ));
+    caches.apply_pps(watcher::Event::Apply(both.as_ref().clone()));
+    caches.apply_pod(watcher::Event::Delete(web_pod("web-0", "b")));
+    let mut other = web_pod("other-0", "o");
+    if let Some(owner) = other
+        .metadata
+        .owner_references
+        .as_mut()
+        .and_then(|o| o.first_mut())
+    {
+        owner.name = "other".into();
+    }
+    caches.apply_pod(watcher::Event::Delete(other));
+    assert!(
+        !caches.pod_is_gone("ns", "other-0", "o"),
+        "not a targeted workload's pod"
+    );
+    caches.apply_pod(watcher::Event::Apply(web_pod("web-0", "a")));
+    caches.apply_pod(watcher::Event::Apply(web_pod("web-1", "c")));
+    let (ctx, mut handle) = context(caches);
+    let failed = json!({"kind": "Status", "status": "Failure", "code": 500, "message": "etcd"});
+    let (sent, action) = drive_to_action(
+        reconcile_pps(both, ctx.clone()),
+        &mut handle,
+        vec![failed, pps_written(json!({}))],
+    )
+    .await;
+    assert_eq!(
+        calls_of(&sent),
+        [
+            "GET /api/v1/namespaces/ns/pods/web-1",
+            "PATCH /apis/apps.kruise.io/v1beta1/namespaces/ns/persistentpodstates/web/status?"
+        ],
+        "web-0 written with no live read"
+    );
+    let states = &sent[1].body["status"]["podStates"];
+    assert_eq!(states["web-0"]["podUID"], "a");
+    assert!(states.get("web-1").is_none(), "web-1 kept: {states}");
+    assert!(
+        requeue_after(&action).is_some_and(|after| after <= Duration::from_secs(5)),
+        "{action:?}"
+    );
+    assert!(
+        ctx.metrics
+            .encode()
+            .contains("pps_pod_reads_total{result=\"failed\"} 1")
+    );
+}
+
 /// States pruned because their workload is gone say so (not that their ordinals are no
 /// longer live: none was looked at).
 #[tokio::test]

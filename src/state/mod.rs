@@ -8,6 +8,7 @@
 //! exercise exactly the path a cluster does. The state owns its readiness: it is synced once
 //! every base store has had its first full list.
 
+pub mod gone;
 pub mod index;
 pub mod kept;
 pub mod pods;
@@ -121,6 +122,8 @@ pub struct Caches {
     /// The nodes cached as a relist of them began: those it does not list were deleted
     /// meanwhile.
     nodes_before_relist: Mutex<Option<Vec<Arc<Node>>>>,
+    /// Targeted workloads' pods seen deleted lately ([`gone`]).
+    gone_pods: Mutex<gone::GonePods>,
     workloads: RwLock<HashMap<GroupKind, WorkloadStore>>,
     kinds_changed: watch::Sender<u64>,
     /// Reconcile requests to the controllers.
@@ -180,6 +183,7 @@ impl Caches {
             nodes_changed: AtomicU64::new(0),
             gone_nodes: Mutex::default(),
             nodes_before_relist: Mutex::default(),
+            gone_pods: Mutex::default(),
             workloads: RwLock::default(),
             kinds_changed: watch::channel(0).0,
             triggers: Triggers::default(),
@@ -336,6 +340,15 @@ impl Caches {
             self.kept.pods_listed(&keeping);
         }
         drop(keeping);
+        // A targeted workload's pod (its state may name it) seen deleted: the next of its name
+        // came after it (before the event wakes a reconcile).
+        if let watcher::Event::Delete(pod) = &event
+            && pod
+                .workload()
+                .is_some_and(|w| self.pps_by_target.read().get(&w).next().is_some())
+        {
+            lock(&self.gone_pods).went(pod, std::time::Instant::now());
+        }
         self.listed_if_done(&event, &self.listed.pods);
         self.trigger_for_pod(&event);
     }
@@ -729,6 +742,19 @@ impl Caches {
             .filter(|p| keep(p))
             .cloned()
             .collect()
+    }
+
+    /// Whether the pod `namespace/name` of `uid` is known gone: the pod watch saw it deleted
+    /// lately (a pod of a workload a PersistentPodState targets), or [`Caches::pod_gone`] said
+    /// so. The pod of that name cached now came after it.
+    pub fn pod_is_gone(&self, namespace: &str, name: &str, uid: &str) -> bool {
+        lock(&self.gone_pods).is_gone(namespace, name, uid, std::time::Instant::now())
+    }
+
+    /// The pod `namespace/name` of `uid` is known gone (a live read found another pod of that
+    /// name, or none).
+    pub fn pod_gone(&self, namespace: &str, name: &str, uid: &str) {
+        lock(&self.gone_pods).remember(namespace, name, uid, std::time::Instant::now());
     }
 
     /// Whether a pod of that name exists in `namespace`.
@@ -1579,15 +1605,7 @@ mod tests {
         status: u16,
         body: serde_json::Value,
     ) {
-        respond.send_response(
-            http::Response::builder()
-                .status(status)
-                .header("content-type", "application/json")
-                .body(kube::client::Body::from(
-                    serde_json::to_vec(&body).expect("json"),
-                ))
-                .expect("response"),
-        );
+        respond.send_response(crate::test_api::json_response(status, &body));
     }
 
     type MockHandle = tower_test::mock::Handle<

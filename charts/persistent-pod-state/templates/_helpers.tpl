@@ -82,7 +82,39 @@ brings a Secret's new certificate to the pods only a minute or so later. */}}
 {{- $names = append $names . -}}
 {{- $names = append $names (printf "%s.cluster.local" .) -}}
 {{- end -}}
-{{- toJson $names -}}
+{{- $url := include "pps.urlHost" . -}}
+{{- if and $url (not (include "pps.urlHostIsIP" .)) -}}
+{{- $names = append $names $url -}}
+{{- end -}}
+{{- toJson ($names | uniq) -}}
+{{- end -}}
+
+{{/* The host of webhook.url (no port, no brackets), or empty: the serving certificate names it
+too, or the API server, calling that URL, would trust none of the answers. */}}
+{{- define "pps.urlHost" -}}
+{{- with .Values.webhook.url -}}
+{{- $host := (urlParse .).host -}}
+{{- if hasPrefix "[" $host -}}
+{{- regexReplaceAll "^\\[(.*)\\](:[0-9]+)?$" $host "${1}" -}}
+{{- else -}}
+{{- regexReplaceAll ":[0-9]+$" $host "" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Non-empty when the host of webhook.url is an IP address (an IP SAN, not a DNS one). */}}
+{{- define "pps.urlHostIsIP" -}}
+{{- $host := include "pps.urlHost" . -}}
+{{- if or (regexMatch "^[0-9a-fA-F:.]*:[0-9a-fA-F:.]*$" $host) (regexMatch "^([0-9]{1,3}\\.){3}[0-9]{1,3}$" $host) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The IP addresses the serving certificate names: webhook.url's host when it is one. */}}
+{{- define "pps.ipAddresses" -}}
+{{- if include "pps.urlHostIsIP" . -}}
+{{- toJson (list (include "pps.urlHost" .)) -}}
+{{- else -}}
+[]
+{{- end -}}
 {{- end -}}
 
 {{/* The workload kinds whose pods the webhook handles: GROUP/KIND, built-in first. */}}
@@ -146,7 +178,8 @@ under that CA. Memoized in .Values so that every template of one render sees the
 {{- end -}}
 {{- $host := include "pps.serviceHost" . -}}
 {{- $dns := include "pps.dnsNames" . | fromJsonArray -}}
-{{- $cert := genSignedCert $host nil $dns (int .Values.certificates.selfSigned.validityDays) $ca -}}
+{{- $ips := include "pps.ipAddresses" . | fromJsonArray -}}
+{{- $cert := genSignedCert $host $ips $dns (int .Values.certificates.selfSigned.validityDays) $ca -}}
 {{- $_ := set .Values "__selfSigned" (dict "ca" $ca.Cert "caKey" $ca.Key "crt" $cert.Cert "key" $cert.Key) -}}
 {{- end -}}
 {{- toJson (get .Values "__selfSigned") -}}
