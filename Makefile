@@ -59,7 +59,8 @@ unit:
 	cargo test --locked --features bench
 
 # The Helm chart: lint and template with every example values file, the schema's refusals, and
-# manifests/base equal to the chart's rendering (helm built at its pinned version).
+# manifests/base and the cert-manager overlay's certificates equal to the chart's rendering (helm
+# built at its pinned version).
 chart:
 	bash charts/check.sh
 
@@ -109,7 +110,8 @@ control-plane:
 control-plane-v1.20:
 	bash e2e/build-control-plane.sh v1.20
 
-# The CRD from the Rust types into the chart, then manifests/base rendered from the chart.
+# The CRD from the Rust types into the chart, then manifests/base and the cert-manager overlay's
+# certificates rendered from the chart.
 manifests:
 	cargo run --locked -q -- crd > charts/persistent-pod-state/files/crd.yaml
 	bash charts/check.sh --write

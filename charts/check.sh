@@ -5,8 +5,9 @@
 #                            values file (charts/persistent-pod-state/ci/), on the newest and the
 #                            oldest supported Kubernetes; invalid values refused by the schema
 #                            with the field's path, or by the chart's templates with their
-#                            message; manifests/base equal to its rendering.
-#   charts/check.sh --write  renders manifests/base from the chart (after files/crd.yaml).
+#                            message; manifests/base and the cert-manager overlay's
+#                            certificates equal to their rendering.
+#   charts/check.sh --write  renders them from the chart (after files/crd.yaml).
 #
 # helm is built at its pinned version by e2e/build-helm.sh.
 set -euo pipefail
@@ -34,9 +35,26 @@ render_base() {
   done
 }
 
+# The cert-manager overlay's certificates (its root, CA Issuer and serving Certificate): the
+# chart's own in cert-manager mode, so the two never drift apart.
+CERT_MANAGER="manifests/overlays/cert-manager/certificates.yaml"
+
+# render_cert_manager FILE: the overlay's certificates into FILE.
+render_cert_manager() {
+  {
+    echo "# Generated from charts/persistent-pod-state (values: ci/kustomize-base-values.yaml,"
+    echo "# certificates.mode=cert-manager) by \`make manifests\`: edit the chart, not this file."
+    "$HELM" template persistent-pod-state "$CHART" --namespace persistent-pod-state \
+      --kube-version 1.37.0 -f "$CHART/ci/kustomize-base-values.yaml" \
+      --set certificates.mode=cert-manager \
+      --show-only templates/certificates.yaml | grep -v '^# Source: '
+  } >"$1"
+}
+
 if [[ ${1:-} == --write ]]; then
   render_base "$ROOT/manifests/base"
-  say "manifests/base rendered from the chart"
+  render_cert_manager "$ROOT/$CERT_MANAGER"
+  say "manifests/base and $CERT_MANAGER rendered from the chart"
   exit 0
 fi
 
@@ -191,4 +209,7 @@ for t in "${BASE[@]}"; do
   diff -u "$ROOT/manifests/base/$t.yaml" "$tmp/$t.yaml" >&2 ||
     fail "manifests/base/$t.yaml is not the chart's rendering: run \`make manifests\`"
 done
-say "ok: manifests/base is the chart's rendering"
+render_cert_manager "$tmp/certificates.yaml"
+diff -u "$ROOT/$CERT_MANAGER" "$tmp/certificates.yaml" >&2 ||
+  fail "$CERT_MANAGER is not the chart's rendering: run \`make manifests\`"
+say "ok: manifests/base and $CERT_MANAGER are the chart's rendering"

@@ -53,6 +53,9 @@ pub struct Explanation {
     /// When the controller releases the current pod, if it waits unscheduled: what holds it
     /// (a pin the webhook added, claims on a node's local volumes) and when it lets go.
     pub release: Vec<String>,
+    /// What the caller may not read, and what the answer does not see for it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unread: Vec<String>,
 }
 
 /// The pod its workload would create now: the template's metadata and spec, the name, and a
@@ -139,6 +142,7 @@ pub fn explain_with(
         patch: json!([]),
         left_out: Vec::new(),
         release: Vec::new(),
+        unread: Vec::new(),
     };
     let pod: Pod = match serde_json::from_value(object) {
         Ok(pod) => pod,
@@ -238,6 +242,9 @@ impl Explanation {
                 t.push_str(&format!("  - {r}\n"));
             }
         }
+        for u in &self.unread {
+            t.push_str(&format!("not read: {u}\n"));
+        }
         t
     }
 }
@@ -322,22 +329,42 @@ pub async fn explain(
         );
     }
 
-    let caches = Caches::with_nodes(client).await.context("listing nodes")?;
+    let caches = Caches::with_nodes(client)
+        .await
+        .context("listing nodes (what would be injected is judged against them)")?;
     caches.apply_pps(watcher::Event::Init);
     for p in pps_list.items {
         caches.apply_pps(watcher::Event::InitApply(p));
     }
     caches.apply_pps(watcher::Event::InitDone);
     // Every pod of the cluster: which one holds which IP. Page by page (each trimmed as it is
-    // cached), never one answer of every pod of a large cluster.
-    let pods = Api::<Pod>::all(client.clone());
-    crate::state::list_each(&pods, &ListParams::default(), |p| {
-        caches.apply_pod(watcher::Event::InitApply(p));
-    })
+    // cached), never one answer of every pod of a large cluster. A caller who may list only
+    // the namespace's pods gets the answer for them, and is told what it does not see.
+    let mut unread = Vec::new();
+    let apply = |p| caches.apply_pod(watcher::Event::InitApply(p));
+    match crate::state::list_each(
+        &Api::<Pod>::all(client.clone()),
+        &ListParams::default(),
+        apply,
+    )
     .await
-    .context("listing pods")?;
+    {
+        Ok(()) => {}
+        Err(kube::Error::Api(e)) if e.code == 403 => {
+            unread.push(format!(
+                "pods in every namespace ({}): a recorded IP held by a pod of another namespace is not seen",
+                e.message
+            ));
+            let apply = |p| caches.apply_pod(watcher::Event::InitApply(p));
+            crate::state::list_each(&pods, &ListParams::default(), apply)
+                .await
+                .context("listing the namespace's pods")?;
+        }
+        Err(e) => return Err(e).context("listing pods"),
+    }
     caches.apply_pod(watcher::Event::InitDone);
     let mut out = explain_with(&caches, served, namespace, object, source);
+    out.unread = unread;
     if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);
         let pod = current.name_any();

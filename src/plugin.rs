@@ -43,6 +43,12 @@ pub struct PluginCli {
     /// The kubeconfig file (default: $KUBECONFIG, else ~/.kube/config).
     #[arg(long, global = true)]
     pub kubeconfig: Option<PathBuf>,
+    /// The user to impersonate (as kubectl's `--as`).
+    #[arg(long = "as", global = true)]
+    pub as_user: Option<String>,
+    /// A group to impersonate, repeatable (as kubectl's `--as-group`).
+    #[arg(long = "as-group", global = true)]
+    pub as_groups: Vec<String>,
     /// As `serve --node-lost-after` (what the webhook is run with).
     #[arg(long, global = true, env = "PPS_NODE_LOST_AFTER", default_value = "5m", value_parser = parse_duration)]
     pub node_lost_after: Duration,
@@ -101,7 +107,7 @@ pub enum PluginCommand {
 }
 
 /// One PersistentPodState in `kubectl pps status`.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StatusRow {
     /// Its namespace.
@@ -114,10 +120,22 @@ pub struct StatusRow {
     pub recorded: usize,
     /// Re-created pods back on their recorded node, of those judged (`restored/judged`).
     pub restored: Option<String>,
-    /// Recorded pods whose required values cannot all be injected now.
-    pub unplaceable: Vec<String>,
-    /// Pods released (`PodReleased` Events still kept by the API server).
-    pub released: Vec<String>,
+    /// Recorded pods whose required values cannot all be injected now (`None`: not judged, the
+    /// nodes could not be listed).
+    pub unplaceable: Option<Vec<String>>,
+    /// Pods released (`PodReleased` Events still kept by the API server; `None`: the Events
+    /// could not be listed).
+    pub released: Option<Vec<String>>,
+}
+
+/// `kubectl pps status`: its rows, and what could not be read (a user who may not list nodes
+/// or Events still gets the rest).
+#[derive(Debug)]
+pub struct Status {
+    /// One per PersistentPodState.
+    pub rows: Vec<StatusRow>,
+    /// What could not be read, and which columns it leaves unjudged (`?`).
+    pub unread: Vec<String>,
 }
 
 /// The rows of `status` as a table; `wide` names the unplaceable and released pods.
@@ -144,18 +162,16 @@ pub fn table(rows: &[StatusRow], wide: bool) -> String {
             r.target.clone(),
             r.recorded.to_string(),
             r.restored.clone().unwrap_or_else(|| "-".into()),
-            r.unplaceable.len().to_string(),
-            r.released.len().to_string(),
+            count(r.unplaceable.as_deref()),
+            count(r.released.as_deref()),
         ];
         if wide {
-            let list = |v: &[String]| {
-                if v.is_empty() {
-                    "-".into()
-                } else {
-                    v.join(",")
-                }
+            let list = |v: Option<&[String]>| match v {
+                None => "?".into(),
+                Some([]) => "-".into(),
+                Some(v) => v.join(","),
             };
-            cells.extend([list(&r.unplaceable), list(&r.released)]);
+            cells.extend([list(r.unplaceable.as_deref()), list(r.released.as_deref())]);
         }
         lines.push(cells);
     }
@@ -176,7 +192,18 @@ pub fn table(rows: &[StatusRow], wide: bool) -> String {
     out
 }
 
-/// The client of `--kubeconfig`/`--context`, and the namespace to use.
+/// A column's count, `?` when it could not be judged.
+fn count(v: Option<&[String]>) -> String {
+    v.map_or_else(|| "?".into(), |v| v.len().to_string())
+}
+
+/// Whether the API server refused the caller the request (403): the rest of an answer can
+/// still be given.
+fn forbidden(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 403)
+}
+
+/// The client of `--kubeconfig`/`--context`/`--as`, and the namespace to use.
 async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
     let options = KubeConfigOptions {
         context: cli.context.clone(),
@@ -191,6 +218,13 @@ async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
         None => kube::Config::from_kubeconfig(&options).await,
     }
     .context("no usable kubeconfig (KUBECONFIG, --kubeconfig, --context)")?;
+    let mut config = config;
+    if let Some(user) = &cli.as_user {
+        config.auth_info.impersonate = Some(user.clone());
+    }
+    if !cli.as_groups.is_empty() {
+        config.auth_info.impersonate_groups = Some(cli.as_groups.clone());
+    }
     let namespace = cli
         .namespace
         .clone()
@@ -198,12 +232,13 @@ async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
     Ok((Client::try_from(config)?, namespace))
 }
 
-/// The rows of `status` for `namespace` (every namespace when `None`).
+/// The rows of `status` for `namespace` (every namespace when `None`). Nodes or Events the
+/// caller may not list leave their columns unjudged, and say so in [`Status::unread`].
 pub async fn status(
     client: &Client,
     namespace: Option<&str>,
     lost_after: Duration,
-) -> anyhow::Result<Vec<StatusRow>> {
+) -> anyhow::Result<Status> {
     let (pps_api, events): (Api<PersistentPodState>, Api<Event>) = match namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
@@ -215,12 +250,25 @@ pub async fn status(
     crate::state::list_each(&pps_api, &ListParams::default(), |p| list.push(p))
         .await
         .context("listing PersistentPodStates")?;
-    let caches = Caches::with_nodes(client).await.context("listing nodes")?;
+    let mut unread = Vec::new();
+    let caches = match Caches::with_nodes(client).await {
+        Ok(caches) => Some(caches),
+        Err(e) if forbidden(&e) => {
+            unread.push(format!("nodes ({e}): UNPLACEABLE not judged"));
+            None
+        }
+        Err(e) => return Err(e).context("listing nodes"),
+    };
     let mut released = Vec::new();
     let params = ListParams::default().fields("reason=PodReleased");
-    crate::state::list_each(&events, &params, |e| released.push(e))
-        .await
-        .context("listing Events")?;
+    let events_read = match crate::state::list_each(&events, &params, |e| released.push(e)).await {
+        Ok(()) => true,
+        Err(e) if forbidden(&e) => {
+            unread.push(format!("Events ({e}): RELEASED not counted"));
+            false
+        }
+        Err(e) => return Err(e).context("listing Events"),
+    };
     let mut released_by: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     for e in released {
         let about = &e.involved_object;
@@ -243,24 +291,24 @@ pub async fn status(
     }
     let health = Health::now(lost_after);
     let demands = PodDemands::none();
-    let place = |recorded: &BTreeMap<String, String>| {
-        placement::required_owned(recorded, &demands, caches.as_ref(), &health)
-    };
-    Ok(list
+    let rows = list
         .into_iter()
         .map(|p| {
             let ns = p.namespace().unwrap_or_default();
             let name = p.name_any();
             let status = p.status.clone().unwrap_or_default();
-            let unplaceable =
+            let unplaceable = caches.as_ref().map(|caches| {
+                let place = |recorded: &BTreeMap<String, String>| {
+                    placement::required_owned(recorded, &demands, caches.as_ref(), &health)
+                };
                 crate::controller::record::unplaceable_states(&p.spec, &status, &place)
                     .into_keys()
-                    .collect();
+                    .collect()
+            });
+            let released = released_by.remove(&(ns.clone(), name.clone()));
             let t = &p.spec.target_ref;
             StatusRow {
-                released: released_by
-                    .remove(&(ns.clone(), name.clone()))
-                    .unwrap_or_default(),
+                released: events_read.then(|| released.unwrap_or_default()),
                 target: format!("{}/{}", t.kind, t.name),
                 recorded: status.pod_states.len(),
                 restored: status.restored.clone(),
@@ -269,7 +317,8 @@ pub async fn status(
                 name,
             }
         })
-        .collect())
+        .collect();
+    Ok(Status { rows, unread })
 }
 
 fn print<T: Serialize>(
@@ -291,9 +340,12 @@ pub async fn run(cli: PluginCli) -> anyhow::Result<()> {
     match &cli.command {
         PluginCommand::Status => {
             let scope = (!cli.all_namespaces).then_some(namespace.as_str());
-            let rows = status(&client, scope, cli.node_lost_after).await?;
-            let text = table(&rows, cli.output == Some(PluginOutput::Wide));
-            print(&rows, cli.output, text)
+            let status = status(&client, scope, cli.node_lost_after).await?;
+            for what in &status.unread {
+                eprintln!("warning: could not list {what}");
+            }
+            let text = table(&status.rows, cli.output == Some(PluginOutput::Wide));
+            print(&status.rows, cli.output, text)
         }
         PluginCommand::Explain { pod } => {
             let served = explain::AsServed {
@@ -349,8 +401,8 @@ mod tests {
             target: "StatefulSet/web".into(),
             recorded: 3,
             restored: Some("2/2".into()),
-            unplaceable: vec!["web-2".into()],
-            released: vec![],
+            unplaceable: Some(vec!["web-2".into()]),
+            released: Some(vec![]),
         }];
         let narrow = table(&rows, false);
         let lines: Vec<&str> = narrow.lines().collect();
@@ -360,6 +412,18 @@ mod tests {
             lines[1].contains("StatefulSet/web") && lines[1].ends_with('0'),
             "{narrow}"
         );
+        let unjudged = StatusRow {
+            unplaceable: None,
+            released: None,
+            ..rows[0].clone()
+        };
+        let line = table(&[unjudged], true);
+        let cells: Vec<&str> = line
+            .lines()
+            .nth(1)
+            .map(|l| l.split_whitespace().skip(5).collect())
+            .unwrap_or_default();
+        assert_eq!(cells, ["?"; 4], "{line}");
         let wide = table(&rows, true);
         assert!(
             wide.lines()

@@ -2,7 +2,8 @@
 //! plugins/krew/package.sh makes (checked as krew checks them), found by kubectl on PATH, and
 //! each command with kubectl's flags against the control plane: `status` (`-n`, `-A`,
 //! `-o json|yaml|wide`, `--context`), `explain`, and `release` of a pod waiting for a dead node
-//! (and its refusal of a scheduled pod, and of a pod no workload would create again).
+//! (and its refusal of a scheduled pod, and of a pod no workload would create again); and as a
+//! user who may read only its namespace (`--as`), the answers it can still give.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -165,6 +166,67 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     let json = pps(&env, &path, &["explain", "web-0", "-n", &ns, "-o", "json"]).await;
     let explained: Value = serde_json::from_str(&json).expect("json");
     assert_eq!(explained["persistentPodState"], "web", "{explained}");
+    assert!(explained.get("unread").is_none(), "{explained}");
+
+    // An application team's user (`--as`), who may read its namespace only: status answers
+    // without the columns it cannot judge; with nodes listable too, explain answers as for the
+    // admin and names the pods of other namespaces it did not see.
+    let (ok, out) = kubectl(&env, &["apply", "-f", "-"], Some(&team_rbac(&ns))).await;
+    assert!(ok, "{out}");
+    let team = ["--as", "e2e-plugin-team"];
+    let args = [&["pps", "status", "-n", &ns, "-o", "json"][..], &team].concat();
+    let (ok, out, err) = kubectl_pps(&env, &path, &args).await;
+    assert!(ok, "{err}");
+    let rows: Value = serde_json::from_str(&out).expect("json");
+    let web = row(&rows, &ns, "web").expect("web's row");
+    assert_eq!(
+        (&web["recorded"], &web["unplaceable"], &web["released"]),
+        (&serde_json::json!(2), &Value::Null, &Value::Null),
+        "{web}"
+    );
+    assert!(
+        err.contains("could not list nodes") && err.contains("could not list Events"),
+        "{err}"
+    );
+    let args = [&["pps", "status", "-n", &ns, "-o", "wide"][..], &team].concat();
+    let (ok, wide, err) = kubectl_pps(&env, &path, &args).await;
+    let line = wide.lines().find(|l| l.contains("StatefulSet/web"));
+    let judged: Option<Vec<&str>> = line.map(|l| l.split_whitespace().skip(5).collect());
+    assert!(ok && judged == Some(vec!["?"; 4]), "{wide}{err}");
+    let args = [
+        &["pps", "explain", "web-0", "-n", &ns, "-o", "json"][..],
+        &team,
+    ]
+    .concat();
+    let (ok, _, err) = kubectl_pps(&env, &path, &args).await;
+    assert!(!ok && err.contains("listing nodes"), "{err}");
+    let team_nodes = ["--as", "e2e-plugin-team", "--as-group", "e2e-plugin-nodes"];
+    let args = [
+        &["pps", "explain", "web-0", "-n", &ns, "-o", "json"][..],
+        &team_nodes,
+    ]
+    .concat();
+    let (ok, out, err) = kubectl_pps(&env, &path, &args).await;
+    assert!(ok, "{err}");
+    let partial: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(
+        (&partial["outcome"], &partial["patch"]),
+        (&explained["outcome"], &explained["patch"]),
+        "{partial}"
+    );
+    assert!(
+        partial["unread"][0]
+            .as_str()
+            .is_some_and(|u| u.starts_with("pods in every namespace")),
+        "{partial}"
+    );
+    let rbac = [
+        "delete",
+        "clusterrolebinding,clusterrole",
+        "e2e-plugin-nodes",
+    ];
+    let (ok, out) = kubectl(&env, &rbac, None).await;
+    assert!(ok, "{out}");
 
     // A dead node: with the plugin's --node-lost-after below the time it has been down, web-0's
     // state is unplaceable; with the default (5m) it is not yet.
@@ -251,6 +313,38 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     println!("kubectl pps status after the release: {released}");
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
+}
+
+/// The rights of an application team in `ns` (user `e2e-plugin-team`): its namespace's
+/// PersistentPodStates, pods and StatefulSets; group `e2e-plugin-nodes` may list nodes.
+fn team_rbac(ns: &str) -> String {
+    format!(
+        r#"apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: e2e-plugin-team, namespace: {ns}}}
+rules:
+- {{apiGroups: [""], resources: [pods], verbs: [get, list]}}
+- {{apiGroups: [apps], resources: [statefulsets], verbs: [get, list]}}
+- {{apiGroups: [apps.kruise.io], resources: [persistentpodstates], verbs: [get, list]}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: e2e-plugin-team, namespace: {ns}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: e2e-plugin-team}}
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: e2e-plugin-team}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: e2e-plugin-nodes}}
+rules: [{{apiGroups: [""], resources: [nodes], verbs: [list]}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: e2e-plugin-nodes}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: e2e-plugin-nodes}}
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: e2e-plugin-nodes}}]
+"#
+    )
 }
 
 /// `kubectl pps ARGS`, which must succeed: its standard output.
