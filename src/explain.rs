@@ -352,7 +352,7 @@ pub async fn explain(
         Ok(()) => {}
         Err(kube::Error::Api(e)) if e.code == 403 => {
             unread.push(format!(
-                "pods in every namespace ({}): a recorded IP held by a pod of another namespace is not seen",
+                "pods in every namespace ({}): a recorded IP held by a pod of another namespace is not seen, so an IP this answer injects may be one the webhook leaves out",
                 e.message
             ));
             let apply = |p| caches.apply_pod(watcher::Event::InitApply(p));
@@ -364,7 +364,10 @@ pub async fn explain(
     }
     caches.apply_pod(watcher::Event::InitDone);
     let mut out = explain_with(&caches, served, namespace, object, source);
-    out.unread = unread;
+    // Only a recorded IP is judged by which pod holds it.
+    if out.recorded.as_ref().is_some_and(|s| !s.pod_ips.is_empty()) {
+        out.unread = unread;
+    }
     if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);
         let pod = current.name_any();
@@ -457,7 +460,7 @@ async fn volume_release(
         return Ok(Vec::new());
     };
     let namespace = pps.namespace().unwrap_or_default();
-    let judged = release::local_claims(
+    let judged = match release::local_claims(
         client,
         &namespace,
         (&name, &uid),
@@ -467,7 +470,18 @@ async fn volume_release(
         &served.node_keys,
     )
     .await
-    .context("reading the pod's claims")?;
+    {
+        Ok(judged) => judged,
+        // A user who may not read the claims, or the PersistentVolumes (cluster-wide), still
+        // gets the rest of the answer.
+        Err(kube::Error::Api(e)) if e.code == 403 => {
+            return Ok(vec![format!(
+                "whether claims on node {recorded}'s local volumes hold it is not judged: reading its claims or their PersistentVolumes was refused ({})",
+                e.message
+            )]);
+        }
+        Err(e) => return Err(e).context("reading the pod's claims"),
+    };
     let local: Vec<LocalClaim> = judged
         .into_iter()
         .flatten()

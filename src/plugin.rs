@@ -197,12 +197,6 @@ fn count(v: Option<&[String]>) -> String {
     v.map_or_else(|| "?".into(), |v| v.len().to_string())
 }
 
-/// Whether the API server refused the caller the request (403): the rest of an answer can
-/// still be given.
-fn forbidden(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 403)
-}
-
 /// The client of `--kubeconfig`/`--context`/`--as`, and the namespace to use.
 async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
     let options = KubeConfigOptions {
@@ -223,6 +217,11 @@ async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
         config.auth_info.impersonate = Some(user.clone());
     }
     if !cli.as_groups.is_empty() {
+        // The API server refuses groups without a user, with a less telling error.
+        anyhow::ensure!(
+            config.auth_info.impersonate.is_some(),
+            "--as-group needs --as (or `as` in the kubeconfig's user)"
+        );
         config.auth_info.impersonate_groups = Some(cli.as_groups.clone());
     }
     let namespace = cli
@@ -253,8 +252,8 @@ pub async fn status(
     let mut unread = Vec::new();
     let caches = match Caches::with_nodes(client).await {
         Ok(caches) => Some(caches),
-        Err(e) if forbidden(&e) => {
-            unread.push(format!("nodes ({e}): UNPLACEABLE not judged"));
+        Err(kube::Error::Api(e)) if e.code == 403 => {
+            unread.push(format!("nodes ({}): UNPLACEABLE not judged", e.message));
             None
         }
         Err(e) => return Err(e).context("listing nodes"),
@@ -263,8 +262,8 @@ pub async fn status(
     let params = ListParams::default().fields("reason=PodReleased");
     let events_read = match crate::state::list_each(&events, &params, |e| released.push(e)).await {
         Ok(()) => true,
-        Err(e) if forbidden(&e) => {
-            unread.push(format!("Events ({e}): RELEASED not counted"));
+        Err(kube::Error::Api(e)) if e.code == 403 => {
+            unread.push(format!("Events ({}): RELEASED not counted", e.message));
             false
         }
         Err(e) => return Err(e).context("listing Events"),

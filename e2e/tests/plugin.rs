@@ -172,6 +172,7 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     // without the columns it cannot judge; with nodes listable too, explain answers as for the
     // admin and names the pods of other namespaces it did not see.
     let (ok, out) = kubectl(&env, &["apply", "-f", "-"], Some(&team_rbac(&ns))).await;
+    let rbac = ClusterRbac;
     assert!(ok, "{out}");
     let team = ["--as", "e2e-plugin-team"];
     let args = [&["pps", "status", "-n", &ns, "-o", "json"][..], &team].concat();
@@ -220,13 +221,7 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
             .is_some_and(|u| u.starts_with("pods in every namespace")),
         "{partial}"
     );
-    let rbac = [
-        "delete",
-        "clusterrolebinding,clusterrole",
-        "e2e-plugin-nodes",
-    ];
-    let (ok, out) = kubectl(&env, &rbac, None).await;
-    assert!(ok, "{out}");
+    drop(rbac);
 
     // A dead node: with the plugin's --node-lost-after below the time it has been down, web-0's
     // state is unplaceable; with the default (5m) it is not yet.
@@ -345,6 +340,32 @@ roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: e2e-plu
 subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: e2e-plugin-nodes}}]
 "#
     )
+}
+
+/// The cluster-wide objects of [`team_rbac`], deleted when dropped (at the test's end, or as a
+/// failing test unwinds), so no later test finds them.
+struct ClusterRbac;
+
+impl Drop for ClusterRbac {
+    fn drop(&mut self) {
+        put_back(|c| async move {
+            use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+            let params = kube::api::DeleteParams::default();
+            let binding = Api::<ClusterRoleBinding>::all(c.clone())
+                .delete("e2e-plugin-nodes", &params)
+                .await
+                .map(|_| ());
+            let role = Api::<ClusterRole>::all(c)
+                .delete("e2e-plugin-nodes", &params)
+                .await
+                .map(|_| ());
+            for deleted in [binding, role] {
+                if let Err(e) = deleted {
+                    eprintln!("e2e-plugin-nodes left behind: {e}");
+                }
+            }
+        });
+    }
 }
 
 /// `kubectl pps ARGS`, which must succeed: its standard output.
