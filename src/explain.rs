@@ -340,33 +340,26 @@ pub async fn explain(
     // Every pod of the cluster: which one holds which IP. Page by page (each trimmed as it is
     // cached), never one answer of every pod of a large cluster. A caller who may list only
     // the namespace's pods gets the answer for them, and is told what it does not see.
-    let mut unread = Vec::new();
-    let apply = |p| caches.apply_pod(watcher::Event::InitApply(p));
-    match crate::state::list_each(
-        &Api::<Pod>::all(client.clone()),
-        &ListParams::default(),
-        apply,
-    )
-    .await
-    {
-        Ok(()) => {}
+    let mut apply = |p| caches.apply_pod(watcher::Event::InitApply(p));
+    let every = Api::<Pod>::all(client.clone());
+    let unread = match crate::state::list_each(&every, &ListParams::default(), &mut apply).await {
+        Ok(()) => None,
         Err(kube::Error::Api(e)) if e.code == 403 => {
-            unread.push(format!(
-                "pods in every namespace ({}): a recorded IP held by a pod of another namespace is not seen, so an IP this answer injects may be one the webhook leaves out",
-                e.message
-            ));
-            let apply = |p| caches.apply_pod(watcher::Event::InitApply(p));
-            crate::state::list_each(&pods, &ListParams::default(), apply)
+            crate::state::list_each(&pods, &ListParams::default(), &mut apply)
                 .await
                 .context("listing the namespace's pods")?;
+            Some(format!(
+                "pods in every namespace ({}): a recorded IP held by a pod of another namespace is not seen, so an IP this answer injects may be one the webhook leaves out",
+                e.message
+            ))
         }
         Err(e) => return Err(e).context("listing pods"),
-    }
+    };
     caches.apply_pod(watcher::Event::InitDone);
     let mut out = explain_with(&caches, served, namespace, object, source);
     // Only a recorded IP is judged by which pod holds it.
     if out.recorded.as_ref().is_some_and(|s| !s.pod_ips.is_empty()) {
-        out.unread = unread;
+        out.unread.extend(unread);
     }
     if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);

@@ -203,7 +203,7 @@ async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
         context: cli.context.clone(),
         ..KubeConfigOptions::default()
     };
-    let config = match &cli.kubeconfig {
+    let mut config = match &cli.kubeconfig {
         Some(path) => {
             let file = Kubeconfig::read_from(path)
                 .with_context(|| format!("reading {}", path.display()))?;
@@ -212,7 +212,6 @@ async fn client(cli: &PluginCli) -> anyhow::Result<(Client, String)> {
         None => kube::Config::from_kubeconfig(&options).await,
     }
     .context("no usable kubeconfig (KUBECONFIG, --kubeconfig, --context)")?;
-    let mut config = config;
     if let Some(user) = &cli.as_user {
         config.auth_info.impersonate = Some(user.clone());
     }
