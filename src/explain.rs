@@ -18,7 +18,7 @@ use crate::api::{
     INJECTED_REQUIRED_ANNOTATION, MODE_ANNOTATION, PersistentPodState, PodState,
     RELEASE_LOCAL_VOLUMES_ANNOTATION, decode_required, encode_required, json_error_summary,
 };
-use crate::placement::{self, HOSTNAME_LABEL, Health, Nodes, PodDemands};
+use crate::placement::{self, DropReason, HOSTNAME_LABEL, Health, Nodes, PodDemands};
 use crate::release::{self, LocalClaim, NodeKeys};
 use crate::state::Caches;
 use crate::webhook::admit::{CacheLookup, Kinds, LeftOut, Verdict, decide};
@@ -95,13 +95,15 @@ pub struct AsServed {
 fn as_released(
     served: &AsServed,
     (said, releases): (String, bool),
-    pod: &str,
-    namespace: &str,
+    (pod, namespace): (&str, &str),
+    held: Option<&str>,
 ) -> String {
-    if releases {
-        unless_releases_off(served, said, pod, namespace)
-    } else {
-        said
+    match held {
+        Some(why) if releases => format!(
+            "{said}; but the controller releases nothing for it: {why}; or run `persistent-pod-state release {pod} -n {namespace}`"
+        ),
+        _ if releases => unless_releases_off(served, said, pod, namespace),
+        _ => said,
     }
 }
 
@@ -364,8 +366,14 @@ pub async fn explain(
     if let Some(current) = current.filter(release::waits_unscheduled) {
         let health = Health::now(served.node_lost_after);
         let pod = current.name_any();
+        // As the controller: nothing pinned is released on the word of a workload whose
+        // template carries the webhook's annotations.
+        let held = workload
+            .as_ref()
+            .filter(|w| WorkloadInfo::from_object(w).template_pinned)
+            .map(|_| crate::workload::TEMPLATE_PINNED_HOLDS);
         out.release = pinned_release(&current, caches.as_ref(), &health)
-            .map(|judged| as_released(served, judged, &pod, namespace))
+            .map(|judged| as_released(served, judged, (&pod, namespace), held))
             .into_iter()
             .collect();
         let pps = out
@@ -511,6 +519,17 @@ async fn volume_release(
     {
         return Ok(vec![format!(
             "held by claims {claims} on node {recorded}, which is there again (another uid) and works: not released while it is so"
+        )]);
+    }
+    // Lost (or to be) while cordoned: held for maintenance, as the controller judges.
+    if !matches!(gone, Some(DropReason::NodeGone))
+        && node
+            .as_deref()
+            .is_some_and(|n| placement::in_maintenance(n) && health.lost_at(n).is_some())
+    {
+        return Ok(vec![format!(
+            "held by claims {claims} on node {recorded}, which is cordoned and down: kept while it is cordoned (maintenance; its disks come back with it); uncordon it, or delete it or taint it {} once it is gone for good, or run `persistent-pod-state release {name} -n {namespace}`",
+            placement::OUT_OF_SERVICE_TAINT
         )]);
     }
     let when = match (gone, node.as_deref().and_then(|n| health.lost_at(n))) {
@@ -682,17 +701,26 @@ mod tests {
             let judged = pinned_release(&pod, caches.as_ref(), &health).expect("pinned");
             let said = judged.0.clone();
             assert_eq!(judged.1, releases, "{said}");
-            let as_run = as_released(&off, judged.clone(), "web-0", "ns");
+            let at = ("web-0", "ns");
+            let as_run = as_released(&off, judged.clone(), at, None);
+            // A workload whose template carries the webhook's annotations: never.
+            let held = as_released(&on, judged.clone(), at, Some("held so"));
             if releases {
                 assert!(
                     as_run.contains("--max-releases-per-minute 0")
                         && as_run.contains("persistent-pod-state release web-0 -n ns"),
                     "{as_run}"
                 );
+                assert!(
+                    held.contains("the controller releases nothing for it: held so")
+                        && held.contains("persistent-pod-state release web-0 -n ns"),
+                    "{held}"
+                );
             } else {
                 assert_eq!(as_run, said, "not released either way: nothing to add");
+                assert_eq!(held, said, "not released either way: nothing to add");
             }
-            assert_eq!(as_released(&on, judged, "web-0", "ns"), said);
+            assert_eq!(as_released(&on, judged, at, None), said);
         }
         let unpinned: Pod =
             serde_json::from_value(json!({"metadata": {"name": "x"}})).expect("pod");

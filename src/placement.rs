@@ -144,6 +144,20 @@ pub fn unhealthy_since(node: &Node) -> Option<Timestamp> {
     since
 }
 
+/// Whether `node` is cordoned (`spec.unschedulable`).
+pub fn cordoned(node: &Node) -> bool {
+    node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
+}
+
+/// Whether `node`, lost, is held for maintenance: cordoned and not tainted out-of-service. A
+/// node cordoned and then shut down (a drain, a reboot, a disk replaced) may be down for longer
+/// than the grace and come back with its disks: its node-local volumes are not released
+/// while it is so (an operator says it is gone for good by deleting it or tainting it
+/// out-of-service).
+pub fn in_maintenance(node: &Node) -> bool {
+    cordoned(node) && !taints(node).iter().any(|t| t.key == OUT_OF_SERVICE_TAINT)
+}
+
 fn taints(node: &Node) -> &[Taint] {
     node.spec
         .as_ref()
@@ -425,8 +439,10 @@ pub const JUDGING_WORK: usize = 4_000_000;
 
 /// Decides which of the `recorded` required values to inject: all of them when a usable node
 /// meeting `demands` has them all (the usual case, answered from the label index); otherwise
-/// the largest subset some such node has (ties: the subset more nodes have, then key order),
-/// so a lost hostname degrades to its zone. What is left out is reported with its reason.
+/// the largest subset some such node has (ties: the subset holding the recorded hostname, the
+/// pod's own node, working, where its data and IP are; then the subset more nodes have; then
+/// key order), so a lost hostname degrades to its zone, and a node relabeled into another zone
+/// keeps its pods. What is left out is reported with its reason.
 /// Judging stops past [`JUDGING_WORK`] (a pod with huge constraints of its own, on a large
 /// cluster): then every value not found usable by then is left out, injecting less, with the
 /// reason known by then.
@@ -479,6 +495,8 @@ pub fn required<'a>(
     }
     // Degrade: the largest subset of the recorded values some usable node still has.
     let pairs: Vec<(&str, &str)> = recorded.iter().map(|(k, v)| (*k, *v)).collect();
+    let host = pairs.iter().position(|(k, _)| *k == HOSTNAME_LABEL);
+    let on_host = |m: &[bool]| host.is_some_and(|i| m.get(i).copied().unwrap_or(false));
     let mut subsets: HashMap<Vec<bool>, usize> = HashMap::new();
     for node in all.iter().filter(|n| usable(n)) {
         let labels = node.labels();
@@ -494,6 +512,7 @@ pub fn required<'a>(
             let count = |m: &[bool]| m.iter().filter(|x| **x).count();
             count(a)
                 .cmp(&count(b))
+                .then_with(|| on_host(a).cmp(&on_host(b)))
                 .then(na.cmp(nb))
                 // Earlier keys first: a mask holding an earlier key ranks higher.
                 .then_with(|| a.cmp(b))
@@ -982,6 +1001,36 @@ mod tests {
 
         let nothing = choose(&[], &free);
         assert_eq!(nothing, Required::default());
+    }
+
+    /// The recorded node works but was relabeled into another zone, where fewer nodes are
+    /// than in the recorded zone: the pod goes back to its node (its data, its IP), not to the
+    /// old zone's other nodes. With the node lost, the zone is kept.
+    #[test]
+    fn a_working_node_relabeled_into_another_zone_keeps_its_pods() {
+        let fleet = |host_lost: bool| {
+            let health = if host_lost {
+                ready("Unknown", Some("2026-11-22T11:00:00Z"))
+            } else {
+                json!({})
+            };
+            Fleet(vec![
+                Arc::new(node("n1", "z2", health)),
+                Arc::new(node("n2", "z1", json!({}))),
+                Arc::new(node("n3", "z1", json!({}))),
+            ])
+        };
+        let values = recorded(&[(HOST, "n1"), (ZONE, "z1")]);
+        let free = pod(json!({"containers": []}));
+        let h = health();
+        let works = required_owned(&values, &PodDemands::of(&free), &fleet(false), &h);
+        assert_eq!(works.kept, recorded(&[(HOST, "n1")]), "back to its node");
+        assert_eq!(
+            works.dropped.map(|d| d.values),
+            Some(recorded(&[(ZONE, "z1")]))
+        );
+        let lost = required_owned(&values, &PodDemands::of(&free), &fleet(true), &h);
+        assert_eq!(lost.kept, recorded(&[(ZONE, "z1")]), "its zone");
     }
 
     #[test]

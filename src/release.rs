@@ -28,7 +28,9 @@ use serde::Serialize;
 #[cfg(doc)]
 use crate::api::RELEASE_LOCAL_VOLUMES_ANNOTATION;
 use crate::api::{PersistentPodState, PersistentPodStateStatus, PodState};
-use crate::placement::{DropReason, HOSTNAME_LABEL, Health, Nodes, selector_matches};
+use crate::placement::{
+    DropReason, HOSTNAME_LABEL, Health, Nodes, in_maintenance, selector_matches,
+};
 use crate::state::trim::CachedPod;
 
 /// A pod that waits unscheduled while the node its state records is gone.
@@ -108,7 +110,8 @@ pub fn waits_unscheduled(pod: &Pod) -> bool {
 
 /// Whether `waiting` still waits, read live from the API server right before what cannot be
 /// undone (its `claims` deleted): the same pod (uid), unscheduled, not being deleted, and its
-/// recorded node still gone as [`node_gone`] judges, no other node of that name than the
+/// recorded node still gone as [`node_gone`] judges (lost but cordoned: held for maintenance,
+/// [`in_maintenance`]), no other node of that name than the
 /// caches held when it was judged (`judged_on`, its uid; none: no node of that name), and that
 /// node, if it is where one of the claims' volumes can be mounted, not working. The caches may
 /// lag: a node back since and the pod bound to it would leave a running pod on a claim being
@@ -140,9 +143,12 @@ pub async fn still_waiting(
                 .iter()
                 .any(|c| c.node_known && n.metadata.name.as_deref() == Some(c.node.as_str()))
     });
-    Ok(uid.as_deref() == judged_on
-        && !works_under_a_claim
-        && node_gone(node.as_ref(), waiting.node_uid.as_deref(), health).is_some())
+    // Lost while cordoned (maintenance): its disks come back with it.
+    let gone = match node_gone(node.as_ref(), waiting.node_uid.as_deref(), health) {
+        Some(DropReason::NodeLost) => !node.as_ref().is_some_and(in_maintenance),
+        gone => gone.is_some(),
+    };
+    Ok(uid.as_deref() == judged_on && !works_under_a_claim && gone)
 }
 
 /// Node labels whose value names one node: the kubelet's hostname label, and the topology
@@ -635,25 +641,30 @@ pub async fn forget_node(
     }
 }
 
+/// Whether a state naming a node by `(name, hostname)` names the node meant.
+type NamesNode<'a> = dyn Fn(&str, Option<&str>) -> bool + 'a;
+
 /// For `release`: makes pod `pod`'s state name no node ([`forget_node`]) in the
 /// PersistentPodState in force for its workload `(apiVersion, kind, name)` (the oldest of those
-/// targeting it, as the webhook and the controller choose), when that state names the node of
-/// one of the claims released: what was done, or why it was not, for the report.
+/// targeting it, as the webhook and the controller choose), when that state names `node` (by
+/// name or hostname), the node a released claim's volume was on, or the node the webhook
+/// pinned the pod to. `None` when no such state names it; else what was done, or a warning
+/// saying why it was not and what that risks (`risk`: what a pod created again meets).
 async fn forget_released_node(
     client: &Client,
     namespace: &str,
     (api_version, kind, name): (&str, &str, &str),
-    pod: &str,
-    claims: &[LocalClaim],
+    (pod, node): (&str, &NamesNode<'_>),
     keys: &NodeKeys,
-) -> Option<String> {
+    risk: &str,
+) -> Option<Result<String, String>> {
     let api: Api<PersistentPodState> = Api::namespaced(client.clone(), namespace);
     let list = match api.list(&ListParams::default()).await {
         Ok(list) => list,
         Err(e) => {
-            return Some(format!(
-                "warning: the PersistentPodStates could not be listed ({e}): if one records {pod} on the claims' node, a pod created again once that node is back is pinned there, away from its new claim; edit its state"
-            ));
+            return Some(Err(format!(
+                "the PersistentPodStates could not be listed ({e}): if one records {pod} on that node, {risk}; edit its state"
+            )));
         }
     };
     let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
@@ -677,10 +688,7 @@ async fn forget_released_node(
     let state = pps.status.as_ref()?.pod_states.get(pod)?;
     let recorded = state.node_name.as_deref();
     let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
-    if !claims
-        .iter()
-        .any(|c| names_node(recorded.unwrap_or_default(), hostname, &c.node))
-    {
+    if !node(recorded.unwrap_or_default(), hostname) {
         return None;
     }
     // As the state names it: by name, else by its hostname label alone.
@@ -698,15 +706,15 @@ async fn forget_released_node(
         done => done,
     };
     Some(match done {
-        Ok(Forgot::Done(_) | Forgot::Nothing) => format!(
+        Ok(Forgot::Done(_) | Forgot::Nothing) => Ok(format!(
             "the state of {pod} in PersistentPodState {pps_name} names node {recorded} no more"
-        ),
-        Ok(Forgot::Stale) => format!(
-            "warning: the state of {pod} in PersistentPodState {pps_name} kept changing and may still name node {recorded}: a pod created again once that node is back is pinned there, away from its new claim; edit the state"
-        ),
-        Err(e) => format!(
-            "warning: the state of {pod} in PersistentPodState {pps_name} could not be made to name no node ({e}): a pod created again once node {recorded} is back is pinned there, away from its new claim; edit the state"
-        ),
+        )),
+        Ok(Forgot::Stale) => Err(format!(
+            "the state of {pod} in PersistentPodState {pps_name} kept changing and may still name node {recorded}: {risk}; edit the state"
+        )),
+        Err(e) => Err(format!(
+            "the state of {pod} in PersistentPodState {pps_name} could not be made to name no node ({e}): {risk}; edit the state"
+        )),
     })
 }
 
@@ -891,17 +899,29 @@ pub async fn release_pod(
             describe(&report.claims)
         ));
     }
-    if let Some(values) = pod
+    let pinned = pod
         .annotations()
         .get(crate::api::INJECTED_REQUIRED_ANNOTATION)
         .and_then(|v| crate::api::decode_required(v))
-        .filter(|v| !v.is_empty())
-    {
+        .filter(|v| !v.is_empty());
+    if let Some(values) = &pinned {
         report.because.push(format!(
             "the webhook pinned it to {}",
-            crate::api::encode_required(&values)
+            crate::api::encode_required(values)
         ));
     }
+    // Held by the webhook's pin to one node, not by claims: its state still names that node
+    // (usable as the webhook judges it: within its grace, full, cordoned), so the pod created
+    // again would be pinned there again. Its state is made to name that node no more first.
+    let pinned_node = pinned
+        .as_ref()
+        .filter(|_| report.claims.is_empty())
+        .and_then(|values| {
+            values
+                .iter()
+                .find(|(k, _)| keys.names_a_node(k))
+                .map(|(_, v)| v.clone())
+        });
     if report.because.is_empty() {
         let kept: Vec<String> = report
             .kept
@@ -919,7 +939,22 @@ pub async fn release_pod(
     }
     report.pod_deleted = true;
     if dry_run {
+        report.state = pinned_node.map(|node| {
+            format!(
+                "would make the state of {name} name node {node} no more first, if it does, so that the pod created again is not pinned there"
+            )
+        });
         return Ok(report);
+    }
+    if let (Some(node), Some(o)) = (&pinned_node, owner) {
+        let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
+        let names = |recorded: &str, hostname: Option<&str>| names_node(recorded, hostname, node);
+        let risk = "the pod created again would be pinned there again";
+        match forget_released_node(client, namespace, owner, (name, &names), keys, risk).await {
+            None => {}
+            Some(Ok(said)) => report.state = Some(said),
+            Some(Err(why)) => anyhow::bail!("pod {namespace}/{name} is not deleted: {why}"),
+        }
     }
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
     for c in report.claims.iter().filter(|c| !c.deleting) {
@@ -974,8 +1009,17 @@ pub async fn release_pod(
     // Its data there gone, its state names that node no more, as the controller's release does.
     if let Some(o) = owner.filter(|_| !report.claims.is_empty()) {
         let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
-        report.state =
-            forget_released_node(client, namespace, owner, name, &report.claims, keys).await;
+        let claims = &report.claims;
+        let names = |recorded: &str, hostname: Option<&str>| {
+            claims
+                .iter()
+                .any(|c| names_node(recorded, hostname, &c.node))
+        };
+        let risk =
+            "a pod created again once that node is back is pinned there, away from its new claim";
+        report.state = forget_released_node(client, namespace, owner, (name, &names), keys, risk)
+            .await
+            .map(|said| said.unwrap_or_else(|warning| format!("warning: {warning}")));
     }
     Ok(report)
 }
@@ -1452,17 +1496,19 @@ mod tests {
                 sent
             });
             let client = Client::new(service, "ns");
-            let claims = [LocalClaim::fixture("n1")];
+            let names =
+                |recorded: &str, hostname: Option<&str>| names_node(recorded, hostname, "n1");
             let note = forget_released_node(
                 &client,
                 "ns",
                 ("apps/v1", "StatefulSet", "web"),
-                "web-0",
-                &claims,
+                ("web-0", &names),
                 &NodeKeys::default(),
+                "a risk",
             )
             .await
-            .expect("a word on the state");
+            .expect("a word on the state")
+            .expect("done");
             assert!(
                 note.contains("PersistentPodState new") && note.contains(said),
                 "{note}"

@@ -79,6 +79,12 @@ pub struct Limits {
     /// closed at once, within twice this: what its answers hold of the endpoints' shares is
     /// given back then, not at the idle bound or its maximum age.
     pub send_timeout: Duration,
+    /// Bytes a second: an HTTP/1 answer larger than one piece ([`ANSWER_PIECE`]: a conversion,
+    /// never a review's) is handed over whole within `send_timeout` plus its size at this rate,
+    /// or its connection is closed at once. A client that reads steadily but slowly (a byte
+    /// now and then, each within the send timeout) holds what its answer keeps of the
+    /// endpoint's share for that long at most, not until the connection's maximum age.
+    pub min_send_rate: u64,
 }
 
 impl Limits {
@@ -93,6 +99,7 @@ impl Limits {
         max_streams: 16,
         max_age: Duration::from_secs(600),
         send_timeout: Duration::from_secs(10),
+        min_send_rate: MIN_SEND_RATE,
     };
 
     /// The probe port's limits: a kubelet and a Prometheus need a few short connections, so
@@ -105,8 +112,14 @@ impl Limits {
         max_streams: 8,
         max_age: Duration::from_secs(600),
         send_timeout: Duration::from_secs(5),
+        min_send_rate: MIN_SEND_RATE,
     };
 }
+
+/// The slowest an answer is read ([`Limits::min_send_rate`]): 256 KiB a second, a fraction of
+/// what the slowest network between an API server and its webhooks carries (a 64 MiB
+/// conversion within 4 minutes and 26 seconds).
+pub const MIN_SEND_RATE: u64 = 256 << 10;
 
 /// hyper's read buffer for an HTTP/1 connection (`max_buf_size`): a request's head not complete
 /// once this much is read is answered 431 and its connection closed, so a connection holds at
@@ -910,8 +923,12 @@ struct ActivityState {
     /// Since when (µs since `base`, plus one; zero: not) a write to the socket has waited, no
     /// byte of it taken.
     blocked_micros: AtomicU64,
-    /// Wakes the bound timer as a write starts to wait (rare: the socket's buffer full).
+    /// Wakes the bound timer as a write starts to wait (rare: the socket's buffer full), and
+    /// as a large answer is handed over.
     blocked: tokio::sync::Notify,
+    /// When (µs since `base`; zero: none) the large HTTP/1 answer being handed over is due
+    /// whole ([`Limits::min_send_rate`]).
+    answer_due_micros: AtomicU64,
 }
 
 /// A request is being handled: no headers are due.
@@ -941,6 +958,7 @@ impl Activity {
             answers: AtomicU64::new(0),
             blocked_micros: AtomicU64::new(0),
             blocked: tokio::sync::Notify::new(),
+            answer_due_micros: AtomicU64::new(0),
         }))
     }
 
@@ -1008,6 +1026,28 @@ impl Activity {
         if let Some(at) = unsent.iter().position(|(n, _)| *n == answer) {
             unsent.swap_remove(at);
         }
+    }
+
+    /// A large HTTP/1 answer of `len` bytes is handed over: due whole within `send_timeout` plus
+    /// `len` at `min_send_rate` from now (none at a rate of zero).
+    fn answer_due(&self, len: u64, (send_timeout, min_send_rate): (Duration, u64)) {
+        if min_send_rate == 0 {
+            return;
+        }
+        let micros = u64::try_from(send_timeout.as_micros()).unwrap_or(u64::MAX);
+        let at_rate = len.saturating_mul(1_000_000) / min_send_rate;
+        let due = self
+            .now_micros()
+            .saturating_add(micros)
+            .saturating_add(at_rate)
+            .max(1);
+        self.0.answer_due_micros.store(due, Ordering::Relaxed);
+        self.0.blocked.notify_one();
+    }
+
+    /// The large HTTP/1 answer was handed over whole, or dropped.
+    fn answer_handed_over(&self) {
+        self.0.answer_due_micros.store(0, Ordering::Relaxed);
     }
 
     /// When the answer longest without progress last made some, if any is unsent.
@@ -1144,6 +1184,11 @@ impl Activity {
                     due = (Bound::Stalled, stalled);
                 }
             }
+            if let late @ 1.. = self.0.answer_due_micros.load(Ordering::Relaxed)
+                && late < due.1
+            {
+                due = (Bound::ReadTooSlowly, late);
+            }
             let now = self.now_micros();
             if now >= due.1 {
                 return due.0;
@@ -1176,6 +1221,9 @@ enum Bound {
     /// The socket took no byte of what it had to send, or an HTTP/2 answer not sent whole had
     /// none of its pieces taken, for the send timeout.
     Stalled,
+    /// A large HTTP/1 answer was not handed over whole by its due time
+    /// ([`Limits::min_send_rate`]).
+    ReadTooSlowly,
 }
 
 /// The app of one connection: each request marks the connection's header deadline as met when
@@ -1185,6 +1233,8 @@ enum Bound {
 struct Marked<S> {
     inner: S,
     activity: Activity,
+    /// [`Limits::send_timeout`] and [`Limits::min_send_rate`]: when a large answer is due.
+    send: (Duration, u64),
 }
 
 impl<S, B> tower_service::Service<axum::http::Request<B>> for Marked<S>
@@ -1207,6 +1257,7 @@ where
             answer: self.inner.call(request),
             activity: (!http2).then(|| self.activity.clone()),
             unsent: http2.then(|| self.activity.clone()),
+            send: self.send,
         }
     }
 }
@@ -1221,6 +1272,7 @@ pin_project_lite::pin_project! {
         activity: Option<Activity>,
         // An HTTP/2 request's connection: its answer is counted unsent until sent whole.
         unsent: Option<Activity>,
+        send: (Duration, u64),
     }
 }
 
@@ -1247,6 +1299,18 @@ where
         if polled.is_ready()
             && let Some(activity) = this.activity.take()
         {
+            // Larger than one piece (never a review's): due whole by a deadline.
+            if let Poll::Ready(Ok(response)) = &mut polled
+                && let len = http_body::Body::size_hint(response.body()).lower()
+                && len > ANSWER_PIECE as u64
+            {
+                activity.answer_due(len, *this.send);
+                let body = std::mem::take(response.body_mut());
+                *response.body_mut() = Body::new(Due {
+                    inner: body,
+                    activity: activity.clone(),
+                });
+            }
             activity.awaits_request();
             if activity.closes_with_next_answer()
                 && let Poll::Ready(Ok(response)) = &mut polled
@@ -1289,6 +1353,39 @@ impl http_body::Body for Unsent {
             self.activity.answer_progressed(self.answer);
         }
         polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A large HTTP/1 answer's body, due whole on its connection until the connection drops it
+/// (handed over whole, or the connection gone): see [`Limits::min_send_rate`].
+struct Due {
+    inner: Body,
+    activity: Activity,
+}
+
+impl Drop for Due {
+    fn drop(&mut self) {
+        self.activity.answer_handed_over();
+    }
+}
+
+impl http_body::Body for Due {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -2074,6 +2171,7 @@ async fn run_http<IO>(
     let app = Marked {
         inner: app,
         activity: activity.clone(),
+        send: (limits.send_timeout, limits.min_send_rate),
     };
     let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
     tokio::pin!(conn);
@@ -2123,6 +2221,12 @@ async fn run_http<IO>(
                 // the very answers it does not read), which gives back what they hold.
                 Bound::Stalled => {
                     tracing::info!(%peer, "closing a connection whose client reads none of its answers");
+                    return;
+                }
+                // Its client reads, but too slowly to take its answer by its due time: closed
+                // at once too, which gives back what the answer holds.
+                Bound::ReadTooSlowly => {
+                    tracing::info!(%peer, "closing a connection whose client reads its answer too slowly");
                     return;
                 }
                 // No request is in flight on an HTTP/2 connection waiting for its first one
@@ -2816,6 +2920,7 @@ mod tests {
             answers: AtomicU64::new(0),
             blocked_micros: AtomicU64::new(0),
             blocked: tokio::sync::Notify::new(),
+            answer_due_micros: AtomicU64::new(0),
         }));
         let mut watched = Tapped {
             instead: None,
@@ -2991,6 +3096,102 @@ mod tests {
             "{} bytes",
             got.len()
         );
+    }
+
+    /// An HTTP/1 client that reads its large answer steadily but too slowly (each read well
+    /// within the send timeout) is closed once the answer is not handed over by its due time,
+    /// the send timeout plus its size at the minimum rate, not held to the idle bound or the
+    /// maximum age; one that reads faster gets it whole, on a connection kept alive.
+    #[tokio::test]
+    async fn an_http1_client_that_reads_its_answer_too_slowly_is_closed_at_its_due_time() {
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_millis(200),
+            // A mebibyte due within 1.2 s.
+            min_send_rate: 1 << 20,
+            ..Limits::WEBHOOK
+        };
+        // Handed over in pieces, as the endpoints' limits hand over an answer ([`Held`]).
+        struct Pieces(Bytes);
+        impl http_body::Body for Pieces {
+            type Data = Bytes;
+            type Error = axum::Error;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+                let n = self.0.len().min(ANSWER_PIECE);
+                Poll::Ready((n > 0).then(|| Ok(http_body::Frame::data(self.0.split_to(n)))))
+            }
+            fn size_hint(&self) -> http_body::SizeHint {
+                http_body::SizeHint::with_exact(self.0.len() as u64)
+            }
+        }
+        let app = Router::new().route(
+            "/big",
+            axum::routing::get(|| async { Body::new(Pieces(Bytes::from(vec![b'x'; 1 << 20]))) }),
+        );
+        // 4 KiB every 20 ms (200 KiB a second: 5 s for the answer), then as fast as it comes.
+        for slow in [true, false] {
+            let activity = Activity::new();
+            let (server, mut client) = tokio::io::duplex(4096);
+            let io = Tapped {
+                instead: None,
+                inner: server,
+                tap: activity.clone(),
+            };
+            let stops = Stops {
+                draining: CancellationToken::new(),
+                shutdown: CancellationToken::new(),
+                evicted: CancellationToken::new(),
+            };
+            client
+                .write_all(b"GET /big HTTP/1.1\r\nhost: pps\r\n\r\n")
+                .await
+                .expect("request");
+            let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
+            let start = Instant::now();
+            let serving = run_http(io, peer, app.clone(), limits, activity, stops, None);
+            tokio::pin!(serving);
+            let mut got = 0usize;
+            let reading = async {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    if slow {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    match client.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got += n,
+                    }
+                    if got > 1 << 20 {
+                        // The head and the whole answer.
+                        return;
+                    }
+                }
+            };
+            let closed = tokio::time::timeout(Duration::from_secs(10), async {
+                tokio::select! {
+                    () = &mut serving => true,
+                    () = reading => false,
+                }
+            })
+            .await
+            .expect("within 10 s");
+            let took = start.elapsed();
+            if slow {
+                assert!(closed, "closed before the answer was read");
+                assert!(
+                    took >= Duration::from_millis(1200) && took < Duration::from_secs(4),
+                    "closed at its due time: {took:?}"
+                );
+                assert!(got < 1 << 20, "{got} bytes");
+            } else {
+                assert!(!closed && got > 1 << 20, "read whole: {got} bytes");
+                let open = tokio::time::timeout(Duration::from_millis(300), &mut serving).await;
+                assert!(open.is_err(), "kept alive");
+            }
+        }
     }
 
     /// hyper's own answer to a head it could not parse, as it writes it.

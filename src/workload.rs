@@ -234,6 +234,10 @@ pub struct WorkloadInfo {
     pub template_pinned: bool,
 }
 
+/// Why nothing pinned is released on the word of a workload whose pod template carries the
+/// webhook's annotations ([`WorkloadInfo::template_pinned`]).
+pub const TEMPLATE_PINNED_HOLDS: &str = "the workload's pod template carries the webhook's annotations (copied from a pinned pod): remove kruise.io/injected-persistent-pod-state and persistent-pod-state.io/injected-required from the template";
+
 impl WorkloadInfo {
     /// Reads the facts from a workload object of any StatefulSet-like kind.
     pub fn from_object(obj: &DynamicObject) -> Self {

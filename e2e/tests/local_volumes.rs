@@ -234,6 +234,92 @@ async fn a_lost_nodes_local_claims_are_released_with_the_annotation_and_kept_wit
     }
 }
 
+/// A node cordoned and then down past `--node-lost-after` (a drain, then a reboot or a disk
+/// replaced) is maintenance: its disks come back with it. The pod waiting for it keeps its
+/// node-local claim, even with `release-local-volumes`, and a `LocalVolumeKept` Warning and
+/// `explain` say why and how to let go. Uncordoned while still down, the claim and the pod are
+/// released and the pod runs elsewhere on a new claim.
+#[tokio::test]
+async fn a_cordoned_nodes_local_claims_are_kept_until_it_is_uncordoned() {
+    let env = env().await;
+    let c = &env.client;
+    let ns = namespace(c, "e2e-local-cordoned").await;
+    let (down, spare) = (NODES[3], NODES[0]);
+    local_storage_class(c, CLASS).await;
+    let volume = format!("{CLASS}-serviced-{down}");
+    local_volume(c, CLASS, &volume, down).await;
+    let sts = on_local_disk("serviced", &[(RELEASE_LOCAL_VOLUMES_ANNOTATION, "true")]);
+    let (placed, _) = start_recorded(c, &ns, &sts).await;
+    assert_eq!(placed["serviced-0"].node, down);
+    let (claim, bound_to) = bound(c, &ns, "data-serviced-0").await;
+    assert_eq!(bound_to, volume);
+    let spare_volume = format!("{CLASS}-serviced-{spare}");
+    local_volume(c, CLASS, &spare_volume, spare).await;
+
+    // Cordoned and drained (the pod deleted), then down.
+    let cordoned = cordon(c, down).await;
+    let first = force_delete_pod(c, &ns, "serviced-0").await;
+    let waiting = created_again(c, &ns, "serviced-0", &first).await;
+    let kubelet = kubelet_dies(c, down).await;
+    let down_at = std::time::Instant::now();
+    wait_event_noting(
+        c,
+        &ns,
+        "serviced",
+        "LocalVolumeKept",
+        &[
+            "serviced-0",
+            "data-serviced-0",
+            &volume,
+            &format!("node {down} is cordoned"),
+            "out-of-service",
+        ],
+    )
+    .await;
+    assert!(
+        down_at.elapsed() >= lost_after(&env),
+        "said once the node counts as lost"
+    );
+    let pods: Api<Pod> = Api::namespaced(c.clone(), &ns);
+    let still = pods.get("serviced-0").await.expect("serviced-0");
+    assert_eq!(still.uid(), waiting.uid(), "the waiting pod is not deleted");
+    assert!(placement(&still).is_none(), "it waits unscheduled");
+    assert_eq!(
+        bound(c, &ns, "data-serviced-0").await,
+        (claim.clone(), volume.clone()),
+        "the claim is not deleted"
+    );
+    let outlook = explained(&env, &ns, "serviced-0").await;
+    assert!(
+        outlook.contains(&format!(
+            "held by claims data-serviced-0 (PersistentVolume {volume}) on node {down}, which is cordoned and down"
+        )),
+        "{outlook}"
+    );
+
+    // Uncordoned while still down: released, and the pod runs elsewhere on a new claim.
+    cordoned.lift().await;
+    let running = wait_replaced(c, &ns, "serviced-0", &waiting.uid().unwrap_or_default()).await;
+    assert_eq!(placement(&running).map(|p| p.node).as_deref(), Some(spare));
+    let (new_claim, new_volume) = bound(c, &ns, "data-serviced-0").await;
+    assert_ne!(new_claim, claim, "a new claim");
+    assert_eq!(new_volume, spare_volume);
+    wait_event_noting(
+        c,
+        &ns,
+        "serviced",
+        "LocalVolumeReleased",
+        &["data-serviced-0", &volume, down],
+    )
+    .await;
+
+    kubelet_returns(c, down, kubelet).await;
+    delete_namespace(c, &ns).await;
+    for v in [&volume, &spare_volume] {
+        delete_volume(c, v).await;
+    }
+}
+
 /// `explain` of `pod`, as text.
 async fn explained(env: &Env, ns: &str, pod: &str) -> String {
     pps_command(env, &["explain", pod, "-n", ns]).await

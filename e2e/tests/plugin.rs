@@ -280,21 +280,18 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     })
     .await;
     let said = pps(&env, &path, &["release", "web-0", "-n", &ns, "--dry-run"]).await;
-    assert!(said.contains("web-0"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "would make the state of web-0 name node {node} no more first"
+        )),
+        "{said}"
+    );
     assert_eq!(
         pods.get("web-0").await.expect("pod").uid(),
         Some(waiting.clone())
     );
-    let said = pps(&env, &path, &["release", "web-0", "-n", &ns, "-o", "json"]).await;
-    let _: Value = serde_json::from_str(&said).expect("json");
-    wait_for("web-0 released (deleted)", TIMEOUT, || async {
-        let p = pods.get_opt("web-0").await.ok()?;
-        p.is_none_or(|p| p.uid() != Some(waiting.clone()))
-            .then_some(())
-    })
-    .await;
-    // Once the node counts as lost for the replicas (45 s), the controller releases the pod
-    // pinned again: status counts it from the PodReleased Event.
+    // Once the node counts as lost for the replicas (45 s), the controller releases the pod:
+    // status counts it from the PodReleased Event. Created again, it runs elsewhere.
     let released = wait_for(
         "the controller's release in kubectl pps status",
         TIMEOUT + Duration::from_secs(60),
@@ -306,6 +303,49 @@ async fn kubectl_pps_status_explain_release_with_kubectls_flags() {
     )
     .await;
     println!("kubectl pps status after the release: {released}");
+    let moved = wait_replaced(c, &ns, "web-0", &waiting).await;
+    let elsewhere = placement(&moved).map(|p| p.node).unwrap_or_default();
+    assert_ne!(elsewhere, node);
+    let states = pps_api(c, &ns);
+    wait_for(
+        &format!("web-0 recorded on {elsewhere}"),
+        TIMEOUT,
+        || async {
+            let pps = states.get_opt("web").await.ok()??;
+            let state = pps.status?.pod_states.remove("web-0")?;
+            (state.node_name.as_deref() == Some(elsewhere.as_str())).then_some(())
+        },
+    )
+    .await;
+
+    // Pinned to a node that is there and works but is cordoned: on the operator's word,
+    // release makes its state name that node no more first, so the pod created again is not
+    // pinned back there and runs elsewhere.
+    let cordoned = cordon(c, &elsewhere).await;
+    let old = force_delete_pod(c, &ns, "web-0").await;
+    let held = created_again(c, &ns, "web-0", &old).await;
+    let pin = held
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_selector.as_ref())
+        .and_then(|s| s.get(HOST).cloned());
+    assert_eq!(pin.as_deref(), Some(elsewhere.as_str()), "pinned there");
+    let said = pps(&env, &path, &["release", "web-0", "-n", &ns, "-o", "json"]).await;
+    let report: Value = serde_json::from_str(&said).expect("json");
+    assert!(
+        report["podDeleted"] == true
+            && report["state"]
+                .as_str()
+                .is_some_and(|s| s.contains(&format!("names node {elsewhere} no more"))),
+        "{report}"
+    );
+    let freed = wait_replaced(c, &ns, "web-0", &held.uid().unwrap_or_default()).await;
+    let now_on = placement(&freed).map(|p| p.node).unwrap_or_default();
+    assert!(
+        now_on != elsewhere && now_on != node,
+        "runs on {now_on}, neither the cordoned {elsewhere} nor the dead {node}"
+    );
+    cordoned.lift().await;
     kubelet_returns(c, &node, kubelet).await;
     delete_namespace(c, &ns).await;
 }

@@ -462,6 +462,42 @@ pub async fn set_unschedulable(client: &Client, node: &str, unschedulable: bool)
         .expect("cordon/uncordon");
 }
 
+/// A node cordoned by [`cordon`]; uncordoned by [`Cordoned::lift`], or when dropped (also when
+/// a test fails half-way), so later tests find every node usable.
+pub struct Cordoned {
+    client: Client,
+    node: String,
+    lifted: bool,
+}
+
+/// Cordons `node` until the returned guard uncordons it.
+pub async fn cordon(c: &Client, node: &str) -> Cordoned {
+    set_unschedulable(c, node, true).await;
+    Cordoned {
+        client: c.clone(),
+        node: node.to_owned(),
+        lifted: false,
+    }
+}
+
+impl Cordoned {
+    /// Uncordons the node.
+    pub async fn lift(mut self) {
+        set_unschedulable(&self.client, &self.node, false).await;
+        self.lifted = true;
+    }
+}
+
+impl Drop for Cordoned {
+    fn drop(&mut self) {
+        if self.lifted {
+            return;
+        }
+        let node = self.node.clone();
+        put_back(move |client| async move { set_unschedulable(&client, &node, false).await });
+    }
+}
+
 /// The preferred node affinity terms of a pod, as JSON.
 pub fn preferred_terms(pod: &Pod) -> Vec<Value> {
     pod.spec

@@ -161,10 +161,9 @@ pub fn held_by_pin(
     if admitted {
         return None;
     }
-    let cordoned = |n: &Node| n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
     every_node
         .iter()
-        .any(|n| !health.is_lost(n) && !cordoned(n) && demands.admit(n))
+        .any(|n| !health.is_lost(n) && !placement::cordoned(n) && demands.admit(n))
         .then_some(dropped)
 }
 

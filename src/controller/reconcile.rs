@@ -573,6 +573,37 @@ async fn release_local_volumes(
             }
             continue;
         }
+        // Lost while cordoned and not out of service: maintenance (a drain, a reboot, a disk
+        // replaced) that may outlast the grace, its disks back with it. Nothing is deleted
+        // while it is so; read again soon, since a cordon lifted wakes nothing.
+        if w.reason == DropReason::NodeLost
+            && ctx
+                .caches
+                .node(&w.node)
+                .is_some_and(|n| placement::in_maintenance(&n))
+        {
+            if report::first_local_report(ctx, pps, &w.uid, &uids) {
+                let held: Vec<Kept> = local
+                    .iter()
+                    .map(|c| Kept {
+                        claim: c.claim.clone(),
+                        why: format!(
+                            "claim {} is kept: node {} is cordoned (maintenance), and its volume {} comes back with it; uncordon the node, or delete it or taint it {} once it is gone for good, or run `persistent-pod-state release {} -n {namespace}`",
+                            c.claim,
+                            w.node,
+                            c.volume,
+                            placement::OUT_OF_SERVICE_TAINT,
+                            w.pod
+                        ),
+                        local_to: None,
+                        mountable_on: None,
+                    })
+                    .collect();
+                report::local_volume_kept(ctx, pps, w, &held);
+            }
+            out.again_within(UNREAD_CLAIMS_RETRY);
+            continue;
+        }
         // What cannot be undone is judged on the API server's word, not the caches' alone.
         let judged_on = ctx.caches.node(&w.node).and_then(|n| n.uid());
         let judged = (judged_on.as_deref(), local.as_slice());
@@ -716,9 +747,7 @@ async fn forget_released(
 fn release_held(target: &Target) -> Option<&'static str> {
     match target {
         Target::Live(w) if !w.template_pinned => None,
-        Target::Live(_) => Some(
-            "the workload's pod template carries the webhook's annotations (copied from a pinned pod): remove kruise.io/injected-persistent-pod-state and persistent-pod-state.io/injected-required from the template",
-        ),
+        Target::Live(_) => Some(crate::workload::TEMPLATE_PINNED_HOLDS),
         Target::Gone => Some("the workload is gone"),
         Target::Unknown => Some(
             "whether the workload exists is not known (its kind is not watched, or not listed yet)",
@@ -743,6 +772,11 @@ async fn release_stranded(
     if let Some(why) = release_held(target) {
         if !stranded.is_empty() {
             tracing::warn!(pps = %pps.name_any(), waiting = stranded.len(), "pods wait pinned to values no usable node has; none is released: {why}");
+            // Only the template's case is said by an Event: a workload gone re-creates no
+            // pod, and one not listed yet is a moment of a start.
+            if matches!(target, Target::Live(_)) {
+                report::release_held(ctx, pps, &stranded, why);
+            }
         }
         constrained::forget(ctx, pps);
         return Ok(None);

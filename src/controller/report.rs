@@ -478,6 +478,38 @@ fn with_local_notes<T>(
     f(seen)
 }
 
+/// Pods that wait pinned to values no usable node has, which the controller does not release
+/// (`why`): a Warning naming them and why, so that an operator can act (`release`).
+pub(super) fn release_held(
+    ctx: &Context,
+    pps: &PersistentPodState,
+    stranded: &[Stranded],
+    why: &str,
+) {
+    const NAMED: usize = 10;
+    let mut names: Vec<&str> = stranded.iter().map(|s| s.pod.as_str()).collect();
+    names.sort_unstable();
+    names.truncate(NAMED);
+    let more = stranded.len().saturating_sub(NAMED);
+    let more = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    let first = names.first().copied().unwrap_or_default();
+    ctx.events.publish(
+        pps,
+        EventType::Warning,
+        "ReleaseHeld",
+        "Release",
+        format!(
+            "pods {}{more} wait pinned to values no usable node has, and none is released: {why}; or release one by hand: `persistent-pod-state release {first} -n {}`",
+            names.join(", "),
+            pps.namespace().unwrap_or_default()
+        ),
+    );
+}
+
 /// A waiting pod held by claims on node-local volumes of a node that is gone, while the
 /// PersistentPodState does not allow releasing them: a Warning saying what blocks it and how
 /// to release it.

@@ -1600,6 +1600,101 @@ async fn a_claim_whose_node_is_back_under_another_uid_and_works_is_kept() {
     }
 }
 
+/// A node cordoned and then down (a drain and a reboot, a disk replaced) past the grace is
+/// maintenance: its disks come back with it, so its pods' node-local claims are kept, said
+/// once, and looked at again soon; lost as the caches hold it but cordoned as the API server
+/// shows it, the same. Uncordoned, or tainted out-of-service (an operator's word that it is
+/// gone for good), they are released.
+#[tokio::test(start_paused = true)]
+async fn a_cordoned_nodes_local_claims_are_kept_while_it_is_down_for_maintenance() {
+    let n1 = |cordoned: bool, taints: Value| -> Node {
+        serde_json::from_value(json!({"metadata": {"name": "n1", "uid": "n1-uid",
+            "labels": {"kubernetes.io/hostname": "n1"}},
+            "spec": {"unschedulable": cordoned, "taints": taints},
+            "status": {"conditions": [{"type": "Ready", "status": "Unknown",
+                "lastTransitionTime": "2020-01-01T00:00:00Z"}]}}))
+        .expect("node")
+    };
+    let out_of_service =
+        json!([{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}]);
+    let listed = |node: Node| {
+        json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {},
+            "items": [serde_json::to_value(node).expect("node")]})
+    };
+    let pps = || waiting_pps(json!({"persistent-pod-state.io/release-local-volumes": "true"}));
+    // Cordoned in the caches: nothing deleted, nor read live; said once, looked at again.
+    let caches = waiting_world();
+    caches.apply_node(watcher::Event::Apply(n1(true, json!([]))));
+    let (ctx, mut handle, mut events) = context_with_events(caches);
+    let (sent, action) = drive_to_action(
+        reconcile_pps(pps(), ctx.clone()),
+        &mut handle,
+        claim_and_volume(on_host("n1")),
+    )
+    .await;
+    assert_eq!(
+        calls_of(&sent),
+        [
+            "GET /api/v1/namespaces/ns/persistentvolumeclaims/data-web-0",
+            "GET /api/v1/persistentvolumes/pv-1",
+        ]
+    );
+    let note = event_note(&mut events, "LocalVolumeKept").await;
+    for named in [
+        "data-web-0",
+        "node n1 is cordoned",
+        "pv-1",
+        "out-of-service",
+        "release web-0",
+    ] {
+        assert!(note.contains(named), "{named}: {note}");
+    }
+    assert!(
+        requeue_after(&action).is_some_and(|d| d <= Duration::from_secs(30)),
+        "looked at again soon: {action:?}"
+    );
+    let metrics = ctx.metrics.encode();
+    assert!(
+        metrics.contains("pps_local_volumes_released_total{reason=\"node_lost\"} 0"),
+        "{metrics}"
+    );
+    // Judged from the caches (not cordoned there) and from the API server's word.
+    for (live, released_now) in [
+        (n1(true, json!([])), false),
+        (n1(false, json!([])), true),
+        (n1(true, out_of_service.clone()), true),
+    ] {
+        let caches = waiting_world();
+        caches.apply_node(watcher::Event::Apply(n1(false, json!([]))));
+        let (ctx, mut handle) = context(caches);
+        let mut answers = claim_and_volume(on_host("n1"));
+        answers.extend([still_waiting()[0].clone(), listed(live.clone())]);
+        if released_now {
+            answers.extend(released());
+        }
+        let sent = drive(reconcile_pps(pps(), ctx), &mut handle, answers).await;
+        let deletes = sent.iter().filter(|s| s.method == Method::DELETE).count();
+        assert_eq!(
+            deletes,
+            if released_now { 2 } else { 0 },
+            "{live:?}: {sent:?}"
+        );
+    }
+    // Cordoned and tainted out-of-service in the caches: released.
+    let caches = waiting_world();
+    caches.apply_node(watcher::Event::Apply(n1(true, out_of_service.clone())));
+    let (ctx, mut handle) = context(caches);
+    let mut answers = claim_and_volume(on_host("n1"));
+    answers.extend([still_waiting()[0].clone(), listed(n1(true, out_of_service))]);
+    answers.extend(released());
+    let sent = drive(reconcile_pps(pps(), ctx), &mut handle, answers).await;
+    assert_eq!(
+        sent.iter().filter(|s| s.method == Method::DELETE).count(),
+        2,
+        "{sent:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_claim_is_kept_when_the_api_server_shows_the_pod_or_its_node_changed_since_the_caches() {
     let scheduled = json!({"apiVersion": "v1", "kind": "Pod",
@@ -2098,7 +2193,7 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
     let copied = json!({"metadata": {"annotations": {
         crate::api::INJECTED_ANNOTATION: "web",
         crate::api::INJECTED_REQUIRED_ANNOTATION: "kubernetes.io/hostname=n1"}}});
-    let (ctx, mut handle) = context(world(copied));
+    let (ctx, mut handle, mut events) = context_with_events(world(copied));
     let sent = drive(
         reconcile_pps(waiting_pps(json!({})), ctx),
         &mut handle,
@@ -2106,6 +2201,15 @@ async fn a_pinned_pod_is_released_unless_its_workloads_template_carries_the_webh
     )
     .await;
     assert!(sent.is_empty(), "{sent:?}");
+    // Said, with what to do.
+    let note = event_note(&mut events, "ReleaseHeld").await;
+    for named in [
+        "pods web-0 wait pinned",
+        "pod template carries the webhook's annotations",
+        "persistent-pod-state release web-0 -n ns",
+    ] {
+        assert!(note.contains(named), "{named}: {note}");
+    }
 }
 
 /// One pod's release refused (a policy forbidding the delete, say) holds back none of the

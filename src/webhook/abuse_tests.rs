@@ -28,6 +28,7 @@ const TEST_LIMITS: Limits = Limits {
     max_streams: 8,
     max_age: Duration::from_secs(3),
     send_timeout: Duration::from_secs(3),
+    min_send_rate: serving::MIN_SEND_RATE,
 };
 
 struct Server {
@@ -287,6 +288,10 @@ fn bodies() -> Vec<(&'static str, Vec<u8>, Want)> {
         ("deep nesting in the object", deep_object, Want::UidOrError),
         ("invalid UTF-8", bad_utf8, Want::UidOrError),
         ("over 3 MiB", huge, Want::Error(413)),
+        ("an apiVersion out of range before the uid", br#"{"apiVersion":1e400,"request":{"uid":"u-bad","kind":{"group":"","version":"v1","kind":"Pod"},"operation":"CREATE","object":{}}}"#.to_vec(), Want::Uid),
+        ("a lone surrogate in the apiVersion", br#"{"apiVersion":"\ud800","request":{"uid":"u-bad","operation":"CREATE","object":{}}}"#.to_vec(), Want::Uid),
+        ("a lone surrogate in a key before the uid", br#"{"request":{"\udead":0,"uid":"u-bad","operation":"CREATE","object":{}}}"#.to_vec(), Want::Uid),
+        ("an escaped uid key after a bad key", br#"{"\udead":1,"request":{"\u0075id":"u-bad","operation":"CREATE","object":{}}}"#.to_vec(), Want::Uid),
         ("trailing garbage", [review(pod_request(json!({}))), b"garbage".to_vec()].concat(), Want::Uid),
         ("wrong review kind", serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "Pod", "request": pod_request(json!({}))})).expect("json"), Want::Uid),
         ("unknown apiVersion", serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v9", "request": pod_request(json!({}))})).expect("json"), Want::Uid),

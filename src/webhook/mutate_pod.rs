@@ -349,8 +349,13 @@ fn report(
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        let preferred = if injection.preferred > 0 {
+            "preferred placement injected"
+        } else {
+            "no preferred placement to inject"
+        };
         let note = format!(
-            "pod {pod}: left out {}; kept required [{}]; preferred placement injected",
+            "pod {pod}: left out {}; kept required [{}]; {preferred}",
             LeftOut::list(&required),
             kept.join(",")
         );

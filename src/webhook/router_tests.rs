@@ -975,4 +975,11 @@ async fn required_values_left_out_are_reported_per_pod() {
     }
     assert!(notes[0].starts_with("pod web-0:"), "{notes:?}");
     assert!(notes[1].starts_with("pod web-1:"), "{notes:?}");
+    // The PersistentPodState records no preferred topology: none is said to be injected.
+    assert!(
+        notes
+            .iter()
+            .all(|n| n.ends_with("; no preferred placement to inject")),
+        "{notes:?}"
+    );
 }

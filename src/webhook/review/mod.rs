@@ -384,7 +384,9 @@ fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> serde_json::Result<T> {
 /// field skipped, as far as the body reads: a body the API server would never send (a field
 /// repeated, a number out of range where a field is read, garbage after the review, a body cut
 /// short after the uid) still gets an answer carrying its uid. `None` when even that does not
-/// read (not JSON, no request, its uid missing, given twice or not a string).
+/// read (not JSON, no request, its uid missing, given twice or not a string). Keys are read as
+/// bytes and `apiVersion` raw, so a key or a version that does not decode (a lone surrogate, a
+/// number out of range) before the uid does not hide it.
 fn uid_alone(body: &[u8]) -> Option<(Option<String>, String)> {
     let mut alone = Alone::default();
     // What was read before an error still counts.
@@ -429,16 +431,18 @@ impl<'de> Visitor<'de> for ReviewSeed<'_> {
         f.write_str("a review object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<String>()? {
-            match key.as_str() {
-                "apiVersion" if self.0.api_version.is_none() => {
-                    self.0.api_version = Some(map.next_value::<Loose<String>>()?.0);
+        while let Some(KeyBytes(key)) = map.next_key()? {
+            match key.as_slice() {
+                b"apiVersion" if self.0.api_version.is_none() => {
+                    let raw = map.next_value::<&RawValue>()?;
+                    let version = serde_json::from_str::<Loose<String>>(raw.get()).ok();
+                    self.0.api_version = Some(version.and_then(|v| v.0));
                 }
-                "request" if self.0.request => {
+                b"request" if self.0.request => {
                     self.0.ambiguous = true;
                     map.next_value::<IgnoredAny>()?;
                 }
-                "request" => {
+                b"request" => {
                     self.0.request = true;
                     map.next_value_seed(RequestSeed(&mut *self.0))?;
                 }
@@ -448,6 +452,29 @@ impl<'de> Visitor<'de> for ReviewSeed<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// An object's key as bytes, its escapes decoded (a lone surrogate, which a `String` refuses,
+/// taken as WTF-8): matched against the few keys [`uid_alone`] reads.
+struct KeyBytes(Vec<u8>);
+
+impl<'de> Deserialize<'de> for KeyBytes {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Bytes;
+        impl Visitor<'_> for Bytes {
+            type Value = KeyBytes;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_bytes<E>(self, v: &[u8]) -> Result<KeyBytes, E> {
+                Ok(KeyBytes(v.to_vec()))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<KeyBytes, E> {
+                Ok(KeyBytes(v.as_bytes().to_vec()))
+            }
+        }
+        d.deserialize_bytes(Bytes)
     }
 }
 
@@ -464,8 +491,8 @@ impl<'de> Visitor<'de> for RequestSeed<'_> {
         f.write_str("a request object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<String>()? {
-            if key == "uid" {
+        while let Some(KeyBytes(key)) = map.next_key()? {
+            if key == b"uid" {
                 if self.0.uid.is_some() {
                     self.0.ambiguous = true;
                 }
