@@ -641,14 +641,14 @@ pub async fn forget_node(
     }
 }
 
-/// Whether a state naming a node by `(name, hostname)` names the node meant.
-type NamesNode<'a> = dyn Fn(&str, Option<&str>) -> bool + 'a;
+/// Whether a pod's state names the node meant.
+type NamesNode<'a> = dyn Fn(&PodState) -> bool + 'a;
 
 /// For `release`: makes pod `pod`'s state name no node ([`forget_node`]) in the
 /// PersistentPodState in force for its workload `(apiVersion, kind, name)` (the oldest of those
-/// targeting it, as the webhook and the controller choose), when that state names `node` (by
-/// name or hostname), the node a released claim's volume was on, or the node the webhook
-/// pinned the pod to. `None` when no such state names it; else what was done, or a warning
+/// targeting it, as the webhook and the controller choose), when `node` says that state names
+/// the node meant: the node a released claim's volume was on, or the node the webhook pinned
+/// the pod to. `None` when no such state names it; else what was done, or a warning
 /// saying why it was not and what that risks (`risk`: what a pod created again meets).
 async fn forget_released_node(
     client: &Client,
@@ -688,7 +688,7 @@ async fn forget_released_node(
     let state = pps.status.as_ref()?.pod_states.get(pod)?;
     let recorded = state.node_name.as_deref();
     let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
-    if !node(recorded.unwrap_or_default(), hostname) {
+    if !node(state) {
         return None;
     }
     // As the state names it: by name, else by its hostname label alone.
@@ -913,15 +913,25 @@ pub async fn release_pod(
     // Held by the webhook's pin to one node, not by claims: its state still names that node
     // (usable as the webhook judges it: within its grace, full, cordoned), so the pod created
     // again would be pinned there again. Its state is made to name that node no more first.
-    let pinned_node = pinned
+    // The pinned values that name one node (the hostname first), as the state records them.
+    let pinned_node: Option<BTreeMap<String, String>> = pinned
         .as_ref()
         .filter(|_| report.claims.is_empty())
-        .and_then(|values| {
+        .map(|values| {
             values
                 .iter()
-                .find(|(k, _)| keys.names_a_node(k))
-                .map(|(_, v)| v.clone())
-        });
+                .filter(|(k, _)| keys.names_a_node(k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<BTreeMap<_, _>>()
+        })
+        .filter(|values| !values.is_empty());
+    let pinned_to = |values: &BTreeMap<String, String>| {
+        values
+            .get(HOSTNAME_LABEL)
+            .or_else(|| values.values().next())
+            .cloned()
+            .unwrap_or_default()
+    };
     if report.because.is_empty() {
         let kept: Vec<String> = report
             .kept
@@ -939,16 +949,23 @@ pub async fn release_pod(
     }
     report.pod_deleted = true;
     if dry_run {
-        report.state = pinned_node.map(|node| {
+        report.state = pinned_node.map(|values| {
             format!(
-                "would make the state of {name} name node {node} no more first, if it does, so that the pod created again is not pinned there"
+                "would make the state of {name} name node {} no more first, if it does, so that the pod created again is not pinned there",
+                pinned_to(&values)
             )
         });
         return Ok(report);
     }
-    if let (Some(node), Some(o)) = (&pinned_node, owner) {
+    if let (Some(values), Some(o)) = (&pinned_node, owner) {
         let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
-        let names = |recorded: &str, hostname: Option<&str>| names_node(recorded, hostname, node);
+        // Pinned by a value the state records (by any key that names a node), or by the name.
+        let names = |state: &PodState| {
+            values.iter().any(|(k, v)| {
+                state.node_topology_labels.get(k.as_str()).map(|x| &**x) == Some(v.as_str())
+                    || state.node_name.as_deref() == Some(v.as_str())
+            })
+        };
         let risk = "the pod created again would be pinned there again";
         match forget_released_node(client, namespace, owner, (name, &names), keys, risk).await {
             None => {}
@@ -999,9 +1016,13 @@ pub async fn release_pod(
         Err(kube::Error::Api(e))
             if (e.code == 404 || e.code == 409) && !report.claims.is_empty() => {}
         Err(e) => {
+            let forgotten = report
+                .state
+                .as_deref()
+                .map_or(String::new(), |said| format!("; {said}"));
             return Err(e).with_context(|| {
                 format!(
-                    "deleting pod {namespace}/{name} (changed since it was read? run release again)"
+                    "deleting pod {namespace}/{name} (changed since it was read? run release again){forgotten}"
                 )
             });
         }
@@ -1010,7 +1031,9 @@ pub async fn release_pod(
     if let Some(o) = owner.filter(|_| !report.claims.is_empty()) {
         let owner = (o.api_version.as_str(), o.kind.as_str(), o.name.as_str());
         let claims = &report.claims;
-        let names = |recorded: &str, hostname: Option<&str>| {
+        let names = |state: &PodState| {
+            let recorded = state.node_name.as_deref().unwrap_or_default();
+            let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
             claims
                 .iter()
                 .any(|c| names_node(recorded, hostname, &c.node))
@@ -1496,8 +1519,14 @@ mod tests {
                 sent
             });
             let client = Client::new(service, "ns");
-            let names =
-                |recorded: &str, hostname: Option<&str>| names_node(recorded, hostname, "n1");
+            let names = |state: &PodState| {
+                let hostname = state.node_topology_labels.get(HOSTNAME_LABEL).map(|h| &**h);
+                names_node(
+                    state.node_name.as_deref().unwrap_or_default(),
+                    hostname,
+                    "n1",
+                )
+            };
             let note = forget_released_node(
                 &client,
                 "ns",

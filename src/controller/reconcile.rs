@@ -464,6 +464,19 @@ async fn release_local_volumes(
             out.again_within(left + Duration::from_secs(1));
             continue;
         }
+        // Held for maintenance (below) and said so already: nothing to read until the node is
+        // uncordoned, deleted or taken out of service.
+        if allowed
+            && w.reason == DropReason::NodeLost
+            && ctx
+                .caches
+                .node(&w.node)
+                .is_some_and(|n| placement::in_maintenance(&n))
+            && report::local_reported(ctx, pps, &w.uid, &uids)
+        {
+            out.again_within(UNREAD_CLAIMS_RETRY);
+            continue;
+        }
         let judged = match ctx.own_claims(namespace, (&w.pod, &w.uid), info).await {
             Ok(judged) => judged,
             Err(e) => {
@@ -775,7 +788,12 @@ async fn release_stranded(
             // Only the template's case is said by an Event: a workload gone re-creates no
             // pod, and one not listed yet is a moment of a start.
             if matches!(target, Target::Live(_)) {
-                report::release_held(ctx, pps, &stranded, why);
+                let held: Vec<&str> = stranded
+                    .iter()
+                    .map(|s| s.pod.as_str())
+                    .filter(|p| !handled.contains(*p))
+                    .collect();
+                report::release_held(ctx, pps, &held, why);
             }
         }
         constrained::forget(ctx, pps);

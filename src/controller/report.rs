@@ -480,17 +480,15 @@ fn with_local_notes<T>(
 
 /// Pods that wait pinned to values no usable node has, which the controller does not release
 /// (`why`): a Warning naming them and why, so that an operator can act (`release`).
-pub(super) fn release_held(
-    ctx: &Context,
-    pps: &PersistentPodState,
-    stranded: &[Stranded],
-    why: &str,
-) {
+pub(super) fn release_held(ctx: &Context, pps: &PersistentPodState, pods: &[&str], why: &str) {
     const NAMED: usize = 10;
-    let mut names: Vec<&str> = stranded.iter().map(|s| s.pod.as_str()).collect();
+    if pods.is_empty() {
+        return;
+    }
+    let mut names = pods.to_vec();
     names.sort_unstable();
     names.truncate(NAMED);
-    let more = stranded.len().saturating_sub(NAMED);
+    let more = pods.len().saturating_sub(NAMED);
     let more = if more > 0 {
         format!(" and {more} more")
     } else {

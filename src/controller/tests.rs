@@ -1658,6 +1658,14 @@ async fn a_cordoned_nodes_local_claims_are_kept_while_it_is_down_for_maintenance
         metrics.contains("pps_local_volumes_released_total{reason=\"node_lost\"} 0"),
         "{metrics}"
     );
+    // Said already: the next looks read nothing while the node stays so.
+    let (sent, action) =
+        drive_to_action(reconcile_pps(pps(), ctx.clone()), &mut handle, vec![]).await;
+    assert!(sent.is_empty(), "{sent:?}");
+    assert!(
+        requeue_after(&action).is_some_and(|d| d <= Duration::from_secs(30)),
+        "{action:?}"
+    );
     // Judged from the caches (not cordoned there) and from the API server's word.
     for (live, released_now) in [
         (n1(true, json!([])), false),

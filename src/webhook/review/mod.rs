@@ -386,7 +386,7 @@ fn from_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> serde_json::Result<T> {
 /// short after the uid) still gets an answer carrying its uid. `None` when even that does not
 /// read (not JSON, no request, its uid missing, given twice or not a string). Keys are read as
 /// bytes and `apiVersion` raw, so a key or a version that does not decode (a lone surrogate, a
-/// number out of range) before the uid does not hide it.
+/// number out of range; not bytes that are not UTF-8) before the uid does not hide it.
 fn uid_alone(body: &[u8]) -> Option<(Option<String>, String)> {
     let mut alone = Alone::default();
     // What was read before an error still counts.
