@@ -3052,16 +3052,16 @@ mod tests {
         assert!(took < Duration::from_millis(500), "{took:?}");
     }
 
-    /// An HTTP/1 client that asks for an answer and reads none of it is closed once its socket
-    /// took nothing for the send timeout, not held to the idle bound (30 s here).
-    #[tokio::test]
-    async fn an_http1_client_that_reads_none_of_its_answer_is_closed_after_the_send_timeout() {
-        let limits = Limits {
-            idle_timeout: Duration::from_secs(30),
-            send_timeout: Duration::from_millis(200),
-            ..Limits::WEBHOOK
-        };
-        let app = Router::new().route("/big", axum::routing::get(|| async { vec![b'x'; 1 << 20] }));
+    /// A connection served by `app` under `limits` over a pipe whose client end (4 KiB of
+    /// buffer) has sent `GET /big`: the client end, and the serving that ends as the connection
+    /// does.
+    async fn asked_for_big(
+        app: Router,
+        limits: Limits,
+    ) -> (
+        tokio::io::DuplexStream,
+        impl std::future::Future<Output = ()>,
+    ) {
         let activity = Activity::new();
         let (server, mut client) = tokio::io::duplex(4096);
         let io = Tapped {
@@ -3079,13 +3079,27 @@ mod tests {
             .await
             .expect("request");
         let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
-        let start = Instant::now();
-        tokio::time::timeout(
-            Duration::from_secs(5),
+        (
+            client,
             run_http(io, peer, app, limits, activity, stops, None),
         )
-        .await
-        .expect("closed long before its idle bound");
+    }
+
+    /// An HTTP/1 client that asks for an answer and reads none of it is closed once its socket
+    /// took nothing for the send timeout, not held to the idle bound (30 s here).
+    #[tokio::test]
+    async fn an_http1_client_that_reads_none_of_its_answer_is_closed_after_the_send_timeout() {
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(30),
+            send_timeout: Duration::from_millis(200),
+            ..Limits::WEBHOOK
+        };
+        let app = Router::new().route("/big", axum::routing::get(|| async { vec![b'x'; 1 << 20] }));
+        let (mut client, serving) = asked_for_big(app, limits).await;
+        let start = Instant::now();
+        tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("closed long before its idle bound");
         let took = start.elapsed();
         assert!(took >= Duration::from_millis(200), "{took:?}");
         // Some of the answer was sent (the socket's buffer), never the whole.
@@ -3133,25 +3147,8 @@ mod tests {
         );
         // 4 KiB every 20 ms (200 KiB a second: 5 s for the answer), then as fast as it comes.
         for slow in [true, false] {
-            let activity = Activity::new();
-            let (server, mut client) = tokio::io::duplex(4096);
-            let io = Tapped {
-                instead: None,
-                inner: server,
-                tap: activity.clone(),
-            };
-            let stops = Stops {
-                draining: CancellationToken::new(),
-                shutdown: CancellationToken::new(),
-                evicted: CancellationToken::new(),
-            };
-            client
-                .write_all(b"GET /big HTTP/1.1\r\nhost: pps\r\n\r\n")
-                .await
-                .expect("request");
-            let peer: SocketAddr = "127.0.0.1:1".parse().expect("address");
+            let (mut client, serving) = asked_for_big(app.clone(), limits).await;
             let start = Instant::now();
-            let serving = run_http(io, peer, app.clone(), limits, activity, stops, None);
             tokio::pin!(serving);
             let mut got = 0usize;
             let reading = async {
