@@ -1293,7 +1293,7 @@ where
             *response.body_mut() = Body::new(Unsent {
                 inner: body,
                 activity,
-                answer,
+                answer: Some(answer),
             });
         }
         if polled.is_ready()
@@ -1306,9 +1306,10 @@ where
             {
                 activity.answer_due(len, *this.send);
                 let body = std::mem::take(response.body_mut());
-                *response.body_mut() = Body::new(Due {
+                *response.body_mut() = Body::new(Unsent {
                     inner: body,
                     activity: activity.clone(),
+                    answer: None,
                 });
             }
             activity.awaits_request();
@@ -1325,18 +1326,23 @@ where
     }
 }
 
-/// An HTTP/2 answer's body, counted unsent on its connection until the connection drops it
-/// (sent whole, or its stream or connection gone): see [`Limits::send_timeout`].
+/// An answer's body its connection keeps track of until it drops it: an HTTP/2 answer counted
+/// unsent until sent whole, or its stream or connection gone ([`Limits::send_timeout`]); a
+/// large HTTP/1 answer due whole until handed over whole, or its connection gone
+/// ([`Limits::min_send_rate`]).
 struct Unsent {
     inner: Body,
     activity: Activity,
-    /// Its number on the connection.
-    answer: u64,
+    /// An HTTP/2 answer's number on the connection; `None`: a large HTTP/1 answer.
+    answer: Option<u64>,
 }
 
 impl Drop for Unsent {
     fn drop(&mut self) {
-        self.activity.answer_sent(self.answer);
+        match self.answer {
+            Some(answer) => self.activity.answer_sent(answer),
+            None => self.activity.answer_handed_over(),
+        }
     }
 }
 
@@ -1349,43 +1355,10 @@ impl http_body::Body for Unsent {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(_))) = &polled {
-            self.activity.answer_progressed(self.answer);
+        if let (Poll::Ready(Some(Ok(_))), Some(answer)) = (&polled, self.answer) {
+            self.activity.answer_progressed(answer);
         }
         polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// A large HTTP/1 answer's body, due whole on its connection until the connection drops it
-/// (handed over whole, or the connection gone): see [`Limits::min_send_rate`].
-struct Due {
-    inner: Body,
-    activity: Activity,
-}
-
-impl Drop for Due {
-    fn drop(&mut self) {
-        self.activity.answer_handed_over();
-    }
-}
-
-impl http_body::Body for Due {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
